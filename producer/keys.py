@@ -1,0 +1,78 @@
+"""Every Redis name that producers and workers share, in one place (wire protocol v1).
+
+Streams carry a shard hash tag (``{s0}``) so that a worker's blocking read over its shard's request and chunk
+streams touches one Redis Cluster slot. Per-request keys carry the request id as their hash tag, so the Lua
+scripts that aggregate and publish a request's result touch one slot whatever the shard.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PROTOCOL = "1"
+GROUP = "workers"
+# Request ids become hash tags and key suffixes: no braces, no spaces, bounded length.
+ID_PATTERN = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The names of one deployment (``namespace``) and one stream shard."""
+
+    namespace: str = "dq"
+    shard: int = 0
+
+    @property
+    def base(self) -> str:
+        return f"{self.namespace}:v{PROTOCOL}"
+
+    @property
+    def requests(self) -> str:
+        """Stream of request entries (field ``body``: the request JSON)."""
+        return f"{self.base}:{{s{self.shard}}}:requests"
+
+    @property
+    def chunks(self) -> str:
+        """Stream of the parts of over-length requests, fanned out so that any worker may take any part."""
+        return f"{self.base}:{{s{self.shard}}}:chunks"
+
+    @property
+    def dead(self) -> str:
+        """Dead-letter stream: entries that were delivered too often, with the reason."""
+        return f"{self.base}:{{s{self.shard}}}:dead"
+
+    @property
+    def group(self) -> str:
+        return GROUP
+
+    @property
+    def reply_prefix(self) -> str:
+        """Reply streams named by producers must start with this (workers write nowhere else)."""
+        return f"{self.base}:reply:"
+
+    def result(self, request_id: str) -> str:
+        """Stream holding the one result entry of a request (readable again until its TTL expires)."""
+        return f"{self.base}:result:{{{request_id}}}"
+
+    def parts(self, request_id: str) -> str:
+        """Hash of the finished parts of a fanned-out request: part index -> part result JSON."""
+        return f"{self.base}:parts:{{{request_id}}}"
+
+    def body(self, request_id: str) -> str:
+        """The request JSON of a fanned-out request, read by whichever worker takes one of its parts."""
+        return f"{self.base}:body:{{{request_id}}}"
+
+    def workers(self) -> str:
+        """Hash of live workers: consumer name -> JSON heartbeat (for stats and dashboards)."""
+        return f"{self.base}:workers"
+
+
+def shard_of(request_id: str, shards: int) -> int:
+    """The stream shard a producer sends a request to when a deployment runs several (stable across processes)."""
+    if shards <= 1:
+        return 0
+    value = 0
+    for byte in request_id.encode():
+        value = (value * 31 + byte) & 0xFFFFFFFF
+    return value % shards

@@ -1,0 +1,209 @@
+"""The wire format shared by producers and workers: a System One request, its result, and error codes.
+
+A request is ``{"state": ..., "questions": {name: question}, "assets": {...}}`` plus queue fields (``id``,
+``reply_to``, ``deadline_ms``). Validation errors name the question and the problem, so a producer can fix its
+input from the error result alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
+
+from .keys import ID_PATTERN
+
+# Question content: text, or any JSON (templates print non-strings as JSON).
+Content = JsonValue
+
+MAX_QUESTIONS = 64
+MAX_OPTIONS = 26
+MAX_ASSETS = 16
+MAX_NAME_CHARS = 128
+IMAGE_FORMATS = ("png", "jpeg", "jpg", "webp", "gif", "bmp")
+
+
+class ErrorCode(str, enum.Enum):
+    """Stable codes of error results; the message says the detail."""
+
+    INVALID_JSON = "invalid_json"  # the entry is not a JSON object
+    INVALID_REQUEST = "invalid_request"  # schema or model-specific validation failed
+    INVALID_IMAGE = "invalid_image"  # undecodable, unsupported format, or too many pixels
+    TOO_LARGE = "too_large"  # the entry exceeds the worker's byte limit
+    STATE_TOO_LONG = "state_too_long"  # even one question does not fit the model's maximum length
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # expired before compute started
+    DEAD_LETTERED = "dead_lettered"  # delivered too often without finishing (a crashing or poison input)
+    INTERNAL = "internal_error"  # the worker failed on this input; retried before this result
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoulQuestion(_Strict):
+    """A true/false question: ``{"type": "noul", "instructions": "Is it spam?"}``."""
+
+    type: Literal["noul"]
+    instructions: Content = None
+    criteria: dict[Literal["true", "false"], Content] | None = None
+
+
+class ChoiceQuestion(_Strict):
+    """One of named options: ``{"type": "choice", "criteria": {"calm": "polite", "angry": null}}``."""
+
+    type: Literal["choice"]
+    instructions: Content = None
+    criteria: dict[str, Content] = Field(min_length=1, max_length=MAX_OPTIONS)
+
+
+class ScoreQuestion(_Strict):
+    """A level on a scale, lowest first: ``{"type": "score", "criteria": ["low", "mid", "high"]}``."""
+
+    type: Literal["score"]
+    instructions: Content = None
+    criteria: list[Content] = Field(min_length=1, max_length=MAX_OPTIONS)
+
+
+Question = Annotated[Union[NoulQuestion, ChoiceQuestion, ScoreQuestion], Field(discriminator="type")]
+
+
+class ImageAsset(_Strict):
+    """An image sent inline. Paths and URLs are refused: workers never read files or the network for a producer."""
+
+    type: Literal["image"] = "image"
+    format: str | None = None
+    data_base64: str = Field(min_length=1)
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: str | None) -> str | None:
+        if value is not None and value.lower() not in IMAGE_FORMATS:
+            raise ValueError(f"format must be one of {', '.join(IMAGE_FORMATS)}, got {value!r}")
+        return value
+
+
+class Request(_Strict):
+    """A System One request with its queue fields."""
+
+    id: str | None = None
+    state: JsonValue
+    questions: dict[str, Question] = Field(min_length=1, max_length=MAX_QUESTIONS)
+    assets: dict[str, ImageAsset] | None = Field(default=None, max_length=MAX_ASSETS)
+    reply_to: str | None = None
+    deadline_ms: int | None = Field(default=None, ge=0)
+
+    @field_validator("id")
+    @classmethod
+    def _id_charset(cls, value: str | None) -> str | None:
+        if value is not None and not ID_PATTERN.match(value):
+            raise ValueError("id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+        return value
+
+    @field_validator("questions")
+    @classmethod
+    def _question_names(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for name in value:
+            if not name or len(name) > MAX_NAME_CHARS:
+                raise ValueError(f"question names are 1-{MAX_NAME_CHARS} characters, got {name!r}")
+        return value
+
+    @field_validator("assets")
+    @classmethod
+    def _asset_names(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in value or {}:
+            if len(name) < 3:  # placeholders are searched for in every string of the request
+                raise ValueError(f"asset placeholders need at least 3 characters, got {name!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _reply_to_namespace(self) -> Request:
+        if self.reply_to is not None and ":reply:" not in self.reply_to:
+            raise ValueError("reply_to must be a reply stream name (Keys.reply_prefix + your suffix)")
+        return self
+
+    def template_input(self) -> dict[str, Any]:
+        """The request as transformers.decision reads it (queue fields dropped, questions as plain dicts)."""
+        body: dict[str, Any] = {
+            "state": self.state,
+            "questions": {name: q.model_dump(exclude_none=True) for name, q in self.questions.items()},
+        }
+        return body
+
+
+class ErrorInfo(_Strict):
+    code: ErrorCode
+    message: str
+
+
+class Usage(_Strict):
+    tokens: int = 0  # prompt tokens the model read, over all chunks
+    prompts: int = 0  # sequences (chunks) the request was rendered into
+    parts: int = 1  # parts it was fanned out into across workers
+
+
+class Timings(_Strict):
+    enqueued_ms: int | None = None  # from the stream entry id
+    started_ms: int | None = None  # first worker picked it up
+    finished_ms: int | None = None  # result published
+    compute_ms: float | None = None  # forward time of the packs it rode in (summed over parts)
+
+
+class Result(_Strict):
+    """The one result of a request: ``ok`` with answers, or ``error`` with a code and a message."""
+
+    id: str
+    status: Literal["ok", "error"]
+    answers: dict[str, dict[str, Any]] | None = None
+    logits: dict[str, list[float]] | None = None  # raw head scores per question, in option order
+    probabilities: dict[str, list[float]] | None = None  # softmax(logits / temperature), in option order
+    options: dict[str, list[str]] | None = None  # the option names, in the order of logits and probabilities
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: ErrorInfo | None = None
+    model: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @classmethod
+    def failure(cls, request_id: str, code: ErrorCode, message: str, **fields: Any) -> Result:
+        return cls(id=request_id, status="error", error=ErrorInfo(code=code, message=message), **fields)
+
+
+def describe(error: ValidationError) -> str:
+    """One line per problem, each naming where it is (``questions.tone.criteria: ...``)."""
+    lines = []
+    for item in error.errors(include_url=False):
+        loc = [str(part) for part in item["loc"] if part not in ("noul", "choice", "score")]
+        lines.append(f"{'.'.join(loc) or 'request'}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def parse_request(raw: str | bytes) -> Request:
+    """Parse a request entry body; raises ``RequestError`` with a code and a message naming the problem."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise RequestError(ErrorCode.INVALID_JSON, f"body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise RequestError(ErrorCode.INVALID_JSON, f"body must be a JSON object, got {type(data).__name__}")
+    try:  # JSON escapes can carry lone surrogates, which no tokenizer can encode
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(ErrorCode.INVALID_REQUEST, f"text is not valid unicode: {error.reason}") from None
+    try:
+        return Request.model_validate(data)
+    except ValidationError as error:
+        raise RequestError(ErrorCode.INVALID_REQUEST, describe(error)) from None
+
+
+class RequestError(Exception):
+    """Bad input: answered at once with an error result, never retried."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

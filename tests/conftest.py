@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny checkpoints written once per session, images, and the model loader."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def png(color: str = "red", size: tuple[int, int] = (64, 48), fmt: str = "PNG") -> str:
+    """An inline image as a request asset carries it."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, fmt)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Tiny checkpoints in every format: name -> directory."""
+    from worker import tiny
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    made = {}
+    for name, fmt, multimodal in [("repo", "repo", True), ("repo-text", "repo", False),
+                                  ("readout", "readout", True), ("readout-text", "readout", False),
+                                  ("judge", "judge", False)]:
+        made[name] = tiny.write(root / name, fmt=fmt, multimodal=multimodal)
+    return made
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(checkpoints):
+    return checkpoints["repo"]
+
+
+@pytest.fixture(scope="session")
+def loaded(checkpoints):
+    """Loaded models, cached per (name, max_chunk_tokens)."""
+    from worker import checkpoint
+
+    cache = {}
+
+    def get(name: str = "repo", max_chunk_tokens: int | None = None):
+        key = (name, max_chunk_tokens)
+        if key not in cache:
+            cache[key] = checkpoint.load(checkpoints[name], device="cpu", max_chunk_tokens=max_chunk_tokens)
+        return cache[key]
+
+    return get

@@ -1,0 +1,48 @@
+"""``python -m worker``: serve, write a tiny checkpoint, or check a running worker's health."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import Settings
+
+
+def _tiny(args: argparse.Namespace) -> int:
+    from . import tiny
+
+    path = tiny.write(args.directory, seed=args.seed, fmt=args.format, multimodal=not args.text_only)
+    print(f"wrote a tiny {args.format} decision checkpoint to {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    tiny_cmd = commands.add_parser("tiny-checkpoint", help="write a tiny random Qwen3.5 decision checkpoint")
+    tiny_cmd.add_argument("directory")
+    tiny_cmd.add_argument("--seed", type=int, default=0)
+    tiny_cmd.add_argument("--format", choices=("repo", "readout", "judge"), default="repo",
+                          help="save_pretrained repo, decision_config.json + readout.safetensors, or JEV judge")
+    tiny_cmd.add_argument("--text-only", action="store_true", help="a qwen3_5_text backbone (no vision tower)")
+    tiny_cmd.set_defaults(run=_tiny)
+
+    serve_cmd = commands.add_parser("serve", help="consume requests from Redis and publish results")
+    Settings.add_arguments(serve_cmd)
+    serve_cmd.set_defaults(run=_serve)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .daemon import serve
+
+    return serve(Settings.from_args(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

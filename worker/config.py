@@ -1,0 +1,112 @@
+"""The worker's one settings object: every field is a CLI flag (``--claim-idle-ms``) and an environment variable
+(``DQ_CLAIM_IDLE_MS``); flags win over the environment, the environment over the defaults written here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Model
+    checkpoint: str = _opt("", "decision checkpoint directory (any format transformers.decision loads)")
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    dtype: str = _opt("auto", "auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16 or float32")
+    engine: str = _opt("auto", "auto (fast on cuda, reference on cpu), fast or reference")
+    max_chunk_tokens: int = _opt(8192, "longest prompt one chunk may have; longer requests are split by question")
+    fanout_tokens: int = _opt(8192, "requests with more tokens than this (over several prompts) fan out to all workers")
+    # Packing and the fast path
+    pack_tokens: int = _opt(16384, "token budget of one forward pass")
+    max_wait_ms: float = _opt(5.0, "longest a partly filled pack waits for more work before it runs")
+    buckets: str = _opt("2048,4096,8192,16384", "static pack sizes captured as CUDA graphs (fast path)")
+    cuda_graphs: bool = _opt(True, "replay packs through CUDA graphs (fast path)")
+    compile: str = _opt("layer", "torch.compile mode of the fast path: none, sub or layer")
+    prune_last: bool = _opt(True, "last layer computes only the marker rows (fast path)")
+    fp8: bool = _opt(False, "FP8 rowwise matmuls (fast path, Hopper)")
+    planner_threads: int = _opt(2, "threads that validate, render and tokenize requests")
+    # Queue
+    redis_url: str = _opt("redis://127.0.0.1:6379/0", "Redis URL (rediss:// for TLS)")
+    namespace: str = _opt("dq", "prefix of every Redis name of this deployment")
+    shard: int = _opt(0, "stream shard this worker reads")
+    consumer: str = _opt("", "consumer name in the group (default: host-pid)")
+    block_ms: int = _opt(1000, "blocking read timeout; kept below the socket timeout")
+    read_count: int = _opt(64, "entries fetched per read")
+    claim_idle_ms: int = _opt(60000, "reclaim entries pending longer than this from dead consumers")
+    max_deliveries: int = _opt(5, "dead-letter an entry delivered more often than this")
+    result_ttl_s: int = _opt(86400, "how long results stay readable")
+    max_entry_bytes: int = _opt(8 << 20, "larger request entries are refused with too_large")
+    max_image_pixels: int = _opt(4096 * 4096, "larger images are refused (decompression bombs)")
+    drain_timeout_s: float = _opt(60.0, "on SIGTERM, longest wait for in-flight work before exiting")
+    # Operations
+    metrics_port: int = _opt(0, "serve /metrics, /healthz and /readyz on this port (0: off)")
+    log_format: str = _opt("text", "text or json")
+    log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR")
+
+    @property
+    def consumer_name(self) -> str:
+        return self.consumer or f"{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def bucket_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(int(b) for b in self.buckets.split(",") if b.strip()))
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def env_name(name: str) -> str:
+        return "DQ_" + name.upper()
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(cls.env_name(f.name))
+            if raw is not None:
+                values[f.name] = _convert(f.type, raw, f.name)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field; defaults stay None so that the environment is not shadowed."""
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f"{f.metadata['help']} [env {cls.env_name(f.name)}, default {f.default!r}]"
+            if f.type == "bool":
+                parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
+                                    help=help_text)
+            else:
+                parser.add_argument(flag, dest=f.name, default=None, type=_parser(f.type), help=help_text)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
+        return cls.from_env(environ, **{f.name: getattr(args, f.name, None) for f in fields(cls)})
+
+
+def _parser(type_name: str) -> Any:
+    return {"int": int, "float": float}.get(type_name, str)
+
+
+def _convert(type_name: str, raw: str, name: str) -> Any:
+    if type_name == "bool":
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{Settings.env_name(name)}={raw!r} is not a boolean")
+    try:
+        return _parser(type_name)(raw)
+    except ValueError:
+        raise ValueError(f"{Settings.env_name(name)}={raw!r} is not a valid {type_name}") from None

@@ -1,0 +1,49 @@
+"""The reference engine: padded batches through the checkpoint's own backbone, exactly as it computes a prompt.
+
+Chunks are right-padded into one batch with an attention mask: full-attention layers then attend only to real
+tokens (noncausal where the checkpoint says so), and the linear-attention layers, which are causal, never see the
+padding that follows a prompt. This is the path the fast engine is checked against, and the one CPUs run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checkpoint import DecisionModel
+from .encoder import Chunk
+from .readout import head
+
+
+class ReferenceEngine:
+    name = "reference"
+
+    def __init__(self, model: DecisionModel) -> None:
+        self.model = model
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """Head scores (questions, verbalizers) of each chunk, float32 on the CPU."""
+        model, device = self.model, self.model.device
+        width = max(chunk.length for chunk in chunks)
+        input_ids = torch.full((len(chunks), width), model.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunks), width), dtype=torch.long)
+        for i, chunk in enumerate(chunks):
+            input_ids[i, : chunk.length] = chunk.input_ids
+            mask[i, : chunk.length] = 1
+        extra = {}
+        if any(chunk.has_images for chunk in chunks):
+            types = torch.zeros((len(chunks), width), dtype=torch.long)
+            for i, chunk in enumerate(chunks):
+                if chunk.mm_token_type_ids is not None:
+                    types[i, : chunk.length] = chunk.mm_token_type_ids
+            with_images = [chunk for chunk in chunks if chunk.has_images]
+            extra = {
+                "pixel_values": torch.cat([c.pixel_values for c in with_images]).to(device, model.dtype),
+                "image_grid_thw": torch.cat([c.image_grid_thw for c in with_images]).to(device),
+                "mm_token_type_ids": types.to(device),
+            }
+        hidden = model.backbone(input_ids=input_ids.to(device), attention_mask=mask.to(device), use_cache=False,
+                                **extra).last_hidden_state
+        rows = torch.cat([hidden[i, chunk.rows.to(device)] for i, chunk in enumerate(chunks)])
+        scores = head(model, rows).cpu()
+        return list(scores.split([len(chunk.questions) for chunk in chunks]))
