@@ -75,22 +75,35 @@ def build_tokenizer(vocab_size: int = 512):
     return tokenizer
 
 
-def backbone_config(tokenizer, multimodal: bool = True, noncausal: bool = True, max_positions: int = 4096):
+# "small": still quick, but with the head dimensions GPU kernels support (fla / FlashQLA want 128-wide linear
+# heads; varlen FlashAttention 64-wide heads) and two [L, L, L, F] blocks; the GPU tests use it.
+SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=4, mrope_section=[2, 1, 1]),
+    "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, linear_key_head_dim=128, linear_value_head_dim=128,
+                  linear_num_key_heads=2, linear_num_value_heads=4, mrope_section=[3, 3, 2]),
+}
+
+
+def backbone_config(tokenizer, multimodal: bool = True, noncausal: bool = True, max_positions: int = 4096,
+                    size: str = "tiny"):
     from transformers import Qwen3_5Config, Qwen3_5TextConfig
 
     ids = tokenizer.convert_tokens_to_ids
     vocab = (len(tokenizer) + 63) // 64 * 64
+    dims = dict(SIZES[size])
+    mrope_section = dims.pop("mrope_section")
     text = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=max_positions,
+        vocab_size=vocab, **dims, max_position_embeddings=max_positions,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                         "mrope_section": mrope_section, "mrope_interleaved": True},
         is_causal=not noncausal, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=ids("<|im_end|>"))
     if not multimodal:
         return Qwen3_5TextConfig(**text)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=dims["hidden_size"],
                   num_position_embeddings=64, patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
     return Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
                          video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
@@ -98,8 +111,9 @@ def backbone_config(tokenizer, multimodal: bool = True, noncausal: bool = True, 
 
 
 def write(directory: str | Path, seed: int = 0, fmt: str = "repo", multimodal: bool = True,
-          max_positions: int = 4096) -> Path:
-    """Write a tiny checkpoint to ``directory`` in format ``repo``, ``readout`` or ``judge``."""
+          max_positions: int = 4096, size: str = "tiny") -> Path:
+    """Write a tiny checkpoint to ``directory`` in format ``repo``, ``readout`` or ``judge``; ``size`` is a key
+    of ``SIZES``."""
     from transformers import JevConfig, JevForDecision
     from transformers.decision import DecisionConfig
 
@@ -113,10 +127,11 @@ def write(directory: str | Path, seed: int = 0, fmt: str = "repo", multimodal: b
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     # JEV checkpoints are causal language models; the others read with noncausal full attention.
-    backbone = backbone_config(tokenizer, multimodal, noncausal=fmt != "judge", max_positions=max_positions)
+    backbone = backbone_config(tokenizer, multimodal, noncausal=fmt != "judge", max_positions=max_positions,
+                               size=size)
     torch.manual_seed(seed)
     offsets = {"noul": 0, "score": 2, "choice": 8}
-    config = JevConfig(text_config=backbone, hidden_size=64, num_verbalizers=24,
+    config = JevConfig(text_config=backbone, hidden_size=SIZES[size]["hidden_size"], num_verbalizers=24,
                        offsets=dict.fromkeys(offsets, 0) if fmt == "readout" else offsets,
                        softcap=30.0 if fmt != "readout" else None)
     model = JevForDecision(config).eval()

@@ -1,0 +1,231 @@
+"""In-process benchmark of the fast engine against the padded reference engine, on random weights at real shapes.
+
+    python ops/bench/fast_path.py --runs 2b:standard:bf16,2b:standard:fp8 --out results/
+
+Each run builds the model, the engine (timing compilation and graph capture), warms it up, then feeds it packs
+formed greedily up to its budget, launching pack n+1 before waiting for pack n, as the daemon does. It reports
+tokens/s and requests/s, pack fill (real tokens over computed rows), peak GPU memory (model included), and the
+reference engine's figures on the same requests with the ratio. ``--profile`` adds a kernel-time breakdown of
+one run. Results go to ``results.jsonl`` and ``summary.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from synthetic import WORKLOADS, packs, padded_batches, probabilities, random_model  # noqa: E402
+
+from worker.config import Settings  # noqa: E402
+from worker.fast import FastEngine  # noqa: E402
+from worker.layout import plan  # noqa: E402
+from worker.reference import ReferenceEngine  # noqa: E402
+
+COUNTS = {"standard": 1200, "long-tail": 1500, "vision": 800}  # requests timed per run (about 0.4-0.6M tokens)
+REF_COUNTS = {"standard": 256, "long-tail": 320, "vision": 192}
+
+
+def timed(engine: FastEngine, groups: list[list]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    pending = None
+    for group in groups:
+        launched = engine.launch(group)
+        if pending is not None:
+            pending.wait()
+        pending = launched
+    if pending is not None:
+        pending.wait()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def reference_figures(model, chunks) -> dict:
+    engine = ReferenceEngine(model)
+    batches = padded_batches(chunks)
+    engine.forward(batches[0])  # warm-up (fla JIT, cuBLAS)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for batch in batches:
+        engine.forward(batch)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = sum(c.length for c in chunks)
+    padded = sum(len(b) * max(c.length for c in b) for b in batches)
+    return {"ref_tokens_per_s": tokens / seconds, "ref_requests_per_s": len(chunks) / seconds,
+            "ref_padding": 1 - tokens / padded}
+
+
+def categorize(name: str) -> str:
+    lowered = name.lower()
+    if any(k in lowered for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "scaled_mm", "f8f8")):
+        return "GEMM (cuBLAS/CUTLASS)"
+    if any(k in lowered for k in ("flash_qla", "fused_gdr", "kkt", "tilelang", "chunk_", "gated_delta",
+                                  "recompute_w_u", "solve_tril", "l2norm", "wy_", "cumsum", "merge_16x16")):
+        return "gated delta rule (fla / FlashQLA)"
+    if "flash" in lowered or "fmha" in lowered or "attn" in lowered:
+        return "varlen attention (FlashAttention)"
+    if lowered.startswith("triton_") or "triton" in lowered:
+        return "fused element-wise (inductor Triton)"
+    if "memcpy" in lowered or "memset" in lowered or "copy" in lowered:
+        return "copies"
+    return "other (eager element-wise, embedding, indexing)"
+
+
+def profile(engine: FastEngine, groups: list[list]) -> dict:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed(engine, groups)
+    totals: dict[str, float] = defaultdict(float)
+    kernels: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if device_us <= 0 or not str(event.device_type).endswith("CUDA"):  # kernels and copies only
+            continue
+        totals[categorize(event.key)] += device_us
+        kernels[event.key] += device_us
+    tokens = sum(c.length for g in groups for c in g)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    ordered = sorted(totals.items(), key=lambda kv: -kv[1])
+    return {"per_16k_tokens_ms": {k: v / 1000 * 16384 / tokens for k, v in ordered},
+            "top_kernels_ms": [(k[:90], v / 1000) for k, v in top], "profiled_tokens": tokens}
+
+
+def run_one(spec: str, args: argparse.Namespace, cache: dict) -> dict:
+    shape, workload, dtype, *rest = spec.split(":")
+    variant = rest[0] if rest else "default"  # default | eager | nograph
+    key = (shape, workload == "vision")
+    if cache.get("key") != key:
+        cache.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+        cache["key"], cache["model"] = key, random_model(shape, multimodal=workload == "vision")
+    model = cache["model"]
+    rng = np.random.default_rng(0)
+    requests = WORKLOADS[workload](rng, COUNTS[workload] if not args.quick else 64)
+    chunks = [c for r in requests for c in r.chunks]
+    compile_mode = {"default": "layer", "nograph": "layer", "eager": "none"}[variant]
+    settings = Settings(compile=compile_mode, cuda_graphs=variant == "default", fp8=dtype == "fp8",
+                        prune_last=True, buckets=args.buckets, pack_tokens=args.pack_tokens)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    engine = FastEngine(model, settings)
+    built = time.perf_counter() - start
+    engine.warmup()
+    groups = packs(chunks, engine.max_pack_tokens)
+    timed(engine, groups[: max(2, len(groups) // 10)])  # first real packs: allocator and autotuning settle
+    seconds = timed(engine, groups)
+    tokens = sum(c.length for c in chunks)
+    capacity = sum(plan(g, engine.buckets).capacity for g in groups)
+    result = {"run": spec, "shape": shape, "workload": workload, "dtype": dtype, "variant": variant,
+              "compile": compile_mode, "graphs": engine.graphed is not None, "requests": len(requests),
+              "tokens": tokens, "packs": len(groups), "tokens_per_s": tokens / seconds,
+              "requests_per_s": len(requests) / seconds, "pack_fill": tokens / capacity,
+              "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+              "setup_s": round(built, 1), "capture_s": round(engine.capture_seconds, 1),
+              "warmup_s": round(engine.compile_seconds, 1)}
+    sample = [c for g in groups[:4] for c in g]
+    probs = probabilities(sample, [s for g in groups[:4] for s in engine.launch(g).wait().scores])
+    if dtype == "fp8" and (shape, workload) in cache.get("bf16_probs", {}):
+        pairs = list(zip(probs, cache["bf16_probs"][(shape, workload)]))
+        result["fp8_vs_bf16_max_prob_diff"] = max(float((a - b).abs().max()) for a, b in pairs)
+        result["fp8_vs_bf16_flip_rate"] = sum(int(a.argmax() != b.argmax()) for a, b in pairs) / len(pairs)
+        result["fp8_vs_bf16_questions"] = len(pairs)
+    if dtype == "bf16" and variant == "default":
+        cache.setdefault("bf16_probs", {})[(shape, workload)] = probs
+    if args.profile and spec == args.profile:
+        result["profile"] = profile(engine, groups[:8])
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.no_reference and (workload, shape) not in cache.setdefault("ref_done", set()):
+        ref_chunks = [c for r in requests[: REF_COUNTS[workload]] for c in r.chunks]
+        torch.cuda.reset_peak_memory_stats()
+        figures = reference_figures(model, ref_chunks)
+        figures["ref_peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        cache["ref_done"].add((workload, shape))
+        cache[("ref", workload, shape)] = figures
+    result.update(cache.get(("ref", workload, shape), {}))
+    if "ref_tokens_per_s" in result:
+        result["speedup_vs_reference"] = result["tokens_per_s"] / result["ref_tokens_per_s"]
+    return result
+
+
+def summary(results: list[dict]) -> str:
+    lines = ["| run | tokens/s | requests/s | pack fill | peak GPU GiB | reference tokens/s | ratio | setup+warmup s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['run']} | failed: {r['error'][:80]} |||||||")
+            continue
+        ref = r.get("ref_tokens_per_s")
+        ref_text = f"{ref / 1e3:.1f}k" if ref else "-"
+        ratio = f"{r['speedup_vs_reference']:.2f}x" if ref else "-"
+        setup = r["setup_s"] + r["warmup_s"] + r["capture_s"]
+        lines.append(f"| {r['run']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['requests_per_s']:.0f} | "
+                     f"{r['pack_fill']:.1%} | {r['peak_gpu_gib']:.1f} | {ref_text} | {ratio} | {setup:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default="2b:standard:bf16,2b:standard:fp8",
+                        help="comma-separated shape:workload:dtype[:variant] (variant: default, nograph, eager)")
+    parser.add_argument("--buckets", default="2048,4096,8192,16384")
+    parser.add_argument("--pack-tokens", type=int, default=16384)
+    parser.add_argument("--profile", default="", help="the run to profile")
+    parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="64 requests per run (smoke test)")
+    parser.add_argument("--deadline-s", type=float, default=0.0, help="skip the remaining runs after this long")
+    parser.add_argument("--out", default="bench-results")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}, torch {torch.__version__}", flush=True)
+    try:
+        import flash_qla  # noqa: F401
+
+        qla = True
+    except ImportError:
+        qla = False
+    print(f"FlashQLA installed: {qla}", flush=True)
+    begin, results, cache = time.perf_counter(), [], {}
+    for spec in [s for s in args.runs.split(",") if s]:
+        if args.deadline_s and time.perf_counter() - begin > args.deadline_s:
+            results.append({"run": spec, "error": "skipped: deadline"})
+            continue
+        try:
+            result = run_one(spec, args, cache)
+        except Exception as error:  # one failed run must not lose the others' figures
+            import traceback
+
+            traceback.print_exc()
+            result = {"run": spec, "error": f"{type(error).__name__}: {error}"}
+        result.update(device=device, flash_qla=qla, torch=torch.__version__)
+        results.append(result)
+        print("RESULT", json.dumps(result), flush=True)
+        with open(out / "results.jsonl", "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(result) + "\n")
+        (out / "summary.md").write_text(summary(results))
+    print(summary(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

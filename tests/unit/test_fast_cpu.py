@@ -1,0 +1,233 @@
+"""The fast path on the CPU: pack layout, the boundary-respecting convolution, the layer ops against transformers'
+modules, FP8 weight bookkeeping, and the whole packed forward (with plain-torch mixers standing in for fla and
+FlashAttention, and plain calls standing in for CUDA graphs) against the padded reference engine."""
+
+import numpy as np
+import pytest
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+from conftest import png
+from producer.schema import Request
+from worker import fp8, ops
+from worker.config import Settings
+from worker.encoder import Chunk, Encoder
+from worker.fast import FastEngine
+from worker.kernels import FastPathUnavailable, TorchMixers
+from worker.layout import GDN_CHUNK, Layout, Regions, choose_bucket, chunk_positions, gdn_chunk_indices, plan
+from worker.readout import head
+from worker.reference import ReferenceEngine
+
+MIXED = {
+    "spam": {"type": "noul", "instructions": "Is this spam?"},
+    "tone": {"type": "choice", "criteria": {"calm": "polite", "angry": None, "pushy": "pressure"}},
+    "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "medium", "high", "now"]},
+}
+PLAIN_CAPTURE = (lambda piece: piece, lambda piece: piece())  # "graphs" that just call the piece
+SMALL = dict(pack_tokens=1024, max_chunk_tokens=1024, compile="none")
+
+
+def chunks_of(model, with_images=True, max_tokens=None):
+    encoder = Encoder(model)
+    requests = [Request.model_validate({"state": "I was charged twice. " * k, "questions": MIXED}) for k in (1, 5)]
+    requests.append(Request.model_validate({"state": {"message": "WIN a FREE phone"},
+                                            "questions": {"spam": MIXED["spam"]}}))
+    if with_images and model.multimodal:
+        requests.append(Request.model_validate({
+            "state": "Look: img-1, then img-2.", "questions": MIXED,
+            "assets": {"img-1": {"data_base64": png("red", (64, 64))},
+                       "img-2": {"data_base64": png("blue", (96, 32))}}}))
+    return [chunk for request in requests for chunk in encoder.plan(request)]
+
+
+def assert_scores_close(got, expected, atol=1e-4):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape and a.dtype == torch.float32
+        assert torch.allclose(a, b, atol=atol), (a - b).abs().max()
+
+
+# ---- layout ----
+
+def test_choose_bucket():
+    assert choose_bucket(1, (2048, 512, 1024)) == 512
+    assert choose_bucket(512, (512, 1024)) == 512
+    assert choose_bucket(513, (512, 1024)) == 1024
+    assert choose_bucket(1025, (512, 1024)) is None
+    assert choose_bucket(10, ()) is None
+
+
+def _chunk(length, questions=1):
+    rows = torch.arange(questions) + length - questions
+    return Chunk(input_ids=torch.arange(length) % 50, rows=rows, questions=(None,) * questions)
+
+
+def test_plan_picks_the_smallest_bucket_and_falls_back_to_eager():
+    layout = plan([_chunk(100), _chunk(60, 3)], (128, 256))
+    assert (layout.bucket, layout.capacity, layout.tokens, layout.rows) == (256, 256, 160, 4)
+    assert layout.cu_seqlens == [0, 100, 160] and layout.cu_rows == [0, 1, 4] and layout.max_length == 100
+    eager = plan([_chunk(300)], (128, 256))  # longer than the largest bucket: runs alone, eagerly
+    assert (eager.bucket, eager.capacity) == (None, 300)
+    crowded = plan([_chunk(2, 1) for _ in range(70)], (256,))  # more marker rows than the bucket's graphs hold
+    assert crowded.bucket is None and crowded.capacity == 140
+    assert plan([_chunk(5)], ()).bucket is None
+
+
+def test_gdn_chunk_indices_match_the_chunking():
+    index = gdn_chunk_indices([1, GDN_CHUNK, GDN_CHUNK + 1, 3 * GDN_CHUNK])
+    assert index.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [3, 0], [3, 1], [3, 2]]
+    assert Layout((1, 64, 65, 192), (1, 1, 1, 1), 322, 4, None).gdn_chunks == len(index)
+
+
+def test_regions_fill_writes_the_pack_and_resets_tails():
+    regions = Regions.for_capacity(64)
+    assert all(getattr(regions, name) % 64 == 0 for name in ("ids", "positions", "seqpos", "rows", "cu"))
+    buffer = np.full(regions.size, 7, dtype=np.int64)
+    chunks = [_chunk(5, 2), _chunk(3, 1)]
+    layout = Layout((5, 3), (2, 1), 16, 4, 16)
+    positions = [chunk_positions(chunk, None) for chunk in chunks]
+    regions.fill(buffer, layout, chunks, positions, pad_id=99)
+    ids = buffer[regions.ids: regions.ids + 16]
+    assert ids[:8].tolist() == [0, 1, 2, 3, 4, 0, 1, 2] and (ids[8:] == 99).all()
+    seqpos = buffer[regions.seqpos: regions.seqpos + 16]
+    assert seqpos.tolist() == [0, 1, 2, 3, 4, 0, 1, 2] + [0] * 8
+    pos = buffer[regions.positions: regions.positions + 3 * 64].reshape(3, 64)[:, :16]
+    assert (pos == seqpos).all()  # text: the three M-RoPE axes are the position in the chunk
+    assert buffer[regions.rows: regions.rows + 4].tolist() == [3, 4, 7, 0]
+    assert buffer[regions.cu: regions.cu + 3].tolist() == [0, 5, 8]
+    assert buffer[regions.cu_rows: regions.cu_rows + 3].tolist() == [0, 2, 3]
+    assert buffer[regions.chunk_index: regions.chunk_index + 4].tolist() == [0, 0, 1, 0]
+
+
+def test_image_positions_are_the_backbones_rope_index(loaded):
+    model = loaded("repo")
+    chunk = next(c for c in chunks_of(model) if c.has_images)
+    got = chunk_positions(chunk, model.backbone.get_rope_index)
+    expected, _ = model.backbone.get_rope_index(chunk.input_ids[None], chunk.mm_token_type_ids[None],
+                                                image_grid_thw=chunk.image_grid_thw)
+    assert np.array_equal(got, expected[:, 0].numpy()) and got[:, 0].tolist() == [0, 0, 0]
+    assert not np.array_equal(got[0], got[1])  # images do get 2-D positions
+
+
+# ---- ops against transformers' modules ----
+
+def test_conv_never_reads_across_chunk_boundaries():
+    torch.manual_seed(0)
+    lengths, channels = [5, 1, 9, 3], 6
+    x, weight = torch.randn(sum(lengths), channels), torch.randn(channels, 4)
+    seqpos = torch.cat([torch.arange(n) for n in lengths])
+    got = ops.conv_silu(x, weight, seqpos)
+    start = 0
+    for n in lengths:  # transformers' convolution on each chunk alone, (1, channels, length) layout
+        alone = qwen.causal_conv1d_fn(x[start: start + n].T[None], weight, None, activation="silu")[0].T
+        assert torch.allclose(got[start: start + n], alone, atol=1e-6)
+        start += n
+
+
+def test_ops_match_the_modules_bit_for_bit_in_bf16():
+    torch.manual_seed(0)
+    x, gate = torch.randn(7, 3, 32, dtype=torch.bfloat16), torch.randn(7, 3, 32, dtype=torch.bfloat16)
+    norm = qwen.Qwen3_5RMSNorm(32, eps=1e-6).to(torch.bfloat16)
+    torch.nn.init.normal_(norm.weight)
+    assert torch.equal(ops.rms_norm(x, norm.weight, norm.eps), norm(x))
+    gated = qwen.Qwen3_5RMSNormGated(32, eps=1e-6).to(torch.bfloat16)
+    torch.nn.init.normal_(gated.weight)
+    assert torch.equal(ops.gated_rms_norm(x, gate, gated.weight, 1e-6), gated(x, gate))
+    cos, sin = torch.randn(7, 8, dtype=torch.bfloat16), torch.randn(7, 8, dtype=torch.bfloat16)
+    expected, _ = qwen.apply_rotary_pos_emb(x, x, cos, sin, unsqueeze_dim=1)
+    assert torch.equal(ops.rope(x, cos, sin), expected)
+
+
+def test_head_and_gates_match(loaded):
+    model = loaded("repo")
+    hidden = torch.randn(5, model.model.proj.in_features)
+    w = ops.Dense(model.model.proj.weight, model.model.proj.bias)
+    assert torch.equal(ops.softcap_head(hidden, w, model.softcap), head(model, hidden))
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    a_log, dt_bias = torch.randn(3), torch.randn(3)
+    g, beta = ops.gdn_gates(a, b, a_log, dt_bias)
+    assert torch.equal(g, -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias))
+    assert torch.equal(beta, b.sigmoid())
+
+
+# ---- FP8 bookkeeping (the matmul itself needs a GPU) ----
+
+def test_fp8_quantization_is_rowwise_and_slices_consistently():
+    torch.manual_seed(0)
+    dense = ops.Dense(torch.randn(48, 32) * torch.logspace(-2, 2, 48)[:, None])
+    quantized = fp8.quantize(dense)
+    assert quantized.qweight.dtype == torch.float8_e4m3fn and quantized.scale.shape == (1, 48)
+    restored = quantized.qweight.float() * quantized.scale.t()
+    assert ((restored - dense.weight).abs() <= dense.weight.abs().amax(1, keepdim=True) / 16).all()
+    part = fp8.rows(quantized, 16, 32)
+    alone = fp8.quantize(ops.Dense(dense.weight[16:32]))
+    assert torch.equal(part.qweight.float(), alone.qweight.float()) and torch.equal(part.scale, alone.scale)
+    assert not fp8.eligible(ops.Dense(torch.randn(40, 24)))
+
+
+def test_fp8_converts_every_eligible_matrix(loaded):
+    from worker import layers
+
+    model = loaded("repo")
+    layer = next(layer for layer in model.language_model.layers if layer.block_type == "full_attention")
+    weights, _ = layers.full_layer(layer)
+    converted = fp8.convert(weights)
+    assert isinstance(converted.qkv, ops.Fp8) and isinstance(converted.mlp.down, ops.Fp8)
+    assert converted.q.qweight.data_ptr() == converted.qkv.qweight.data_ptr()  # a view, not a copy
+    assert fp8.count(converted) == 6  # qkv (and its q and kv row views), o_proj, the MLP's gate_up and down
+
+
+# ---- the packed forward against the reference engine ----
+
+@pytest.mark.parametrize("name", ["repo", "repo-text", "judge"])
+@pytest.mark.parametrize("prune_last", [False, True])
+def test_packed_forward_equals_the_reference(loaded, name, prune_last):
+    model = loaded(name)
+    chunks = chunks_of(model)
+    engine = FastEngine(model, Settings(cuda_graphs=False, prune_last=prune_last, **SMALL), mixers=TorchMixers())
+    assert engine.fwd.pruned == (prune_last and name != "judge")  # the causal JEV checkpoint is never pruned
+    run = engine.launch(chunks).wait()
+    assert (run.tokens, run.capacity, run.bucket, run.graph) == (sum(c.length for c in chunks), run.tokens, None,
+                                                                 False)
+    assert_scores_close(run.scores, ReferenceEngine(model).forward(chunks))
+
+
+@pytest.mark.parametrize("prune_last", [False, True])
+def test_bucketed_path_with_static_buffers_equals_the_reference(loaded, prune_last):
+    model = loaded("repo", 140)  # requests split over several chunks
+    chunks = chunks_of(model)
+    settings = Settings(cuda_graphs=True, buckets="256,512,1024", prune_last=prune_last, **SMALL)
+    engine = FastEngine(model, settings, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
+    engine.warmup()
+    assert engine.max_pack_tokens == 1024
+    reference = ReferenceEngine(model).forward(chunks)
+    # several compositions and buckets, launched before any is waited for (the staging slots rotate)
+    packs = [list(range(len(chunks))), [0], [2, 1], list(range(len(chunks)))[::-1], [len(chunks) - 1]]
+    pending = [(pack, engine.launch([chunks[i] for i in pack])) for pack in packs]
+    for pack, run in pending:
+        result = run.wait()
+        assert result.graph and result.bucket == choose_bucket(result.tokens, (256, 512, 1024))
+        assert result.capacity == result.bucket
+        assert_scores_close(result.scores, [reference[i] for i in pack])
+
+
+def test_a_chunk_longer_than_every_bucket_runs_eagerly(loaded):
+    model = loaded("repo")
+    chunk = max(chunks_of(model), key=lambda c: c.length)
+    engine = FastEngine(model, Settings(cuda_graphs=True, buckets="64,128", **SMALL), mixers=TorchMixers(),
+                        capture=PLAIN_CAPTURE)
+    engine.warmup()
+    assert chunk.length > engine.max_pack_tokens
+    run = engine.launch([chunk]).wait()
+    assert (run.bucket, run.graph, run.capacity) == (None, False, chunk.length)
+    assert_scores_close(run.scores, ReferenceEngine(model).forward([chunk]))
+
+
+def test_fast_engine_without_cuda_names_the_reference_engine(loaded):
+    with pytest.raises(FastPathUnavailable, match="reference"):
+        FastEngine(loaded("repo"), Settings())
+
+
+def test_unknown_compile_mode_is_refused(loaded):
+    with pytest.raises(ValueError, match="compile"):
+        FastEngine(loaded("repo"), Settings(compile="everything"), mixers=TorchMixers())

@@ -1,0 +1,210 @@
+"""The fast engine: packs of chunks through one padding-free forward, optionally compiled and CUDA-graphed.
+
+``launch`` lays the pack out on the host (worker/layout.py), moves it with one copy from a pinned buffer into a
+persistent device buffer, runs the forward (eager, or the graphs of the smallest bucket that holds the pack) and
+enqueues the copy of the head scores into pinned memory; it returns without waiting for the GPU. ``Pending.wait``
+waits for that copy. Two staging slots alternate, so the caller can form and launch the next pack while one runs;
+a slot is reused only after its pack has finished.
+
+One host synchronisation per pack remains where FlashQLA is installed: it reads ``cu_seqlens`` back once per pack
+(cached for the pack's other layers), so launching pack n+1 waits for pack n's GPU work to end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers.decision import Question
+
+from .checkpoint import DecisionModel
+from .config import Settings
+from .encoder import Chunk
+from .engine import PackRun, Pending
+from .forward import COMPILE_MODES, PackedForward
+from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warm
+from .kernels import ALTERNATIVE, Boundaries, CudaMixers, FastPathUnavailable, Mixers
+from .layout import Layout, Regions, chunk_positions, plan, row_capacity
+
+log = logging.getLogger(__name__)
+SLOTS = 2
+
+
+@dataclass
+class _Slot:
+    """Host side of one in-flight pack: its pinned layout buffer and pinned score rows."""
+
+    host: torch.Tensor  # (regions.size,) int64
+    scores: torch.Tensor  # (rows capacity, verbalizers) fp32
+    pending: Pending | None = None
+
+
+class FastEngine:
+    name = "fast"
+
+    def __init__(self, model: DecisionModel, settings: Settings, mixers: Mixers | None = None,
+                 capture: tuple[Capture, Callable[[Callable[[], None]], None]] | None = None) -> None:
+        """``mixers``: the eager token mixers; CUDA's (fla + varlen attention) unless a test passes a stand-in.
+        ``capture``: how pieces are captured and warmed; CUDA graphs unless a test passes a plain-call stand-in
+        (which runs the bucketed path's static buffers on any device)."""
+        if settings.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {settings.compile!r}")
+        if mixers is None:
+            if model.device.type != "cuda":
+                raise FastPathUnavailable(f"the fast engine runs on CUDA; this model is on {model.device}: "
+                                          f"load it on a GPU (--device cuda), or {ALTERNATIVE}")
+            mixers = CudaMixers()
+        self.device = model.device
+        self.graphs_on = settings.cuda_graphs and (self.device.type == "cuda" or capture is not None)
+        self._capture_with = capture
+        if settings.fp8:
+            from .fp8 import require_fp8
+
+            require_fp8(self.device)
+        self.buckets = settings.bucket_sizes if self.graphs_on else ()
+        if self.graphs_on and not self.buckets:
+            raise ValueError("cuda_graphs needs at least one bucket size (--buckets)")
+        self._budget = max(self.buckets) if self.buckets else settings.pack_tokens
+        if self._budget < 1:
+            raise ValueError("the pack budget must be positive")
+        self.model, self.settings = model, settings
+        self.pad_id = model.pad_id
+        self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last, fp8=settings.fp8,
+                                 compile=settings.compile, compile_pieces=not self.graphs_on)
+        self.rope_index = getattr(model.backbone, "get_rope_index", None) if model.multimodal else None
+        self.verbalizers = int(model.model.proj.out_features)
+        # Host and device layout buffers: large enough for a full pack or the longest chunk the encoder makes.
+        self.regions = Regions.for_capacity(max(self._budget, settings.max_chunk_tokens))
+        pin = self.device.type == "cuda"
+        self.slots = [_Slot(torch.zeros(self.regions.size, dtype=torch.int64, pin_memory=pin),
+                            torch.zeros(self.regions.capacity, self.verbalizers, dtype=torch.float32,
+                                        pin_memory=pin)) for _ in range(SLOTS)]
+        self.device_layout = torch.zeros(self.regions.size, dtype=torch.int64, device=self.device)
+        self._next = 0
+        self.graphed: GraphedForward | None = None
+        self.compile_seconds = self.capture_seconds = 0.0
+
+    @property
+    def max_pack_tokens(self) -> int:
+        return self._budget
+
+    # ---- start-up ----
+
+    def warmup(self) -> None:
+        """Capture every bucket's graphs (largest first, one pool), then run a pack through each path so that
+        compilation and the mixers' JIT happen now rather than on the first request."""
+        start = time.perf_counter()
+        with torch.inference_mode():  # as the packs run: compiled guards include the grad mode
+            self._capture()
+        self.capture_seconds = time.perf_counter() - start
+        sizes = self.buckets or (min(512, self._budget), self._budget)
+        for size in sizes:
+            self.launch(self._dummy_pack(size)).wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.compile_seconds = time.perf_counter() - start - self.capture_seconds
+        log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices); "
+                 "capture %.1fs, first packs %.1fs", self.buckets or "-", self.settings.compile, self.graphs_on,
+                 self.fwd.pruned, self.settings.fp8, self.fwd.fp8_matrices, self.capture_seconds,
+                 self.compile_seconds)
+
+    def _capture(self) -> None:
+        if self.graphs_on:
+            ws = Workspace(self.fwd, max(self.buckets), row_capacity(max(self.buckets)), self.verbalizers,
+                           self.device, self.model.dtype)
+            self.graphed = GraphedForward(self.fwd, ws, compile_layers=self.settings.compile == "layer")
+            capture, warm = self._capture_with or (cuda_capture(torch.cuda.graph_pool_handle()), cuda_warm)
+            self.graphed.capture(self.buckets, self._static_inputs, capture, warm)
+
+    def _static_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.regions
+        return (self.device_layout[r.seqpos: r.seqpos + bucket],
+                self.device_layout[r.rows: r.rows + row_capacity(bucket)])
+
+    def _dummy_pack(self, tokens: int) -> list[Chunk]:
+        question = Question(name="warmup", type="noul", instructions=None, options=["false", "true"],
+                            labels=["A", "B"], descriptions=[None, None])
+        sizes = [tokens // 2, tokens - tokens // 2] if tokens >= 4 else [tokens]
+        return [Chunk(input_ids=torch.full((n,), self.pad_id, dtype=torch.long), rows=torch.tensor([n - 1]),
+                      questions=(question,)) for n in sizes]
+
+    # ---- packs ----
+
+    @torch.inference_mode()
+    def launch(self, chunks: Sequence[Chunk]) -> Pending:
+        start = time.perf_counter()
+        assert chunks, "a pack holds at least one chunk"
+        layout = plan(chunks, self.buckets)
+        assert layout.tokens <= self._budget or len(chunks) == 1, "only a single chunk may exceed the budget"
+        regions, device_layout = self.regions, self.device_layout
+        slot = None
+        if layout.capacity > regions.capacity:  # a chunk longer than any configured size: a one-off layout
+            regions = Regions.for_capacity(layout.capacity)
+            device_layout = torch.zeros(regions.size, dtype=torch.int64, device=self.device)
+            host = torch.zeros(regions.size, dtype=torch.int64)
+            scores_host = torch.zeros(layout.rows, self.verbalizers, dtype=torch.float32)
+        else:
+            slot = self.slots[self._next]
+            self._next = (self._next + 1) % SLOTS
+            if slot.pending is not None:
+                slot.pending.wait()  # its pack has finished: its buffers are free
+            host, scores_host = slot.host, slot.scores
+        positions = [chunk_positions(chunk, self.rope_index) for chunk in chunks]
+        regions.fill(host.numpy(), layout, chunks, positions, self.pad_id)
+        device_layout.copy_(host, non_blocking=True)
+        scores = self._forward(layout, chunks, regions, device_layout)
+        out = scores_host[: layout.rows]
+        out.copy_(scores[: layout.rows], non_blocking=True)
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        graph = layout.bucket is not None and self.graphed is not None
+
+        def finish() -> PackRun:
+            if done is not None:
+                done.synchronize()
+            rows = out.clone()
+            per_chunk = list(rows.split(list(layout.questions)))
+            return PackRun(per_chunk, layout.tokens, layout.capacity, layout.bucket, graph,
+                           time.perf_counter() - start)
+
+        pending = Pending(finish)
+        if slot is not None:
+            slot.pending = pending
+        return pending
+
+    def _forward(self, layout: Layout, chunks: Sequence[Chunk], r: Regions, flat: torch.Tensor) -> torch.Tensor:
+        tokens, cap, count = layout.tokens, layout.capacity, len(layout.lengths)
+        # Fresh views for every pack: fla caches host-side preparation by tensor identity.
+        cu_long = flat[r.cu: r.cu + count + 1]
+        b = Boundaries(
+            cu=cu_long.to(torch.int32), cu_long=cu_long, cu_host=torch.tensor(layout.cu_seqlens),
+            chunk_index=flat[r.chunk_index: r.chunk_index + 2 * layout.gdn_chunks].view(-1, 2),
+            max_length=layout.max_length, cu_rows=flat[r.cu_rows: r.cu_rows + count + 1].to(torch.int32),
+            max_rows=layout.max_questions)
+        ids = flat[r.ids: r.ids + tokens]
+        positions = flat[r.positions: r.positions + 3 * r.capacity].view(3, r.capacity)[:, :cap]
+        seqpos = flat[r.seqpos: r.seqpos + cap]
+        rows = flat[r.rows: r.rows + layout.rows_capacity]
+        h = self.fwd.embed(ids, *self._images(chunks, layout))
+        if layout.bucket is not None and self.graphed is not None:
+            self.graphed.prologue(layout.bucket, h, positions)
+            return self.graphed.replay(layout.bucket, tokens, layout.rows, b)
+        cos, sin = self.fwd.rope_tables(positions, h)
+        return self.fwd.run(h, cos, sin, seqpos, rows, b)
+
+    def _images(self, chunks: Sequence[Chunk], layout: Layout) -> tuple[torch.Tensor | None, ...]:
+        """Rows of the pack's image tokens, and the pixels and grids of its images, in pack order."""
+        with_images = [(chunk, start) for chunk, start in zip(chunks, layout.cu_seqlens) if chunk.has_images]
+        if not with_images:
+            return None, None, None
+        token = self.fwd.image_token_id
+        rows = np.concatenate([np.flatnonzero(chunk.input_ids.numpy() == token) + start
+                               for chunk, start in with_images])
+        pixels = torch.cat([chunk.pixel_values for chunk, _ in with_images])
+        grid = torch.cat([chunk.image_grid_thw for chunk, _ in with_images])
+        return torch.from_numpy(rows).to(self.device), pixels, grid

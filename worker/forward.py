@@ -1,0 +1,148 @@
+"""The packed forward of a loaded checkpoint: embedding (and image features), the decoder stages, the head.
+
+``PackedForward`` owns the per-layer weights (read from the checkpoint's modules, fused, optionally FP8), the
+dense pieces (plain, or compiled per sub-module or per piece), and the eager path: one call per piece, shapes as
+the pack has them. The graphed path (worker/graphs.py) replays the same pieces from static buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from . import fp8 as fp8_weights
+from . import layers
+from .checkpoint import DecisionModel
+from .kernels import Boundaries, Mixers
+from .layers import FULL, LINEAR
+from .ops import Ops
+
+ROWS = "rows"  # the pruned last layer: queries, output and MLP at marker rows only
+COMPILE_MODES = ("none", "sub", "layer")
+
+
+@dataclass(frozen=True)
+class Stage:
+    kind: str  # LINEAR, FULL or ROWS
+    weights: Any  # layers.LinearAttn or layers.FullAttn
+    dims: Any  # layers.LinearDims or layers.FullDims
+
+
+class Pieces(NamedTuple):
+    """The dense pieces, all called as ``fn(ops, dims, weights, *activations)``."""
+
+    pre_linear: Callable[..., Any]
+    post_linear: Callable[..., Any]
+    pre_full: Callable[..., Any]
+    pre_full_rows: Callable[..., Any]
+    post_full: Callable[..., Any]
+    final: Callable[..., Any]
+
+
+def _final(ops: Ops, _dims: None, head: layers.Head, h: torch.Tensor) -> torch.Tensor:
+    return layers.final(ops, head, h)
+
+
+PLAIN = Pieces(layers.pre_linear, layers.post_linear, layers.pre_full, layers.pre_full_rows, layers.post_full,
+               _final)
+
+
+def compile_piece(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile of one piece, shared by every layer of its kind and every model: weights are arguments and
+    every dimension is symbolic, so one compiled graph serves all layers, packs, buckets and model sizes."""
+    return torch.compile(fn, dynamic=True)
+
+
+def configure_compile() -> None:
+    """Process-wide dynamo settings for the pieces. Without duck shaping, dimensions that happen to be equal in one
+    model (hidden size and key width, say) get separate symbols, so the graphs stay valid for the next model."""
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
+    config = torch._dynamo.config
+    config.cache_size_limit = max(config.cache_size_limit, 64)
+    config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 512)
+
+
+class PackedForward:
+    def __init__(self, model: DecisionModel, mixers: Mixers, *, prune_last: bool = True, fp8: bool = False,
+                 compile: str = "none", compile_pieces: bool = True) -> None:
+        """``compile_pieces``: with ``compile="layer"``, also compile the eager pieces (off when the pieces run
+        from CUDA graphs, which compile their own variants)."""
+        assert compile in COMPILE_MODES, f"compile must be one of {COMPILE_MODES}, got {compile!r}"
+        self.model, self.mixers = model, mixers
+        lm = model.language_model
+        self.embed_tokens, self.rotary = lm.embed_tokens, lm.rotary_emb
+        self.causal = not model.noncausal
+        config = model.text_config
+        assert getattr(config, "hidden_act", "silu") in ("silu", "swish"), "Qwen3.5's MLP is SwiGLU"
+        self.stages: list[Stage] = []
+        for layer in lm.layers:
+            weights, dims = (layers.linear_layer(layer) if layer.block_type == LINEAR else layers.full_layer(layer))
+            if fp8:
+                weights = fp8_weights.convert(weights)
+            self.stages.append(Stage(layer.block_type, weights, dims))
+        # Pruning the last layer is exact only when a marker row sees all keys of its chunk (noncausal).
+        self.pruned = prune_last and not self.causal and self.stages[-1].kind == FULL
+        if self.pruned:
+            last = self.stages[-1]
+            self.stages[-1] = Stage(ROWS, last.weights, last.dims)
+        self.head = layers.head_weights(lm, model.model.proj, model.softcap)
+        self.fp8_matrices = sum(fp8_weights.count(stage.weights) for stage in self.stages)
+        if compile != "none":
+            configure_compile()
+        self.ops = Ops().compiled() if compile == "sub" else Ops()
+        self.pieces = PLAIN
+        if compile == "layer" and compile_pieces:
+            self.pieces = Pieces(*(compile_piece(fn) for fn in PLAIN))
+        self.image_token_id = getattr(model.backbone.config, "image_token_id", None)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embed_tokens.weight.shape[1])
+
+    # ---- prologue (eager in both paths) ----
+
+    def embed(self, ids: torch.Tensor, image_rows: torch.Tensor | None = None,
+              pixel_values: torch.Tensor | None = None, grid: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings, with the vision tower's features written at the image tokens (rows of the pack)."""
+        h = self.embed_tokens(ids)
+        if pixel_values is not None:
+            assert image_rows is not None and grid is not None
+            features = self.model.backbone.get_image_features(
+                pixel_values.to(h.device, self.model.dtype), grid.to(h.device), return_dict=True).pooler_output
+            features = torch.cat(features).to(h.dtype)
+            assert features.shape[0] == image_rows.shape[0], "one feature per image token"
+            h = h.index_copy(0, image_rows, features)
+        return h
+
+    def rope_tables(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(3, T) M-RoPE positions -> cos, sin (T, rotary_dim): the backbone's own rotary embedding."""
+        cos, sin = self.rotary(like, positions[:, None, :])
+        return cos[0], sin[0]
+
+    # ---- the eager path ----
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqpos: torch.Tensor,
+            rows: torch.Tensor, b: Boundaries) -> torch.Tensor:
+        """(T, hidden) embeddings -> (rows, verbalizers) fp32 head scores at the marker ``rows``."""
+        p, ops, mix = self.pieces, self.ops, self.mixers
+        for stage in self.stages:
+            d, w = stage.dims, stage.weights
+            if stage.kind == LINEAR:
+                q, k, v, g, beta, z = p.pre_linear(ops, d, w, h, seqpos)
+                o = mix.gated_delta(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, b)
+                h = p.post_linear(ops, d, w, h, o, z)
+            elif stage.kind == FULL:
+                q, k, v, gate = p.pre_full(ops, d, w, h, cos, sin)
+                o = mix.attention(q, k, v, d.scale, self.causal, b)
+                h = p.post_full(ops, d, w, h, o, gate)
+            else:
+                q, k, v, gate, h = p.pre_full_rows(ops, d, w, h, cos, sin, rows)
+                o = mix.attention(q, k, v, d.scale, False, b, rows_only=True)
+                h = p.post_full(ops, d, w, h, o, gate)
+        if not self.pruned:
+            h = h[rows]
+        return p.final(ops, None, self.head, h)

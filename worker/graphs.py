@@ -1,0 +1,223 @@
+"""Static token buckets: the dense pieces of every layer captured as CUDA graphs, replayed around eager mixers.
+
+A pack padded to bucket ``B`` runs: an eager prologue writes its embeddings and RoPE tables into static buffers,
+then for every layer the graph of [previous layer's post piece + this layer's pre piece] replays and the layer's
+mixer (fla delta rule or varlen attention, which need the chunk boundaries) runs eagerly on the real tokens,
+writing its output back into a static buffer; a last graph applies the final piece and the head.
+
+All buffers are allocated once at the largest bucket; a bucket's graphs use their leading rows, so every bucket
+shares them. Graphs are captured largest bucket first into one memory pool: each piece's temporaries are dead
+when it ends, so the pool holds only the largest piece's working set. Rows past the pack's tokens are inert: the
+prologue zeroes their hidden state, they read position 0, and the mixers never see them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import layers
+from .forward import ROWS, PackedForward, compile_piece
+from .kernels import Boundaries
+from .layers import FULL, LINEAR
+from .ops import Ops
+from .layout import row_capacity
+
+Capture = Callable[[Callable[[], None]], Callable[[], None]]
+
+
+def _write(outs: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    for out, value in zip(outs, values, strict=True):
+        out.copy_(value)
+
+
+# The pieces in "into" form: outputs are written into static buffers (compiled, the copies fuse into the kernels
+# that produce them).
+def pre_linear_into(ops: Ops, d: Any, w: Any, h: torch.Tensor, seqpos: torch.Tensor, *outs: torch.Tensor) -> None:
+    _write(outs, layers.pre_linear(ops, d, w, h, seqpos))
+
+
+def post_linear_into(ops: Ops, d: Any, w: Any, h: torch.Tensor, o: torch.Tensor, z: torch.Tensor) -> None:
+    h.copy_(layers.post_linear(ops, d, w, h, o, z))
+
+
+def pre_full_into(ops: Ops, d: Any, w: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  *outs: torch.Tensor) -> None:
+    _write(outs, layers.pre_full(ops, d, w, h, cos, sin))
+
+
+def pre_full_rows_into(ops: Ops, d: Any, w: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       rows: torch.Tensor, *outs: torch.Tensor) -> None:
+    _write(outs, layers.pre_full_rows(ops, d, w, h, cos, sin, rows))
+
+
+def post_full_into(ops: Ops, d: Any, w: Any, h: torch.Tensor, o: torch.Tensor, gate: torch.Tensor) -> None:
+    h.copy_(layers.post_full(ops, d, w, h, o, gate))
+
+
+def final_into(ops: Ops, _d: None, head: Any, h: torch.Tensor, scores: torch.Tensor) -> None:
+    scores.copy_(layers.final(ops, head, h))
+
+
+def final_rows_into(ops: Ops, _d: None, head: Any, h: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor
+                    ) -> None:
+    scores.copy_(layers.final(ops, head, h[rows]))
+
+
+INTO = (pre_linear_into, post_linear_into, pre_full_into, pre_full_rows_into, post_full_into, final_into,
+        final_rows_into)
+
+
+class Workspace:
+    """Static device buffers sized for ``capacity`` token rows and ``rows`` marker rows."""
+
+    def __init__(self, fwd: PackedForward, capacity: int, rows: int, verbalizers: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        def zeros(*shape: int, kind: torch.dtype = dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=kind, device=device)  # zeros: inert rows stay finite
+
+        self.capacity, self.rows = capacity, rows
+        hidden = fwd.hidden_size
+        self.h = zeros(capacity, hidden)
+        self.cos = self.sin = None
+        lin = next((s.dims for s in fwd.stages if s.kind == LINEAR), None)
+        full = next((s.dims for s in fwd.stages if s.kind != LINEAR), None)
+        if lin is not None:
+            self.lq, self.lk = zeros(capacity, lin.k_heads, lin.head_k), zeros(capacity, lin.k_heads, lin.head_k)
+            self.lv, self.lo = zeros(capacity, lin.v_heads, lin.head_v), zeros(capacity, lin.v_heads, lin.head_v)
+            self.g, self.beta = zeros(capacity, lin.v_heads, kind=torch.float32), zeros(capacity, lin.v_heads)
+            self.z = zeros(capacity, lin.value_dim)
+        if full is not None:
+            self.fq, self.fo = zeros(capacity, full.heads, full.head_dim), zeros(capacity, full.heads, full.head_dim)
+            self.fk, self.fv = (zeros(capacity, full.kv_heads, full.head_dim) for _ in range(2))
+            self.gate = zeros(capacity, full.heads * full.head_dim)
+            self.rq, self.ro = zeros(rows, full.heads, full.head_dim), zeros(rows, full.heads, full.head_dim)
+            self.rgate, self.rh = zeros(rows, full.heads * full.head_dim), zeros(rows, hidden)
+            rotary = fwd.rotary.inv_freq.shape[0] * 2
+            self.cos, self.sin = zeros(capacity, rotary), zeros(capacity, rotary)
+        self.scores = zeros(rows, verbalizers, kind=torch.float32)
+
+
+class GraphedForward:
+    """Capture and replay of one PackedForward's pieces for a fixed list of buckets."""
+
+    def __init__(self, fwd: PackedForward, workspace: Workspace, compile_layers: bool) -> None:
+        self.fwd, self.ws = fwd, workspace
+        into = [compile_piece(fn) if compile_layers else fn for fn in INTO]
+        (self.pre_linear, self.post_linear, self.pre_full, self.pre_full_rows, self.post_full, self.final,
+         self.final_rows) = into
+        self.graphs: dict[int, list[Callable[[], None]]] = {}
+
+    def pieces(self, bucket: int, seqpos: torch.Tensor, rows: torch.Tensor) -> list[Callable[[], None]]:
+        """Piece j = post of stage j-1 (if any) + pre of stage j; the last piece ends with the head."""
+        ws, fwd, ops = self.ws, self.fwd, self.fwd.ops
+        cap, rcap = bucket, row_capacity(bucket)
+        assert cap <= ws.capacity and rcap <= ws.rows and seqpos.shape[0] == cap and rows.shape[0] == rcap
+        h = ws.h[:cap]
+
+        def post(stage: Any) -> None:
+            d, w = stage.dims, stage.weights
+            if stage.kind == LINEAR:
+                self.post_linear(ops, d, w, h, ws.lo[:cap], ws.z[:cap])
+            elif stage.kind == FULL:
+                self.post_full(ops, d, w, h, ws.fo[:cap], ws.gate[:cap])
+            else:
+                self.post_full(ops, d, w, ws.rh[:rcap], ws.ro[:rcap], ws.rgate[:rcap])
+
+        def pre(stage: Any) -> None:
+            d, w = stage.dims, stage.weights
+            if stage.kind == LINEAR:
+                self.pre_linear(ops, d, w, h, seqpos, ws.lq[:cap], ws.lk[:cap], ws.lv[:cap], ws.g[:cap],
+                                ws.beta[:cap], ws.z[:cap])
+            elif stage.kind == FULL:
+                self.pre_full(ops, d, w, h, ws.cos[:cap], ws.sin[:cap], ws.fq[:cap], ws.fk[:cap], ws.fv[:cap],
+                              ws.gate[:cap])
+            else:
+                self.pre_full_rows(ops, d, w, h, ws.cos[:cap], ws.sin[:cap], rows, ws.rq[:rcap], ws.fk[:cap],
+                                   ws.fv[:cap], ws.rgate[:rcap], ws.rh[:rcap])
+
+        def head() -> None:
+            if fwd.pruned:
+                self.final(ops, None, fwd.head, ws.rh[:rcap], ws.scores[:rcap])
+            else:
+                self.final_rows(ops, None, fwd.head, h, rows, ws.scores[:rcap])
+
+        stages = fwd.stages
+        out: list[Callable[[], None]] = []
+        for j in range(len(stages) + 1):
+            before = stages[j - 1] if j > 0 else None
+            after = stages[j] if j < len(stages) else None
+
+            def piece(before: Any = before, after: Any = after) -> None:
+                if before is not None:
+                    post(before)
+                if after is not None:
+                    pre(after)
+                else:
+                    head()
+
+            out.append(piece)
+        return out
+
+    def capture(self, buckets: Sequence[int], inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                capture: Capture, warm: Callable[[Callable[[], None]], None]) -> None:
+        """Largest bucket first. ``inputs(bucket)`` gives its static seqpos and rows views; ``warm`` runs a piece
+        once before capture (compilation and lazy library set-up must not happen inside a capture)."""
+        for bucket in sorted(buckets, reverse=True):
+            pieces = self.pieces(bucket, *inputs(bucket))
+            for piece in pieces:
+                warm(piece)
+            self.graphs[bucket] = [capture(piece) for piece in pieces]
+
+    def prologue(self, bucket: int, h: torch.Tensor, positions: torch.Tensor) -> None:
+        """Embeddings of the real tokens into the static hidden state (inert rows zeroed) and RoPE tables for the
+        bucket's rows. ``positions``: (3, bucket), the tail at 0."""
+        ws, tokens = self.ws, h.shape[0]
+        ws.h[:tokens].copy_(h)
+        ws.h[tokens:bucket].zero_()
+        if ws.cos is not None:
+            cos, sin = self.fwd.rope_tables(positions, h)
+            ws.cos[:bucket].copy_(cos)
+            ws.sin[:bucket].copy_(sin)
+
+    def replay(self, bucket: int, tokens: int, rows: int, b: Boundaries) -> torch.Tensor:
+        """After ``prologue``: the pack's head scores, (row capacity, verbalizers) fp32, the first ``rows`` real."""
+        ws, fwd, mix = self.ws, self.fwd, self.fwd.mixers
+        graphs = self.graphs[bucket]
+        t = slice(0, tokens)
+        for stage, graph in zip(fwd.stages, graphs):
+            graph()
+            d = stage.dims
+            if stage.kind == LINEAR:
+                ws.lo[t].copy_(mix.gated_delta(ws.lq[t], ws.lk[t], ws.lv[t], ws.g[t], ws.beta[t], b))
+            elif stage.kind == FULL:
+                ws.fo[t].copy_(mix.attention(ws.fq[t], ws.fk[t], ws.fv[t], d.scale, fwd.causal, b))
+            else:
+                assert stage.kind == ROWS
+                ws.ro[:rows].copy_(mix.attention(ws.rq[:rows], ws.fk[t], ws.fv[t], d.scale, False, b,
+                                                 rows_only=True))
+        graphs[-1]()
+        return ws.scores[: row_capacity(bucket)]
+
+
+def cuda_capture(pool: Any) -> Capture:
+    """Capture a piece into a CUDA graph in the shared ``pool``; returns its replay."""
+
+    def capture(piece: Callable[[], None]) -> Callable[[], None]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            piece()
+        return graph.replay
+
+    return capture
+
+
+def cuda_warm(piece: Callable[[], None]) -> None:
+    """Run a piece once on a side stream, as CUDA graph capture requires of first calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        piece()
+    torch.cuda.current_stream().wait_stream(stream)

@@ -1,0 +1,128 @@
+"""The token mixers that read chunk boundaries: Gated DeltaNet (fla) and varlen attention (torch), and a plain
+torch stand-in of both for CPU tests.
+
+These run eagerly between the dense pieces (also when the pieces replay as CUDA graphs): their launch shapes
+depend on the boundaries. The boundaries come in a ``Boundaries`` built once per pack from the engine's persistent
+device buffer; its tensors are fresh views for every pack because fla and FlashQLA cache host-side preparation by
+tensor identity, and a reused tensor object would hand them the previous pack's boundaries.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+
+ALTERNATIVE = "run the reference engine instead (--engine reference, DQ_ENGINE=reference)"
+
+
+class FastPathUnavailable(RuntimeError):
+    """The fast engine cannot run here; the message says why and names the reference engine."""
+
+
+class Boundaries(NamedTuple):
+    cu: torch.Tensor  # (chunks + 1,) int32 on the device
+    cu_long: torch.Tensor  # the same, int64 (fla)
+    cu_host: torch.Tensor  # the same on the host (fla's cu_seqlens_cpu)
+    chunk_index: torch.Tensor  # (gdn chunks, 2) int64 on the device
+    max_length: int
+    cu_rows: torch.Tensor  # (chunks + 1,) int32: marker rows per chunk (pruned last layer)
+    max_rows: int
+
+
+class Mixers(Protocol):
+    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    b: Boundaries) -> torch.Tensor:
+        """(T, Hk, Dk) x2, (T, Hv, Dv), (T, Hv) x2 -> (T, Hv, Dv); the state restarts at every chunk."""
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  b: Boundaries, rows_only: bool = False) -> torch.Tensor:
+        """(Tq, H, D), (T, Hkv, D) x2 -> (Tq, H, D) within each chunk; ``rows_only``: queries are marker rows."""
+
+
+def _varlen_attn() -> Any:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        raise FastPathUnavailable(f"the fast engine needs torch >= 2.10 (torch.nn.attention.varlen); "
+                                  f"this is torch {torch.__version__}: {ALTERNATIVE}") from None
+    return varlen_attn
+
+
+def _chunk_gated_delta_rule() -> Any:
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as error:
+        raise FastPathUnavailable(
+            f"the fast engine needs flash-linear-attention for the Gated DeltaNet layers "
+            f"(pip install 'flash-linear-attention>=0.6' 'fla-core>=0.6', or the project's [gpu] extra; "
+            f"import failed: {error}): {ALTERNATIVE}") from None
+    return chunk_gated_delta_rule
+
+
+class CudaMixers:
+    """fla's chunked gated delta rule (FlashQLA's kernels on Hopper when installed) and torch's varlen attention."""
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise FastPathUnavailable(f"the fast engine needs a CUDA GPU and none is available: {ALTERNATIVE}")
+        self._gdn = _chunk_gated_delta_rule()
+        self._varlen = _varlen_attn()
+        # torch < 2.13 has no enable_gqa: the key/value heads are then repeated to the query heads.
+        self._native_gqa = "enable_gqa" in inspect.signature(self._varlen).parameters
+
+    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    b: Boundaries) -> torch.Tensor:
+        out, _ = self._gdn(q[None], k[None], v[None], g[None], beta[None], initial_state=None,
+                           output_final_state=False, use_qk_l2norm_in_kernel=True, cu_seqlens=b.cu_long,
+                           cu_seqlens_cpu=b.cu_host, chunk_indices=b.chunk_index)
+        return out[0]
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  b: Boundaries, rows_only: bool = False) -> torch.Tensor:
+        assert not (causal and rows_only), "marker-row queries need a noncausal layer"
+        extra: dict[str, Any] = {}
+        if q.shape[1] != k.shape[1]:
+            if self._native_gqa:
+                extra["enable_gqa"] = True
+            else:
+                groups = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        cu_q, max_q = (b.cu_rows, b.max_rows) if rows_only else (b.cu, b.max_length)
+        return self._varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, b.cu, max_q, b.max_length,
+                            scale=scale, window_size=(-1, 0) if causal else (-1, -1), **extra)
+
+
+class TorchMixers:
+    """The same two mixers one chunk at a time in plain torch (transformers' own delta rule, SDPA): the CPU
+    stand-in the unit tests run the packed forward with."""
+
+    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    b: Boundaries) -> torch.Tensor:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+        cu = b.cu_host.tolist()
+        out = torch.empty_like(v)
+        for start, stop in zip(cu[:-1], cu[1:]):
+            part = slice(start, stop)
+            core, _ = torch_chunk_gated_delta_rule(q[None, part], k[None, part], v[None, part], g=g[None, part],
+                                                   beta=beta[None, part], initial_state=None,
+                                                   output_final_state=False, use_qk_l2norm_in_kernel=True)
+            out[part] = core[0].to(out.dtype)
+        return out
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  b: Boundaries, rows_only: bool = False) -> torch.Tensor:
+        cu = b.cu.tolist()
+        cu_q = b.cu_rows.tolist() if rows_only else cu
+        groups = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        for i in range(len(cu) - 1):
+            qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu[i], cu[i + 1])
+            query = q[qs].transpose(0, 1)[None]
+            key, value = (x[ks].repeat_interleave(groups, dim=1).transpose(0, 1)[None] for x in (k, v))
+            out[qs] = F.scaled_dot_product_attention(query, key, value, scale=scale,
+                                                     is_causal=causal)[0].transpose(0, 1)
+        return out

@@ -1,0 +1,196 @@
+"""Qwen3.5 decoder layers re-expressed over one packed (tokens, hidden) sequence, with the checkpoint's weights.
+
+Each layer is split at its token mixer: ``pre_*`` (norm, projections, convolution, gates, q/k norms, RoPE) and
+``post_*`` (output gate and projection, residual, MLP) are dense and row-local, so they can be compiled and
+captured in CUDA graphs; the mixer between them (Gated DeltaNet or varlen attention) reads the chunk boundaries
+and runs eagerly (worker/kernels.py). transformers is never patched: the weights are read from its modules, and
+the projections a layer applies to the same input are concatenated into one matrix (a copy: one GEMM instead of
+three or four).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .ops import Dense, Linear, Ops, softcap_head
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+class Mlp(NamedTuple):
+    norm: torch.Tensor  # post_attention_layernorm
+    gate_up: Linear  # [gate_proj; up_proj]
+    down: Linear
+
+
+class LinearAttn(NamedTuple):
+    norm: torch.Tensor  # input_layernorm
+    in_proj: Linear  # [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a]
+    conv: torch.Tensor  # (conv_dim, taps)
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    out_norm: torch.Tensor  # the gated RMSNorm's weight
+    out_proj: Linear
+    mlp: Mlp
+
+
+class FullAttn(NamedTuple):
+    norm: torch.Tensor
+    qkv: Linear  # [q_proj (query and gate, per head); k_proj; v_proj]
+    q: Linear  # the q_proj rows of qkv alone (pruned last layer)
+    kv: Linear  # the k_proj and v_proj rows alone
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: Linear
+    mlp: Mlp
+
+
+class LinearDims(NamedTuple):
+    key_dim: int
+    value_dim: int
+    k_heads: int
+    v_heads: int
+    head_k: int
+    head_v: int
+    eps: float
+
+
+class FullDims(NamedTuple):
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    eps: float
+
+
+class Head(NamedTuple):
+    norm: torch.Tensor  # the backbone's final norm
+    proj: Dense
+    softcap: float | None
+    eps: float
+
+
+def _dense(*modules: torch.nn.Linear) -> Dense:
+    weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+    biases = [m.bias for m in modules]
+    bias = None if all(b is None for b in biases) else torch.cat([
+        (b.detach() if b is not None else torch.zeros(m.out_features, dtype=weight.dtype, device=weight.device))
+        for m, b in zip(modules, biases)])
+    return Dense(weight, bias)
+
+
+def _split(w: Dense, start: int, stop: int) -> Dense:
+    return Dense(w.weight[start:stop], None if w.bias is None else w.bias[start:stop])
+
+
+def _mlp(layer: Any) -> Mlp:
+    mlp = layer.mlp
+    return Mlp(layer.post_attention_layernorm.weight.detach(), _dense(mlp.gate_proj, mlp.up_proj),
+               _dense(mlp.down_proj))
+
+
+def linear_layer(layer: Any) -> tuple[LinearAttn, LinearDims]:
+    attn = layer.linear_attn
+    assert attn.conv1d.bias is None, "Qwen3.5's convolution has no bias"
+    assert attn.activation in ("silu", "swish"), f"unexpected activation {attn.activation}"
+    weights = LinearAttn(
+        layer.input_layernorm.weight.detach(),
+        _dense(attn.in_proj_qkv, attn.in_proj_z, attn.in_proj_b, attn.in_proj_a),
+        attn.conv1d.weight.detach()[:, 0], attn.A_log.detach(), attn.dt_bias.detach(),
+        attn.norm.weight.detach(), _dense(attn.out_proj), _mlp(layer))
+    dims = LinearDims(attn.key_dim, attn.value_dim, attn.num_k_heads, attn.num_v_heads, attn.head_k_dim,
+                      attn.head_v_dim, float(layer.input_layernorm.eps))
+    return weights, dims
+
+
+def full_layer(layer: Any) -> tuple[FullAttn, FullDims]:
+    attn = layer.self_attn
+    qkv = _dense(attn.q_proj, attn.k_proj, attn.v_proj)
+    q_rows = attn.q_proj.out_features
+    weights = FullAttn(layer.input_layernorm.weight.detach(), qkv, _split(qkv, 0, q_rows),
+                       _split(qkv, q_rows, qkv.weight.shape[0]), attn.q_norm.weight.detach(),
+                       attn.k_norm.weight.detach(), _dense(attn.o_proj), _mlp(layer))
+    heads = attn.q_proj.out_features // (2 * attn.head_dim)
+    dims = FullDims(heads, attn.k_proj.out_features // attn.head_dim, attn.head_dim, float(attn.scaling),
+                    float(layer.input_layernorm.eps))
+    return weights, dims
+
+
+def head_weights(language_model: Any, proj: torch.nn.Linear, softcap: float | None) -> Head:
+    return Head(language_model.norm.weight.detach(), _dense(proj), softcap, float(language_model.norm.eps))
+
+
+# ---- dense pieces: (tokens, hidden) in, row-local, no knowledge of chunk boundaries except ``seqpos`` ----
+
+def mlp_block(ops: Ops, w: Mlp, h: torch.Tensor, eps: float) -> torch.Tensor:
+    x = ops.rms_norm(h, w.norm, eps)
+    return h + ops.linear(ops.swiglu(ops.linear(x, w.gate_up)), w.down)
+
+
+def pre_linear(ops: Ops, d: LinearDims, w: LinearAttn, h: torch.Tensor, seqpos: torch.Tensor
+               ) -> tuple[torch.Tensor, ...]:
+    """-> q (T, Hk, Dk), k (T, Hk, Dk), v (T, Hv, Dv), g (T, Hv) fp32, beta (T, Hv), z (T, value_dim)."""
+    tokens = h.shape[0]
+    x = ops.rms_norm(h, w.norm, d.eps)
+    qkv, z, b, a = ops.linear(x, w.in_proj).split([2 * d.key_dim + d.value_dim, d.value_dim, d.v_heads,
+                                                    d.v_heads], dim=-1)
+    mixed = ops.conv_silu(qkv, w.conv, seqpos)
+    q, k, v = mixed.split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
+    g, beta = ops.gdn_gates(a, b, w.a_log, w.dt_bias)
+    return (q.view(tokens, d.k_heads, d.head_k), k.view(tokens, d.k_heads, d.head_k),
+            v.view(tokens, d.v_heads, d.head_v), g, beta, z)
+
+
+def post_linear(ops: Ops, d: LinearDims, w: LinearAttn, h: torch.Tensor, o: torch.Tensor, z: torch.Tensor
+                ) -> torch.Tensor:
+    """o: the delta rule's output (T, Hv, Dv)."""
+    tokens = h.shape[0]
+    core = ops.gated_rms_norm(o.reshape(-1, d.head_v), z.reshape(-1, d.head_v), w.out_norm, d.eps)
+    h = h + ops.linear(core.reshape(tokens, d.value_dim), w.out_proj)
+    return mlp_block(ops, w.mlp, h, d.eps)
+
+
+def _query_gate(ops: Ops, d: FullDims, w: FullAttn, projected: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = projected.shape[0]
+    query, gate = projected.view(rows, d.heads, 2 * d.head_dim).chunk(2, dim=-1)
+    return ops.rms_norm(query, w.q_norm, d.eps), gate.reshape(rows, d.heads * d.head_dim)
+
+
+def pre_full(ops: Ops, d: FullDims, w: FullAttn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, ...]:
+    """-> q (T, H, D), k (T, Hkv, D), v (T, Hkv, D), gate (T, H * D)."""
+    tokens = h.shape[0]
+    x = ops.rms_norm(h, w.norm, d.eps)
+    q_size, kv_size = 2 * d.heads * d.head_dim, d.kv_heads * d.head_dim
+    qg, k, v = ops.linear(x, w.qkv).split([q_size, kv_size, kv_size], dim=-1)
+    q, gate = _query_gate(ops, d, w, qg)
+    k = ops.rms_norm(k.view(tokens, d.kv_heads, d.head_dim), w.k_norm, d.eps)
+    return ops.rope(q, cos, sin), ops.rope(k, cos, sin), v.view(tokens, d.kv_heads, d.head_dim), gate
+
+
+def pre_full_rows(ops: Ops, d: FullDims, w: FullAttn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The pruned last layer: keys and values for every token, queries only at the marker ``rows``.
+    -> q (R, H, D), k (T, Hkv, D), v (T, Hkv, D), gate (R, H * D), h (R, hidden)."""
+    tokens = h.shape[0]
+    x = ops.rms_norm(h, w.norm, d.eps)
+    k, v = ops.linear(x, w.kv).split([d.kv_heads * d.head_dim] * 2, dim=-1)
+    k = ops.rms_norm(k.view(tokens, d.kv_heads, d.head_dim), w.k_norm, d.eps)
+    q, gate = _query_gate(ops, d, w, ops.linear(x[rows], w.q))
+    return (ops.rope(q, cos[rows], sin[rows]), ops.rope(k, cos, sin), v.view(tokens, d.kv_heads, d.head_dim),
+            gate, h[rows])
+
+
+def post_full(ops: Ops, d: FullDims, w: FullAttn, h: torch.Tensor, o: torch.Tensor, gate: torch.Tensor
+              ) -> torch.Tensor:
+    """o: attention output (rows, H, D); also the pruned layer's second half, on marker rows only."""
+    h = h + ops.linear(o.reshape(h.shape[0], -1) * torch.sigmoid(gate), w.o_proj)
+    return mlp_block(ops, w.mlp, h, d.eps)
+
+
+def final(ops: Ops, w: Head, h: torch.Tensor) -> torch.Tensor:
+    """Final norm and the decision head on marker rows ``h`` -> (rows, verbalizers) fp32."""
+    return softcap_head(ops.rms_norm(h, w.norm, w.eps), w.proj, w.softcap)

@@ -1,0 +1,167 @@
+"""Layout of one pack: chunks concatenated into one padding-free sequence, and the host buffer that describes it.
+
+Pure CPU code (unit-tested without a GPU). A pack is the chunks in order, ``cu_seqlens`` at their boundaries, a
+position within its chunk for every token (the convolution never reads across a boundary), M-RoPE positions that
+restart at 0 for every chunk, and the marker rows the head reads. With static buckets the pack is padded to the
+bucket's size: the tail rows are inert (position 0, never read by a real row, never passed to the attention or
+delta-rule kernels, which see the real tokens only).
+
+Everything the device needs goes through one flat int64 host buffer (``Regions``) so that one pinned copy moves it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .encoder import Chunk
+
+GDN_CHUNK = 64  # the gated delta rule kernels' chunk size (fla's default)
+_ALIGN = 64  # region offsets in int64 elements: keeps every device view 16-byte aligned
+
+
+def choose_bucket(tokens: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket that holds ``tokens``; None when none does (the pack runs eagerly)."""
+    ordered = sorted(buckets)
+    index = bisect.bisect_left(ordered, tokens)
+    return ordered[index] if index < len(ordered) else None
+
+
+def row_capacity(bucket: int) -> int:
+    """Marker rows a bucket's graphs compute: a pack with more runs eagerly. Every row is a distinct token."""
+    return min(bucket, max(64, bucket // 8))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each chunk of a pack lies and what the forward computes for it."""
+
+    lengths: tuple[int, ...]
+    questions: tuple[int, ...]
+    capacity: int  # token rows the dense layers compute: the bucket, or the real tokens when eager
+    rows_capacity: int  # marker rows the last layer and head compute
+    bucket: int | None
+
+    def __post_init__(self) -> None:
+        assert self.lengths and all(n > 0 for n in self.lengths), "a pack holds non-empty chunks"
+        assert self.capacity >= self.tokens and self.rows_capacity >= self.rows
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def rows(self) -> int:
+        return sum(self.questions)
+
+    @property
+    def cu_seqlens(self) -> list[int]:
+        return np.concatenate([[0], np.cumsum(self.lengths)]).tolist()
+
+    @property
+    def cu_rows(self) -> list[int]:
+        return np.concatenate([[0], np.cumsum(self.questions)]).tolist()
+
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths)
+
+    @property
+    def max_questions(self) -> int:
+        return max(self.questions)
+
+    @property
+    def gdn_chunks(self) -> int:
+        return sum(-(-n // GDN_CHUNK) for n in self.lengths)
+
+
+def plan(chunks: Sequence[Chunk], buckets: Sequence[int]) -> Layout:
+    """The layout of ``chunks``: in the smallest bucket that holds them (and their rows), else eager."""
+    lengths = tuple(chunk.length for chunk in chunks)
+    questions = tuple(len(chunk.questions) for chunk in chunks)
+    tokens, rows = sum(lengths), sum(questions)
+    bucket = choose_bucket(tokens, buckets)
+    if bucket is not None and rows > row_capacity(bucket):
+        bucket = None
+    if bucket is None:
+        return Layout(lengths, questions, tokens, rows, None)
+    return Layout(lengths, questions, bucket, row_capacity(bucket), bucket)
+
+
+def gdn_chunk_indices(lengths: Sequence[int]) -> np.ndarray:
+    """(chunks, 2) [sequence, chunk within it] for every 64-token chunk: what fla computes from cu_seqlens on the
+    host. Handing it over avoids fla's device-to-host copy."""
+    counts = np.array([-(-n // GDN_CHUNK) for n in lengths], dtype=np.int64)
+    seq = np.repeat(np.arange(len(lengths), dtype=np.int64), counts)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+    return np.stack([seq, within], axis=1)
+
+
+RopeIndex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def chunk_positions(chunk: Chunk, rope_index: RopeIndex | None) -> np.ndarray:
+    """(3, length) M-RoPE positions of one chunk, from 0: the text positions, or the backbone's
+    ``get_rope_index`` where the chunk holds images."""
+    if not chunk.has_images:
+        return np.broadcast_to(np.arange(chunk.length, dtype=np.int64), (3, chunk.length))
+    assert rope_index is not None and chunk.mm_token_type_ids is not None, "image chunks need M-RoPE positions"
+    positions, _ = rope_index(chunk.input_ids[None], chunk.mm_token_type_ids[None],
+                              image_grid_thw=chunk.image_grid_thw)
+    return positions[:, 0].numpy().astype(np.int64, copy=False)
+
+
+@dataclass(frozen=True)
+class Regions:
+    """Offsets of the flat int64 buffer that carries a pack to the device (host and device share them)."""
+
+    capacity: int  # most token rows
+    ids: int
+    positions: int  # 3 rows of ``capacity``
+    seqpos: int
+    rows: int  # ``capacity`` entries: marker rows never outnumber tokens
+    cu: int  # capacity + 1
+    cu_rows: int  # capacity + 1
+    chunk_index: int  # 2 * (capacity // GDN_CHUNK + capacity)
+    size: int
+
+    @classmethod
+    def for_capacity(cls, capacity: int) -> Regions:
+        sizes = {"ids": capacity, "positions": 3 * capacity, "seqpos": capacity, "rows": capacity,
+                 "cu": capacity + 1, "cu_rows": capacity + 1,
+                 "chunk_index": 2 * (capacity // GDN_CHUNK + capacity)}
+        offsets, cursor = {}, 0
+        for name, size in sizes.items():
+            offsets[name] = cursor
+            cursor += -(-size // _ALIGN) * _ALIGN
+        return cls(capacity=capacity, size=cursor, **offsets)
+
+    def fill(self, buffer: np.ndarray, layout: Layout, chunks: Sequence[Chunk], positions: Sequence[np.ndarray],
+             pad_id: int) -> None:
+        """Write ``layout`` into ``buffer`` (a host view of the flat buffer). Tails up to the capacities are reset
+        so that a bucket's inert rows read position 0 and marker row 0."""
+        assert buffer.shape == (self.size,) and layout.capacity <= self.capacity
+        cap, rcap, tokens, rows = layout.capacity, layout.rows_capacity, layout.tokens, layout.rows
+        starts = layout.cu_seqlens[:-1]
+        ids = buffer[self.ids: self.ids + cap]
+        ids[:tokens] = np.concatenate([chunk.input_ids.numpy() for chunk in chunks])
+        ids[tokens:] = pad_id
+        pos = buffer[self.positions: self.positions + 3 * self.capacity].reshape(3, self.capacity)
+        pos[:, :tokens] = np.concatenate(positions, axis=1)
+        pos[:, tokens:cap] = 0
+        seqpos = buffer[self.seqpos: self.seqpos + cap]
+        seqpos[:tokens] = np.concatenate([np.arange(n, dtype=np.int64) for n in layout.lengths])
+        seqpos[tokens:] = 0
+        marker = buffer[self.rows: self.rows + rcap]
+        marker[:rows] = np.concatenate([chunk.rows.numpy() + start for chunk, start in zip(chunks, starts)])
+        marker[rows:] = 0
+        count = len(layout.lengths)
+        buffer[self.cu: self.cu + count + 1] = layout.cu_seqlens
+        buffer[self.cu_rows: self.cu_rows + count + 1] = layout.cu_rows
+        index = gdn_chunk_indices(layout.lengths)
+        buffer[self.chunk_index: self.chunk_index + index.size] = index.reshape(-1)
