@@ -34,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     Settings.add_arguments(serve_cmd)
     serve_cmd.set_defaults(run=_serve)
 
+    check_cmd = commands.add_parser("check", help="exit 0 if a worker's health endpoint answers 200")
+    check_cmd.add_argument("--url", default=f"http://127.0.0.1:{os.environ.get('DQ_METRICS_PORT', '9400')}")
+    check_cmd.add_argument("--live", action="store_true", help="liveness (/healthz) instead of readiness")
+    check_cmd.set_defaults(run=lambda a: __import__("worker.health", fromlist=["check"]).check(
+        a.url, "/healthz" if a.live else "/readyz"))
+
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -89,6 +89,10 @@ class DecisionModel:
     def offsets(self) -> dict[str, int]:
         return dict(self.model.config.offsets)
 
+    def max_options(self, kind: str) -> int:
+        """Options the head can score for a question type: its rows from the type's offset on."""
+        return self.model.config.num_verbalizers - self.offsets[kind]
+
     @property
     def softcap(self) -> float | None:
         return self.model.config.softcap

@@ -40,6 +40,7 @@ class Settings:
     consumer: str = _opt("", "consumer name in the group (default: host-pid)")
     block_ms: int = _opt(1000, "blocking read timeout; kept below the socket timeout")
     read_count: int = _opt(64, "entries fetched per read")
+    max_inflight: int = _opt(512, "entries held at once (read, planned, queued or computing); reading pauses above")
     claim_idle_ms: int = _opt(60000, "reclaim entries pending longer than this from dead consumers")
     max_deliveries: int = _opt(5, "dead-letter an entry delivered more often than this")
     result_ttl_s: int = _opt(86400, "how long results stay readable")

@@ -85,6 +85,7 @@ class Encoder:
         self.multimodal = model.multimodal
         self.max_length = model.max_length
         self.max_image_pixels = max_image_pixels
+        self.max_options = {kind: model.max_options(kind) for kind in Question.questions_types}
         template = self.config.chat_template or DECISION_PROMPT
         self.one_prompt_for_all = "questions" in _get_template_variables(template)
 
@@ -116,6 +117,12 @@ class Encoder:
             prompts = prepare_inputs(self.config, body, self.processor)
         except (ValueError, TemplateError, TypeError) as error:
             raise RequestError(ErrorCode.INVALID_REQUEST, str(error)) from None
+        for _, questions in prompts:
+            for q in questions:
+                if len(q.options) > self.max_options[q.type]:
+                    raise RequestError(ErrorCode.INVALID_REQUEST, (
+                        f"Question {q.name!r}: this model's head scores at most {self.max_options[q.type]} options "
+                        f"for a {q.type} question, got {len(q.options)}"))
         return [_chunk(inputs, questions) for inputs, questions in prompts]
 
     def _length(self, body: dict[str, Any], names: Sequence[str]) -> int:

@@ -84,6 +84,10 @@ def test_model_specific_limits_are_invalid_requests(loaded):
     with pytest.raises(RequestError, match="at most 16 options") as error:
         Encoder(loaded("judge")).plan(request(questions={"c": {"type": "choice", "criteria": options}}))
     assert error.value.code == ErrorCode.INVALID_REQUEST
+    # The repo head has 24 rows and choice options start at row 8: 16 options at most, though 26 labels exist.
+    with pytest.raises(RequestError, match="scores at most 16 options") as error:
+        Encoder(loaded("repo")).plan(request(questions={"c": {"type": "choice", "criteria": options}}))
+    assert error.value.code == ErrorCode.INVALID_REQUEST
 
 
 def test_over_length_requests_split_by_question(loaded):

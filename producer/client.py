@@ -1,0 +1,251 @@
+"""Python producer: submit System One requests to the queue and wait for their results (sync and asyncio).
+
+Submitting is one Lua call per batch that refuses the whole batch when the request stream already holds more than
+``max_unfinished`` entries (workers delete entries once answered, so its length is the unfinished work). Waiting is
+a blocking ``XREAD`` on the request's result stream, which keeps its one entry until the TTL: a result published
+while nobody waited is still there, and can be read again.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from .keys import GROUP, Keys
+from .schema import Request, Result, describe
+
+# KEYS[1] request stream; ARGV[1] limit (0: none); ARGV[2..] request bodies. All or nothing.
+SUBMIT = """
+local limit = tonumber(ARGV[1])
+local length = redis.call('XLEN', KEYS[1])
+if limit > 0 and length + #ARGV - 1 > limit then
+  return redis.error_reply('QUEUEFULL ' .. length .. ' unfinished entries, limit ' .. limit)
+end
+local ids = {}
+for i = 2, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'body', ARGV[i]) end
+return ids
+"""
+BATCH = 500  # requests per Lua call: bounds the time Redis spends in one script
+BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
+SOCKET_TIMEOUT = 5.0
+
+
+class QueueFull(RuntimeError):
+    """Backpressure: the stream holds more unfinished requests than the producer's limit."""
+
+
+class InvalidRequest(ValueError):
+    """The request fails the wire schema; nothing was sent."""
+
+
+class ResultTimeout(TimeoutError):
+    """No result within the timeout; the request stays queued and its result can be fetched later."""
+
+
+def connect(url: str, cluster: bool = False, **options: Any) -> Any:
+    """A client with timeouts that suit blocking reads (rediss:// URLs give TLS)."""
+    options = {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT,
+               "health_check_interval": 30, **options}
+    if cluster:
+        return redis.RedisCluster.from_url(url, **options)
+    return redis.Redis.from_url(url, **options)
+
+
+def aconnect(url: str, cluster: bool = False, **options: Any) -> Any:
+    options = {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT,
+               "health_check_interval": 30, **options}
+    if cluster:
+        return aioredis.RedisCluster.from_url(url, **options)
+    return aioredis.Redis.from_url(url, **options)
+
+
+def prepare(request: Request | Mapping[str, Any], max_bytes: int = 8 << 20) -> tuple[str, str]:
+    """Validate, give an id if it has none, serialize: (id, body)."""
+    try:
+        parsed = request if isinstance(request, Request) else Request.model_validate(request)
+    except ValidationError as error:
+        raise InvalidRequest(describe(error)) from None
+    if parsed.id is None:
+        parsed = parsed.model_copy(update={"id": uuid.uuid4().hex})
+    body = parsed.model_dump_json(exclude_none=True)
+    if len(body.encode()) > max_bytes:
+        raise InvalidRequest(f"request is {len(body.encode())} bytes, over the {max_bytes}-byte limit")
+    return parsed.id, body
+
+
+def parse_result(fields: Mapping[bytes, bytes]) -> Result:
+    return Result.model_validate_json(fields[b"body"])
+
+
+def _raise_queue_full(error: redis.ResponseError) -> None:
+    if str(error).startswith("QUEUEFULL"):
+        raise QueueFull(str(error)[len("QUEUEFULL "):]) from None
+    raise error
+
+
+class Client:
+    """Synchronous producer. ``max_unfinished=0`` disables the backpressure check."""
+
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "dq", max_unfinished: int = 100_000,
+                 cluster: bool = False, connection: Any = None) -> None:
+        self.redis = connection or connect(url, cluster)
+        self.keys = Keys(namespace)
+        self.max_unfinished = max_unfinished
+        self._submit = self.redis.register_script(SUBMIT)
+
+    def submit(self, request: Request | Mapping[str, Any]) -> str:
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Iterable[Request | Mapping[str, Any]]) -> list[str]:
+        """Send requests in all-or-nothing batches of 500; returns their ids in order."""
+        prepared = [prepare(r) for r in requests]
+        for start in range(0, len(prepared), BATCH):
+            self.send([body for _, body in prepared[start: start + BATCH]])
+        return [request_id for request_id, _ in prepared]
+
+    def send(self, bodies: list[str]) -> None:
+        """Enqueue already prepared bodies (see ``prepare``), all or none; raises QueueFull."""
+        try:
+            self._submit(keys=[self.keys.requests], args=[self.max_unfinished, *bodies])
+        except redis.ResponseError as error:
+            _raise_queue_full(error)
+
+    def fetch(self, request_id: str) -> Result | None:
+        """The result if it is there (non-blocking)."""
+        reply = self.redis.xrange(self.keys.result(request_id), count=1)
+        return parse_result(reply[0][1]) if reply else None
+
+    def wait(self, request_id: str, timeout: float | None = 60.0) -> Result:
+        return self.wait_many([request_id], timeout)[request_id]
+
+    def wait_many(self, request_ids: Iterable[str], timeout: float | None = 60.0) -> dict[str, Result]:
+        """Results of all ``request_ids``; raises ResultTimeout naming how many are missing."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = list(dict.fromkeys(request_ids))
+        done: dict[str, Result] = {}
+        while waiting:
+            # Everything already there, in one round trip (one key per command: fine on Redis Cluster too).
+            with self.redis.pipeline(transaction=False) as pipe:
+                for request_id in waiting:
+                    pipe.xrange(self.keys.result(request_id), count=1)
+                replies = pipe.execute()
+            for request_id, reply in zip(waiting, replies):
+                if reply:
+                    done[request_id] = parse_result(reply[0][1])
+            waiting = [r for r in waiting if r not in done]
+            if not waiting:
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ResultTimeout(f"{len(waiting)} of {len(done) + len(waiting)} results not there yet")
+            block = BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
+            # Block on the oldest one: when it lands, the others are likely there too.
+            self.redis.xread({self.keys.result(waiting[0]): "0-0"}, count=1, block=block)
+        return done
+
+    def decide(self, request: Request | Mapping[str, Any], timeout: float | None = 60.0) -> Result:
+        """Submit and wait."""
+        return self.wait(self.submit(request), timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return queue_stats(self.redis, self.keys)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio producer, same methods as ``Client``."""
+
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "dq", max_unfinished: int = 100_000,
+                 cluster: bool = False, connection: Any = None) -> None:
+        self.redis = connection or aconnect(url, cluster)
+        self.keys = Keys(namespace)
+        self.max_unfinished = max_unfinished
+        self._submit = self.redis.register_script(SUBMIT)
+
+    async def submit(self, request: Request | Mapping[str, Any]) -> str:
+        return (await self.submit_many([request]))[0]
+
+    async def submit_many(self, requests: Iterable[Request | Mapping[str, Any]]) -> list[str]:
+        prepared = [prepare(r) for r in requests]
+        for start in range(0, len(prepared), BATCH):
+            bodies = [body for _, body in prepared[start: start + BATCH]]
+            try:
+                await self._submit(keys=[self.keys.requests], args=[self.max_unfinished, *bodies])
+            except redis.ResponseError as error:
+                _raise_queue_full(error)
+        return [request_id for request_id, _ in prepared]
+
+    async def fetch(self, request_id: str) -> Result | None:
+        reply = await self.redis.xrange(self.keys.result(request_id), count=1)
+        return parse_result(reply[0][1]) if reply else None
+
+    async def wait(self, request_id: str, timeout: float | None = 60.0) -> Result:
+        return (await self.wait_many([request_id], timeout))[request_id]
+
+    async def wait_many(self, request_ids: Iterable[str], timeout: float | None = 60.0) -> dict[str, Result]:
+        """As ``Client.wait_many``: one connection however many results are awaited."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = list(dict.fromkeys(request_ids))
+        done: dict[str, Result] = {}
+        while waiting:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for request_id in waiting:
+                    pipe.xrange(self.keys.result(request_id), count=1)
+                replies = await pipe.execute()
+            for request_id, reply in zip(waiting, replies):
+                if reply:
+                    done[request_id] = parse_result(reply[0][1])
+            waiting = [r for r in waiting if r not in done]
+            if not waiting:
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ResultTimeout(f"{len(waiting)} of {len(done) + len(waiting)} results not there yet")
+            block = BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
+            await self.redis.xread({self.keys.result(waiting[0]): "0-0"}, count=1, block=block)
+        return done
+
+    async def decide(self, request: Request | Mapping[str, Any], timeout: float | None = 60.0) -> Result:
+        return await self.wait(await self.submit(request), timeout)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def queue_stats(connection: Any, keys: Keys) -> dict[str, Any]:
+    """Stream lengths, pending and lag of the worker group, consumers, dead letters, live workers."""
+    out: dict[str, Any] = {}
+    for name, stream in (("requests", keys.requests), ("chunks", keys.chunks)):
+        entry: dict[str, Any] = {"length": connection.xlen(stream)}
+        try:
+            groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
+                      for g in connection.xinfo_groups(stream)}
+        except redis.ResponseError:  # no such stream yet
+            groups = {}
+        group = groups.get(GROUP)
+        if group:
+            entry.update(pending=group["pending"], lag=group.get("lag"), consumers=group["consumers"])
+        out[name] = entry
+    out["dead_letters"] = connection.xlen(keys.dead)
+    out["workers"] = len(connection.hkeys(keys.workers()))
+    return out

@@ -1,0 +1,449 @@
+"""The worker daemon: Redis on one asyncio thread, planning on CPU threads, packs on the main (GPU) thread.
+
+    reader ──> planner threads ──> work queue ──> packer ─> engine ─> readout ──> settle (publish, ack)
+      └─ maintenance: own pending on start, reclaim dead consumers, keep long work alive, stats, heartbeat
+
+Queue state (in-flight entries, tasks) lives on the asyncio thread only; the GPU thread hands results back with
+``call_soon_threadsafe``. SIGTERM stops reading, finishes and acknowledges what is in flight, and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import redis
+import torch
+
+from producer.client import aconnect
+from producer.keys import Keys
+from producer.schema import ErrorCode, RequestError
+
+from . import checkpoint
+from . import engine as engines
+from .config import Settings
+from .intake import Intake
+from .metrics import Metrics
+from .packer import Packer
+from .planner import Planner, request_id_of
+from .readout import answer, option_logits
+from .results import Outcome, Publisher, error_outcome, part_groups, task_outcome
+from .tasks import CHUNKS, Delivery, Item, Task
+
+log = logging.getLogger("worker")
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+VERSION = "0.1.0"
+
+
+def reply_to_of(delivery: Delivery, keys: Keys) -> str | None:
+    try:
+        value = json.loads(delivery.fields.get(b"body", b"")).get("reply_to")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, str) and value.startswith(keys.reply_prefix) else None
+
+
+class Daemon:
+    def __init__(self, settings: Settings, model: checkpoint.DecisionModel | None = None) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.namespace, settings.shard)
+        self.consumer = settings.consumer_name
+        self.metrics = Metrics()
+        self.model = model or checkpoint.load(settings.checkpoint, settings.device, settings.dtype,
+                                              settings.max_chunk_tokens)
+        self.engine = engines.create(self.model, settings)
+        self.planner = Planner(self.model, settings)
+        self.pool = ThreadPoolExecutor(settings.planner_threads, thread_name_prefix="planner")
+        self.work: queue.Queue[Item] = queue.Queue()
+        self.packer = Packer(self.work, self.engine.max_pack_tokens, settings.max_wait_ms / 1000)
+        self.stopping = threading.Event()
+        self.stop_deadline = float("inf")
+        self.loop = asyncio.new_event_loop()
+        self.inflight: dict[str, Delivery] = {}  # entry id -> delivery; loop thread only
+        self.ready = threading.Event()
+        self.redis_ok = False
+        self.beats: dict[str, float] = {}
+        self.metrics.info.labels(VERSION, self.model.name, self.engine.name, str(self.model.device)).set(1)
+
+    # ---------------------------------------------------------------- lifecycle (main thread)
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        redis_thread = threading.Thread(target=self._run_loop, name="redis", daemon=True)
+        redis_thread.start()
+        self.engine.warmup()
+        self.ready.set()
+        log.info("ready: model %s, engine %s on %s, consumer %s", self.model.name, self.engine.name,
+                 self.model.device, self.consumer)
+        self._gpu_loop()
+        redis_thread.join(timeout=max(5.0, self.settings.drain_timeout_s))
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        left = len(self.inflight)
+        log.info("stopped: %d entries left pending for other workers", left)
+        return 0
+
+    def stop(self) -> None:
+        if not self.stopping.is_set():
+            self.stop_deadline = time.monotonic() + self.settings.drain_timeout_s
+            self.stopping.set()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self.stopping.is_set():
+            log.warning("second signal: exiting without draining")
+            os._exit(1)
+        log.info("%s: draining %d in-flight entries", signal.Signals(signum).name, len(self.inflight))
+        self.stop()
+
+    def _drained(self) -> bool:
+        return not self.inflight or time.monotonic() > self.stop_deadline
+
+    # ---------------------------------------------------------------- GPU thread
+
+    def _gpu_loop(self) -> None:
+        in_flight: tuple[list[Item], engines.Pending] | None = None
+        while not (self.stopping.is_set() and self._drained() and in_flight is None):
+            self.beats["gpu"] = time.time()
+            self.metrics.heartbeat.labels("gpu").set(self.beats["gpu"])
+            pack = self._take(wait=in_flight is None)
+            if in_flight is not None:
+                self._finish(*in_flight)
+                in_flight = None
+            if pack:
+                try:
+                    in_flight = (pack, self.engine.launch([item.chunk for item in pack]))
+                except Exception as error:  # noqa: BLE001 - isolated below, chunk by chunk
+                    self._isolate(pack, error)
+
+    def _take(self, wait: bool) -> list[Item]:
+        pack = []
+        for item in self.packer.next(wait=wait):
+            if item.task.cancelled:
+                continue
+            if item.task.expired:  # no compute for work past its deadline
+                self.loop.call_soon_threadsafe(self._task_expired, item.task)
+                continue
+            pack.append(item)
+        return pack
+
+    def _finish(self, pack: list[Item], pending: engines.Pending) -> None:
+        try:
+            run = pending.wait()
+        except Exception as error:  # noqa: BLE001
+            self._isolate(pack, error)
+            return
+        m = self.metrics
+        m.forward.labels(str(run.bucket) if run.bucket else "eager").observe(run.seconds)
+        m.fill.observe(run.tokens / max(run.capacity, 1))
+        m.tokens.inc(run.tokens)
+        m.packs.labels("graph" if run.graph else "eager").inc()
+        if self.model.device.type == "cuda":
+            m.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(self.model.device))
+            m.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved(self.model.device))
+            m.gpu_memory.labels("peak").set(torch.cuda.max_memory_allocated(self.model.device))
+        config = self.model.decision_config
+        for item, scores in zip(pack, run.scores):
+            questions = item.chunk.questions
+            answers = [answer(config, q, logits)
+                       for q, logits in zip(questions, option_logits(self.model, questions, scores))]
+            seconds = run.seconds * item.tokens / max(run.tokens, 1)
+            self.loop.call_soon_threadsafe(self._chunk_done, item, answers, seconds)
+
+    def _isolate(self, pack: list[Item], error: BaseException) -> None:
+        """A failed pack: run halves again until the failing chunk is alone; the others are answered."""
+        if isinstance(error, getattr(torch, "AcceleratorError", ())):
+            log.critical("the GPU failed (%s): exiting so that the supervisor restarts this worker", error)
+            os._exit(70)
+        if len(pack) == 1:
+            log.warning("chunk of %s failed: %r", pack[0].task.request_id, error)
+            self.loop.call_soon_threadsafe(self._task_failed, pack[0].task, f"{type(error).__name__}: {error}")
+            return
+        for half in (pack[: len(pack) // 2], pack[len(pack) // 2:]):
+            try:
+                pending = self.engine.launch([item.chunk for item in half])
+            except Exception as again:  # noqa: BLE001
+                self._isolate(half, again)
+                continue
+            self._finish(half, pending)
+
+    # ---------------------------------------------------------------- asyncio thread
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        finally:
+            self.loop.close()
+
+    async def _main(self) -> None:
+        s = self.settings
+        self.redis = aconnect(s.redis_url)
+        self.intake = Intake(self.redis, self.keys, self.consumer)
+        self.publisher = Publisher(self.redis, self.keys, s.result_ttl_s, self.model.name)
+        self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
+        self.room = asyncio.Event()
+        self.room.set()
+        await self._until_connected(self.intake.ensure_groups, "create groups")
+        settler = asyncio.create_task(self._settler())
+        upkeep = asyncio.create_task(self._maintenance())
+        await self._reader()
+        while not self._drained():
+            await asyncio.sleep(0.05)
+        upkeep.cancel()
+        settler.cancel()
+        try:
+            await self.redis.hdel(self.keys.workers(), self.consumer)
+            await self.redis.aclose()
+        except REDIS_ERRORS:
+            pass
+
+    async def _until_connected(self, call: Any, what: str) -> Any:
+        delay = 0.1
+        while True:
+            try:
+                result = await call()
+                if not self.redis_ok:
+                    log.info("redis reachable")
+                self.redis_ok = True
+                return result
+            except REDIS_ERRORS as error:
+                self.metrics.redis_errors.labels(what).inc()
+                if self.redis_ok:
+                    log.warning("redis unreachable (%s): %s; retrying", what, error)
+                self.redis_ok = False
+                if self.stopping.is_set() and time.monotonic() > self.stop_deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _reader(self) -> None:
+        s = self.settings
+        recover = True  # own pending entries first: at start, and after a reply may have been lost
+        while not self.stopping.is_set():
+            self.metrics.heartbeat.labels("reader").set(time.time())
+            self.beats["reader"] = time.time()
+            if len(self.inflight) >= s.max_inflight:
+                self.room.clear()
+                try:
+                    await asyncio.wait_for(self.room.wait(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            try:
+                if recover:
+                    deliveries = [d for d in await self.intake.own_pending(s.read_count)
+                                  if d.entry_id not in self.inflight]
+                    how, recover = "recovered", False
+                else:
+                    deliveries = await self.intake.read(s.read_count, s.block_ms)
+                    how = "read"
+                self.redis_ok = True
+            except redis.ResponseError as error:
+                if "NOGROUP" not in str(error):
+                    raise
+                log.error("consumer group missing (Redis lost its data?): recreating it; unread entries are lost")
+                self.metrics.groups_recreated.inc()
+                await self._until_connected(self.intake.ensure_groups, "create groups")
+                continue
+            except REDIS_ERRORS as error:
+                self.metrics.redis_errors.labels("read").inc()
+                if self.redis_ok:
+                    log.warning("redis read failed: %s; retrying", error)
+                self.redis_ok, recover = False, True
+                await asyncio.sleep(0.5)
+                continue
+            for delivery in deliveries:
+                self._accept(delivery, how)
+
+    def _accept(self, d: Delivery, how: str) -> None:
+        if d.entry_id in self.inflight:
+            return
+        m = self.metrics
+        self.inflight[d.entry_id] = d
+        m.inflight.set(len(self.inflight))
+        m.entries.labels(d.stream, how).inc()
+        if d.deliveries > 1:
+            m.redeliveries.labels(d.stream).inc()
+        if d.deliveries <= 1:
+            m.queue_wait.observe(max(0.0, d.taken - d.enqueued_ms / 1000))
+        if not d.fields:  # pending, but its payload was trimmed away: nothing to answer with
+            log.error("entry %s of %s has no payload any more (trimmed?): acknowledged", d.entry_id, d.key)
+            m.lost.inc()
+            asyncio.ensure_future(self._ack_only(d))
+        elif d.deliveries > self.settings.max_deliveries:
+            asyncio.ensure_future(self._dead_letter(d, f"delivered {d.deliveries} times without finishing"))
+        else:
+            asyncio.ensure_future(self._plan(d))
+
+    async def _plan(self, d: Delivery) -> None:
+        start = time.perf_counter()
+        body = None
+        try:
+            if d.stream == CHUNKS:
+                request_id = request_id_of(d)
+                body = await self._until_connected(lambda: self.redis.get(self.keys.body(request_id)), "get body")
+                if body is None:
+                    raise RequestError(ErrorCode.INTERNAL, "the request body of this part is gone (Redis lost it?)")
+            task = await self.loop.run_in_executor(self.pool, self.planner.plan, d, body)
+        except RequestError as error:
+            self._settle(error_outcome(d, request_id_of(d), error.code, error.message, self.model.name,
+                                       reply_to_of(d, self.keys)))
+            return
+        except Exception as error:  # noqa: BLE001 - a planner bug must not take the daemon down
+            log.exception("planning %s failed", d.entry_id)
+            self._entry_failed(d, f"{type(error).__name__}: {error}")
+            return
+        finally:
+            self.metrics.planning.observe(time.perf_counter() - start)
+        if d.stream != CHUNKS and len(task.chunks) > 1 and task.tokens > self.settings.fanout_tokens:
+            groups = part_groups(task, self.settings.fanout_tokens)
+            if len(groups) > 1:
+                await self._until_connected(lambda: self.publisher.fan_out(task, groups), "fan out")
+                self.metrics.fanouts.inc()
+                self._release(d)
+                return
+        for index, chunk in enumerate(task.chunks):
+            self.work.put(Item(task, index, chunk))
+
+    def _chunk_done(self, item: Item, answers: list, seconds: float) -> None:
+        task = item.task
+        if task.cancelled:
+            return
+        task.answers.update({a.name: a for a in answers})
+        task.compute_seconds += seconds
+        task.remaining -= 1
+        if task.remaining == 0:
+            self._settle(task_outcome(task, self.model.name))
+
+    def _task_expired(self, task: Task) -> None:
+        if task.cancelled or task.remaining == 0:
+            return
+        task.cancelled = True
+        self._settle(error_outcome(task.delivery, task.request_id, ErrorCode.DEADLINE_EXCEEDED,
+                                   "the deadline passed before compute", self.model.name, task.request.reply_to))
+
+    def _task_failed(self, task: Task, reason: str) -> None:
+        if not task.cancelled:
+            task.cancelled = True
+            self._entry_failed(task.delivery, reason)
+
+    def _entry_failed(self, d: Delivery, reason: str) -> None:
+        """Retry (the delivery counter goes up) until the cap, then dead-letter with an error result."""
+        if d.deliveries >= self.settings.max_deliveries:
+            asyncio.ensure_future(self._dead_letter(d, reason))
+        else:
+            self.metrics.retries.inc()
+            asyncio.ensure_future(self._retry(d))
+
+    async def _retry(self, d: Delivery) -> None:
+        fresh = await self._until_connected(lambda: self.intake.claim_again(d), "claim")
+        self._release(d)
+        if fresh is not None:
+            self._accept(fresh, "retried")
+
+    async def _dead_letter(self, d: Delivery, reason: str) -> None:
+        log.error("dead-lettering %s of %s after %d deliveries: %s", d.entry_id, d.key, d.deliveries, reason)
+        await self._until_connected(lambda: self.publisher.dead_letter(d, reason), "dead letter")
+        self.metrics.dead_letters.inc()
+        self._settle(error_outcome(d, request_id_of(d), ErrorCode.DEAD_LETTERED,
+                                   f"gave up after {d.deliveries} deliveries: {reason}", self.model.name,
+                                   reply_to_of(d, self.keys)))
+
+    async def _ack_only(self, d: Delivery) -> None:
+        await self._until_connected(lambda: self.publisher.ack([d]), "ack")
+        self._release(d)
+
+    def _release(self, d: Delivery) -> None:
+        self.inflight.pop(d.entry_id, None)
+        self.metrics.inflight.set(len(self.inflight))
+        self.room.set()
+
+    def _settle(self, outcome: Outcome) -> None:
+        self.outcomes.put_nowait(outcome)
+
+    async def _settler(self) -> None:
+        while True:
+            batch = [await self.outcomes.get()]
+            while not self.outcomes.empty() and len(batch) < 512:
+                batch.append(self.outcomes.get_nowait())
+            try:
+                done = await self._until_connected(lambda: self.publisher.settle(batch), "publish")
+            except Exception:  # noqa: BLE001 - never drop a batch: log, wait, try again
+                log.exception("publishing %d outcomes failed; retrying", len(batch))
+                for outcome in batch:
+                    self.outcomes.put_nowait(outcome)
+                await asyncio.sleep(1.0)
+                continue
+            now = time.time()
+            for outcome, result, published in done:
+                self._release(outcome.delivery)
+                if result is not None and published:
+                    code = result.error.code.value if result.error else ""
+                    self.metrics.results.labels(result.status, code).inc()
+                    self.metrics.latency.observe(max(0.0, now - outcome.delivery.enqueued_ms / 1000))
+
+    async def _maintenance(self) -> None:
+        s = self.settings
+        every = max(0.1, min(5.0, s.claim_idle_ms / 4000))
+        last_stats = 0.0
+        while True:
+            await asyncio.sleep(every)
+            self.metrics.heartbeat.labels("maintenance").set(time.time())
+            try:
+                await self.intake.keep_alive(list(self.inflight.values()))
+                reclaimed, gone = await self.intake.reclaim(s.claim_idle_ms, s.read_count)
+                if gone:
+                    log.error("%d pending entries had no payload any more (trimmed?)", gone)
+                    self.metrics.lost.inc(gone)
+                for d in reclaimed:
+                    if d.entry_id not in self.inflight:
+                        log.info("reclaimed %s of %s (delivery %d)", d.entry_id, d.key, d.deliveries)
+                        self._accept(d, "reclaimed")
+                if time.monotonic() - last_stats > 5:
+                    last_stats = time.monotonic()
+                    for stream, st in (await self.intake.group_stats()).items():
+                        self.metrics.stream_length.labels(stream).set(st["length"])
+                        self.metrics.stream_pending.labels(stream).set(st["pending"])
+                        if st["lag"] is not None:
+                            self.metrics.stream_lag.labels(stream).set(st["lag"])
+                    beat = {"ts": time.time(), "inflight": len(self.inflight), "model": self.model.name,
+                            "engine": self.engine.name}
+                    await self.redis.hset(self.keys.workers(), self.consumer, json.dumps(beat))
+            except redis.ResponseError as error:
+                if "NOGROUP" in str(error):  # the reader recreates it
+                    continue
+                log.warning("maintenance: %s", error)
+            except REDIS_ERRORS as error:
+                self.metrics.redis_errors.labels("maintenance").inc()
+                log.debug("maintenance: redis unavailable: %s", error)
+
+
+def serve(settings: Settings) -> int:
+    from .logs import setup_logging
+
+    setup_logging(settings.log_format, settings.log_level)
+    if not settings.checkpoint:
+        log.error("--checkpoint (DQ_CHECKPOINT) is required")
+        return 2
+    try:
+        daemon = Daemon(settings)
+    except (checkpoint.CheckpointError, ValueError, ImportError) as error:
+        log.error("cannot start: %s", error)
+        return 2
+    if settings.metrics_port:
+        from .health import serve_http
+
+        try:
+            serve_http(daemon, settings.metrics_port)
+        except OSError as error:
+            log.error("cannot serve metrics on port %d: %s", settings.metrics_port, error)
+            return 2
+    return daemon.run()

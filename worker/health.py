@@ -1,0 +1,71 @@
+"""HTTP endpoints of a worker: ``/metrics`` (Prometheus), ``/healthz`` (liveness), ``/readyz`` (readiness).
+
+Liveness comes from the loops' own heartbeats, not from Redis: a Redis outage makes a worker unready, never
+restarts it. Readiness: model loaded, graphs captured (warm-up done) and Redis reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+STALE_SECONDS = 30.0  # a loop that has not turned for this long is stuck (a pack takes far less)
+
+
+def status(daemon: Any) -> dict[str, Any]:
+    now = time.time()
+    beats = dict(daemon.beats)
+    stuck = [name for name, beat in beats.items() if now - beat > STALE_SECONDS]
+    if daemon.ready.is_set() and "gpu" not in beats:
+        stuck.append("gpu")
+    return {"live": not stuck, "stuck": stuck, "ready": daemon.ready.is_set() and daemon.redis_ok and not stuck,
+            "model_loaded": True, "warm": daemon.ready.is_set(), "redis": daemon.redis_ok,
+            "inflight": len(daemon.inflight), "stopping": daemon.stopping.is_set()}
+
+
+def serve_http(daemon: Any, port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            if self.path == "/metrics":
+                daemon.metrics.ready.set(1 if status(daemon)["ready"] else 0)
+                self._send(200, generate_latest(daemon.metrics.registry), CONTENT_TYPE_LATEST)
+                return
+            state = status(daemon)
+            if self.path == "/healthz":
+                self._send(200 if state["live"] else 503, json.dumps(state).encode(), "application/json")
+            elif self.path == "/readyz":
+                self._send(200 if state["ready"] else 503, json.dumps(state).encode(), "application/json")
+            else:
+                self._send(404, b"not found\n", "text/plain")
+
+        def _send(self, code: int, body: bytes, content_type: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:  # scrapes are not state changes
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    return server
+
+
+def check(url: str, path: str = "/readyz", timeout: float = 3.0) -> int:
+    """``python -m worker check``: 0 when the endpoint answers 200, else 1 (for container health checks)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout) as reply:
+            print(reply.read().decode())
+            return 0 if reply.status == 200 else 1
+    except OSError as error:
+        body = getattr(error, "read", lambda: b"")()
+        print(body.decode() if body else f"unreachable: {error}")
+        return 1
