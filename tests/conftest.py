@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import sys
 from pathlib import Path
@@ -14,15 +12,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def png(color: str = "red", size: tuple[int, int] = (64, 48), fmt: str = "PNG") -> str:
-    """An inline image as a request asset carries it."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new("RGB", size, color).save(buffer, fmt)
-    return base64.b64encode(buffer.getvalue()).decode()
 
 
 @pytest.fixture(scope="session")

@@ -393,9 +393,8 @@ class Daemon:
     async def _maintenance(self) -> None:
         s = self.settings
         every = max(0.1, min(5.0, s.claim_idle_ms / 4000))
-        last_stats = 0.0
+        last_stats = float("-inf")
         while True:
-            await asyncio.sleep(every)
             self.metrics.heartbeat.labels("maintenance").set(time.time())
             try:
                 await self.intake.keep_alive(list(self.inflight.values()))
@@ -424,6 +423,7 @@ class Daemon:
             except REDIS_ERRORS as error:
                 self.metrics.redis_errors.labels("maintenance").inc()
                 log.debug("maintenance: redis unavailable: %s", error)
+            await asyncio.sleep(every)
 
 
 def serve(settings: Settings) -> int:

@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("fla", reason="the fast engine needs flash-linear-attention")
 
-from conftest import png  # noqa: E402
+from support import png  # noqa: E402
 from producer.schema import Request  # noqa: E402
 from worker import checkpoint, tiny  # noqa: E402
 from worker.config import Settings  # noqa: E402

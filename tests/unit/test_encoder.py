@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import png
+from support import png
 from producer.schema import ErrorCode, Request, RequestError
 from worker.encoder import Encoder
 

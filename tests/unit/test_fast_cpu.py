@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
-from conftest import png
+from support import png
 from producer.schema import Request
 from worker import fp8, ops
 from worker.config import Settings

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 from transformers.decision import prepare_inputs
 
-from conftest import png
+from support import png
 from producer.schema import Request
 from worker.encoder import Encoder
 from worker.readout import answer, option_logits

@@ -1,0 +1,97 @@
+"""Real redis-server processes and real worker processes (tiny checkpoint, CPU) for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from worker.redis_server import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+class WorkerProcess:
+    """``python -m worker serve`` as a child process, with its metrics port."""
+
+    def __init__(self, checkpoint: Path, redis_url: str, log: Path, **settings: object) -> None:
+        self.port = free_port()
+        self.log = log
+        args = [sys.executable, "-m", "worker", "serve", "--checkpoint", str(checkpoint), "--redis-url", redis_url,
+                "--metrics-port", str(self.port), "--device", "cpu"]
+        for name, value in settings.items():
+            flag = "--" + name.replace("_", "-")
+            args += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS="1")
+        self.process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    def wait_ready(self, timeout: float = 120.0) -> WorkerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                if self.get("/readyz")[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"worker not ready:\n{self.log.read_text()[-3000:]}")
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """Samples keyed by (name, sorted labels)."""
+        out = {}
+        for family in text_string_to_metric_families(self.get("/metrics")[1]):
+            for sample in family.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        return sum(v for (n, ls), v in self.metrics().items()
+                   if n == name and all(dict(ls).get(k) == val for k, val in labels.items()))
+
+    def signal(self, sig: int) -> None:
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        return self.process.wait(timeout)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+
+@pytest.fixture
+def start_worker(tmp_path):
+    started: list[WorkerProcess] = []
+
+    def start(checkpoint: Path, redis_url: str, ready: bool = True, **settings: object) -> WorkerProcess:
+        worker = WorkerProcess(checkpoint, redis_url, tmp_path / f"worker-{len(started)}.log", **settings)
+        started.append(worker)
+        return worker.wait_ready() if ready else worker
+
+    yield start
+    for worker in started:
+        worker.stop()

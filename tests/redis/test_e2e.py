@@ -1,0 +1,210 @@
+"""End to end: real redis-server, real worker processes on the tiny checkpoint (CPU), the real producer."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from support import png
+from producer.client import Client
+from producer.schema import Request
+from worker.encoder import Encoder
+from worker.readout import answer, option_logits
+from worker.reference import ReferenceEngine
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+QUESTIONS = {
+    "spam": {"type": "noul", "instructions": "Is this spam?"},
+    "tone": {"type": "choice", "criteria": {"calm": "polite", "angry": None, "pushy": "pressure"}},
+    "urgency": {"type": "score", "criteria": ["low", "medium", "high"]},
+}
+
+
+def requests(n: int, tag: str = "r") -> list[dict]:
+    out = []
+    for i in range(n):
+        questions = dict(list(QUESTIONS.items())[: 1 + i % 3])
+        out.append({"id": f"{tag}-{i}", "state": f"Message number {i}: " + "please refund me " * (i % 7),
+                    "questions": questions})
+    return out
+
+
+def expected_probabilities(model, request: dict) -> dict[str, list[float]]:
+    """The in-process reference path on the same checkpoint."""
+    chunks = Encoder(model).plan(Request.model_validate(request))
+    out = {}
+    for chunk, scores in zip(chunks, ReferenceEngine(model).forward(chunks)):
+        for q, logits in zip(chunk.questions, option_logits(model, chunk.questions, scores)):
+            out[q.name] = answer(model.decision_config, q, logits).probabilities
+    return out
+
+
+def result_entries(client: Client, request_id: str) -> int:
+    return client.redis.xlen(client.keys.result(request_id))
+
+
+def test_many_requests_through_two_workers(redis_server, start_worker, tiny_dir, loaded):
+    # Parts of over-length requests must spread: each worker holds one entry at a time.
+    settings = dict(max_chunk_tokens=220, fanout_tokens=200, read_count=1, max_inflight=1)
+    workers = [start_worker(tiny_dir, redis_server.url, **settings) for _ in range(2)]
+    client = Client(redis_server.url)
+    batch = requests(40)
+    batch.append({"id": "image", "state": "Look at img-1.", "questions": QUESTIONS,
+                  "assets": {"img-1": {"type": "image", "format": "png", "data_base64": png("red", (64, 64))}}})
+    many = {f"q{i}": {"type": "choice", "instructions": f"Question {i}?", "criteria": {"yes": "so", "no": "not"}}
+            for i in range(24)}
+    batch += [{"id": f"long-{k}", "state": f"A state for long request {k}.", "questions": many} for k in range(2)]
+    ids = client.submit_many(batch)
+    results = client.wait_many(ids, timeout=180)
+
+    model = loaded("repo", 220)
+    for request in batch:
+        result = results[request["id"]]
+        assert result.ok, result.error
+        assert list(result.answers) == list(request["questions"])  # request order, each question once
+        if request["id"].startswith("long"):
+            assert result.usage.parts > 1 and result.usage.prompts >= result.usage.parts
+            # each part ran the reference path on its own questions: compare per part-sized chunk
+            continue
+        expected = expected_probabilities(model, request)
+        for name, probabilities in expected.items():
+            assert torch.allclose(torch.tensor(result.probabilities[name]), torch.tensor(probabilities),
+                                  atol=1e-4), (request["id"], name)
+    assert all(result_entries(client, r) == 1 for r in ids)  # exactly one result each
+    # The long requests' parts went through the chunk stream, and both workers took some.
+    parts_read = [w.metric("dq_entries_read_total", stream="chunks") for w in workers]
+    assert sum(parts_read) == sum(results[f"long-{k}"].usage.parts for k in range(2))
+    assert all(n >= 1 for n in parts_read), parts_read
+    assert client.redis.xlen(client.keys.requests) == 0 and client.redis.xlen(client.keys.chunks) == 0
+
+
+def test_long_request_parts_equal_the_reference(redis_server, start_worker, tiny_dir, loaded):
+    start_worker(tiny_dir, redis_server.url, max_chunk_tokens=220, fanout_tokens=200)
+    many = {f"q{i}": {"type": "noul", "instructions": f"Is statement {i} true?"} for i in range(20)}
+    request = {"id": "long", "state": "Some state.", "questions": many}
+    result = Client(redis_server.url).decide(request, timeout=120)
+    assert result.ok and result.usage.parts > 1
+    model = loaded("repo", 220)
+    expected = expected_probabilities(model, request)  # the same question grouping, in process
+    for name in many:
+        assert result.probabilities[name] == pytest.approx(expected[name], abs=1e-4)
+
+
+def test_bad_input_is_answered_at_once_and_harms_nothing(redis_server, start_worker, tiny_dir):
+    worker = start_worker(tiny_dir, redis_server.url, max_entry_bytes=200_000)
+    client = Client(redis_server.url)
+    stream = client.keys.requests
+    raw = {
+        "not-json": "{oops",
+        "wrong-types": json.dumps({"id": "wrong-types", "state": "x", "questions": {"q": {"type": "noul",
+                                                                                          "criteria": 5}}}),
+        "unknown-type": json.dumps({"id": "unknown-type", "state": "x", "questions": {"q": {"type": "maybe"}}}),
+        "missing": json.dumps({"id": "missing", "questions": {"q": {"type": "noul"}}}),
+        "huge": json.dumps({"id": "huge", "state": "x" * 300_000, "questions": {"q": {"type": "noul"}}}),
+        "surrogate": '{"id": "surrogate", "state": "\\ud800", "questions": {"q": {"type": "noul"}}}',
+        "path": json.dumps({"id": "path", "state": "see img-1", "assets": {"img-1": "/etc/passwd"},
+                            "questions": {"q": {"type": "noul"}}}),
+        "bomb": json.dumps({"id": "bomb", "state": "img-1", "questions": {"q": {"type": "noul"}},
+                            "assets": {"img-1": {"data_base64": png("red", (5000, 5000))}}}),
+        "late": json.dumps({"id": "late", "state": "x", "deadline_ms": 1000, "questions": {"q": {"type": "noul"}}}),
+        "good": json.dumps({"id": "good", "state": "fine", "questions": {"q": {"type": "noul"}}}),
+    }
+    entry_ids = {name: client.redis.xadd(stream, {"body": body}).decode() for name, body in raw.items()}
+    entry_ids["no-body"] = client.redis.xadd(stream, {"other": "field"}).decode()
+    expected = {"not-json": "invalid_json", "wrong-types": "invalid_request", "unknown-type": "invalid_request",
+                "missing": "invalid_request", "huge": "too_large", "surrogate": "invalid_request",
+                "path": "invalid_request", "bomb": "invalid_image", "late": "deadline_exceeded",
+                "no-body": "invalid_request"}
+    # Unparseable bodies are answered under their entry id; the others under their own id.
+    result_ids = {name: entry_ids[name] if name in ("not-json", "no-body") else name for name in expected}
+    results = client.wait_many([*result_ids.values(), "good"], timeout=60)
+    for name, code in expected.items():
+        result = results[result_ids[name]]
+        assert result.status == "error" and result.error.code.value == code, (name, result)
+        assert result.error.message
+    assert results["good"].ok
+    assert "5000x5000" in results["bomb"].error.message
+    assert worker.metric("dq_results_total", status="error") == len(expected)
+    assert worker.metric("dq_tokens_total") == results["good"].usage.tokens  # no compute for bad input
+    assert client.redis.xlen(stream) == 0  # everything acknowledged and deleted
+
+
+def test_dead_letters(redis_server, start_worker, tiny_dir):
+    client = Client(redis_server.url)
+    keys = client.keys
+    client.redis.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
+    client.redis.xgroup_create(keys.chunks, keys.group, id="0", mkstream=True)
+    entry = client.submit({"id": "poison", "state": "x", "questions": {"q": {"type": "noul"}}})
+    # A consumer that took the entry and crashed again and again: each claim bumps the delivery counter.
+    client.redis.xreadgroup(keys.group, "crashy", {keys.requests: ">"})
+    [(entry_id, _)] = client.redis.xrange(keys.requests)
+    for _ in range(5):
+        client.redis.xclaim(keys.requests, keys.group, "crashy", 0, [entry_id])
+    worker = start_worker(tiny_dir, redis_server.url, claim_idle_ms=300, max_deliveries=5)
+    result = client.wait(entry, timeout=60)
+    assert result.error.code.value == "dead_lettered" and "deliveries" in result.error.message
+    [(_, fields)] = client.redis.xrange(keys.dead)
+    assert fields[b"entry_id"] == entry_id and int(fields[b"deliveries"]) == 7 and b"body" in fields
+    assert worker.metric("dq_dead_letters_total") == 1
+    assert client.redis.xlen(keys.requests) == 0
+
+
+def test_sigterm_drains_in_flight_work_and_exits_0(redis_server, start_worker, tiny_dir):
+    first = start_worker(tiny_dir, redis_server.url, max_inflight=16, read_count=8)
+    client = Client(redis_server.url)
+    ids = client.submit_many(requests(150, "drain"))
+    client.wait(ids[0], timeout=60)
+    first.signal(signal.SIGTERM)
+    assert first.wait(60) == 0
+    keys = client.keys
+    assert client.redis.xpending(keys.requests, keys.group)["pending"] == 0  # nothing left half done
+    answered = [r for r in ids if client.fetch(r) is not None]
+    assert 0 < len(answered) < len(ids)
+    second = start_worker(tiny_dir, redis_server.url)
+    client.wait_many(ids, timeout=120)
+    assert all(result_entries(client, r) == 1 for r in ids)
+    assert second.metric("dq_redeliveries_total") == 0  # the drained worker left nothing to redo
+
+
+def test_kill_9_mid_work_the_other_worker_finishes(redis_server, start_worker, tiny_dir):
+    victim = start_worker(tiny_dir, redis_server.url, claim_idle_ms=1500, max_inflight=64, read_count=64)
+    client = Client(redis_server.url)
+    ids = client.submit_many(requests(120, "kill"))
+    client.wait(ids[0], timeout=60)
+    victim.process.kill()
+    victim.wait(10)
+    keys = client.keys
+    assert client.redis.xpending(keys.requests, keys.group)["pending"] > 0  # it died holding entries
+    survivor = start_worker(tiny_dir, redis_server.url, claim_idle_ms=1500)
+    results = client.wait_many(ids, timeout=180)
+    assert all(results[r].ok for r in ids)
+    assert all(result_entries(client, r) == 1 for r in ids)
+    assert survivor.metric("dq_entries_read_total", how="reclaimed") > 0
+
+
+def test_cli_submit_wait_out(redis_server, start_worker, tiny_dir, tmp_path):
+    start_worker(tiny_dir, redis_server.url)
+    lines = [json.dumps(r) for r in requests(5, "cli")] + ["{broken", json.dumps({"id": "no-questions",
+                                                                                   "state": "x"})]
+    source = tmp_path / "requests.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "results.jsonl"
+    done = subprocess.run([sys.executable, "-m", "producer", "submit", "--redis", redis_server.url, str(source),
+                           "--wait", "--out", str(out), "--timeout", "120", "--quiet"],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    results = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert len(results) == 7
+    for i in range(5):
+        assert results[f"cli-{i}"]["status"] == "ok" and results[f"cli-{i}"]["answers"]
+        assert set(results[f"cli-{i}"]["logits"]) == set(results[f"cli-{i}"]["answers"])
+    assert results["line-6"]["error"]["code"] == "invalid_json"
+    assert results["no-questions"]["error"]["code"] == "invalid_request"
+    stats = subprocess.run([sys.executable, "-m", "producer", "stats", "--redis", redis_server.url],
+                           capture_output=True, text=True, timeout=60)
+    assert json.loads(stats.stdout)["requests"]["length"] == 0
