@@ -49,6 +49,21 @@ class DecisionProcessor(Qwen3VLProcessor):
         self.vision_start_token_id, self.vision_end_token_id = ids(self.vision_start_token), ids(self.vision_end_token)
 
 
+@dataclass(frozen=True)
+class RenderSpec:
+    """What rendering and tokenizing need of a checkpoint, without the weights: picklable, so planner
+    processes can build their own encoders."""
+
+    decision_config: DecisionConfig
+    processor: Any
+    multimodal: bool
+    max_length: int
+    options: dict[str, int]  # options the head scores per question type
+
+    def max_options(self, kind: str) -> int:
+        return self.options[kind]
+
+
 @dataclass
 class DecisionModel:
     """A loaded checkpoint: the model, how to render requests for it, and the facts the engines need."""
@@ -92,6 +107,10 @@ class DecisionModel:
     def max_options(self, kind: str) -> int:
         """Options the head can score for a question type: its rows from the type's offset on."""
         return self.model.config.num_verbalizers - self.offsets[kind]
+
+    def render_spec(self) -> RenderSpec:
+        return RenderSpec(self.decision_config, self.processor, self.multimodal, self.max_length,
+                          {kind: self.max_options(kind) for kind in self.offsets})
 
     @property
     def softcap(self) -> float | None:

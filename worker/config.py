@@ -33,6 +33,7 @@ class Settings:
     prune_last: bool = _opt(True, "last layer computes only the marker rows (fast path)")
     fp8: bool = _opt(False, "FP8 rowwise matmuls (fast path, Hopper)")
     planner_threads: int = _opt(2, "threads that validate, render and tokenize requests")
+    planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU)")
     # Queue
     redis_url: str = _opt("redis://127.0.0.1:6379/0", "Redis URL (rediss:// for TLS)")
     namespace: str = _opt("dq", "prefix of every Redis name of this deployment")

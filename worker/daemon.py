@@ -17,7 +17,6 @@ import queue
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
@@ -61,7 +60,6 @@ class Daemon:
                                               settings.max_chunk_tokens)
         self.engine = engines.create(self.model, settings)
         self.planner = Planner(self.model, settings)
-        self.pool = ThreadPoolExecutor(settings.planner_threads, thread_name_prefix="planner")
         self.work: queue.Queue[Item] = queue.Queue()
         self.packer = Packer(self.work, self.engine.max_pack_tokens, settings.max_wait_ms / 1000)
         self.stopping = threading.Event()
@@ -80,13 +78,14 @@ class Daemon:
             signal.signal(sig, self._on_signal)
         redis_thread = threading.Thread(target=self._run_loop, name="redis", daemon=True)
         redis_thread.start()
+        self.planner.warmup()
         self.engine.warmup()
         self.ready.set()
         log.info("ready: model %s, engine %s on %s, consumer %s", self.model.name, self.engine.name,
                  self.model.device, self.consumer)
         self._gpu_loop()
         redis_thread.join(timeout=max(5.0, self.settings.drain_timeout_s))
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.planner.shutdown()
         left = len(self.inflight)
         log.info("stopped: %d entries left pending for other workers", left)
         return 0
@@ -292,7 +291,7 @@ class Daemon:
                 body = await self._until_connected(lambda: self.redis.get(self.keys.body(request_id)), "get body")
                 if body is None:
                     raise RequestError(ErrorCode.INTERNAL, "the request body of this part is gone (Redis lost it?)")
-            task = await self.loop.run_in_executor(self.pool, self.planner.plan, d, body)
+            task = await asyncio.wrap_future(self.planner.submit(d, body))
         except RequestError as error:
             self._settle(error_outcome(d, request_id_of(d), error.code, error.message, self.model.name,
                                        reply_to_of(d, self.keys)))

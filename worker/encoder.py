@@ -25,7 +25,7 @@ from transformers.utils.chat_template_utils import _get_template_variables
 
 from producer.schema import ErrorCode, Request, RequestError
 
-from .checkpoint import DecisionModel
+from .checkpoint import DecisionModel, RenderSpec
 
 _PIL_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
 
@@ -78,7 +78,7 @@ def decode_image(name: str, data_base64: str, max_pixels: int) -> Image.Image:
 class Encoder:
     """Renders and tokenizes requests for one model. Not thread-safe: give each planner thread its own."""
 
-    def __init__(self, model: DecisionModel, max_image_pixels: int = 4096 * 4096) -> None:
+    def __init__(self, model: DecisionModel | RenderSpec, max_image_pixels: int = 4096 * 4096) -> None:
         self.config = model.decision_config
         # Fast tokenizers raise "Already borrowed" when used from two threads: each encoder owns a copy.
         self.processor = copy.deepcopy(model.processor)

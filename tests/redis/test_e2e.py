@@ -84,7 +84,8 @@ def test_many_requests_through_two_workers(redis_server, start_worker, tiny_dir,
 
 
 def test_long_request_parts_equal_the_reference(redis_server, start_worker, tiny_dir, loaded):
-    start_worker(tiny_dir, redis_server.url, max_chunk_tokens=220, fanout_tokens=200)
+    # Planning in processes here (threads elsewhere): the same chunks either way.
+    start_worker(tiny_dir, redis_server.url, max_chunk_tokens=220, fanout_tokens=200, planner_processes=2)
     many = {f"q{i}": {"type": "noul", "instructions": f"Is statement {i} true?"} for i in range(20)}
     request = {"id": "long", "state": "Some state.", "questions": many}
     result = Client(redis_server.url).decide(request, timeout=120)
