@@ -27,16 +27,18 @@ def redis_server():
 class WorkerProcess:
     """``python -m worker serve`` as a child process, with its metrics port."""
 
-    def __init__(self, checkpoint: Path, redis_url: str, log: Path, **settings: object) -> None:
+    def __init__(self, checkpoint: Path, redis_url: str, log: Path, entry: list[str] | None = None,
+                 env: dict[str, str] | None = None, **settings: object) -> None:
         self.port = free_port()
         self.log = log
-        args = [sys.executable, "-m", "worker", "serve", "--checkpoint", str(checkpoint), "--redis-url", redis_url,
-                "--metrics-port", str(self.port), "--device", "cpu"]
+        # entry: another entry point taking the same flags (tests/redis/faulty_worker.py); env: extra variables
+        args = [sys.executable, *(entry or ["-m", "worker"]), "serve", "--checkpoint", str(checkpoint),
+                "--redis-url", redis_url, "--metrics-port", str(self.port), "--device", "cpu"]
         for name, value in settings.items():
             flag = "--" + name.replace("_", "-")
             args += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-                   OMP_NUM_THREADS="1")
+                   OMP_NUM_THREADS="1", **(env or {}))
         self.process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
     def get(self, path: str) -> tuple[int, str]:
@@ -87,8 +89,10 @@ class WorkerProcess:
 def start_worker(tmp_path):
     started: list[WorkerProcess] = []
 
-    def start(checkpoint: Path, redis_url: str, ready: bool = True, **settings: object) -> WorkerProcess:
-        worker = WorkerProcess(checkpoint, redis_url, tmp_path / f"worker-{len(started)}.log", **settings)
+    def start(checkpoint: Path, redis_url: str, ready: bool = True, entry: list[str] | None = None,
+              env: dict[str, str] | None = None, **settings: object) -> WorkerProcess:
+        worker = WorkerProcess(checkpoint, redis_url, tmp_path / f"worker-{len(started)}.log", entry, env,
+                               **settings)
         started.append(worker)
         return worker.wait_ready() if ready else worker
 
