@@ -1,0 +1,272 @@
+"""End-to-end benchmark: producers -> Redis -> the worker daemon (fast engine) -> results, on random weights.
+
+    python ops/bench/end_to_end.py --shape 2b --fp8 --requests 6000 --out results/e2e-2b-fp8
+
+One worker process runs the real daemon (intake, planner processes, packer, engine, Lua publication) on a random
+model at a real Qwen3.5 shape; requests are real System One JSON rendered by a decision template (the tiny
+checkpoint's tokenizer and template: token counts are what matter, the weights are random anyway). Phases:
+
+1. peak: a backlog of ``--requests`` standard requests (256-768 tokens, noul + 4-way choice + 5-level score) is
+   enqueued at once; throughput = tokens of all results / (first enqueue -> last result).
+2. latency: requests paced at ``--load`` x the peak rate for ``--latency-seconds``; enqueue-to-result p50/p99
+   from the results' own timings (stream entry id -> publication).
+3. in-process: the worker stopped, the same engine configuration times the same chunks without Redis, for the
+   end-to-end / in-process ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+QUESTIONS = {
+    "spam": {"type": "noul", "instructions": "Is this message spam?"},
+    "topic": {"type": "choice", "instructions": "What is it about?",
+              "criteria": {"billing": None, "delivery": None, "account": None, "other": None}},
+    "urgency": {"type": "score", "instructions": "How urgent is it?",
+                "criteria": ["none", "low", "medium", "high", "critical"]},
+}
+WORDS = ("the customer was charged twice for the order and the parcel arrived damaged please send a refund today "
+         "account billing delivery message urgent help support team reply week month phone free offer").split()
+
+
+def model_for(shape: str):
+    """A random model at ``shape`` that renders requests with the tiny checkpoint's tokenizer and template;
+    ``tiny``: the tiny checkpoint itself, on the CPU (checks this harness without a GPU)."""
+    import tempfile
+
+    from transformers.decision import DecisionConfig
+
+    from worker import checkpoint, tiny
+
+    if shape == "tiny":
+        return checkpoint.load(tiny.write(tempfile.mkdtemp(), multimodal=False), device="cpu")
+    from synthetic import random_model
+
+    model = random_model(shape)
+    model.decision_config = model.model.decision_config = DecisionConfig(chat_template=tiny.TINY_TEMPLATE.strip())
+    model.processor = tiny.build_tokenizer()
+    return model
+
+
+def settings_for(args: argparse.Namespace, **extra):
+    from worker.config import Settings
+
+    gpu = args.shape != "tiny"
+    return Settings(checkpoint="(random)", device="cuda" if gpu else "cpu", engine="fast" if gpu else "reference",
+                    fp8=args.fp8, compile=args.compile,
+                    cuda_graphs=not args.no_graphs, buckets=args.buckets, planner_processes=args.planner_processes,
+                    max_inflight=args.max_inflight, read_count=128, claim_idle_ms=600_000, **extra)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """The worker process: the real daemon around a random model."""
+    from worker.daemon import Daemon
+    from worker.health import serve_http
+    from worker.logs import setup_logging
+
+    setup_logging("text", "INFO")
+    daemon = Daemon(settings_for(args, redis_url=args.redis_url, metrics_port=args.metrics_port),
+                    model=model_for(args.shape))
+    serve_http(daemon, args.metrics_port)
+    return daemon.run()
+
+
+def make_requests(count: int, seed: int, encoder) -> list[dict]:
+    """Standard requests whose rendered prompts have 256-768 tokens (uniform)."""
+    from producer.schema import Request
+
+    rng = random.Random(seed)
+    probe = [Request.model_validate({"state": " ".join(WORDS[:n]) if n else "", "questions": QUESTIONS})
+             for n in (0, len(WORDS))]
+    base, full = (encoder.plan(r)[0].length for r in probe)
+    per_word = (full - base) / len(WORDS)
+    out = []
+    for i in range(count):
+        target = rng.randint(256, 768)
+        words = max(1, round((target - base) / per_word))
+        out.append({"id": f"b{seed}-{i}", "state": " ".join(rng.choice(WORDS) for _ in range(words)),
+                    "questions": QUESTIONS})
+    return out
+
+
+def timed(engine, groups: list) -> float:
+    """Seconds for ``groups`` through ``engine``, launching pack n+1 before waiting for pack n."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    pending = None
+    for group in groups:
+        launched = engine.launch(group)
+        if pending is not None:
+            pending.wait()
+        pending = launched
+    if pending is not None:
+        pending.wait()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def scrape(port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items()))
+            out[key] = sample.value
+    return out
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from producer.client import Client
+    from worker.encoder import Encoder
+    from worker.redis_server import RedisServer, free_port
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from worker import tiny
+    from transformers.decision import DecisionConfig
+    from worker.checkpoint import RenderSpec
+
+    spec = RenderSpec(DecisionConfig(chat_template=tiny.TINY_TEMPLATE.strip()), tiny.build_tokenizer(), False,
+                      8192, {"noul": 8, "choice": 8, "score": 8})
+    encoder = Encoder(spec)
+    backlog = make_requests(args.requests, 1, encoder)
+    report: dict = {"shape": args.shape, "dtype": "fp8" if args.fp8 else "bf16", "compile": args.compile,
+                    "graphs": not args.no_graphs, "buckets": args.buckets,
+                    "planner_processes": args.planner_processes,
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"}
+    with RedisServer("--appendfsync", "everysec") as server:
+        port = free_port()
+        log = open(out_dir / "worker.log", "w")
+        cmd = [sys.executable, __file__, "--worker", "--shape", args.shape, "--redis-url", server.url,
+               "--metrics-port", str(port), "--compile", args.compile, "--buckets", args.buckets,
+               "--planner-processes", str(args.planner_processes), "--max-inflight", str(args.max_inflight)]
+        cmd += ["--fp8"] if args.fp8 else []
+        cmd += ["--no-graphs"] if args.no_graphs else []
+        started = time.monotonic()
+        worker = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        try:
+            while True:
+                try:
+                    if urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2).status == 200:
+                        break
+                except OSError:
+                    pass
+                if worker.poll() is not None or time.monotonic() - started > args.start_timeout:
+                    print((out_dir / "worker.log").read_text()[-4000:])
+                    raise SystemExit("the worker did not become ready")
+                time.sleep(0.5)
+            report["worker_start_seconds"] = round(time.monotonic() - started, 1)
+            print(f"worker ready in {report['worker_start_seconds']} s", flush=True)
+            client = Client(server.url, max_unfinished=0)
+            # Warm the whole path (planner processes, graphs, publication) before timing.
+            client.wait_many(client.submit_many(make_requests(256, 2, encoder)), timeout=300)
+            before = scrape(port)
+            ids = client.submit_many(backlog)
+            results = client.wait_many(ids, timeout=args.timeout)
+            after = scrape(port)
+            ok = [r for r in results.values() if r.ok]
+            assert len(ok) == len(ids), f"{len(ids) - len(ok)} errors"
+            first = min(r.timings.enqueued_ms for r in ok)
+            last = max(r.timings.finished_ms for r in ok)
+            tokens = sum(r.usage.tokens for r in ok)
+            seconds = (last - first) / 1000
+            fills = (after.get("dq_pack_fill_ratio_sum", 0) - before.get("dq_pack_fill_ratio_sum", 0)) / max(
+                1, after.get("dq_pack_fill_ratio_count", 0) - before.get("dq_pack_fill_ratio_count", 0))
+            report["peak"] = {"requests": len(ok), "tokens": tokens, "seconds": round(seconds, 2),
+                              "tokens_per_s": round(tokens / seconds), "requests_per_s": round(len(ok) / seconds, 1),
+                              "pack_fill": round(fills, 3),
+                              "gpu_peak_bytes": after.get("dq_gpu_memory_bytes{kind=peak}")}
+            print("peak", report["peak"], flush=True)
+
+            rate = args.load * len(ok) / seconds
+            paced = make_requests(int(rate * args.latency_seconds), 3, encoder)
+            latencies_ids = []
+            t0 = time.monotonic()
+            for i, request in enumerate(paced):
+                delay = t0 + i / rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                latencies_ids.append(client.submit(request))
+            paced_results = client.wait_many(latencies_ids, timeout=args.timeout)
+            latency = [r.timings.finished_ms - r.timings.enqueued_ms for r in paced_results.values() if r.ok]
+            report["latency"] = {"offered_requests_per_s": round(rate, 1), "requests": len(latency),
+                                 "p50_ms": percentile(latency, 0.5), "p99_ms": percentile(latency, 0.99),
+                                 "max_ms": max(latency)}
+            print("latency", report["latency"], flush=True)
+        finally:
+            worker.terminate()
+            worker.wait(120)
+            log.close()
+
+    # In process: the same engine configuration, the same chunks (packed greedily to the budget, as the
+    # daemon's packer does under a backlog), launching pack n+1 before waiting for pack n; no Redis.
+    from synthetic import packs
+
+    from producer.schema import Request
+    from worker import engine as engines
+
+    engine = engines.create(model_for(args.shape), settings_for(args))
+    engine.warmup()
+    chunks = [c for r in backlog for c in encoder.plan(Request.model_validate(r))]
+    groups = packs(chunks, engine.max_pack_tokens)
+    timed(engine, groups[: max(1, len(groups) // 8)])
+    seconds = timed(engine, groups)
+    tokens = sum(c.length for c in chunks)
+    report["in_process"] = {"tokens_per_s": round(tokens / seconds), "seconds": round(seconds, 2)}
+    report["end_to_end_over_in_process"] = round(report["peak"]["tokens_per_s"] / report["in_process"]["tokens_per_s"],
+                                                 3)
+    print(json.dumps(report, indent=2), flush=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--redis-url", help=argparse.SUPPRESS)
+    parser.add_argument("--metrics-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--shape", default="2b", choices=("0.8b", "2b", "4b", "tiny"))
+    parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--compile", default="layer", choices=("none", "sub", "layer"))
+    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--buckets", default="2048,4096,8192,16384")
+    parser.add_argument("--planner-processes", type=int, default=4)
+    parser.add_argument("--max-inflight", type=int, default=1024)
+    parser.add_argument("--requests", type=int, default=6000, help="backlog size of the peak phase")
+    parser.add_argument("--load", type=float, default=0.5, help="offered load of the latency phase, x peak")
+    parser.add_argument("--latency-seconds", type=float, default=15.0)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--start-timeout", type=float, default=400.0)
+    parser.add_argument("--out", default="e2e-results")
+    args = parser.parse_args()
+    return run_worker(args) if args.worker else run_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
