@@ -26,7 +26,7 @@ from .config import Settings
 from .encoder import Chunk
 from .engine import PackRun, Pending
 from .forward import COMPILE_MODES, PackedForward
-from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warm
+from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warmer
 from .kernels import ALTERNATIVE, Boundaries, CudaMixers, FastPathUnavailable, Mixers
 from .layout import Layout, Regions, chunk_positions, plan, row_capacity
 
@@ -117,8 +117,10 @@ class FastEngine:
             ws = Workspace(self.fwd, max(self.buckets), row_capacity(max(self.buckets)), self.verbalizers,
                            self.device, self.model.dtype)
             self.graphed = GraphedForward(self.fwd, ws, compile_layers=self.settings.compile == "layer")
-            capture, warm = self._capture_with or (cuda_capture(torch.cuda.graph_pool_handle()), cuda_warm)
+            capture, warm = self._capture_with or (cuda_capture(torch.cuda.graph_pool_handle()), cuda_warmer())
             self.graphed.capture(self.buckets, self._static_inputs, capture, warm)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the warm-up stream's cached blocks; the graphs keep their pool
 
     def _static_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.regions

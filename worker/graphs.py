@@ -105,7 +105,7 @@ class GraphedForward:
 
     def __init__(self, fwd: PackedForward, workspace: Workspace, compile_layers: bool) -> None:
         self.fwd, self.ws = fwd, workspace
-        into = [compile_piece(fn) if compile_layers else fn for fn in INTO]
+        into = [compile_piece(fn, inline=fn is pre_linear_into) if compile_layers else fn for fn in INTO]
         (self.pre_linear, self.post_linear, self.pre_full, self.pre_full_rows, self.post_full, self.final,
          self.final_rows) = into
         self.graphs: dict[int, list[Callable[[], None]]] = {}
@@ -214,10 +214,16 @@ def cuda_capture(pool: Any) -> Capture:
     return capture
 
 
-def cuda_warm(piece: Callable[[], None]) -> None:
-    """Run a piece once on a side stream, as CUDA graph capture requires of first calls."""
+def cuda_warmer() -> Callable[[Callable[[], None]], None]:
+    """Runs a piece once on a side stream, as CUDA graph capture requires of first calls. One stream for every
+    piece: memory cached for a stream serves only that stream, so a stream per piece would hoard each piece's
+    temporaries."""
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        piece()
-    torch.cuda.current_stream().wait_stream(stream)
+
+    def warm(piece: Callable[[], None]) -> None:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            piece()
+        torch.cuda.current_stream().wait_stream(stream)
+
+    return warm

@@ -134,10 +134,11 @@ def pre_linear(ops: Ops, d: LinearDims, w: LinearAttn, h: torch.Tensor, seqpos: 
     """-> q (T, Hk, Dk), k (T, Hk, Dk), v (T, Hv, Dv), g (T, Hv) fp32, beta (T, Hv), z (T, value_dim)."""
     tokens = h.shape[0]
     x = ops.rms_norm(h, w.norm, d.eps)
-    qkv, z, b, a = ops.linear(x, w.in_proj).split([2 * d.key_dim + d.value_dim, d.value_dim, d.v_heads,
-                                                    d.v_heads], dim=-1)
-    mixed = ops.conv_silu(qkv, w.conv, seqpos)
-    q, k, v = mixed.split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
+    widths = [d.key_dim, d.key_dim, d.value_dim]
+    q, k, v, z, b, a = ops.linear(x, w.in_proj).split([*widths, d.value_dim, d.v_heads, d.v_heads], dim=-1)
+    # The convolution is depthwise: one call per output, so that a compiled piece computes each output in the
+    # kernel that stores it (one shared result would be materialised in fp32 and read three times).
+    q, k, v = (ops.conv_silu(part, weight, seqpos) for part, weight in zip((q, k, v), w.conv.split(widths)))
     g, beta = ops.gdn_gates(a, b, w.a_log, w.dt_bias)
     return (q.view(tokens, d.k_heads, d.head_k), k.view(tokens, d.k_heads, d.head_k),
             v.view(tokens, d.v_heads, d.head_v), g, beta, z)
