@@ -16,6 +16,9 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from .keys import GROUP, Keys
 from .schema import Request, Result, describe
@@ -34,6 +37,10 @@ return ids
 BATCH = 500  # requests per Lua call: bounds the time Redis spends in one script
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
 SOCKET_TIMEOUT = 5.0
+# redis-py's default retry (10 jittered retries from 10 ms, capped at 1 s) gives up after about a second of refused
+# connections: less than a Redis restart. These ride out ~12 s. A retried call may run twice (lost reply): results
+# are published once whatever happens, and a request enqueued twice is answered once (docs/RELIABILITY.md).
+RETRIES, RETRY_BASE, RETRY_CAP = 16, 0.05, 1.0
 
 
 class QueueFull(RuntimeError):
@@ -51,7 +58,8 @@ class ResultTimeout(TimeoutError):
 def connect(url: str, cluster: bool = False, **options: Any) -> Any:
     """A client with timeouts that suit blocking reads (rediss:// URLs give TLS)."""
     options = {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT,
-               "health_check_interval": 30, **options}
+               "health_check_interval": 30, "retry": Retry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES),
+               **options}
     if cluster:
         return redis.RedisCluster.from_url(url, **options)
     return redis.Redis.from_url(url, **options)
@@ -59,7 +67,8 @@ def connect(url: str, cluster: bool = False, **options: Any) -> Any:
 
 def aconnect(url: str, cluster: bool = False, **options: Any) -> Any:
     options = {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT,
-               "health_check_interval": 30, **options}
+               "health_check_interval": 30, "retry": AsyncRetry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES),
+               **options}
     if cluster:
         return aioredis.RedisCluster.from_url(url, **options)
     return aioredis.Redis.from_url(url, **options)
