@@ -248,9 +248,7 @@ class Daemon:
             except redis.ResponseError as error:
                 if "NOGROUP" not in str(error):
                     raise
-                log.error("consumer group missing (Redis lost its data?): recreating it; unread entries are lost")
-                self.metrics.groups_recreated.inc()
-                await self._until_connected(self.intake.ensure_groups, "create groups")
+                await self._group_lost()
                 continue
             except REDIS_ERRORS as error:
                 self.metrics.redis_errors.labels("read").inc()
@@ -261,6 +259,13 @@ class Daemon:
                 continue
             for delivery in deliveries:
                 self._accept(delivery, how)
+
+    async def _group_lost(self) -> None:
+        """Redis lost the group (a restart without persistence, a failover to an empty replica): recreate it once,
+        whichever loop noticed first, and report the loss."""
+        if await self._until_connected(self.intake.ensure_groups, "create groups"):
+            log.error("consumer group missing (Redis lost its data?): recreated it; entries not yet read are lost")
+            self.metrics.groups_recreated.inc()
 
     def _accept(self, d: Delivery, how: str) -> None:
         if d.entry_id in self.inflight:
@@ -416,9 +421,10 @@ class Daemon:
                             "engine": self.engine.name}
                     await self.redis.hset(self.keys.workers(), self.consumer, json.dumps(beat))
             except redis.ResponseError as error:
-                if "NOGROUP" in str(error):  # the reader recreates it
-                    continue
-                log.warning("maintenance: %s", error)
+                if "NOGROUP" in str(error):  # not left to the reader: it may be waiting for room, not reading
+                    await self._group_lost()
+                else:
+                    log.warning("maintenance: %s", error)
             except REDIS_ERRORS as error:
                 self.metrics.redis_errors.labels("maintenance").inc()
                 log.debug("maintenance: redis unavailable: %s", error)
