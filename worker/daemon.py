@@ -66,6 +66,7 @@ class Daemon:
         self.stop_deadline = float("inf")
         self.loop = asyncio.new_event_loop()
         self.inflight: dict[str, Delivery] = {}  # entry id -> delivery; loop thread only
+        self.lost: dict[tuple[str, str], None] = {}  # (stream key, entry id) counted as lost; loop thread only
         self.ready = threading.Event()
         self.redis_ok = False
         self.beats: dict[str, float] = {}
@@ -260,6 +261,16 @@ class Daemon:
             for delivery in deliveries:
                 self._accept(delivery, how)
 
+    def _count_lost(self, entries: list[tuple[str, str]]) -> int:
+        """Count payload-less pending entries once each: a reclaim may report an entry that the reader is acking
+        as lost at the same moment (both saw it in the pending list)."""
+        fresh = [e for e in entries if e not in self.lost]
+        self.lost.update(dict.fromkeys(fresh))
+        while len(self.lost) > 10_000:  # remember recent ones only
+            del self.lost[next(iter(self.lost))]
+        self.metrics.lost.inc(len(fresh))
+        return len(fresh)
+
     async def _group_lost(self) -> None:
         """Redis lost the group (a restart without persistence, a failover to an empty replica): recreate it once,
         whichever loop noticed first, and report the loss."""
@@ -280,7 +291,7 @@ class Daemon:
             m.queue_wait.observe(max(0.0, d.taken - d.enqueued_ms / 1000))
         if not d.fields:  # pending, but its payload was trimmed away: nothing to answer with
             log.error("entry %s of %s has no payload any more (trimmed?): acknowledged", d.entry_id, d.key)
-            m.lost.inc()
+            self._count_lost([(d.key, d.entry_id)])
             asyncio.ensure_future(self._ack_only(d))
         elif d.deliveries > self.settings.max_deliveries:
             asyncio.ensure_future(self._dead_letter(d, f"delivered {d.deliveries} times without finishing"))
@@ -403,9 +414,8 @@ class Daemon:
             try:
                 await self.intake.keep_alive(list(self.inflight.values()))
                 reclaimed, gone = await self.intake.reclaim(s.claim_idle_ms, s.read_count)
-                if gone:
-                    log.error("%d pending entries had no payload any more (trimmed?)", gone)
-                    self.metrics.lost.inc(gone)
+                if lost := self._count_lost(gone):
+                    log.error("%d pending entries had no payload any more (trimmed?)", lost)
                 for d in reclaimed:
                     if d.entry_id not in self.inflight:
                         log.info("reclaimed %s of %s (delivery %d)", d.entry_id, d.key, d.deliveries)

@@ -57,18 +57,18 @@ class Intake:
         await self._counts(out)
         return out
 
-    async def reclaim(self, min_idle_ms: int, count: int) -> tuple[list[Delivery], int]:
-        """Entries idle longer than ``min_idle_ms`` in any consumer's list, now ours; and how many had no payload
-        any more (Redis 7 drops those from the pending list itself)."""
+    async def reclaim(self, min_idle_ms: int, count: int) -> tuple[list[Delivery], list[tuple[str, str]]]:
+        """Entries idle longer than ``min_idle_ms`` in any consumer's list, now ours; and (stream key, entry id) of
+        those that had no payload any more (Redis 7 drops them from the pending list itself)."""
         out: list[Delivery] = []
-        gone = 0
+        gone: list[tuple[str, str]] = []
         for key, stream in self.streams.items():
             cursor = "0-0"
             while True:
                 reply = await self.redis.xautoclaim(key, self.keys.group, self.consumer, min_idle_ms,
                                                     start_id=cursor, count=count)
                 cursor, entries = _text(reply[0]), reply[1]
-                gone += len(reply[2]) if len(reply) > 2 else 0
+                gone += [(key, _text(i)) for i in (reply[2] if len(reply) > 2 else [])]
                 out += [Delivery(stream, key, _text(i), fields or {}, 0) for i, fields in entries]
                 if cursor == "0-0":
                     break
