@@ -231,3 +231,15 @@ def test_fast_engine_without_cuda_names_the_reference_engine(loaded):
 def test_unknown_compile_mode_is_refused(loaded):
     with pytest.raises(ValueError, match="compile"):
         FastEngine(loaded("repo"), Settings(compile="everything"), mixers=TorchMixers())
+
+
+def test_without_flash_linear_attention_the_error_names_the_reference_engine(monkeypatch):
+    import sys
+
+    from worker.kernels import _chunk_gated_delta_rule
+
+    monkeypatch.setitem(sys.modules, "fla", None)
+    monkeypatch.setitem(sys.modules, "fla.ops", None)
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)
+    with pytest.raises(FastPathUnavailable, match="flash-linear-attention.*reference"):
+        _chunk_gated_delta_rule()
