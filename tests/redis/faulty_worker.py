@@ -1,0 +1,82 @@
+"""A real worker process whose real engine is wrapped by a fault injector: for the fault tests only.
+
+    python tests/redis/faulty_worker.py serve <the flags of python -m worker serve>
+
+Same daemon, same model, same Redis code as ``python -m worker serve``; only the engine's ``launch`` misbehaves,
+as the environment says:
+
+- ``DQ_FAULT_RAISE=MARKER``: a pack holding a chunk whose text contains MARKER fails when its scores are awaited
+  (where a real GPU error surfaces), whatever else rides in the pack. A poison input.
+- ``DQ_FAULT_SLOW_S=SECONDS``: every pack sleeps this long before it runs (a pack slower than the reclaim idle
+  time; also a window for killing a worker mid-pack).
+
+Each fault is logged (``fault: ...``) so that a test can see that it happened and wait for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from worker.engine import Pending  # noqa: E402
+
+log = logging.getLogger("worker.fault")
+
+
+class FaultyEngine:
+    """Wraps an Engine; passes everything through except the faults it was asked for."""
+
+    def __init__(self, inner, tokenizer, marker: str = "", slow_s: float = 0.0) -> None:
+        self.inner = inner
+        self.tokenizer = tokenizer
+        self.marker = marker
+        self.slow_s = slow_s
+        self.name = inner.name
+
+    @property
+    def max_pack_tokens(self) -> int:
+        return self.inner.max_pack_tokens
+
+    def warmup(self) -> None:
+        self.inner.warmup()
+
+    def launch(self, chunks):
+        if self.slow_s:
+            log.info("fault: slow pack of %d chunks started (%.1f s)", len(chunks), self.slow_s)
+            time.sleep(self.slow_s)
+        poisoned = self.marker and any(self.marker in self.tokenizer.decode(c.input_ids) for c in chunks)
+        pending = self.inner.launch(chunks)
+        if not poisoned:
+            return pending
+
+        def fail():
+            log.warning("fault: pack of %d chunks raises (poison)", len(chunks))
+            raise RuntimeError(f"injected fault: a chunk contains {self.marker}")
+
+        return Pending(fail)
+
+
+def main() -> int:
+    from worker.__main__ import main as worker_main
+    from worker import daemon as daemons
+
+    real_init = daemons.Daemon.__init__
+
+    def faulty_init(self, settings, model=None):
+        real_init(self, settings, model)
+        self.engine = FaultyEngine(self.engine, self.model.tokenizer, os.environ.get("DQ_FAULT_RAISE", ""),
+                                   float(os.environ.get("DQ_FAULT_SLOW_S", "0")))
+
+    # The daemon's own construction runs unchanged; its engine is wrapped right after.
+    daemons.Daemon.__init__ = faulty_init
+    return worker_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

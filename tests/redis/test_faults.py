@@ -1,0 +1,270 @@
+"""Faults, with real redis-server processes and real worker processes (tiny checkpoint, CPU).
+
+Every test ends with the invariant (producer/invariant.py): each submitted request has exactly one result, ok or
+an error with a code, and the queue is drained. Faults in the forward pass come from tests/redis/faulty_worker.py:
+the real daemon and model, with the engine's ``launch`` made to raise or to be slow.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+import redis
+
+from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log
+from producer.client import Client
+from producer.invariant import settle
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+FAST_RECLAIM = dict(claim_idle_ms=1000)
+
+
+def slow(seconds: float) -> dict:
+    return dict(entry=FAULTY, env={"DQ_FAULT_SLOW_S": str(seconds)})
+
+
+# ---------------------------------------------------------------- the forward pass fails or is slow
+
+
+def test_poison_chunk_is_retried_to_the_cap_then_dead_lettered_and_its_pack_mates_answered(
+        redis_server, start_worker, tiny_dir):
+    client = Client(redis_server.url)
+    requests = batch(12, "mate")
+    requests.insert(5, {"id": "poison", "state": "This one carries POISON-7f3a inside.",
+                        "questions": {"q": {"type": "noul"}}})
+    ids = client.submit_many(requests)  # queued before the worker starts: its first read takes them all at once
+    worker = start_worker(tiny_dir, redis_server.url, entry=FAULTY, env={"DQ_FAULT_RAISE": "POISON-7f3a"},
+                          max_deliveries=3, max_wait_ms=300)
+    report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+
+    poison = report.results["poison"]
+    assert poison.error.code.value == "dead_lettered"
+    assert "3 deliveries" in poison.error.message and "injected fault" in poison.error.message
+    assert all(report.results[r].ok for r in ids if r != "poison")
+    log = worker.log.read_text()
+    shared = [int(line.split("pack of ")[1].split()[0]) for line in log.splitlines() if "raises (poison)" in line]
+    assert max(shared) > 1, log[-3000:]  # it failed a pack that others rode in, and they were still answered
+    assert shared.count(1) == 3  # bisected down to itself once per delivery: 1 + 2 retries, then the cap
+    assert worker.metric("dq_retries_total") == 2 and worker.metric("dq_dead_letters_total") == 1
+    [(_, dead)] = client.redis.xrange(client.keys.dead)
+    assert int(dead[b"deliveries"]) == 3 and b"injected fault" in dead[b"reason"]
+    assert json.loads(dead[b"body"])["id"] == "poison"  # the original entry, for an operator to look at
+
+
+def test_pack_slower_than_the_claim_idle_time_is_not_stolen(redis_server, start_worker, tiny_dir):
+    client = Client(redis_server.url)
+    holder = start_worker(tiny_dir, redis_server.url, read_count=4, max_inflight=4, **slow(2.5), **FAST_RECLAIM)
+    ids = client.submit_many(batch(12, "slow"))
+    wait_log(holder, "fault: slow pack")
+    other = start_worker(tiny_dir, redis_server.url, **FAST_RECLAIM)  # reclaims anything idle over 1 s
+    report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+    assert all(r.ok for r in report.results.values())
+    assert holder.metric("dq_packs_total") >= 1  # the slow worker did answer some (packs of 2.5 s > 1 s idle)
+    for worker in (holder, other):
+        assert worker.metric("dq_entries_read_total", how="reclaimed") == 0
+        assert worker.metric("dq_redeliveries_total") == 0
+
+
+def test_sigterm_mid_pack_drains_and_leaves_nothing_to_redeliver(redis_server, start_worker, tiny_dir):
+    client = Client(redis_server.url)
+    first = start_worker(tiny_dir, redis_server.url, read_count=4, max_inflight=8, **slow(2.0))
+    ids = client.submit_many(batch(16, "term"))
+    wait_log(first, "fault: slow pack")
+    first.signal(signal.SIGTERM)  # while the pack computes
+    assert first.wait(60) == 0
+    keys = client.keys
+    assert client.redis.xpending(keys.requests, keys.group)["pending"] == 0  # nothing left half done
+    answered = [r for r in ids if client.fetch(r) is not None]
+    assert 0 < len(answered) < len(ids)
+    second = start_worker(tiny_dir, redis_server.url)
+    settle(client.redis, keys, ids, timeout=90).assert_ok()
+    assert second.metric("dq_redeliveries_total") == 0 and second.metric("dq_entries_read_total") == len(ids) - len(
+        answered)
+
+
+def test_kill_9_mid_pack_the_other_worker_finishes(redis_server, start_worker, tiny_dir):
+    client = Client(redis_server.url)
+    victim = start_worker(tiny_dir, redis_server.url, read_count=4, **slow(3.0), **FAST_RECLAIM)
+    survivor = start_worker(tiny_dir, redis_server.url, ready=False, **FAST_RECLAIM)  # loads meanwhile
+    first = client.submit_many(batch(4, "kill"))
+    wait_log(victim, "fault: slow pack")
+    victim.process.kill()  # mid-pack, holding entries
+    victim.wait(10)
+    keys = client.keys
+    assert client.redis.xpending(keys.requests, keys.group)["pending"] == 4
+    survivor.wait_ready()
+    rest = client.submit_many(batch(8, "kill", start=4))
+    report = settle(client.redis, keys, first + rest, timeout=90).assert_ok()
+    assert all(r.ok for r in report.results.values())
+    assert survivor.metric("dq_entries_read_total", how="reclaimed") == 4
+
+
+# ---------------------------------------------------------------- Redis fails
+
+
+def test_redis_killed_and_restarted_with_aof_workers_and_producers_carry_on(redis_server, start_worker, tiny_dir):
+    workers = [start_worker(tiny_dir, redis_server.url, ready=False, claim_idle_ms=2000) for _ in range(2)]
+    for worker in workers:
+        worker.wait_ready()
+    client = Client(redis_server.url)
+    submitted: list[str] = []
+
+    def produce():  # a producer that keeps submitting through the outage (redis-py retries reconnect it)
+        for k in range(12):
+            submitted.extend(client.submit_many(batch(10, f"aof{k}")))
+            time.sleep(0.25)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    wait_for(lambda: len(submitted) >= 30 and client.fetch(submitted[0]), what="first results")
+    redis_server.stop(kill=True)  # kill -9: what was acknowledged to a client is in the AOF (fsync always)
+    time.sleep(1.0)
+    redis_server.start()
+    producer.join(60)
+    assert not producer.is_alive() and len(submitted) == 120
+    report = settle(client.redis, client.keys, submitted, timeout=120).assert_ok()
+    assert all(r.ok for r in report.results.values())
+    for worker in workers:
+        assert worker.process.poll() is None and worker.get("/readyz")[0] == 200
+
+
+def test_redis_restarted_without_persistence_recreates_the_group_and_reports_the_loss(
+        redis_server, start_worker, tiny_dir):
+    client = Client(redis_server.url)
+    worker = start_worker(tiny_dir, redis_server.url, read_count=2, max_inflight=2, **slow(1.5), **FAST_RECLAIM)
+    before = client.submit_many(batch(8, "lost"))
+    wait_log(worker, "fault: slow pack")
+    redis_server.stop(kill=True)
+    redis_server.wipe()  # everything gone: streams, the group, its pending entries, results
+    redis_server.start()
+    time.sleep(3.0)  # the worker still holds in-flight entries of the lost group
+    # No busy loop against the empty Redis while the group is missing (a crash loop in all but name).
+    stats = client.redis.info("commandstats")
+    failed = sum(v.get("failed_calls", 0) for v in stats.values())
+    assert failed < 100, {k: v for k, v in stats.items() if v.get("failed_calls")}
+    after = client.submit_many(batch(6, "after"))
+    report = settle(client.redis, client.keys, before + after, timeout=90, allow_missing=before).assert_ok(
+        allow_missing=before)
+    assert all(r.ok for r in report.results.values())
+    assert set(after) <= set(report.results)
+    assert worker.metric("dq_groups_recreated_total") >= 1
+    assert "consumer group missing" in worker.log.read_text()
+    assert worker.process.poll() is None and worker.get("/readyz")[0] == 200
+
+
+def test_redis_paused_longer_than_the_socket_timeout(redis_server, start_worker, tiny_dir):
+    worker = start_worker(tiny_dir, redis_server.url, claim_idle_ms=2000)
+    client = Client(redis_server.url)
+    ids = client.submit_many(batch(40, "pause"))
+    wait_for(lambda: client.fetch(ids[0]), what="a first result")
+    redis_server.pause()  # SIGSTOP: connections stay open, nothing answers (the client's socket timeout is 5 s)
+    time.sleep(7.0)
+    redis_server.resume()
+    more = client.submit_many(batch(10, "resumed"))
+    report = settle(client.redis, client.keys, ids + more, timeout=120).assert_ok()
+    assert all(r.ok for r in report.results.values())
+    assert worker.process.poll() is None and worker.get("/readyz")[0] == 200
+
+
+def test_script_flush_mid_run(redis_server, start_worker, tiny_dir):
+    start_worker(tiny_dir, redis_server.url, **FANOUT)
+    client = Client(redis_server.url)
+    flusher = redis.Redis.from_url(redis_server.url)
+    flushes = 0
+    done = threading.Event()
+
+    def flush():  # the script cache is lost on restart and failover too; the clients must reload it
+        nonlocal flushes
+        while not done.is_set():
+            flusher.script_flush()
+            flushes += 1
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=flush)
+    thread.start()
+    try:
+        ids = []
+        for k in range(6):
+            ids += client.submit_many(batch(10, f"flush{k}") + [long_request(f"flush-long-{k}")])
+            time.sleep(0.2)
+        report = settle(client.redis, client.keys, ids, timeout=120)
+    finally:
+        done.set()
+        thread.join()
+    report.assert_ok()
+    assert all(r.ok for r in report.results.values()) and flushes > 20
+    assert client.redis.info("errorstats")["errorstat_NOSCRIPT"]["count"] > 0  # the flushes did hit script calls
+    assert all(report.results[f"flush-long-{k}"].usage.parts > 1 for k in range(6))
+
+
+# ---------------------------------------------------------------- entries trimmed or delivered twice
+
+
+def test_pending_entries_trimmed_from_the_stream(redis_server, start_worker, tiny_dir):
+    client = Client(redis_server.url)
+    keys = client.keys
+    for stream in (keys.requests, keys.chunks):
+        client.redis.xgroup_create(stream, keys.group, id="0", mkstream=True)
+    # Taken by consumers that then died; their payloads trimmed away while pending (MAXLEN / XDEL do that).
+    gone = client.submit_many(batch(5, "gone"))
+    client.redis.xreadgroup(keys.group, "dead-consumer", {keys.requests: ">"}, count=3)
+    client.redis.xreadgroup(keys.group, "w-trim", {keys.requests: ">"}, count=2)  # the worker's own name
+    client.redis.xtrim(keys.requests, maxlen=0, approximate=False)
+    worker = start_worker(tiny_dir, redis_server.url, consumer="w-trim", **slow(2.0), **FAST_RECLAIM)
+    # And an entry trimmed while the worker computes it: its payload is in memory, it is answered.
+    held = client.submit_many(batch(3, "held"))
+    wait_log(worker, "fault: slow pack")
+    for entry_id, _ in client.redis.xrange(keys.requests):
+        client.redis.xdel(keys.requests, entry_id)
+    report = settle(client.redis, keys, gone + held, timeout=60, allow_missing=gone).assert_ok(allow_missing=gone)
+    assert sorted(report.missing) == sorted(gone)  # nothing to answer them with ...
+    assert all(report.results[r].ok for r in held)
+    time.sleep(1.0)  # a few more reclaim rounds: the loss must be counted once per entry, whichever path saw it
+    assert worker.metric("dq_lost_entries_total") == 5  # ... but reported
+    assert worker.log.read_text().count("no payload any more") >= 2  # own pending at start, reclaimed later
+
+
+def test_the_same_part_delivered_twice_is_published_once(redis_server, start_worker, tiny_dir):
+    """Duplicate entries in the parts stream (a fan-out retried after a lost reply) and duplicate requests."""
+    client = Client(redis_server.url)
+    keys = client.keys
+    start_worker(tiny_dir, redis_server.url)
+    request = long_request("twice", questions=6)
+    body = json.dumps(request)
+    client.redis.set(keys.body("twice"), body)
+    groups = [["q0", "q1"], ["q2", "q3"], ["q4", "q5"]]
+    for index in (2, 0, 2, 1, 0, 1, 2):  # every part at least twice, out of order
+        client.redis.xadd(keys.chunks, {"request_id": "twice", "part": index, "parts": len(groups),
+                                        "questions": json.dumps(groups[index]), "enqueued_ms": 0})
+    ids = ["twice"] + client.submit_many([request | {"id": "dup"}] * 3)  # the same request three times
+    report = settle(client.redis, keys, ids, timeout=60).assert_ok()
+    result = report.results["twice"]
+    assert result.ok and list(result.answers) == list(request["questions"]) and result.usage.parts == 3
+    assert report.results["dup"].ok
+
+
+def test_a_stalled_worker_whose_entries_were_reclaimed_publishes_nothing_twice(redis_server, start_worker, tiny_dir):
+    """The same chunk computed twice: a worker frozen mid-pack (SIGSTOP) past the claim idle time loses its
+    entries to another worker; thawed, it finishes the pack, and its results are refused as already published."""
+    client = Client(redis_server.url)
+    frozen = start_worker(tiny_dir, redis_server.url, read_count=4, **slow(1.0), **FAST_RECLAIM)
+    ids = client.submit_many(batch(4, "stall"))
+    wait_log(frozen, "fault: slow pack")
+    frozen.signal(signal.SIGSTOP)
+    try:
+        other = start_worker(tiny_dir, redis_server.url, **FAST_RECLAIM)
+        wait_for(lambda: all(client.fetch(r) for r in ids), timeout=60, what="the other worker's results")
+    finally:
+        frozen.signal(signal.SIGCONT)
+    wait_for(lambda: frozen.metric("dq_packs_total") >= 1, timeout=30, what="the thawed pack")
+    report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    assert all(r.ok for r in report.results.values())
+    assert other.metric("dq_entries_read_total", how="reclaimed") == 4
+    wait_for(lambda: frozen.metric("dq_inflight_entries") == 0, timeout=30, what="the thawed worker to settle")
+    assert frozen.metric("dq_results_total") == 0  # computed, but every publication refused
+    assert len(report.results) == 4
