@@ -74,13 +74,16 @@ class Daemon:
 
     # ---------------------------------------------------------------- lifecycle (main thread)
 
-    def run(self) -> int:
+    def run(self, after_warmup: Any = None) -> int:
+        """Serve until SIGTERM. ``after_warmup``: called once the engine is warm, before ready (benchmarks)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         redis_thread = threading.Thread(target=self._run_loop, name="redis", daemon=True)
         redis_thread.start()
         self.planner.warmup()
         self.engine.warmup()
+        if after_warmup is not None:
+            after_warmup()
         self.ready.set()
         log.info("ready: model %s, engine %s on %s, consumer %s", self.model.name, self.engine.name,
                  self.model.device, self.consumer)
