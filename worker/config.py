@@ -35,7 +35,12 @@ class Settings:
     planner_threads: int = _opt(2, "threads that validate, render and tokenize requests")
     planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU)")
     # Queue
-    redis_url: str = _opt("redis://127.0.0.1:6379/0", "Redis URL (rediss:// for TLS)")
+    redis_url: str = _opt("redis://127.0.0.1:6379/0",
+                          "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user)")
+    redis_cluster: bool = _opt(False, "the URL is a node of a Redis Cluster (the client follows slot moves)")
+    redis_tls_ca: str = _opt("", "CA certificate file that verifies the Redis server (rediss://)")
+    redis_tls_cert: str = _opt("", "client certificate file, when Redis requires client certificates (rediss://)")
+    redis_tls_key: str = _opt("", "the client certificate's private key file (rediss://)")
     namespace: str = _opt("dq", "prefix of every Redis name of this deployment")
     shard: int = _opt(0, "stream shard this worker reads")
     consumer: str = _opt("", "consumer name in the group (default: host-pid)")
@@ -60,6 +65,15 @@ class Settings:
     @property
     def bucket_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(int(b) for b in self.buckets.split(",") if b.strip()))
+
+    def redis_options(self) -> dict[str, Any]:
+        """Connection options beyond the URL: the TLS files (only valid with a rediss:// URL)."""
+        files = {"ssl_ca_certs": self.redis_tls_ca, "ssl_certfile": self.redis_tls_cert,
+                 "ssl_keyfile": self.redis_tls_key}
+        options = {name: path for name, path in files.items() if path}
+        if options and not self.redis_url.startswith("rediss://"):
+            raise ValueError("DQ_REDIS_TLS_* files need a rediss:// URL")
+        return options
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

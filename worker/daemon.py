@@ -188,7 +188,7 @@ class Daemon:
 
     async def _main(self) -> None:
         s = self.settings
-        self.redis = aconnect(s.redis_url)
+        self.redis = aconnect(s.redis_url, s.redis_cluster, **s.redis_options())
         self.intake = Intake(self.redis, self.keys, self.consumer)
         self.publisher = Publisher(self.redis, self.keys, s.result_ttl_s, self.model.name)
         self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
@@ -452,6 +452,7 @@ def serve(settings: Settings) -> int:
         log.error("--checkpoint (DQ_CHECKPOINT) is required")
         return 2
     try:
+        settings.redis_options()  # a TLS file with a plain redis:// URL: refuse before loading the model
         daemon = Daemon(settings)
     except (checkpoint.CheckpointError, ValueError, ImportError) as error:
         log.error("cannot start: %s", error)
