@@ -20,7 +20,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from .keys import GROUP, Keys
+from .keys import GROUP, Keys, shard_of
 from .schema import Request, Result, describe
 
 # KEYS[1] request stream; ARGV[1] limit (0: none); ARGV[2..] request bodies. All or nothing.
@@ -92,6 +92,14 @@ def parse_result(fields: Mapping[bytes, bytes]) -> Result:
     return Result.model_validate_json(fields[b"body"])
 
 
+def by_shard(prepared: list[tuple[str, str]], shards: int) -> dict[int, list[str]]:
+    """Prepared bodies grouped by the stream shard of their request id, in order within each shard."""
+    out: dict[int, list[str]] = {}
+    for request_id, body in prepared:
+        out.setdefault(shard_of(request_id, shards), []).append(body)
+    return out
+
+
 def _raise_queue_full(error: redis.ResponseError) -> None:
     if str(error).startswith("QUEUEFULL"):
         raise QueueFull(str(error)[len("QUEUEFULL "):]) from None
@@ -99,12 +107,15 @@ def _raise_queue_full(error: redis.ResponseError) -> None:
 
 
 class Client:
-    """Synchronous producer. ``max_unfinished=0`` disables the backpressure check."""
+    """Synchronous producer. ``max_unfinished=0`` disables the backpressure check (per shard). ``shards``: the
+    deployment's stream shard count; each request goes to ``shard_of(id)``. ``options``: redis-py connection
+    options (e.g. ``ssl_ca_certs``)."""
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "dq", max_unfinished: int = 100_000,
-                 cluster: bool = False, connection: Any = None) -> None:
-        self.redis = connection or connect(url, cluster)
+                 cluster: bool = False, connection: Any = None, shards: int = 1, **options: Any) -> None:
+        self.redis = connection or connect(url, cluster, **options)
         self.keys = Keys(namespace)
+        self.shards = max(1, shards)
         self.max_unfinished = max_unfinished
         self._submit = self.redis.register_script(SUBMIT)
 
@@ -114,14 +125,15 @@ class Client:
     def submit_many(self, requests: Iterable[Request | Mapping[str, Any]]) -> list[str]:
         """Send requests in all-or-nothing batches of 500; returns their ids in order."""
         prepared = [prepare(r) for r in requests]
-        for start in range(0, len(prepared), BATCH):
-            self.send([body for _, body in prepared[start: start + BATCH]])
+        for shard, bodies in by_shard(prepared, self.shards).items():
+            for start in range(0, len(bodies), BATCH):
+                self.send(bodies[start: start + BATCH], shard)
         return [request_id for request_id, _ in prepared]
 
-    def send(self, bodies: list[str]) -> None:
-        """Enqueue already prepared bodies (see ``prepare``), all or none; raises QueueFull."""
+    def send(self, bodies: list[str], shard: int = 0) -> None:
+        """Enqueue already prepared bodies (see ``prepare``) on one shard, all or none; raises QueueFull."""
         try:
-            self._submit(keys=[self.keys.requests], args=[self.max_unfinished, *bodies])
+            self._submit(keys=[Keys(self.keys.namespace, shard).requests], args=[self.max_unfinished, *bodies])
         except redis.ResponseError as error:
             _raise_queue_full(error)
 
@@ -179,9 +191,10 @@ class AsyncClient:
     """The asyncio producer, same methods as ``Client``."""
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "dq", max_unfinished: int = 100_000,
-                 cluster: bool = False, connection: Any = None) -> None:
-        self.redis = connection or aconnect(url, cluster)
+                 cluster: bool = False, connection: Any = None, shards: int = 1, **options: Any) -> None:
+        self.redis = connection or aconnect(url, cluster, **options)
         self.keys = Keys(namespace)
+        self.shards = max(1, shards)
         self.max_unfinished = max_unfinished
         self._submit = self.redis.register_script(SUBMIT)
 
@@ -190,12 +203,14 @@ class AsyncClient:
 
     async def submit_many(self, requests: Iterable[Request | Mapping[str, Any]]) -> list[str]:
         prepared = [prepare(r) for r in requests]
-        for start in range(0, len(prepared), BATCH):
-            bodies = [body for _, body in prepared[start: start + BATCH]]
-            try:
-                await self._submit(keys=[self.keys.requests], args=[self.max_unfinished, *bodies])
-            except redis.ResponseError as error:
-                _raise_queue_full(error)
+        for shard, all_bodies in by_shard(prepared, self.shards).items():
+            for start in range(0, len(all_bodies), BATCH):
+                bodies = all_bodies[start: start + BATCH]
+                try:
+                    await self._submit(keys=[Keys(self.keys.namespace, shard).requests],
+                                       args=[self.max_unfinished, *bodies])
+                except redis.ResponseError as error:
+                    _raise_queue_full(error)
         return [request_id for request_id, _ in prepared]
 
     async def fetch(self, request_id: str) -> Result | None:

@@ -8,10 +8,13 @@ keyed by part index (a set of finished parts, not a counter), so a part processe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from redis.asyncio import RedisCluster
 
 from producer.keys import Keys
 from producer.schema import ErrorCode, Result, Timings, Usage
@@ -35,6 +38,7 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 if redis.call('HLEN', KEYS[1]) < tonumber(ARGV[2]) then return 0 end
 return redis.call('HGETALL', KEYS[1])
 """
+CLUSTER_CONCURRENCY = 64  # script calls in flight at once on Redis Cluster (connections per node stay bounded)
 
 
 @dataclass
@@ -114,16 +118,16 @@ class Publisher:
         """Publish and acknowledge; returns (outcome, result published for its request or None, published now).
         Idempotent: on a Redis error the caller retries the whole batch."""
         k = self.keys
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for o in outcomes:
-                if o.part is None:
-                    await self._publish(keys=[k.result(o.request_id), k.parts(o.request_id), k.body(o.request_id)],
-                                  args=[o.result.model_dump_json(exclude_none=True), self.ttl], client=pipe)
-                else:
-                    index, count, part = o.part
-                    await self._part(keys=[k.parts(o.request_id), k.result(o.request_id)],
-                               args=[index, count, json.dumps(part), self.ttl], client=pipe)
-            replies = await pipe.execute()
+        calls = []
+        for o in outcomes:
+            if o.part is None:
+                calls.append((self._publish, [k.result(o.request_id), k.parts(o.request_id), k.body(o.request_id)],
+                              [o.result.model_dump_json(exclude_none=True), self.ttl]))
+            else:
+                index, count, part = o.part
+                calls.append((self._part, [k.parts(o.request_id), k.result(o.request_id)],
+                              [index, count, json.dumps(part), self.ttl]))
+        replies = await self._scripts(calls)
         final: list[tuple[Outcome, Result | None, Any]] = []
         merges: list[tuple[Outcome, Result]] = []
         for o, reply in zip(outcomes, replies):
@@ -135,12 +139,11 @@ class Publisher:
             else:
                 final.append((o, None, 0))
         if merges:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for o, result in merges:
-                    await self._publish(keys=[k.result(o.request_id), k.parts(o.request_id), k.body(o.request_id)],
-                                  args=[result.model_dump_json(exclude_none=True), self.ttl], client=pipe)
-                for (o, result), reply in zip(merges, await pipe.execute()):
-                    final.append((o, result, reply))
+            replies = await self._scripts([
+                (self._publish, [k.result(o.request_id), k.parts(o.request_id), k.body(o.request_id)],
+                 [result.model_dump_json(exclude_none=True), self.ttl]) for o, result in merges])
+            for (o, result), reply in zip(merges, replies):
+                final.append((o, result, reply))
         async with self.redis.pipeline(transaction=False) as pipe:
             for o, result, published in final:
                 # A redelivered entry may have crashed between publishing and replying: reply again.
@@ -151,6 +154,20 @@ class Publisher:
                 pipe.xdel(o.delivery.key, o.delivery.entry_id)
             await pipe.execute()
         return [(o, result, bool(published)) for o, result, published in final]
+
+    async def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        """Script calls in one pipelined round trip; on Redis Cluster, whose pipelines refuse scripts, as concurrent
+        calls, each sent to the node of its keys' one slot."""
+        if isinstance(self.redis, RedisCluster):
+            replies: list[Any] = []
+            for start in range(0, len(calls), CLUSTER_CONCURRENCY):
+                replies += await asyncio.gather(*(script(keys=keys, args=args)
+                                                  for script, keys, args in calls[start: start + CLUSTER_CONCURRENCY]))
+            return replies
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for script, keys, args in calls:
+                await script(keys=keys, args=args, client=pipe)
+            return await pipe.execute()
 
     async def fan_out(self, task: Task, groups: list[list[str]]) -> None:
         """Store the request once, add one chunk-stream entry per part, then acknowledge the request entry."""
