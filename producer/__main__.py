@@ -67,7 +67,7 @@ def _write(out: TextIO | None, result: Result) -> None:
 
 
 def submit(args: argparse.Namespace) -> int:
-    client = Client(args.redis, args.namespace, max_unfinished=args.max_unfinished)
+    client = Client(args.redis, args.namespace, max_unfinished=args.max_unfinished, cluster=args.cluster)
     items = _read(args.file)
     progress = Progress(len(items), args.quiet)
     out = open(args.out, "w", encoding="utf-8") if args.out else None
@@ -122,12 +122,12 @@ def submit(args: argparse.Namespace) -> int:
 
 
 def stats(args: argparse.Namespace) -> int:
-    print(json.dumps(Client(args.redis, args.namespace).stats(), indent=2, default=str))
+    print(json.dumps(Client(args.redis, args.namespace, cluster=args.cluster).stats(), indent=2, default=str))
     return 0
 
 
 def result(args: argparse.Namespace) -> int:
-    client = Client(args.redis, args.namespace)
+    client = Client(args.redis, args.namespace, cluster=args.cluster)
     try:
         found = client.wait(args.id, args.wait) if args.wait else client.fetch(args.id)
     except ResultTimeout:
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL (rediss:// for TLS)")
     common.add_argument("--namespace", default="dq")
+    common.add_argument("--cluster", action="store_true", help="the URL is a node of a Redis Cluster")
 
     sub = commands.add_parser("submit", parents=[common], help="submit a JSONL file, one request per line")
     sub.add_argument("file", help="JSONL file, or - for stdin")
