@@ -1,0 +1,81 @@
+"""Redis ACL users of a deployment, least privilege per role, written as an ``aclfile`` (Redis 7+).
+
+    python ops/redis_acl.py [--namespace dq] > users.acl     # passwords from DQ_ACL_<ROLE>_PASSWORD, else generated
+
+Roles:
+- producer: enqueue (plain XADD or the submit script) and read results and reply streams. No consumer-group
+  commands, no deletes, no writes to results (it cannot forge an answer).
+- worker: what the daemon does (read the group, claim, acknowledge, publish through its scripts, fan out, dead
+  letters, heartbeat), inside the namespace only. DEL and EXPIRE only on per-request keys and reply streams
+  (a selector), so even a worker cannot drop a work stream; no XTRIM, no group deletion, no FLUSH, CONFIG or KEYS.
+- monitor: read-only stream metadata and INFO for Prometheus, KEDA and ``python -m producer stats``; no payloads.
+- admin: everything, for operators.
+- default (no credentials): PING only, for container health checks.
+
+Passwords are stored as SHA-256 (``#<hex>``), never in clear. ``ops/redis/users.acl`` is this script's output with
+the compose file's development passwords (a test keeps the two equal); render your own for anything real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import secrets
+import sys
+
+PROTOCOL = "v1"
+# Connection set-up and the cluster topology a cluster client reads. (No CLIENT SETINFO: 7.0 lacks it, and
+# redis-py ignores its refusal on 7.2+.)
+CONNECT = "+ping +hello +client|setname +client|id +command +cluster|slots +cluster|shards +cluster|nodes"
+
+ROLES = {
+    "producer": (
+        "{connect} +xadd +xlen +xread +xrange +evalsha +script|load "
+        "~{ns}:{v}:{{s*}}:requests %R~{ns}:{v}:result:* %R~{ns}:{v}:reply:*"
+    ),
+    "worker": (
+        "{connect} +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xinfo|groups +xlen +xadd "
+        "+evalsha +script|load +script|exists +exists +hlen +hgetall +hset +hdel +get +set "
+        "~{ns}:{v}:* "
+        # scripts delete a published request's parts and body and expire results: nothing else may go away
+        "(+del +expire ~{ns}:{v}:result:* ~{ns}:{v}:parts:* ~{ns}:{v}:body:* ~{ns}:{v}:reply:*)"
+    ),
+    "monitor": (
+        "{connect} +xinfo|groups +xinfo|stream +xinfo|consumers +xlen +xpending +hkeys +hlen +hgetall +info "
+        "%R~{ns}:{v}:*"
+    ),
+    "admin": "~* &* +@all",
+}
+
+
+def password_hash(password: str) -> str:
+    return "#" + hashlib.sha256(password.encode()).hexdigest()
+
+
+def render(passwords: dict[str, str], namespace: str = "dq") -> str:
+    """The aclfile text: one ``user`` line per role (every role in ROLES needs a password)."""
+    lines = ["user default on nopass resetkeys resetchannels -@all +ping"]  # aclfiles take no comments
+    for role, rules in ROLES.items():
+        body = rules.format(connect=CONNECT, ns=namespace, v=PROTOCOL)
+        lines.append(f"user {role} on {password_hash(passwords[role])} resetkeys resetchannels -@all {body}"
+                     if role != "admin" else f"user {role} on {password_hash(passwords[role])} {body}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--namespace", default="dq", help="the deployment's namespace (DQ_NAMESPACE)")
+    args = parser.parse_args(argv)
+    passwords = {}
+    for role in ROLES:
+        variable = f"DQ_ACL_{role.upper()}_PASSWORD"
+        passwords[role] = os.environ.get(variable) or secrets.token_urlsafe(32)
+        if variable not in os.environ:
+            print(f"{variable}={passwords[role]}", file=sys.stderr)  # generated: shown once, stored only hashed
+    sys.stdout.write(render(passwords, args.namespace))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
