@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import threading
 import time
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -59,10 +60,19 @@ _PROCESS_ENCODER: Encoder | None = None
 _PROCESS_SETTINGS: Settings | None = None
 
 
-def _init_process(spec: RenderSpec, settings: Settings) -> None:
+def _exit_with_parent(parent: int) -> None:
+    """A worker killed with SIGKILL cannot stop its planners: they leave on their own when it is gone (the
+    parent's pid comes from the parent: a child that starts after its death exits at once)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+
+def _init_process(spec: RenderSpec, settings: Settings, parent: int) -> None:
     global _PROCESS_ENCODER, _PROCESS_SETTINGS
     import torch
 
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     torch.set_num_threads(1)
     _PROCESS_ENCODER, _PROCESS_SETTINGS = Encoder(spec, settings.max_image_pixels), settings
 
@@ -86,7 +96,7 @@ class Planner:
             # spawn: a forked child of a process that touched CUDA is unusable.
             self.pool: Executor = ProcessPoolExecutor(self.processes, multiprocessing.get_context("spawn"),
                                                       initializer=_init_process,
-                                                      initargs=(model.render_spec(), settings))
+                                                      initargs=(model.render_spec(), settings, os.getpid()))
         else:
             self.pool = ThreadPoolExecutor(settings.planner_threads, thread_name_prefix="planner")
 

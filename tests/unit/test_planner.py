@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,3 +50,39 @@ def test_bad_entries_fail_with_their_code(planner, body, code):
     with pytest.raises(RequestError) as error:
         planner.submit(delivery(body)).result(timeout=60)
     assert error.value.code == code and error.value.message
+
+
+def test_planner_processes_leave_when_their_worker_is_killed(tmp_path):
+    """kill -9 of a worker must not leave orphaned planner processes behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+        "import multiprocessing\n"
+        "from worker.planner import _exit_with_parent\n"
+        "if __name__ == '__main__':\n"
+        "    child = multiprocessing.get_context('spawn').Process(target=_exit_with_parent, args=(os.getpid(),))\n"
+        "    child.start()\n"
+        "    print(child.pid, flush=True)\n"
+        "    time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 60  # a spawned child may still be importing
+    while time.monotonic() < deadline:
+        try:
+            state = open(f"/proc/{child}/status").read().split("State:")[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            return
+        if state == "Z":  # exited; only its new parent can reap it
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("the planner process outlived its worker")
