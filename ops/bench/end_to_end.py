@@ -178,7 +178,12 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    import signal
+
     import torch
+
+    # A stage timeout sends SIGTERM: unwind, so that the worker process is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
 
     from producer.client import Client
     from worker.encoder import Encoder
