@@ -70,6 +70,7 @@ class Daemon:
         self.ready = threading.Event()
         self.redis_ok = False
         self.beats: dict[str, float] = {}
+        self.reading_since: float | None = None  # the reader is waiting on Redis since (health: Redis' fault, not ours)
         self.metrics.info.labels(VERSION, self.model.name, self.engine.name, str(self.model.device)).set(1)
 
     # ---------------------------------------------------------------- lifecycle (main thread)
@@ -233,6 +234,7 @@ class Daemon:
         while not self.stopping.is_set():
             self.metrics.heartbeat.labels("reader").set(time.time())
             self.beats["reader"] = time.time()
+            self.reading_since = None
             if len(self.inflight) >= s.max_inflight:
                 self.room.clear()
                 try:
@@ -240,6 +242,7 @@ class Daemon:
                 except asyncio.TimeoutError:
                     pass
                 continue
+            self.reading_since = time.time()
             try:
                 if recover:
                     deliveries = [d for d in await self.intake.own_pending(s.read_count)

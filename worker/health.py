@@ -16,16 +16,24 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 STALE_SECONDS = 30.0  # a loop that has not turned for this long is stuck (a pack takes far less)
+REDIS_GRACE_SECONDS = 5.0  # a read slower than its BLOCK time by this much: Redis is unreachable (unready)
 
 
 def status(daemon: Any) -> dict[str, Any]:
     now = time.time()
     beats = dict(daemon.beats)
-    stuck = [name for name, beat in beats.items() if now - beat > STALE_SECONDS]
+    reading = getattr(daemon, "reading_since", None)
+    # A reader blocked on an unresponsive Redis (paused, partitioned: each call waits out its socket timeout and
+    # retries) is not stuck itself: restarting it would not help, so it makes the worker unready, not dead.
+    stuck = [name for name, beat in beats.items()
+             if now - beat > STALE_SECONDS and not (name == "reader" and reading is not None)]
     if daemon.ready.is_set() and "gpu" not in beats:
         stuck.append("gpu")
-    return {"live": not stuck, "stuck": stuck, "ready": daemon.ready.is_set() and daemon.redis_ok and not stuck,
-            "model_loaded": True, "warm": daemon.ready.is_set(), "redis": daemon.redis_ok,
+    # A healthy blocking read returns within its BLOCK time; much longer means Redis is not answering.
+    redis_ok = daemon.redis_ok and not (reading is not None
+                                        and now - reading > daemon.settings.block_ms / 1000 + REDIS_GRACE_SECONDS)
+    return {"live": not stuck, "stuck": stuck, "ready": daemon.ready.is_set() and redis_ok and not stuck,
+            "model_loaded": True, "warm": daemon.ready.is_set(), "redis": redis_ok,
             "inflight": len(daemon.inflight), "stopping": daemon.stopping.is_set()}
 
 
