@@ -22,6 +22,7 @@ MAX_QUESTIONS = 64
 MAX_OPTIONS = 26
 MAX_ASSETS = 16
 MAX_NAME_CHARS = 128
+MAX_DEPTH = 64  # JSON nesting; templates render nested values recursively (~150 levels exhaust Python's stack)
 IMAGE_FORMATS = ("png", "jpeg", "jpg", "webp", "gif", "bmp")
 
 
@@ -186,10 +187,14 @@ def parse_request(raw: str | bytes) -> Request:
     """Parse a request entry body; raises ``RequestError`` with a code and a message naming the problem."""
     try:
         data = json.loads(raw)
+    except RecursionError:  # not a ValueError: it would escape as a worker failure, retried, then dead-lettered
+        raise RequestError(ErrorCode.INVALID_JSON, "body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as error:
         raise RequestError(ErrorCode.INVALID_JSON, f"body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise RequestError(ErrorCode.INVALID_JSON, f"body must be a JSON object, got {type(data).__name__}")
+    if _depth(data) > MAX_DEPTH:
+        raise RequestError(ErrorCode.INVALID_REQUEST, f"the request is nested deeper than {MAX_DEPTH} levels")
     try:  # JSON escapes can carry lone surrogates, which no tokenizer can encode
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as error:
@@ -198,6 +203,17 @@ def parse_request(raw: str | bytes) -> Request:
         return Request.model_validate(data)
     except ValidationError as error:
         raise RequestError(ErrorCode.INVALID_REQUEST, describe(error)) from None
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion (the point is to refuse what would exhaust the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((inner, depth + 1) for inner in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 class RequestError(Exception):
