@@ -88,10 +88,15 @@ class Encoder:
         self.max_options = {kind: model.max_options(kind) for kind in Question.questions_types}
         template = self.config.chat_template or DECISION_PROMPT
         self.one_prompt_for_all = "questions" in _get_template_variables(template)
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        self.control_tokens = sorted({*tokenizer.added_tokens_encoder, "<|mark|>", "<|split|>"}, key=len, reverse=True)
 
     def plan(self, request: Request, names: Sequence[str] | None = None) -> list[Chunk]:
         """The chunks of ``request`` (or of its questions ``names``), each at most ``max_length`` tokens."""
         body = request.template_input()
+        hostile = _control_token_in_keys(body, self.control_tokens)
+        if hostile:
+            raise RequestError(ErrorCode.INVALID_REQUEST, hostile)
         if names is not None:
             missing = [n for n in names if n not in body["questions"]]
             if missing:
@@ -117,7 +122,11 @@ class Encoder:
             prompts = prepare_inputs(self.config, body, self.processor)
         except (ValueError, TemplateError, TypeError) as error:
             raise RequestError(ErrorCode.INVALID_REQUEST, str(error)) from None
-        for _, questions in prompts:
+        for inputs, questions in prompts:
+            if len(inputs["marks"]) != len(questions):  # the head reads one row per question, never user text
+                raise RequestError(ErrorCode.INVALID_REQUEST, (
+                    f"the prompt has {len(inputs['marks'])} marks for {len(questions)} questions: control tokens in "
+                    "user text?"))
             for q in questions:
                 if len(q.options) > self.max_options[q.type]:
                     raise RequestError(ErrorCode.INVALID_REQUEST, (
@@ -159,6 +168,32 @@ class Encoder:
             return rendered
         half = len(names) // 2  # the estimate was short: halve until each part fits
         return self._fit(body, names[:half]) + self._fit(body, names[half:])
+
+
+def _control_token_in_keys(body: dict[str, Any], tokens: Sequence[str]) -> str | None:
+    """transformers escapes control tokens in the strings of a request but not in the keys of its JSON objects,
+    which templates print as they are: such a key could add a mark (moving where the head reads) or a chat token.
+    The problem, or None. Iterative: the depth is bounded by the schema, the stack need not be."""
+    stack: list[tuple[Any, str]] = [(body["state"], "state")]
+    for name, question in body["questions"].items():
+        stack.append((question.get("instructions"), f"questions.{name}.instructions"))
+        criteria = question.get("criteria")
+        if isinstance(criteria, dict):
+            stack += [(value, f"questions.{name}.criteria.{option}") for option, value in criteria.items()]
+        elif isinstance(criteria, list):
+            stack += [(value, f"questions.{name}.criteria.{i}") for i, value in enumerate(criteria)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                token = next((t for t in tokens if t in key), None)
+                if token:
+                    return (f"{where}: the key {key[:80]!r} holds the control token {token!r}; keys are not escaped, "
+                            "put such text in values")
+                stack.append((inner, f"{where}.{key[:40]}"))
+        elif isinstance(value, list):
+            stack += [(inner, f"{where}.{i}") for i, inner in enumerate(value)]
+    return None
 
 
 def _subset(body: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
