@@ -45,7 +45,7 @@ VERSION = "0.1.0"
 def reply_to_of(delivery: Delivery, keys: Keys) -> str | None:
     try:
         value = json.loads(delivery.fields.get(b"body", b"")).get("reply_to")
-    except (ValueError, AttributeError, UnicodeDecodeError):
+    except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):  # any body at all
         return None
     return value if isinstance(value, str) and value.startswith(keys.reply_prefix) else None
 

@@ -30,7 +30,7 @@ def request_id_of(delivery: Delivery) -> str:
         return delivery.fields[b"request_id"].decode()
     try:
         candidate = json.loads(delivery.fields.get(b"body", b"")).get("id")
-    except (ValueError, AttributeError, UnicodeDecodeError):
+    except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):  # any body at all
         candidate = None
     if isinstance(candidate, str) and ID_PATTERN.match(candidate):
         return candidate

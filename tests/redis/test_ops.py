@@ -1,0 +1,129 @@
+"""Operations: the Prometheus metrics of a worker move as the work goes (scraped during an end to end), and health
+follows the loops, not Redis: a hung or stopped Redis makes a worker unready, never dead."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from producer.client import Client
+from test_e2e import QUESTIONS, requests
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+# Every label a dq_ metric may carry: dimensions with a handful of values, never an id.
+LABELS = {"stream", "how", "status", "code", "op", "bucket", "mode", "kind", "loop", "version", "model", "engine",
+          "device", "le"}
+
+
+def eventually(condition, timeout: float = 15.0, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
+
+
+def test_metrics_move_as_the_work_goes(redis_server, start_worker, tiny_dir):
+    client = Client(redis_server.url)
+    # A backlog before the worker starts, so that the stream gauges see it; one entry at a time keeps it there.
+    batch = requests(120, "m")
+    many = {f"q{i}": {"type": "noul", "instructions": f"Is statement {i} true?"} for i in range(20)}
+    batch.append({"id": "long", "state": "Some state.", "questions": many})
+    started = time.time()
+    ids = client.submit_many(batch)
+    client.redis.xadd(client.keys.requests, {"body": "{oops"})
+    worker = start_worker(tiny_dir, redis_server.url, max_chunk_tokens=220, fanout_tokens=200, read_count=1,
+                          max_inflight=1)
+
+    first = worker.metrics()
+    [info] = [labels for (name, labels), value in first.items() if name == "dq_build_info" and value == 1]
+    assert dict(info)["engine"] == "reference" and dict(info)["device"] == "cpu" and dict(info)["model"]
+    assert worker.metric("dq_ready") == 1
+    # The maintenance loop's stream stats see the backlog (refreshed every 5 s).
+    assert eventually(lambda: worker.metric("dq_stream_length", stream="requests") > 10
+                      and worker.metric("dq_stream_lag", stream="requests") > 10, timeout=10), worker.metrics()
+
+    results = client.wait_many([*ids], timeout=120)
+    wall = time.time() - started
+    ok = [results[r] for r in ids]
+    assert all(r.ok for r in ok)
+    parts = results["long"].usage.parts
+    assert parts > 1
+    m = worker.metric
+    assert eventually(lambda: m("dq_results_total") == len(ids) + 1)  # counted once acknowledged
+    assert eventually(lambda: m("dq_stream_length", stream="requests") == 0
+                      and m("dq_stream_lag", stream="requests") == 0 and m("dq_stream_pending", stream="requests") == 0
+                      and m("dq_stream_length", stream="chunks") == 0, timeout=10)
+
+    # Entries taken: every request once (and the bad one), every part once; nothing redelivered.
+    assert m("dq_entries_read_total", stream="requests") == len(ids) + 1
+    assert m("dq_entries_read_total", stream="chunks") == parts
+    assert m("dq_redeliveries_total") == 0 and m("dq_dead_letters_total") == 0 and m("dq_redis_errors_total") == 0
+    assert m("dq_fanouts_total") == 1
+    # Results by status and code.
+    assert m("dq_results_total", status="ok") == len(ids)
+    assert m("dq_results_total", status="error", code="invalid_json") == 1
+    # End-to-end latency, from the entry id's enqueue time to publication: one observation per result, and it
+    # agrees with the timings the results carry (published a moment after finished_ms).
+    assert m("dq_request_latency_seconds_count") == len(ids) + 1
+    producer_view = sum(r.timings.finished_ms - r.timings.enqueued_ms for r in ok) / 1000
+    assert producer_view * 0.95 <= m("dq_request_latency_seconds_sum") <= producer_view + 0.5 * len(ids) + wall
+    assert m("dq_request_latency_seconds_bucket", le="+Inf") == len(ids) + 1
+    # The backlog waited in the queue: the queue wait grew beyond the first entries' (a spread, not all zeros).
+    assert m("dq_queue_wait_seconds_count") == len(ids) + 1 + parts
+    assert m("dq_queue_wait_seconds_sum") > 0.5
+    assert m("dq_planning_seconds_count") == len(ids) + 1 + parts
+    # Packs: eager on CPU (no CUDA graphs), one forward observation per pack, fill in (0, 1].
+    packs = m("dq_packs_total")
+    assert packs > 0 and m("dq_packs_total", mode="eager") == packs and m("dq_packs_total", mode="graph") == 0
+    assert m("dq_forward_seconds_count", bucket="eager") == packs
+    assert m("dq_pack_fill_ratio_count") == packs and 0 < m("dq_pack_fill_ratio_sum") <= packs
+    assert m("dq_tokens_total") == sum(r.usage.tokens for r in ok)
+    assert m("dq_inflight_entries") == 0
+    now = time.time()
+    for loop in ("reader", "gpu", "maintenance"):
+        assert now - 15 < m("dq_loop_heartbeat_timestamp_seconds", loop=loop) <= now + 1, loop
+
+    # One prefix, no ids as labels (a handful of series whatever the traffic).
+    samples = worker.metrics()
+    assert all(name.startswith("dq_") for name, _ in samples)
+    assert {key for _, labels in samples for key, _ in labels} <= LABELS
+    assert len(samples) < 400
+
+
+def check(worker, live: bool = False) -> int:
+    args = [sys.executable, "-m", "worker", "check", "--url", f"http://127.0.0.1:{worker.port}"]
+    return subprocess.run(args + (["--live"] if live else []), capture_output=True, timeout=60, cwd=ROOT).returncode
+
+
+def test_redis_outage_makes_the_worker_unready_never_dead(redis_server, start_worker, tiny_dir):
+    worker = start_worker(tiny_dir, redis_server.url)
+    assert worker.get("/healthz")[0] == 200 and worker.get("/readyz")[0] == 200
+    assert check(worker) == 0 and check(worker, live=True) == 0
+    client = Client(redis_server.url)
+
+    def unready_while_alive() -> bool:
+        assert worker.get("/healthz")[0] == 200  # liveness never follows Redis
+        return worker.get("/readyz")[0] == 503
+
+    # Hung Redis (a partition looks the same): the blocking read waits out its socket timeout and retries.
+    redis_server.pause()
+    assert eventually(unready_while_alive, timeout=12)
+    assert json.loads(worker.get("/readyz")[1])["redis"] is False
+    assert check(worker) == 1 and check(worker, live=True) == 0
+    redis_server.resume()
+    assert eventually(lambda: worker.get("/readyz")[0] == 200, timeout=10)
+
+    # Redis gone: unready at once, alive through the client's whole retry budget, errors counted.
+    redis_server.stop()
+    assert eventually(unready_while_alive, timeout=12)
+    assert eventually(lambda: unready_while_alive() and worker.metric("dq_redis_errors_total") > 0, timeout=30)
+    assert worker.metric("dq_ready") == 0
+    redis_server.start()
+    assert eventually(lambda: worker.get("/readyz")[0] == 200, timeout=20)
+    assert client.decide({"id": "after", "state": "back", "questions": QUESTIONS}, timeout=60).ok

@@ -1,0 +1,41 @@
+"""Health decisions from the loops' heartbeats: stuck loops are dead, a reader waiting on Redis is only unready."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+from worker.config import Settings
+from worker.health import REDIS_GRACE_SECONDS, STALE_SECONDS, status
+
+
+def daemon(reader_age: float, gpu_age: float = 0.0, reading_for: float | None = None, redis_ok: bool = True):
+    now = time.time()
+    ready = threading.Event()
+    ready.set()
+    return SimpleNamespace(beats={"reader": now - reader_age, "gpu": now - gpu_age}, ready=ready, redis_ok=redis_ok,
+                           reading_since=None if reading_for is None else now - reading_for, inflight={},
+                           stopping=threading.Event(), settings=Settings(block_ms=1000))
+
+
+def test_turning_loops_are_live_and_ready():
+    state = status(daemon(reader_age=0.5, reading_for=0.5))
+    assert state["live"] and state["ready"] and state["redis"]
+
+
+def test_a_reader_blocked_on_redis_past_the_stale_time_is_unready_not_dead():
+    state = status(daemon(reader_age=STALE_SECONDS * 3, reading_for=STALE_SECONDS * 3))
+    assert state["live"] and not state["ready"] and not state["redis"]
+    # ... and unready as soon as a read outlasts its BLOCK time by the grace, before redis-py gives up.
+    assert not status(daemon(reader_age=1.0 + REDIS_GRACE_SECONDS + 1, reading_for=1.0 + REDIS_GRACE_SECONDS + 1))[
+        "ready"]
+
+
+def test_a_stuck_loop_is_dead():
+    assert status(daemon(reader_age=STALE_SECONDS + 5))["stuck"] == ["reader"]  # stale and not waiting on Redis
+    state = status(daemon(reader_age=0.1, gpu_age=STALE_SECONDS + 5, reading_for=0.1))
+    assert not state["live"] and state["stuck"] == ["gpu"] and not state["ready"]
+
+
+def test_redis_errors_make_it_unready():
+    state = status(daemon(reader_age=0.1, redis_ok=False))
+    assert state["live"] and not state["ready"]
