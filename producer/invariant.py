@@ -47,7 +47,8 @@ class Report:
         if missing:
             out.append(f"{len(missing)} of {self.submitted} requests have no result (e.g. {missing[:5]})")
         if self.duplicated:
-            out.append(f"{len(self.duplicated)} requests have several results: {dict(list(self.duplicated.items())[:5])}")
+            some = dict(list(self.duplicated.items())[:5])
+            out.append(f"{len(self.duplicated)} requests have several results: {some}")
         if self.malformed:
             out.append(f"{len(self.malformed)} malformed results: {dict(list(self.malformed.items())[:5])}")
         if self.leftovers:
