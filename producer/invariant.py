@@ -91,19 +91,22 @@ def _judge(request_id: str, entry_fields: dict[bytes, bytes]) -> tuple[Result | 
     return result, None
 
 
-def leftovers(connection: Any, keys: Keys, ids: Iterable[str] = ()) -> dict[str, int]:
-    """Work not finished or not cleaned up: stream entries, pending entries, parts and stored bodies."""
+def leftovers(connection: Any, keys: Keys, ids: Iterable[str] = (), shards: int = 1) -> dict[str, int]:
+    """Work not finished or not cleaned up: stream entries, pending entries (every shard), parts and stored bodies."""
     out: dict[str, int] = {}
-    for name, stream in (("requests", keys.requests), ("chunks", keys.chunks)):
-        length = connection.xlen(stream)
-        if length:
-            out[f"{name} entries"] = length
-        try:
-            pending = connection.xpending(stream, keys.group)["pending"]
-        except redis.ResponseError:  # no stream or no group: nothing pending
-            pending = 0
-        if pending:
-            out[f"{name} pending"] = pending
+    for shard in range(max(1, shards)):
+        shard_keys = Keys(keys.namespace, shard)
+        for name, stream in (("requests", shard_keys.requests), ("chunks", shard_keys.chunks)):
+            label = name if shards <= 1 else f"{name} s{shard}"
+            length = connection.xlen(stream)
+            if length:
+                out[f"{label} entries"] = length
+            try:
+                pending = connection.xpending(stream, keys.group)["pending"]
+            except redis.ResponseError:  # no stream or no group: nothing pending
+                pending = 0
+            if pending:
+                out[f"{label} pending"] = pending
     ids = list(ids)
     for start in range(0, len(ids), BATCH):
         with connection.pipeline(transaction=False) as pipe:
@@ -115,7 +118,7 @@ def leftovers(connection: Any, keys: Keys, ids: Iterable[str] = ()) -> dict[str,
     return out
 
 
-def check(connection: Any, keys: Keys, ids: Iterable[str], drained: bool = True) -> Report:
+def check(connection: Any, keys: Keys, ids: Iterable[str], drained: bool = True, shards: int = 1) -> Report:
     """The invariant for ``ids`` now; ``drained=False`` skips the stream checks (other traffic on the queue)."""
     ids = list(dict.fromkeys(ids))
     report = Report(submitted=len(ids))
@@ -131,23 +134,26 @@ def check(connection: Any, keys: Keys, ids: Iterable[str], drained: bool = True)
         elif result is not None:
             report.results[request_id] = result
     if drained:
-        report.leftovers = leftovers(connection, keys, ids)
+        report.leftovers = leftovers(connection, keys, ids, shards)
     return report
 
 
 def settle(connection: Any, keys: Keys, ids: Iterable[str], timeout: float = 120.0, drained: bool = True,
-           allow_missing: Iterable[str] = (), poll: float = 0.2) -> Report:
+           allow_missing: Iterable[str] = (), shards: int = 1, poll: float = 0.2) -> Report:
     """Wait (up to ``timeout``) until every id has a result and the queue has drained, then check.
 
-    Polling is fine here: this is a checker, not a client. It returns the report either way, so a test shows what
-    was lost or duplicated rather than a bare timeout.
+    Polling is fine here: this is a checker, not a client. Only the ids still unanswered are read again while
+    waiting; the final check reads them all. It returns the report either way, so a caller sees what was lost or
+    duplicated rather than a bare timeout.
     """
     ids = list(dict.fromkeys(ids))
     allowed = set(allow_missing)
     deadline = time.monotonic() + timeout
-    while True:
-        report = check(connection, keys, ids, drained)
-        waiting = [i for i in report.missing if i not in allowed]
-        if not waiting and not report.leftovers or time.monotonic() > deadline:
-            return report
+    waiting = [i for i in ids if i not in allowed]
+    while time.monotonic() < deadline:
+        found = _read_results(connection, keys, waiting)
+        waiting = [i for i in waiting if not found[i]]
+        if not waiting and not (drained and leftovers(connection, keys, (), shards)):
+            break
         time.sleep(poll)
+    return check(connection, keys, ids, drained, shards)
