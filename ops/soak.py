@@ -68,7 +68,10 @@ class Soak:
         timed = [r.timings for r in results if r.timings and r.timings.enqueued_ms and r.timings.finished_ms]
         latencies = sorted((t.finished_ms - t.enqueued_ms) / 1000 for t in timed)
         span = (max(t.finished_ms for t in timed) - min(t.enqueued_ms for t in timed)) / 1000 if timed else 0.0
-        pick = lambda q: round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 3) if latencies else None  # noqa: E731
+
+        def pick(q: float) -> float | None:
+            return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 3) if latencies else None
+
         return {"submitted": len(self.ids), "answered": len(results), "bad": len(self.bad),
                 "statuses": dict(self.report.statuses) if self.report else {},
                 "requests_per_s": round(len(results) / span, 1) if span else None,
