@@ -1,6 +1,7 @@
 """Redis ACL users of a deployment, least privilege per role, written as an ``aclfile`` (Redis 7+).
 
     python ops/redis_acl.py [--namespace dq] > users.acl     # passwords from DQ_ACL_<ROLE>_PASSWORD, else generated
+    python ops/redis_acl.py --development > ops/redis/users.acl   # the compose file's well-known passwords
 
 Roles:
 - producer: enqueue (plain XADD or the submit script) and read results and reply streams. No consumer-group
@@ -49,6 +50,10 @@ ROLES = {
 }
 
 
+# Well known, for a local docker compose only: ops/compose.yaml uses them unless DQ_ACL_<ROLE>_PASSWORD is set.
+DEVELOPMENT_PASSWORDS = {role: f"dev-{role}-password" for role in ROLES}
+
+
 def password_hash(password: str) -> str:
     return "#" + hashlib.sha256(password.encode()).hexdigest()
 
@@ -66,7 +71,11 @@ def render(passwords: dict[str, str], namespace: str = "dq") -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--namespace", default="dq", help="the deployment's namespace (DQ_NAMESPACE)")
+    parser.add_argument("--development", action="store_true", help="the well-known local passwords")
     args = parser.parse_args(argv)
+    if args.development:
+        sys.stdout.write(render(DEVELOPMENT_PASSWORDS, args.namespace))
+        return 0
     passwords = {}
     for role in ROLES:
         variable = f"DQ_ACL_{role.upper()}_PASSWORD"

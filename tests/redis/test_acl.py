@@ -5,6 +5,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from ops.redis_acl import ROLES, render
 from producer.client import Client
 from producer.keys import Keys
 from test_e2e import QUESTIONS, requests
-from worker.redis_server import RedisServer
+from worker.redis_server import RedisServer, free_port
 
 pytestmark = [pytest.mark.redis]
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,3 +134,39 @@ def test_daemon_and_producer_run_end_to_end_under_their_users(acl_server, start_
     # Not one command of the daemon, the producer or the monitor was refused along the way.
     assert admin.acl_log() == [], admin.acl_log()
     assert "permission" not in worker.log.read_text().lower()
+
+
+def test_the_compose_redis_config_loads_with_its_acl_file(tmp_path):
+    """ops/redis/redis.conf and ops/redis/users.acl as compose mounts them (only paths and the port differ)."""
+    from ops.redis_acl import DEVELOPMENT_PASSWORDS
+
+    server = RedisServer()
+    if server.version < (7,):
+        pytest.skip("the ACL file needs redis-server 7")
+    port = free_port()
+    process = subprocess.Popen([server.binary, str(ROOT / "ops/redis/redis.conf"), "--port", str(port),
+                                "--bind", "127.0.0.1", "--dir", str(tmp_path),
+                                "--aclfile", str(ROOT / "ops/redis/users.acl")],
+                               stdout=open(tmp_path / "redis.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        anonymous = redis.Redis(port=port, retry=None)
+        deadline = time.monotonic() + 20
+        while True:
+            assert process.poll() is None, (tmp_path / "redis.log").read_text()[-2000:]
+            try:
+                if anonymous.ping():  # the compose health check: PING without credentials
+                    break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        admin = redis.Redis(port=port, username="admin", password=DEVELOPMENT_PASSWORDS["admin"])
+        config = admin.config_get("*")
+        assert config["appendonly"] == "yes" and config["appendfsync"] == "always"
+        assert config["maxmemory-policy"] == "noeviction"
+        assert {user.split()[1] for user in admin.acl_list()} == {"default", *ROLES}
+        producer = Client(f"redis://producer:{DEVELOPMENT_PASSWORDS['producer']}@127.0.0.1:{port}/0")
+        producer.submit({"id": "c-1", "state": "x", "questions": QUESTIONS})
+        assert refused(anonymous.xlen, KEYS.requests)
+    finally:
+        process.kill()
+        process.wait(10)

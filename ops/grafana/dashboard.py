@@ -1,0 +1,172 @@
+"""Writes ops/grafana/dashboards/decision-queue.json, the provisioned Grafana dashboard of the workers' metrics.
+
+    python ops/grafana/dashboard.py        # after changing a panel here; a test keeps the JSON equal to this output
+
+Panels sum over the selected workers (``$instance``). Queue gauges are reported by every worker for the same
+streams, so they are aggregated with ``max``, never summed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "dashboards" / "decision-queue.json"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+W = '{instance=~"$instance"}'  # the worker selector
+RATE = "$__rate_interval"
+
+
+def sel(extra: str = "") -> str:
+    """A label selector for the chosen workers, plus ``extra`` matchers."""
+    return '{instance=~"$instance"' + (", " + extra if extra else "") + "}"
+
+
+REQUESTS, ERRORS, RECLAIMED = sel('stream="requests"'), sel('status="error"'), sel('how="reclaimed"')
+
+
+def quantiles(metric: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.95, 0.99), extra: str = "") -> list:
+    group = f"le{', ' + by if by else ''}"
+    suffix = f" {{{{{by}}}}}" if by else ""
+    return [(f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{sel(extra)}[{RATE}])))",
+             f"p{int(q * 100)}{suffix}") for q in qs]
+
+
+class Board:
+    def __init__(self) -> None:
+        self.panels: list[dict] = []
+        self.y = 0
+        self.x = 0
+        self.row_height = 0
+
+    def row(self, title: str) -> None:
+        self._newline()
+        self.panels.append({"type": "row", "title": title, "collapsed": False, "id": len(self.panels) + 1,
+                            "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y}, "panels": []})
+        self.y += 1
+
+    def _newline(self) -> None:
+        if self.x:
+            self.y += self.row_height
+            self.x, self.row_height = 0, 0
+
+    def panel(self, kind: str, title: str, targets: list[tuple[str, str]], unit: str = "short", w: int = 8,
+              h: int = 8, description: str = "", stack: bool = False, **options: object) -> None:
+        if self.x + w > 24:
+            self._newline()
+        defaults: dict = {"unit": unit}
+        if kind == "timeseries":
+            defaults["custom"] = {"fillOpacity": 10, "showPoints": "never",
+                                  "stacking": {"mode": "normal" if stack else "none"}}
+        panel = {"type": kind, "title": title, "description": description, "id": len(self.panels) + 1,
+                 "datasource": DATASOURCE, "gridPos": {"h": h, "w": w, "x": self.x, "y": self.y},
+                 "fieldConfig": {"defaults": defaults, "overrides": []},
+                 "targets": [{"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr,
+                              "legendFormat": legend} for i, (expr, legend) in enumerate(targets)],
+                 "options": options or ({"legend": {"displayMode": "list", "placement": "bottom"},
+                                         "tooltip": {"mode": "multi"}} if kind == "timeseries" else {})}
+        self.panels.append(panel)
+        self.x += w
+        self.row_height = max(self.row_height, h)
+
+
+def build() -> dict:
+    b = Board()
+    b.row("Overview")
+    stat = dict(kind="stat", w=4, h=4, reduceOptions={"calcs": ["lastNotNull"], "fields": "", "values": False},
+                colorMode="value", graphMode="area")
+    b.panel(title="Workers ready", targets=[(f"sum(dq_ready{W})", "ready")], **stat)
+    b.panel(title="Results / s", targets=[(f"sum(rate(dq_results_total{W}[{RATE}]))", "results/s")], unit="reqps",
+            **stat)
+    b.panel(title="Latency p95", targets=quantiles("dq_request_latency_seconds", qs=(0.95,)), unit="s", **stat)
+    b.panel(title="Waiting (lag)", targets=[(f'max(dq_stream_lag{REQUESTS})',
+                                            "lag")], **stat)
+    b.panel(title="Pack fill", targets=[(f"sum(rate(dq_pack_fill_ratio_sum{W}[{RATE}])) / "
+                                         f"sum(rate(dq_pack_fill_ratio_count{W}[{RATE}]))", "fill")],
+            unit="percentunit", **stat)
+    b.panel(title="Errors / s", targets=[(f'sum(rate(dq_results_total{ERRORS}'
+                                          f"[{RATE}]))", "errors/s")], unit="reqps", **stat)
+
+    b.row("Throughput")
+    b.panel("timeseries", "Results by status", [(f"sum by (status) (rate(dq_results_total{W}[{RATE}]))",
+                                                  "{{status}}")], unit="reqps", stack=True,
+            description="Requests answered per second (a fanned-out request counts once).")
+    b.panel("timeseries", "Entries taken", [(f"sum by (stream, how) (rate(dq_entries_read_total{W}[{RATE}]))",
+                                             "{{stream}} {{how}}")], unit="ops",
+            description="Stream entries taken per second: requests and parts; read, recovered after a restart, "
+                        "reclaimed from a dead worker, retried.")
+    b.panel("timeseries", "Tokens through the model", [(f"sum(rate(dq_tokens_total{W}[{RATE}]))", "tokens/s"),
+                                                       (f"sum by (instance) (rate(dq_tokens_total{W}[{RATE}]))",
+                                                        "{{instance}}")], unit="short")
+    b.panel("timeseries", "Forward passes: CUDA graph replays vs eager",
+            [(f"sum by (mode) (rate(dq_packs_total{W}[{RATE}]))", "{{mode}}")], unit="ops", stack=True)
+
+    b.row("Latency")
+    b.panel("timeseries", "End to end (enqueue to result)", quantiles("dq_request_latency_seconds"), unit="s",
+            description="From the stream entry id's time to the published result.")
+    b.panel("timeseries", "Queue wait (enqueue to taken)", quantiles("dq_queue_wait_seconds"), unit="s")
+    b.panel("timeseries", "Planning (validate, render, tokenize)", quantiles("dq_planning_seconds"), unit="s")
+    b.panel("timeseries", "Forward pass by bucket", quantiles("dq_forward_seconds", by="bucket", qs=(0.5, 0.95)),
+            unit="s", w=12, description="Launch to scores on the host, per static pack size (eager: no bucket).")
+    b.panel("timeseries", "Pack fill ratio", [
+        (f"sum(rate(dq_pack_fill_ratio_sum{W}[{RATE}])) / sum(rate(dq_pack_fill_ratio_count{W}[{RATE}]))", "mean"),
+        *quantiles("dq_pack_fill_ratio", qs=(0.5,))], unit="percentunit", w=12,
+        description="Real tokens over tokens computed per pass: low fill wastes the GPU on padding.")
+
+    b.row("Queue")
+    b.panel("timeseries", "Stream length (unfinished work)",
+            [(f"max by (stream) (dq_stream_length{W})", "{{stream}}")], unit="short",
+            description="Workers delete entries once answered: the length is what is left to do.")
+    b.panel("timeseries", "Lag (not yet delivered)", [(f"max by (stream) (dq_stream_lag{W})", "{{stream}}")],
+            unit="short", description="The autoscaler's signal (KEDA lagCount).")
+    b.panel("timeseries", "Pending (delivered, not acknowledged)",
+            [(f"max by (stream) (dq_stream_pending{W})", "{{stream}}")], unit="short")
+    b.panel("timeseries", "In flight per worker", [(f"dq_inflight_entries{W}", "{{instance}}")], unit="short")
+
+    b.row("Errors and recovery")
+    b.panel("timeseries", "Error results by code",
+            [(f'sum by (code) (rate(dq_results_total{ERRORS}[{RATE}]))',
+              "{{code}}")], unit="reqps", stack=True)
+    b.panel("timeseries", "Redeliveries, reclaims, retries, dead letters", [
+        (f"sum(rate(dq_redeliveries_total{W}[{RATE}]))", "redelivered"),
+        (f'sum(rate(dq_entries_read_total{RECLAIMED}[{RATE}]))', "reclaimed"),
+        (f"sum(rate(dq_retries_total{W}[{RATE}]))", "retried"),
+        (f"sum(rate(dq_dead_letters_total{W}[{RATE}]))", "dead-lettered"),
+        (f"sum(rate(dq_lost_entries_total{W}[{RATE}]))", "lost (trimmed)")], unit="ops")
+    b.panel("timeseries", "Redis errors by operation",
+            [(f"sum by (op) (rate(dq_redis_errors_total{W}[{RATE}]))", "{{op}}")], unit="ops")
+
+    b.row("Workers")
+    b.panel("timeseries", "GPU memory", [(f"dq_gpu_memory_bytes{W}", "{{instance}} {{kind}}")], unit="bytes")
+    b.panel("timeseries", "Ready", [(f"dq_ready{W}", "{{instance}}")], unit="short")
+    b.panel("timeseries", "Loop heartbeat age", [(f"time() - dq_loop_heartbeat_timestamp_seconds{W}",
+                                                  "{{instance}} {{loop}}")], unit="s",
+            description="Seconds since each loop last turned; liveness fails past 30 s.")
+    b.panel("table", "Build and model", [(f"dq_build_info{W}", "")], w=24, h=6)
+    b.panels[-1]["targets"][0].update(format="table", instant=True)
+
+    return {
+        "title": "Decision queue", "uid": "decision-queue", "tags": ["decision-queue"], "timezone": "",
+        "editable": False, "graphTooltip": 1, "refresh": "30s", "schemaVersion": 39, "version": 1,
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": [
+            {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+             "current": {"text": "Prometheus", "value": "dq-prometheus"}, "hide": 0},
+            {"name": "instance", "label": "Worker", "type": "query", "datasource": DATASOURCE,
+             "query": {"query": "label_values(dq_build_info, instance)", "refId": "instance"},
+             "definition": "label_values(dq_build_info, instance)", "refresh": 2, "includeAll": True,
+             "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"}, "hide": 0},
+        ]},
+        "annotations": {"list": []},
+        "panels": b.panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render())
+    print(f"wrote {OUT}", file=sys.stderr)
