@@ -422,10 +422,12 @@ class Daemon:
                 reclaimed, gone = await self.intake.reclaim(s.claim_idle_ms, s.read_count)
                 if lost := self._count_lost(gone):
                     log.error("%d pending entries had no payload any more (trimmed?)", lost)
-                for d in reclaimed:
-                    if d.entry_id not in self.inflight:
-                        log.info("reclaimed %s of %s (delivery %d)", d.entry_id, d.key, d.deliveries)
-                        self._accept(d, "reclaimed")
+                fresh = [d for d in reclaimed if d.entry_id not in self.inflight]
+                if fresh:  # one line per reclaim, not one per entry (a dead worker may have held hundreds)
+                    log.info("reclaimed %d entries from consumers idle over %d ms", len(fresh), s.claim_idle_ms)
+                for d in fresh:
+                    log.debug("reclaimed %s of %s (delivery %d)", d.entry_id, d.key, d.deliveries)
+                    self._accept(d, "reclaimed")
                 if time.monotonic() - last_stats > 5:
                     last_stats = time.monotonic()
                     for stream, st in (await self.intake.group_stats()).items():
