@@ -38,7 +38,7 @@ def test_metrics_move_as_the_work_goes(redis_server, start_worker, tiny_dir):
     ids = client.submit_many(batch)
     client.redis.xadd(client.keys.requests, {"body": "{oops"})
     worker = start_worker(tiny_dir, redis_server.url, max_chunk_tokens=220, fanout_tokens=200, read_count=1,
-                          max_inflight=1)
+                          max_inflight=1, log_format="json")
 
     first = worker.metrics()
     [info] = [labels for (name, labels), value in first.items() if name == "dq_build_info" and value == 1]
@@ -88,6 +88,12 @@ def test_metrics_move_as_the_work_goes(redis_server, start_worker, tiny_dir):
     now = time.time()
     for loop in ("reader", "gpu", "maintenance"):
         assert now - 15 < m("dq_loop_heartbeat_timestamp_seconds", loop=loop) <= now + 1, loop
+
+    # Logs: JSON lines, one per state change (start, ready), never one per request.
+    lines = [json.loads(line) for line in worker.log.read_text().splitlines() if line.startswith("{")]
+    assert lines and all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
+    assert any(line["msg"].startswith("ready:") for line in lines)
+    assert len([line for line in lines if line["level"] == "info"]) < 10, lines
 
     # One prefix, no ids as labels (a handful of series whatever the traffic).
     samples = worker.metrics()
