@@ -80,9 +80,30 @@ def _init_process(spec: RenderSpec, settings: Settings, parent: int) -> None:
 def _plan_in_process(delivery: Delivery, body: bytes | None) -> Any:
     assert _PROCESS_ENCODER is not None and _PROCESS_SETTINGS is not None
     try:
-        return plan_entry(_PROCESS_ENCODER, _PROCESS_SETTINGS, delivery, body)
+        request, chunks = plan_entry(_PROCESS_ENCODER, _PROCESS_SETTINGS, delivery, body)
     except RequestError as error:
         return (error.code, error.message)
+    return request, [_to_arrays(chunk) for chunk in chunks]
+
+
+# Tensors cross the process boundary as numpy arrays, pickled by value: torch's own reduction shares each tensor
+# through a file descriptor handed over a fresh authenticated connection, which costs milliseconds per tensor and
+# holds the worker's GIL while it does.
+_TENSORS = ("input_ids", "rows", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+def _to_arrays(chunk: Chunk) -> dict[str, Any]:
+    out: dict[str, Any] = {name: getattr(chunk, name) for name in _TENSORS}
+    out = {name: None if value is None else value.numpy() for name, value in out.items()}
+    out["questions"] = chunk.questions
+    return out
+
+
+def _from_arrays(fields: dict[str, Any]) -> Chunk:
+    import torch
+
+    return Chunk(questions=fields["questions"], **{
+        name: None if fields[name] is None else torch.from_numpy(fields[name]) for name in _TENSORS})
 
 
 class Planner:
@@ -130,6 +151,8 @@ class Planner:
                 out.set_exception(RequestError(*value))
                 return
             request, chunks = value
+            if self.processes > 0:
+                chunks = [_from_arrays(chunk) for chunk in chunks]
             task = Task(delivery=delivery, request_id=request_id_of(delivery), request=request, chunks=chunks,
                         remaining=len(chunks))
             if delivery.stream == CHUNKS:
