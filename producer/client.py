@@ -41,6 +41,9 @@ SOCKET_TIMEOUT = 5.0
 # connections: less than a Redis restart. These ride out ~12 s. A retried call may run twice (lost reply): results
 # are published once whatever happens, and a request enqueued twice is answered once (docs/RELIABILITY.md).
 RETRIES, RETRY_BASE, RETRY_CAP = 16, 0.05, 1.0
+# redis-py reloads a script once on NOSCRIPT; a cache flushed again in between (restarts, failovers, SCRIPT FLUSH
+# in a row) raised to the caller. A NOSCRIPT reply means the script did not run: trying again is safe.
+NOSCRIPT_TRIES = 5
 
 
 class QueueFull(RuntimeError):
@@ -132,10 +135,15 @@ class Client:
 
     def send(self, bodies: list[str], shard: int = 0) -> None:
         """Enqueue already prepared bodies (see ``prepare``) on one shard, all or none; raises QueueFull."""
-        try:
-            self._submit(keys=[Keys(self.keys.namespace, shard).requests], args=[self.max_unfinished, *bodies])
-        except redis.ResponseError as error:
-            _raise_queue_full(error)
+        for attempt in range(NOSCRIPT_TRIES):
+            try:
+                self._submit(keys=[Keys(self.keys.namespace, shard).requests], args=[self.max_unfinished, *bodies])
+                return
+            except redis.exceptions.NoScriptError:  # not run: the cache was flushed again after redis-py reloaded it
+                if attempt == NOSCRIPT_TRIES - 1:
+                    raise
+            except redis.ResponseError as error:
+                _raise_queue_full(error)
 
     def fetch(self, request_id: str) -> Result | None:
         """The result if it is there (non-blocking)."""
@@ -206,11 +214,16 @@ class AsyncClient:
         for shard, all_bodies in by_shard(prepared, self.shards).items():
             for start in range(0, len(all_bodies), BATCH):
                 bodies = all_bodies[start: start + BATCH]
-                try:
-                    await self._submit(keys=[Keys(self.keys.namespace, shard).requests],
-                                       args=[self.max_unfinished, *bodies])
-                except redis.ResponseError as error:
-                    _raise_queue_full(error)
+                for attempt in range(NOSCRIPT_TRIES):
+                    try:
+                        await self._submit(keys=[Keys(self.keys.namespace, shard).requests],
+                                           args=[self.max_unfinished, *bodies])
+                        break
+                    except redis.exceptions.NoScriptError:  # not run: flushed again after redis-py reloaded it
+                        if attempt == NOSCRIPT_TRIES - 1:
+                            raise
+                    except redis.ResponseError as error:
+                        _raise_queue_full(error)
         return [request_id for request_id, _ in prepared]
 
     async def fetch(self, request_id: str) -> Result | None:

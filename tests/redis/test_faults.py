@@ -190,9 +190,10 @@ def test_script_flush_mid_run(redis_server, start_worker, tiny_dir):
     thread.start()
     try:
         ids = []
-        for k in range(6):
-            ids += client.submit_many(batch(10, f"flush{k}") + [long_request(f"flush-long-{k}")])
-            time.sleep(0.2)
+        for k in range(24):  # many submit calls: each may meet a flush between redis-py's reload and its call
+            ids += client.submit_many(batch(3, f"flush{k}") + ([long_request(f"flush-long-{k // 4}")] if k % 4 == 0
+                                                                else []))
+            time.sleep(0.05)
         report = settle(client.redis, client.keys, ids, timeout=120)
     finally:
         done.set()
