@@ -397,6 +397,12 @@ class Daemon:
                 batch.append(self.outcomes.get_nowait())
             try:
                 done = await self._until_connected(lambda: self.publisher.settle(batch), "publish")
+            except redis.exceptions.NoScriptError:  # the script cache was flushed (restart, failover, SCRIPT FLUSH)
+                log.warning("script cache flushed while publishing %d outcomes: publishing them again", len(batch))
+                for outcome in batch:  # the pipeline reloads the scripts; settling is idempotent
+                    self.outcomes.put_nowait(outcome)
+                await asyncio.sleep(0.01)
+                continue
             except Exception:  # noqa: BLE001 - never drop a batch: log, wait, try again
                 log.exception("publishing %d outcomes failed; retrying", len(batch))
                 for outcome in batch:

@@ -173,7 +173,7 @@ def test_redis_paused_longer_than_the_socket_timeout(redis_server, start_worker,
 
 
 def test_script_flush_mid_run(redis_server, start_worker, tiny_dir):
-    start_worker(tiny_dir, redis_server.url, **FANOUT)
+    worker = start_worker(tiny_dir, redis_server.url, **FANOUT)
     client = Client(redis_server.url)
     flusher = redis.Redis.from_url(redis_server.url)
     flushes = 0
@@ -201,6 +201,7 @@ def test_script_flush_mid_run(redis_server, start_worker, tiny_dir):
     report.assert_ok()
     assert all(r.ok for r in report.results.values()) and flushes > 20
     assert client.redis.info("errorstats")["errorstat_NOSCRIPT"]["count"] > 0  # the flushes did hit script calls
+    assert "failed; retrying" not in worker.log.read_text()  # routine after a restart: no error, no 1 s back-off
     assert all(report.results[f"flush-long-{k}"].usage.parts > 1 for k in range(6))
 
 
