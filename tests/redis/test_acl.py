@@ -162,7 +162,7 @@ def test_the_compose_redis_config_loads_with_its_acl_file(tmp_path):
         admin = redis.Redis(port=port, username="admin", password=DEVELOPMENT_PASSWORDS["admin"])
         config = admin.config_get("*")
         assert config["appendonly"] == "yes" and config["appendfsync"] == "always"
-        assert config["maxmemory-policy"] == "noeviction"
+        assert config["maxmemory-policy"] == "noeviction" and config["stream-node-max-bytes"] == "1024"
         assert {user.split()[1] for user in admin.acl_list()} == {"default", *ROLES}
         producer = Client(f"redis://producer:{DEVELOPMENT_PASSWORDS['producer']}@127.0.0.1:{port}/0")
         producer.submit({"id": "c-1", "state": "x", "questions": QUESTIONS})

@@ -273,3 +273,11 @@ def test_kustomization_lists_existing_files_and_renders():
     assert rendered.returncode == 0, rendered.stderr
     kinds = [doc["kind"] for doc in yaml.safe_load_all(rendered.stdout)]
     assert {"Deployment", "ScaledObject", "TriggerAuthentication", "ConfigMap"} <= set(kinds)
+
+
+def test_operations_doc_lists_every_metric():
+    text = (ROOT / "docs/OPERATIONS.md").read_text()
+    for metric in vars(Metrics()).values():
+        if hasattr(metric, "_name"):
+            name = metric._name + ("_total" if isinstance(metric, Counter) else "")
+            assert f"`{name}`" in text, name
