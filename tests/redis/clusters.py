@@ -16,7 +16,8 @@ SLOTS = 16384
 
 
 class LocalCluster:
-    def __init__(self, nodes: int = 3, *args: str) -> None:
+    def __init__(self, nodes: int = 3, *args: str, username: str | None = None, password: str | None = None) -> None:
+        self.auth = {"username": username, "password": password}  # who joins the nodes (an aclfile's admin)
         self.buses = [free_port() for _ in range(nodes)]
         self.nodes = [RedisServer("--cluster-port", str(bus), "--cluster-node-timeout", "2000", *args, cluster=True)
                       for bus in self.buses]
@@ -29,7 +30,7 @@ class LocalCluster:
     def start(self, timeout: float = 30.0) -> LocalCluster:
         for node in self.nodes:
             node.start()
-        clients = [redis.Redis(port=node.port) for node in self.nodes]
+        clients = [redis.Redis(port=node.port, **self.auth) for node in self.nodes]
         try:
             share = SLOTS // len(self.nodes)
             for i, client in enumerate(clients):

@@ -97,3 +97,28 @@ def test_end_to_end_on_a_three_node_cluster_with_two_shards(cluster, start_worke
                            capture_output=True, text=True, timeout=60)
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout)["requests"] == {"length": 0, "pending": 0, "lag": 0, "consumers": 1}
+
+
+def test_cluster_under_the_acl_users(tmp_path, start_worker, tiny_dir):
+    """The ACL roles include what cluster clients need (topology, command table): no denial on any node."""
+    from ops.redis_acl import ROLES, render
+
+    if RedisServer().version < (7,):
+        pytest.skip("a local cluster and ACL selectors need redis-server 7")
+    passwords = {role: f"test-{role}" for role in ROLES}
+    acl = tmp_path / "users.acl"
+    acl.write_text(render(passwords))
+    with LocalCluster(3, "--aclfile", str(acl), username="admin", password=passwords["admin"]) as cluster:
+        port = cluster.nodes[0].port
+        url = {role: f"redis://{role}:{passwords[role]}@127.0.0.1:{port}/0" for role in ROLES}
+        start_worker(tiny_dir, url["worker"], redis_cluster=True, max_chunk_tokens=220, fanout_tokens=200)
+        client = Client(url["producer"], cluster=True)
+        many = {f"q{i}": {"type": "noul", "instructions": f"Is statement {i} true?"} for i in range(20)}
+        ids = client.submit_many([*requests(10, "acl"), {"id": "long", "state": "Some state.", "questions": many}])
+        results = client.wait_many(ids, timeout=120)
+        assert all(r.ok for r in results.values()) and results["long"].usage.parts > 1
+        monitor = Client(url["monitor"], cluster=True)
+        assert monitor.stats()["requests"]["length"] == 0
+        for node in cluster.nodes:
+            with redis.Redis(port=node.port, username="admin", password=passwords["admin"]) as admin:
+                assert admin.acl_log() == [], (node.port, admin.acl_log())

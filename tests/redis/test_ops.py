@@ -133,3 +133,18 @@ def test_redis_outage_makes_the_worker_unready_never_dead(redis_server, start_wo
     redis_server.start()
     assert eventually(lambda: worker.get("/readyz")[0] == 200, timeout=20)
     assert client.decide({"id": "after", "state": "back", "questions": QUESTIONS}, timeout=60).ok
+
+
+def test_redis_bench_replays_the_request_traffic():
+    """ops/redis_bench.py (docs/SCALING.md's numbers), small: every request settled, the per-request commands."""
+    done = subprocess.run([sys.executable, "ops/redis_bench.py", "--requests", "400", "--producers", "2",
+                           "--consumers", "2", "--batch", "100"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["settled"] == report["requests"] == 400
+    calls = report["commands_per_request"]
+    # Per request: its XADD and its result's XADD; the publish script (EXISTS, EXPIRE, DEL inside); XACK, XDEL.
+    assert calls["xadd"] == 2 and calls["xack"] == calls["xdel"] == calls["exists"] == calls["del"] == 1
+    assert 1 <= calls["evalsha"] <= 1.02 and calls["xreadgroup"] < 1
+    assert report["redis_cpu_us_per_request"] > 0 and report["memory_bytes_per_result"] > 500
