@@ -184,6 +184,12 @@ class Daemon:
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self._main())
+        except Exception:  # noqa: BLE001 - e.g. a client bug on a reconnect: the worker would never read again
+            if not self.stopping.is_set():
+                log.critical("the Redis loop failed: exiting so that the supervisor restarts this worker",
+                             exc_info=True)
+                os._exit(70)
+            raise
         finally:
             self.loop.close()
 

@@ -22,7 +22,9 @@ REDIS_GRACE_SECONDS = 5.0  # a read slower than its BLOCK time by this much: Red
 def status(daemon: Any) -> dict[str, Any]:
     now = time.time()
     beats = dict(daemon.beats)
-    reading = getattr(daemon, "reading_since", None)
+    loop = getattr(daemon, "loop", None)
+    # Only while the Redis loop runs: a reader that died mid-read is stuck, not waiting.
+    reading = getattr(daemon, "reading_since", None) if loop is not None and loop.is_running() else None
     # A reader blocked on an unresponsive Redis (paused, partitioned: each call waits out its socket timeout and
     # retries) is not stuck itself: restarting it would not help, so it makes the worker unready, not dead.
     stuck = [name for name, beat in beats.items()

@@ -8,11 +8,13 @@ from worker.config import Settings
 from worker.health import REDIS_GRACE_SECONDS, STALE_SECONDS, status
 
 
-def daemon(reader_age: float, gpu_age: float = 0.0, reading_for: float | None = None, redis_ok: bool = True):
+def daemon(reader_age: float, gpu_age: float = 0.0, reading_for: float | None = None, redis_ok: bool = True,
+           loop_running: bool = True):
     now = time.time()
     ready = threading.Event()
     ready.set()
     return SimpleNamespace(beats={"reader": now - reader_age, "gpu": now - gpu_age}, ready=ready, redis_ok=redis_ok,
+                           loop=SimpleNamespace(is_running=lambda: loop_running),
                            reading_since=None if reading_for is None else now - reading_for, inflight={},
                            stopping=threading.Event(), settings=Settings(block_ms=1000))
 
@@ -39,3 +41,8 @@ def test_a_stuck_loop_is_dead():
 def test_redis_errors_make_it_unready():
     state = status(daemon(reader_age=0.1, redis_ok=False))
     assert state["live"] and not state["ready"]
+
+
+def test_a_reader_whose_loop_died_mid_read_is_dead():
+    state = status(daemon(reader_age=STALE_SECONDS + 5, reading_for=STALE_SECONDS + 5, loop_running=False))
+    assert not state["live"] and state["stuck"] == ["reader"]
