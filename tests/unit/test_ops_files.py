@@ -1,6 +1,7 @@
 """ops/ without a docker engine or a cluster: every file parses, every PromQL name is a metric the worker exports
 (with labels it has), and compose, Prometheus, Grafana, the Dockerfile and the Kubernetes manifests agree with each
-other and with the worker's settings. Built-in Kubernetes kinds are validated against their schemas."""
+other and with the worker's settings. The compose file and the built-in Kubernetes kinds are validated against
+their schemas (bundled by check-jsonschema and kubernetes-validate: no network)."""
 
 import json
 import re
@@ -164,6 +165,19 @@ def test_compose_wires_redis_worker_prometheus_grafana():
     grace = int(worker["stop_grace_period"].rstrip("s"))
     assert grace > float(environment["DQ_DRAIN_TIMEOUT_S"])
     assert worker["build"]["dockerfile"] == "ops/Dockerfile" and (OPS / "..").resolve() == ROOT
+
+
+def test_compose_file_matches_the_compose_spec():
+    pytest.importorskip("check_jsonschema")
+    import importlib.resources
+
+    import jsonschema
+
+    schema = json.loads((importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
+                         / "compose-spec.json").read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    errors = sorted(error.message for error in validator.iter_errors(compose()))
+    assert not errors, errors
 
 
 def test_dockerfile_runs_the_worker_unprivileged_with_a_health_check():
