@@ -120,7 +120,8 @@ def test_daemon_and_producer_run_end_to_end_under_their_users(acl_server, start_
     assert all(results[r].ok for r in ids), [results[r].error for r in ids if not results[r].ok]
     assert results["long"].usage.parts > 1
     assert results["poison"].error.code.value == "dead_lettered"
-    [(_, [(_, reply)])] = client.redis.xread({KEYS.reply_prefix + "svc-1": "0-0"})
+    # The reply is added right after the result is published: block for it.
+    [(_, [(_, reply)])] = client.redis.xread({KEYS.reply_prefix + "svc-1": "0-0"}, count=1, block=4000)
     assert reply[b"id"] == b"reply"
 
     stats = subprocess.run([sys.executable, "-m", "producer", "stats", "--redis", url(acl_server, "monitor")],
