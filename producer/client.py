@@ -2,8 +2,9 @@
 
 Submitting is one Lua call per batch that refuses the whole batch when the request stream already holds more than
 ``max_unfinished`` entries (workers delete entries once answered, so its length is the unfinished work). Waiting is
-a blocking ``XREAD`` on the request's result stream, which keeps its one entry until the TTL: a result published
-while nobody waited is still there, and can be read again.
+a blocking ``XREAD`` on the result streams of up to 256 awaited requests at once (each keeps its one entry until the
+TTL: a result published while nobody waited is still there, and can be read again); on Redis Cluster, where one
+read cannot span slots, on the oldest one, then a pipelined look at the others.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ return ids
 """
 BATCH = 500  # requests per Lua call: bounds the time Redis spends in one script
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
+WINDOW = 256  # result streams one blocking read waits on (any of them landing wakes it)
 SOCKET_TIMEOUT = 5.0
 # redis-py's default retry (10 jittered retries from 10 ms, capped at 1 s) gives up after about a second of refused
 # connections: less than a Redis restart. These ride out ~12 s. A retried call may run twice (lost reply): results
@@ -103,6 +105,23 @@ def by_shard(prepared: list[tuple[str, str]], shards: int) -> dict[int, list[str
     return out
 
 
+def _block_ms(deadline: float | None, missing: int, total: int) -> int:
+    """How long the next blocking read may wait; raises ResultTimeout once the deadline has passed."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left <= 0:
+        raise ResultTimeout(f"{missing} of {total} results not there yet")
+    return BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
+
+
+def _landed(reply: Any, window: dict[str, str]) -> dict[str, Result]:
+    """Results in an XREAD reply over result streams, by request id."""
+    out = {}
+    for key, entries in reply or []:
+        name = key.decode() if isinstance(key, bytes) else key
+        out[window[name]] = parse_result(entries[0][1])
+    return out
+
+
 def _raise_queue_full(error: redis.ResponseError) -> None:
     if str(error).startswith("QUEUEFULL"):
         raise QueueFull(str(error)[len("QUEUEFULL "):]) from None
@@ -117,6 +136,7 @@ class Client:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "dq", max_unfinished: int = 100_000,
                  cluster: bool = False, connection: Any = None, shards: int = 1, **options: Any) -> None:
         self.redis = connection or connect(url, cluster, **options)
+        self.cluster = cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
         self.keys = Keys(namespace)
         self.shards = max(1, shards)
         self.max_unfinished = max_unfinished
@@ -157,26 +177,24 @@ class Client:
         """Results of all ``request_ids``; raises ResultTimeout naming how many are missing."""
         deadline = None if timeout is None else time.monotonic() + timeout
         waiting = list(dict.fromkeys(request_ids))
-        done: dict[str, Result] = {}
-        while waiting:
-            # Everything already there, in one round trip (one key per command: fine on Redis Cluster too).
-            with self.redis.pipeline(transaction=False) as pipe:
-                for request_id in waiting:
-                    pipe.xrange(self.keys.result(request_id), count=1)
-                replies = pipe.execute()
-            for request_id, reply in zip(waiting, replies):
-                if reply:
-                    done[request_id] = parse_result(reply[0][1])
-            waiting = [r for r in waiting if r not in done]
-            if not waiting:
-                break
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise ResultTimeout(f"{len(waiting)} of {len(done) + len(waiting)} results not there yet")
-            block = BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
-            # Block on the oldest one: when it lands, the others are likely there too.
-            self.redis.xread({self.keys.result(waiting[0]): "0-0"}, count=1, block=block)
-        return done
+        done = self._present(waiting)
+        while len(done) < len(waiting):
+            missing = [r for r in waiting if r not in done]
+            block = _block_ms(deadline, len(missing), len(waiting))
+            window = {self.keys.result(r): r for r in missing[: 1 if self.cluster else WINDOW]}
+            reply = self.redis.xread(dict.fromkeys(window, "0-0"), count=1, block=block)
+            done.update(_landed(reply, window))
+            if self.cluster and reply:  # one key per read there: when the oldest lands, look at the rest
+                done.update(self._present(missing[1:]))
+        return {r: done[r] for r in waiting}
+
+    def _present(self, request_ids: list[str]) -> dict[str, Result]:
+        """The results already there, in one round trip (one key per command: fine on Redis Cluster too)."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for request_id in request_ids:
+                pipe.xrange(self.keys.result(request_id), count=1)
+            replies = pipe.execute()
+        return {r: parse_result(reply[0][1]) for r, reply in zip(request_ids, replies) if reply}
 
     def decide(self, request: Request | Mapping[str, Any], timeout: float | None = 60.0) -> Result:
         """Submit and wait."""
@@ -201,6 +219,7 @@ class AsyncClient:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "dq", max_unfinished: int = 100_000,
                  cluster: bool = False, connection: Any = None, shards: int = 1, **options: Any) -> None:
         self.redis = connection or aconnect(url, cluster, **options)
+        self.cluster = cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
         self.keys = Keys(namespace)
         self.shards = max(1, shards)
         self.max_unfinished = max_unfinished
@@ -237,24 +256,23 @@ class AsyncClient:
         """As ``Client.wait_many``: one connection however many results are awaited."""
         deadline = None if timeout is None else time.monotonic() + timeout
         waiting = list(dict.fromkeys(request_ids))
-        done: dict[str, Result] = {}
-        while waiting:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for request_id in waiting:
-                    pipe.xrange(self.keys.result(request_id), count=1)
-                replies = await pipe.execute()
-            for request_id, reply in zip(waiting, replies):
-                if reply:
-                    done[request_id] = parse_result(reply[0][1])
-            waiting = [r for r in waiting if r not in done]
-            if not waiting:
-                break
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise ResultTimeout(f"{len(waiting)} of {len(done) + len(waiting)} results not there yet")
-            block = BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
-            await self.redis.xread({self.keys.result(waiting[0]): "0-0"}, count=1, block=block)
-        return done
+        done = await self._present(waiting)
+        while len(done) < len(waiting):
+            missing = [r for r in waiting if r not in done]
+            block = _block_ms(deadline, len(missing), len(waiting))
+            window = {self.keys.result(r): r for r in missing[: 1 if self.cluster else WINDOW]}
+            reply = await self.redis.xread(dict.fromkeys(window, "0-0"), count=1, block=block)
+            done.update(_landed(reply, window))
+            if self.cluster and reply:
+                done.update(await self._present(missing[1:]))
+        return {r: done[r] for r in waiting}
+
+    async def _present(self, request_ids: list[str]) -> dict[str, Result]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request_id in request_ids:
+                pipe.xrange(self.keys.result(request_id), count=1)
+            replies = await pipe.execute()
+        return {r: parse_result(reply[0][1]) for r, reply in zip(request_ids, replies) if reply}
 
     async def decide(self, request: Request | Mapping[str, Any], timeout: float | None = 60.0) -> Result:
         return await self.wait(await self.submit(request), timeout)

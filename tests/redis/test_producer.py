@@ -99,3 +99,16 @@ def test_stats_on_an_empty_and_a_busy_queue(redis_server):
     stats = client.stats()
     assert stats["requests"] == {"length": 3, "pending": 2, "lag": 1, "consumers": 1}
     assert stats["dead_letters"] == 0
+
+
+def test_waiting_on_many_results_reads_each_once(redis_server):
+    """Results landing in any order over more streams than one read window; no re-polling per round."""
+    client = Client(redis_server.url)
+    ids = client.submit_many([REQUEST] * 300)
+    client.redis.config_resetstat()
+    publisher = Client(redis_server.url)
+    threading.Timer(0.2, lambda: [publish(publisher, r) for r in reversed(ids)]).start()
+    results = client.wait_many(ids, timeout=30)
+    assert list(results) == ids and all(results[r].id == r for r in ids)
+    calls = client.redis.info("commandstats")
+    assert calls.get("cmdstat_xrange", {}).get("calls", 0) <= len(ids)  # one look before blocking, then XREADs
