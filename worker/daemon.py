@@ -1,6 +1,6 @@
-"""The worker daemon: Redis on one asyncio thread, planning on CPU threads, packs on the main (GPU) thread.
+"""The worker daemon: Redis on one asyncio thread, planning beside it, packs on the main (GPU) thread.
 
-    reader ──> planner threads ──> work queue ──> packer ─> engine ─> readout ──> settle (publish, ack)
+    reader ──> planner (threads or processes) ──> work queue ──> compute: packer, engine, readout ──> settle
       └─ maintenance: own pending on start, reclaim dead consumers, keep long work alive, stats, heartbeat
 
 Queue state (in-flight entries, tasks) lives on the asyncio thread only; the GPU thread hands results back with
@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 import redis
-import torch
 
 from producer.client import aconnect
 from producer.keys import Keys
@@ -29,12 +28,13 @@ from producer.schema import ErrorCode, RequestError
 from . import checkpoint
 from . import engine as engines
 from .config import Settings
+from .compute import Compute
 from .intake import Intake
 from .metrics import Metrics
 from .packer import Packer
 from .planner import Planner, request_id_of
-from .readout import answer, option_logits
 from .results import Outcome, Publisher, error_outcome, part_groups, task_outcome
+from .readout import Answer
 from .tasks import CHUNKS, Delivery, Item, Task
 
 log = logging.getLogger("worker")
@@ -88,7 +88,9 @@ class Daemon:
         self.ready.set()
         log.info("ready: model %s, engine %s on %s, consumer %s", self.model.name, self.engine.name,
                  self.model.device, self.consumer)
-        self._gpu_loop()
+        self.compute = Compute(self.model, self.engine, self.packer, self.metrics, self,
+                               self.loop.call_soon_threadsafe, self.beats)
+        self.compute.run(lambda: self.stopping.is_set() and self._drained())
         redis_thread.join(timeout=max(5.0, self.settings.drain_timeout_s))
         self.planner.shutdown()
         left = len(self.inflight)
@@ -109,74 +111,6 @@ class Daemon:
 
     def _drained(self) -> bool:
         return not self.inflight or time.monotonic() > self.stop_deadline
-
-    # ---------------------------------------------------------------- GPU thread
-
-    def _gpu_loop(self) -> None:
-        in_flight: tuple[list[Item], engines.Pending] | None = None
-        while not (self.stopping.is_set() and self._drained() and in_flight is None):
-            self.beats["gpu"] = time.time()
-            self.metrics.heartbeat.labels("gpu").set(self.beats["gpu"])
-            pack = self._take(wait=in_flight is None)
-            if in_flight is not None:
-                self._finish(*in_flight)
-                in_flight = None
-            if pack:
-                try:
-                    in_flight = (pack, self.engine.launch([item.chunk for item in pack]))
-                except Exception as error:  # noqa: BLE001 - isolated below, chunk by chunk
-                    self._isolate(pack, error)
-
-    def _take(self, wait: bool) -> list[Item]:
-        pack = []
-        for item in self.packer.next(wait=wait):
-            if item.task.cancelled:
-                continue
-            if item.task.expired:  # no compute for work past its deadline
-                self.loop.call_soon_threadsafe(self._task_expired, item.task)
-                continue
-            pack.append(item)
-        return pack
-
-    def _finish(self, pack: list[Item], pending: engines.Pending) -> None:
-        try:
-            run = pending.wait()
-        except Exception as error:  # noqa: BLE001
-            self._isolate(pack, error)
-            return
-        m = self.metrics
-        m.forward.labels(str(run.bucket) if run.bucket else "eager").observe(run.seconds)
-        m.fill.observe(run.tokens / max(run.capacity, 1))
-        m.tokens.inc(run.tokens)
-        m.packs.labels("graph" if run.graph else "eager").inc()
-        if self.model.device.type == "cuda":
-            m.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(self.model.device))
-            m.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved(self.model.device))
-            m.gpu_memory.labels("peak").set(torch.cuda.max_memory_allocated(self.model.device))
-        config = self.model.decision_config
-        for item, scores in zip(pack, run.scores):
-            questions = item.chunk.questions
-            answers = [answer(config, q, logits)
-                       for q, logits in zip(questions, option_logits(self.model, questions, scores))]
-            seconds = run.seconds * item.tokens / max(run.tokens, 1)
-            self.loop.call_soon_threadsafe(self._chunk_done, item, answers, seconds)
-
-    def _isolate(self, pack: list[Item], error: BaseException) -> None:
-        """A failed pack: run halves again until the failing chunk is alone; the others are answered."""
-        if isinstance(error, getattr(torch, "AcceleratorError", ())):
-            log.critical("the GPU failed (%s): exiting so that the supervisor restarts this worker", error)
-            os._exit(70)
-        if len(pack) == 1:
-            log.warning("chunk of %s failed: %r", pack[0].task.request_id, error)
-            self.loop.call_soon_threadsafe(self._task_failed, pack[0].task, f"{type(error).__name__}: {error}")
-            return
-        for half in (pack[: len(pack) // 2], pack[len(pack) // 2:]):
-            try:
-                pending = self.engine.launch([item.chunk for item in half])
-            except Exception as again:  # noqa: BLE001
-                self._isolate(half, again)
-                continue
-            self._finish(half, pending)
 
     # ---------------------------------------------------------------- asyncio thread
 
@@ -340,7 +274,9 @@ class Daemon:
         for index, chunk in enumerate(task.chunks):
             self.work.put(Item(task, index, chunk))
 
-    def _chunk_done(self, item: Item, answers: list, seconds: float) -> None:
+    # ---- outcomes from the GPU thread (worker/compute.py), run here through call_soon_threadsafe
+
+    def chunk_done(self, item: Item, answers: list[Answer], seconds: float) -> None:
         task = item.task
         if task.cancelled:
             return
@@ -350,14 +286,14 @@ class Daemon:
         if task.remaining == 0:
             self._settle(task_outcome(task, self.model.name))
 
-    def _task_expired(self, task: Task) -> None:
+    def task_expired(self, task: Task) -> None:
         if task.cancelled or task.remaining == 0:
             return
         task.cancelled = True
         self._settle(error_outcome(task.delivery, task.request_id, ErrorCode.DEADLINE_EXCEEDED,
                                    "the deadline passed before compute", self.model.name, task.request.reply_to))
 
-    def _task_failed(self, task: Task, reason: str) -> None:
+    def task_failed(self, task: Task, reason: str) -> None:
         if not task.cancelled:
             task.cancelled = True
             self._entry_failed(task.delivery, reason)

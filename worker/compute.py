@@ -1,0 +1,113 @@
+"""The GPU stage: packs from the work queue through the engine, head scores to answers, handed back to the loop.
+
+Runs on the main thread. While pack n is on the GPU, pack n+1 is formed from what is queued; then n's scores are
+read out (temperatures, softmax, System One answers) and handed to the asyncio thread through ``post``
+(``call_soon_threadsafe``), which owns every task's state. A failing pack is bisected until the failing chunk is
+alone, so the others in it are still answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Protocol
+
+import torch
+
+from .checkpoint import DecisionModel
+from .engine import Engine, Pending, PackRun
+from .metrics import Metrics
+from .packer import Packer
+from .readout import Answer, answer, option_logits
+from .tasks import Item, Task
+
+log = logging.getLogger("worker")
+
+
+class Sink(Protocol):
+    """Where outcomes go (the daemon's asyncio side); called through ``post``, never directly."""
+
+    def chunk_done(self, item: Item, answers: list[Answer], seconds: float) -> None: ...
+
+    def task_failed(self, task: Task, reason: str) -> None: ...
+
+    def task_expired(self, task: Task) -> None: ...
+
+
+class Compute:
+    def __init__(self, model: DecisionModel, engine: Engine, packer: Packer, metrics: Metrics,
+                 sink: Sink, post: Callable[..., Any], beats: dict[str, float]) -> None:
+        self.model, self.engine, self.packer, self.metrics = model, engine, packer, metrics
+        self.sink, self.post = sink, post
+        self.beats = beats  # the daemon's loop heartbeats (liveness): this loop's is "gpu"
+
+    def run(self, done: Callable[[], bool]) -> None:
+        """Until ``done()`` holds with no pack in flight."""
+        in_flight: tuple[list[Item], Pending] | None = None
+        while not (in_flight is None and done()):
+            self.beats["gpu"] = time.time()
+            self.metrics.heartbeat.labels("gpu").set(self.beats["gpu"])
+            pack = self._take(wait=in_flight is None)
+            if in_flight is not None:
+                self._finish(*in_flight)
+                in_flight = None
+            if pack:
+                try:
+                    in_flight = (pack, self.engine.launch([item.chunk for item in pack]))
+                except Exception as error:  # noqa: BLE001 - isolated below, chunk by chunk
+                    self._isolate(pack, error)
+
+    def _take(self, wait: bool) -> list[Item]:
+        pack = []
+        for item in self.packer.next(wait=wait):
+            if item.task.cancelled:
+                continue
+            if item.task.expired:  # no compute for work past its deadline
+                self.post(self.sink.task_expired, item.task)
+                continue
+            pack.append(item)
+        return pack
+
+    def _finish(self, pack: list[Item], pending: Pending) -> None:
+        try:
+            run = pending.wait()
+        except Exception as error:  # noqa: BLE001
+            self._isolate(pack, error)
+            return
+        self._record(run)
+        config = self.model.decision_config
+        for item, scores in zip(pack, run.scores):
+            questions = item.chunk.questions
+            answers = [answer(config, q, logits)
+                       for q, logits in zip(questions, option_logits(self.model, questions, scores))]
+            self.post(self.sink.chunk_done, item, answers, run.seconds * item.tokens / max(run.tokens, 1))
+
+    def _record(self, run: PackRun) -> None:
+        m = self.metrics
+        m.forward.labels(str(run.bucket) if run.bucket else "eager").observe(run.seconds)
+        m.fill.observe(run.tokens / max(run.capacity, 1))
+        m.tokens.inc(run.tokens)
+        m.packs.labels("graph" if run.graph else "eager").inc()
+        device = self.model.device
+        if device.type == "cuda":
+            m.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(device))
+            m.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved(device))
+            m.gpu_memory.labels("peak").set(torch.cuda.max_memory_allocated(device))
+
+    def _isolate(self, pack: list[Item], error: BaseException) -> None:
+        """A failed pack: run halves again until the failing chunk is alone; the others are answered."""
+        if isinstance(error, getattr(torch, "AcceleratorError", ())):
+            log.critical("the GPU failed (%s): exiting so that the supervisor restarts this worker", error)
+            os._exit(70)
+        if len(pack) == 1:
+            log.warning("chunk of %s failed: %r", pack[0].task.request_id, error)
+            self.post(self.sink.task_failed, pack[0].task, f"{type(error).__name__}: {error}")
+            return
+        for half in (pack[: len(pack) // 2], pack[len(pack) // 2:]):
+            try:
+                pending = self.engine.launch([item.chunk for item in half])
+            except Exception as again:  # noqa: BLE001
+                self._isolate(half, again)
+                continue
+            self._finish(half, pending)
