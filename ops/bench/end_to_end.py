@@ -87,6 +87,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def self_time(daemon, args: argparse.Namespace) -> None:
     import torch
+    from fast_path import timed
     from synthetic import packs, padded_batches
 
     from producer.schema import Request
@@ -137,27 +138,6 @@ def make_requests(count: int, seed: int, encoder) -> list[dict]:
         out.append({"id": f"b{seed}-{i}", "state": " ".join(rng.choice(WORDS) for _ in range(words)),
                     "questions": QUESTIONS})
     return out
-
-
-def timed(engine, groups: list) -> float:
-    """Seconds for ``groups`` through ``engine``, launching pack n+1 before waiting for pack n."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    pending = None
-    for group in groups:
-        launched = engine.launch(group)
-        if pending is not None:
-            pending.wait()
-        pending = launched
-    if pending is not None:
-        pending.wait()
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def percentile(values: list[float], q: float) -> float:
