@@ -333,6 +333,7 @@ class Daemon:
         self.outcomes.put_nowait(outcome)
 
     async def _settler(self) -> None:
+        self._publish_logged = float("-inf")
         while True:
             batch = [await self.outcomes.get()]
             while not self.outcomes.empty() and len(batch) < 512:
@@ -345,8 +346,14 @@ class Daemon:
                     self.outcomes.put_nowait(outcome)
                 await asyncio.sleep(0.01)
                 continue
-            except Exception:  # noqa: BLE001 - never drop a batch: log, wait, try again
-                log.exception("publishing %d outcomes failed; retrying", len(batch))
+            except Exception as error:  # noqa: BLE001 - never drop a batch: log, wait, try again
+                # e.g. OOM (Redis full under noeviction) or NOPERM (ACL): it lasts until an operator acts; one
+                # line per 30 s, every failure counted.
+                self.metrics.redis_errors.labels("publish").inc()
+                if time.monotonic() - self._publish_logged > 30:
+                    self._publish_logged = time.monotonic()
+                    log.error("publishing %d outcomes failed (%s: %s); retrying every second", len(batch),
+                              type(error).__name__, error, exc_info=not isinstance(error, redis.ResponseError))
                 for outcome in batch:
                     self.outcomes.put_nowait(outcome)
                 await asyncio.sleep(1.0)
