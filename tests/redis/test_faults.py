@@ -271,3 +271,18 @@ def test_a_stalled_worker_whose_entries_were_reclaimed_publishes_nothing_twice(r
     wait_for(lambda: frozen.metric("dq_inflight_entries") == 0, timeout=30, what="the thawed worker to settle")
     assert frozen.metric("dq_results_total") == 0  # computed, but every publication refused
     assert len(report.results) == 4
+
+
+def test_redis_out_of_memory_while_publishing_loses_nothing(redis_server, start_worker, tiny_dir):
+    """Redis full (noeviction): publication fails until memory is freed; counted, logged once, then all land."""
+    client = Client(redis_server.url)
+    ids = client.submit_many(batch(8, "oom"))
+    worker = start_worker(tiny_dir, redis_server.url, **slow(2.0))  # packs slow enough to fill Redis meanwhile
+    wait_log(worker, "fault: slow pack")
+    used = client.redis.info("memory")["used_memory"]
+    client.redis.config_set("maxmemory", used)  # every write that needs memory is now refused with OOM
+    wait_for(lambda: worker.metric("dq_redis_errors_total", op="publish") >= 3, timeout=60, what="OOM on publish")
+    assert all(client.fetch(r) is None for r in ids)  # nothing published, nothing acknowledged and lost
+    client.redis.config_set("maxmemory", 0)
+    settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+    assert worker.log.read_text().count("publishing") <= 2  # one line per 30 s, not one per retry
