@@ -19,7 +19,7 @@ from redis.asyncio import RedisCluster
 from producer.keys import Keys
 from producer.schema import ErrorCode, Result, Timings, Usage
 
-from .tasks import CHUNKS, Delivery, Task
+from .tasks import Delivery, Task
 
 # KEYS: result stream, parts hash, body key. ARGV: result JSON, TTL seconds. 1 if published now, 0 if already.
 PUBLISH = """
@@ -206,7 +206,3 @@ def part_groups(task: Task, budget: int) -> list[list[str]]:
         groups[-1].extend(q.name for q in chunk.questions)
         used += chunk.length
     return groups
-
-
-def is_part(delivery: Delivery) -> bool:
-    return delivery.stream == CHUNKS
