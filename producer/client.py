@@ -60,23 +60,20 @@ class ResultTimeout(TimeoutError):
     """No result within the timeout; the request stays queued and its result can be fetched later."""
 
 
+def _options(retry: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """Timeouts that suit blocking reads and a retry that rides out a Redis restart; the caller's options win."""
+    return {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT, "health_check_interval": 30,
+            "retry": retry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES), **options}
+
+
 def connect(url: str, cluster: bool = False, **options: Any) -> Any:
-    """A client with timeouts that suit blocking reads (rediss:// URLs give TLS)."""
-    options = {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT,
-               "health_check_interval": 30, "retry": Retry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES),
-               **options}
-    if cluster:
-        return redis.RedisCluster.from_url(url, **options)
-    return redis.Redis.from_url(url, **options)
+    """A synchronous client (rediss:// URLs give TLS)."""
+    return (redis.RedisCluster if cluster else redis.Redis).from_url(url, **_options(Retry, options))
 
 
 def aconnect(url: str, cluster: bool = False, **options: Any) -> Any:
-    options = {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT,
-               "health_check_interval": 30, "retry": AsyncRetry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES),
-               **options}
-    if cluster:
-        return aioredis.RedisCluster.from_url(url, **options)
-    return aioredis.Redis.from_url(url, **options)
+    """An asyncio client, as ``connect``."""
+    return (aioredis.RedisCluster if cluster else aioredis.Redis).from_url(url, **_options(AsyncRetry, options))
 
 
 def prepare(request: Request | Mapping[str, Any], max_bytes: int = 8 << 20) -> tuple[str, str]:
@@ -230,20 +227,23 @@ class AsyncClient:
 
     async def submit_many(self, requests: Iterable[Request | Mapping[str, Any]]) -> list[str]:
         prepared = [prepare(r) for r in requests]
-        for shard, all_bodies in by_shard(prepared, self.shards).items():
-            for start in range(0, len(all_bodies), BATCH):
-                bodies = all_bodies[start: start + BATCH]
-                for attempt in range(NOSCRIPT_TRIES):
-                    try:
-                        await self._submit(keys=[Keys(self.keys.namespace, shard).requests],
-                                           args=[self.max_unfinished, *bodies])
-                        break
-                    except redis.exceptions.NoScriptError:  # not run: flushed again after redis-py reloaded it
-                        if attempt == NOSCRIPT_TRIES - 1:
-                            raise
-                    except redis.ResponseError as error:
-                        _raise_queue_full(error)
+        for shard, bodies in by_shard(prepared, self.shards).items():
+            for start in range(0, len(bodies), BATCH):
+                await self.send(bodies[start: start + BATCH], shard)
         return [request_id for request_id, _ in prepared]
+
+    async def send(self, bodies: list[str], shard: int = 0) -> None:
+        """As ``Client.send``."""
+        for attempt in range(NOSCRIPT_TRIES):
+            try:
+                await self._submit(keys=[Keys(self.keys.namespace, shard).requests],
+                                   args=[self.max_unfinished, *bodies])
+                return
+            except redis.exceptions.NoScriptError:  # not run: flushed again after redis-py reloaded it
+                if attempt == NOSCRIPT_TRIES - 1:
+                    raise
+            except redis.ResponseError as error:
+                _raise_queue_full(error)
 
     async def fetch(self, request_id: str) -> Result | None:
         reply = await self.redis.xrange(self.keys.result(request_id), count=1)
