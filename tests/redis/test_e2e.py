@@ -1,7 +1,6 @@
 """End to end: real redis-server, real worker processes on the tiny checkpoint (CPU), the real producer."""
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -153,23 +152,6 @@ def test_dead_letters(redis_server, start_worker, tiny_dir):
     assert fields[b"entry_id"] == entry_id and int(fields[b"deliveries"]) == 7 and b"body" in fields
     assert worker.metric("dq_dead_letters_total") == 1
     assert client.redis.xlen(keys.requests) == 0
-
-
-def test_sigterm_drains_in_flight_work_and_exits_0(redis_server, start_worker, tiny_dir):
-    first = start_worker(tiny_dir, redis_server.url, max_inflight=16, read_count=8)
-    client = Client(redis_server.url)
-    ids = client.submit_many(requests(150, "drain"))
-    client.wait(ids[0], timeout=60)
-    first.signal(signal.SIGTERM)
-    assert first.wait(60) == 0
-    keys = client.keys
-    assert client.redis.xpending(keys.requests, keys.group)["pending"] == 0  # nothing left half done
-    answered = [r for r in ids if client.fetch(r) is not None]
-    assert 0 < len(answered) < len(ids)
-    second = start_worker(tiny_dir, redis_server.url)
-    client.wait_many(ids, timeout=120)
-    assert all(result_entries(client, r) == 1 for r in ids)
-    assert second.metric("dq_redeliveries_total") == 0  # the drained worker left nothing to redo
 
 
 def test_kill_9_mid_work_the_other_worker_finishes(redis_server, start_worker, tiny_dir):
