@@ -103,7 +103,13 @@ class FastEngine:
         self.capture_seconds = time.perf_counter() - start
         sizes = self.buckets or (min(512, self._budget), self._budget)
         for size in sizes:
-            self.launch(self._dummy_pack(size)).wait()
+            self.launch(self._dummy_pack(size, 2)).wait()
+        # FlashQLA picks a kernel variant by the number of sequences in a pack and JIT-compiles each on first use
+        # (15-20 s on an H200): packs of 1, 2, 4 ... 128 sequences reach every variant now, not under traffic.
+        count = 1
+        while count <= min(128, sizes[0], row_capacity(sizes[0])):
+            self.launch(self._dummy_pack(sizes[0], count)).wait()
+            count *= 2
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.compile_seconds = time.perf_counter() - start - self.capture_seconds
@@ -127,10 +133,12 @@ class FastEngine:
         return (self.device_layout[r.seqpos: r.seqpos + bucket],
                 self.device_layout[r.rows: r.rows + row_capacity(bucket)])
 
-    def _dummy_pack(self, tokens: int) -> list[Chunk]:
+    def _dummy_pack(self, tokens: int, count: int) -> list[Chunk]:
+        """``count`` chunks (fewer if ``tokens`` is smaller) of padding filling ``tokens``, one marker each."""
         question = Question(name="warmup", type="noul", instructions=None, options=["false", "true"],
                             labels=["A", "B"], descriptions=[None, None])
-        sizes = [tokens // 2, tokens - tokens // 2] if tokens >= 4 else [tokens]
+        count = max(1, min(count, tokens))
+        sizes = [tokens // count + (i < tokens % count) for i in range(count)]
         return [Chunk(input_ids=torch.full((n,), self.pad_id, dtype=torch.long), rows=torch.tensor([n - 1]),
                       questions=(question,)) for n in sizes]
 

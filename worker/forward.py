@@ -55,13 +55,14 @@ PLAIN = Pieces(layers.pre_linear, layers.post_linear, layers.pre_full, layers.pr
 INLINE_CONV = {"realize_reads_threshold": 64, "realize_opcount_threshold": 400, "realize_acc_reads_threshold": 64}
 
 
-def compile_piece(fn: Callable[..., Any], inline: bool = False) -> Callable[..., Any]:
-    """torch.compile of one piece, shared by every layer of its kind and every model: weights are arguments and
-    every dimension is symbolic, so one compiled graph serves all layers, packs, buckets and model sizes."""
+def compile_piece(fn: Callable[..., Any], inline: bool = False, static: bool = False) -> Callable[..., Any]:
+    """torch.compile of one piece, shared by every layer of its kind: weights are arguments, so one compiled graph
+    serves all layers. ``static``: one graph per shape (the buckets), whose kernels know every size and alignment;
+    otherwise every dimension is symbolic and one graph serves every pack length."""
     import torch._inductor.config as inductor_config
 
     options = {k: v for k, v in INLINE_CONV.items() if inline and hasattr(inductor_config, k)}
-    return torch.compile(fn, dynamic=True, options=options or None)
+    return torch.compile(fn, dynamic=not static, options=options or None)
 
 
 def configure_compile() -> None:
