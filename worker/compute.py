@@ -1,9 +1,10 @@
 """The GPU stage: packs from the work queue through the engine, head scores to answers, handed back to the loop.
 
-Runs on the main thread. While pack n is on the GPU, pack n+1 is formed from what is queued; then n's scores are
-read out (temperatures, softmax, System One answers) and handed to the asyncio thread through ``post``
-(``call_soon_threadsafe``), which owns every task's state. A failing pack is bisected until the failing chunk is
-alone, so the others in it are still answered.
+Runs on the main thread. While pack n is on the GPU, pack n+1 is formed from what is queued and launched; only then
+are n's scores read out (temperatures, softmax, System One answers) and handed to the asyncio thread through
+``post`` (``call_soon_threadsafe``), which owns every task's state. Reading out before launching would leave the GPU
+idle for the read-out and the launch's host work: a quarter of the time, measured on an H200. A failing pack is
+bisected until the failing chunk is alone, so the others in it are still answered.
 """
 
 from __future__ import annotations
@@ -49,14 +50,15 @@ class Compute:
             self.beats["gpu"] = time.time()
             self.metrics.heartbeat.labels("gpu").set(self.beats["gpu"])
             pack = self._take(wait=in_flight is None)
-            if in_flight is not None:
-                self._finish(*in_flight)
-                in_flight = None
+            launched = None
             if pack:
                 try:
-                    in_flight = (pack, self.engine.launch([item.chunk for item in pack]))
+                    launched = (pack, self.engine.launch([item.chunk for item in pack]))
                 except Exception as error:  # noqa: BLE001 - isolated below, chunk by chunk
                     self._isolate(pack, error)
+            if in_flight is not None:
+                self._finish(*in_flight)
+            in_flight = launched
 
     def _take(self, wait: bool) -> list[Item]:
         pack = []

@@ -7,6 +7,7 @@ Answers apply the decision config's temperature per type, a softmax, and transfo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +44,17 @@ class Answer:
     answer: dict[str, Any]
 
 
+def softmax(logits: list[float], temperature: float) -> list[float]:
+    """In plain Python floats (float64): a few options per question, and no torch call, each of which would
+    release and re-take the GIL that the worker's other threads hold in turn."""
+    scaled = [x / temperature for x in logits]
+    top = max(scaled)
+    exps = [math.exp(x - top) for x in scaled]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
 def answer(config: DecisionConfig, question: Question, logits: list[float]) -> Answer:
-    temperature = float(config.temperature.get(question.type, 1.0))
-    probabilities = torch.softmax(torch.tensor(logits, dtype=torch.float64) / temperature, dim=-1).tolist()
+    probabilities = softmax(logits, float(config.temperature.get(question.type, 1.0)))
     return Answer(question.name, list(question.options), list(logits), probabilities,
                   question.answer(probabilities))

@@ -88,3 +88,16 @@ def test_answers_match_the_pipeline(tiny_dir, loaded):
     assert answers["urgency"].answer["score"] == pytest.approx(expected["urgency"]["score"], abs=1e-5)
     assert sum(answers["urgency"].probabilities) == pytest.approx(1.0)
     assert answers["tone"].options == ["calm", "angry", "pushy"]
+
+
+@pytest.mark.parametrize("temperature", [0.25, 1.0, 3.0])
+def test_readout_softmax_equals_torch(temperature):
+    """The read-out's plain-Python softmax is torch's float64 softmax, also for logits far from zero."""
+    from worker.readout import softmax
+
+    generator = torch.Generator().manual_seed(0)
+    for options in (2, 4, 5, 16):
+        for spread in (1.0, 50.0, 800.0):
+            logits = (torch.randn(options, generator=generator, dtype=torch.float64) * spread).tolist()
+            expected = torch.softmax(torch.tensor(logits, dtype=torch.float64) / temperature, dim=-1).tolist()
+            assert softmax(logits, temperature) == pytest.approx(expected, abs=1e-12)
