@@ -5,6 +5,7 @@ FlashAttention, and plain calls standing in for CUDA graphs) against the padded 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
 from support import png
@@ -150,7 +151,7 @@ def test_head_and_gates_match(loaded):
     assert torch.equal(beta, b.sigmoid())
 
 
-# ---- FP8 bookkeeping (the matmul itself needs a GPU) ----
+# ---- FP8 ----
 
 def test_fp8_quantization_is_rowwise_and_slices_consistently():
     torch.manual_seed(0)
@@ -163,6 +164,24 @@ def test_fp8_quantization_is_rowwise_and_slices_consistently():
     alone = fp8.quantize(ops.Dense(dense.weight[16:32]))
     assert torch.equal(part.qweight.float(), alone.qweight.float()) and torch.equal(part.scale, alone.scale)
     assert not fp8.eligible(ops.Dense(torch.randn(40, 24)))
+
+
+def test_fp8_linear_is_the_dequantized_matmul():
+    """Rowwise FP8: each token scaled by its own amax, each output channel by the weight's; fp32 accumulation."""
+    torch.manual_seed(0)
+    weight = torch.randn(48, 64) * torch.logspace(-2, 1, 48)[:, None]
+    w = fp8.quantize(ops.Dense(weight.to(torch.bfloat16), torch.randn(48).to(torch.bfloat16)))
+    x = (torch.randn(2, 5, 64) * torch.logspace(-3, 2, 5)[None, :, None]).to(torch.bfloat16)
+    flat = x.reshape(-1, 64).float()
+    scale = flat.abs().amax(-1, keepdim=True) / ops.FP8_MAX
+    xq = (flat / scale).to(torch.float8_e4m3fn).float() * scale
+    expected = xq @ (w.qweight.float() * w.scale.t()).t() + w.bias.float()
+    got = ops.fp8_linear(x, w)
+    assert got.shape == (2, 5, 48) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.reshape(-1, 48).float(), expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+    # and close to the bf16 matmul it stands for (3 mantissa bits: a few percent of each row's scale)
+    exact = F.linear(x.float(), weight, w.bias.float()).reshape(-1, 48)
+    assert ((got.reshape(-1, 48).float() - exact).abs().amax(1) <= 0.1 * exact.abs().amax(1)).all()
 
 
 def test_fp8_converts_every_eligible_matrix(loaded):

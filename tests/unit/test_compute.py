@@ -1,0 +1,82 @@
+"""The GPU stage's order of work: a full next pack is launched before the previous one is read out (the GPU never
+waits for the host), a partly full one after it (its answers do not wait for the next launch's host work)."""
+
+import queue
+
+import torch
+
+from producer.schema import Request
+from worker.compute import Compute
+from worker.encoder import Chunk, Encoder
+from worker.engine import PackRun, Pending
+from worker.metrics import Metrics
+from worker.packer import Packer
+from worker.tasks import Delivery, Item, Task
+
+BUDGET = 100
+
+
+class RecordingEngine:
+    """Launches nothing: records when each pack is launched and when its scores are waited for."""
+
+    name = "recording"
+    max_pack_tokens = BUDGET
+
+    def __init__(self, verbalizers: int) -> None:
+        self.events: list[tuple[str, int]] = []
+        self.verbalizers = verbalizers
+
+    def warmup(self) -> None:
+        pass
+
+    def launch(self, chunks: list[Chunk]) -> Pending:
+        number = sum(1 for kind, _ in self.events if kind == "launch")
+        self.events.append(("launch", number))
+        tokens = sum(c.length for c in chunks)
+
+        def finish() -> PackRun:
+            self.events.append(("wait", number))
+            scores = [torch.zeros(len(c.questions), self.verbalizers) for c in chunks]
+            return PackRun(scores, tokens, tokens, None, False, 0.0)
+
+        return Pending(finish)
+
+
+def items(model, lengths):
+    request = Request.model_validate({"state": "x", "questions": {"spam": {"type": "noul"}}})
+    [template] = Encoder(model).plan(request)
+    out = []
+    for i, n in enumerate(lengths):
+        chunk = Chunk(input_ids=torch.zeros(n, dtype=torch.long), rows=torch.tensor([n - 1]),
+                      questions=template.questions)
+        task = Task(Delivery("requests", "k", f"{i}-0", {}, 1), f"r{i}", request, chunks=[chunk], remaining=1)
+        out.append(Item(task, 0, chunk))
+    return out
+
+
+def run(model, lengths):
+    work: queue.Queue[Item] = queue.Queue()
+    for item in items(model, lengths):
+        work.put(item)
+    engine = RecordingEngine(int(model.model.proj.out_features))
+    answered = []
+
+    class Sink:
+        def chunk_done(self, item, answers, seconds):
+            answered.append(item.task.request_id)
+
+    compute = Compute(model, engine, Packer(work, BUDGET, max_wait=0.0), Metrics(), Sink(),
+                      post=lambda fn, *args: fn(*args), beats={})
+    compute.run(done=work.empty)
+    assert sorted(answered) == sorted(f"r{i}" for i in range(len(lengths)))  # every chunk answered once
+    return engine.events
+
+
+def test_a_full_next_pack_is_launched_before_the_previous_is_read_out(loaded):
+    events = run(loaded("repo-text"), [50, 50, 50, 45, 50, 50])  # three packs, each at least 90% full
+    assert events == [("launch", 0), ("launch", 1), ("wait", 0), ("launch", 2), ("wait", 1), ("wait", 2)]
+
+
+def test_a_partial_next_pack_waits_until_the_previous_is_read_out(loaded):
+    events = run(loaded("repo-text"), [50, 50, 30])  # a full pack, then a partial one
+    assert events == [("launch", 0), ("wait", 0), ("launch", 1), ("wait", 1)]
