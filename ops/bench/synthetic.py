@@ -162,3 +162,12 @@ def padded_batches(chunks: list[Chunk], size: int = 64, max_padded: int = 65536)
         current.append(chunk)
         longest = wider
     return out + [current] if current else out
+
+
+def warmup_batches(batches: list[list[Chunk]]) -> list[list[Chunk]]:
+    """One batch of each distinct batch size: FlashQLA compiles a kernel variant per range of batch sizes on first
+    use, which must not happen inside a timing."""
+    seen: dict[int, list[Chunk]] = {}
+    for batch in batches:
+        seen.setdefault(len(batch), batch)
+    return list(seen.values())
