@@ -35,7 +35,8 @@ class Boundaries(NamedTuple):
 class Mixers(Protocol):
     def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     b: Boundaries) -> torch.Tensor:
-        """(T, Hk, Dk) x2, (T, Hv, Dv), (T, Hv) x2 -> (T, Hv, Dv); the state restarts at every chunk."""
+        """(T, Hk, Dk) x2 (unit length per head), (T, Hv, Dv), (T, Hv) x2 -> (T, Hv, Dv); the state restarts at
+        every chunk."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
                   b: Boundaries, rows_only: bool = False) -> torch.Tensor:
@@ -76,7 +77,7 @@ class CudaMixers:
     def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     b: Boundaries) -> torch.Tensor:
         out, _ = self._gdn(q[None], k[None], v[None], g[None], beta[None], initial_state=None,
-                           output_final_state=False, use_qk_l2norm_in_kernel=True, cu_seqlens=b.cu_long,
+                           output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=b.cu_long,
                            cu_seqlens_cpu=b.cu_host, chunk_indices=b.chunk_index)
         return out[0]
 
@@ -109,7 +110,7 @@ class TorchMixers:
             part = slice(start, stop)
             core, _ = torch_chunk_gated_delta_rule(q[None, part], k[None, part], v[None, part], g=g[None, part],
                                                    beta=beta[None, part], initial_state=None,
-                                                   output_final_state=False, use_qk_l2norm_in_kernel=True)
+                                                   output_final_state=False, use_qk_l2norm_in_kernel=False)
             out[part] = core[0].to(out.dtype)
         return out
 

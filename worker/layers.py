@@ -131,7 +131,8 @@ def mlp_block(ops: Ops, w: Mlp, h: torch.Tensor, eps: float) -> torch.Tensor:
 
 def pre_linear(ops: Ops, d: LinearDims, w: LinearAttn, h: torch.Tensor, seqpos: torch.Tensor
                ) -> tuple[torch.Tensor, ...]:
-    """-> q (T, Hk, Dk), k (T, Hk, Dk), v (T, Hv, Dv), g (T, Hv) fp32, beta (T, Hv), z (T, value_dim)."""
+    """-> q (T, Hk, Dk), k (T, Hk, Dk) both of unit length per head, v (T, Hv, Dv), g (T, Hv) fp32, beta (T, Hv),
+    z (T, value_dim)."""
     tokens = h.shape[0]
     x = ops.rms_norm(h, w.norm, d.eps)
     widths = [d.key_dim, d.key_dim, d.value_dim]
@@ -140,8 +141,8 @@ def pre_linear(ops: Ops, d: LinearDims, w: LinearAttn, h: torch.Tensor, seqpos: 
     # kernel that stores it (one shared result would be materialised in fp32 and read three times).
     q, k, v = (ops.conv_silu(part, weight, seqpos) for part, weight in zip((q, k, v), w.conv.split(widths)))
     g, beta = ops.gdn_gates(a, b, w.a_log, w.dt_bias)
-    return (q.view(tokens, d.k_heads, d.head_k), k.view(tokens, d.k_heads, d.head_k),
-            v.view(tokens, d.v_heads, d.head_v), g, beta, z)
+    q, k = (ops.l2_normalize(part.view(tokens, d.k_heads, d.head_k)) for part in (q, k))
+    return q, k, v.view(tokens, d.v_heads, d.head_v), g, beta, z
 
 
 def post_linear(ops: Ops, d: LinearDims, w: LinearAttn, h: torch.Tensor, o: torch.Tensor, z: torch.Tensor

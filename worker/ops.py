@@ -85,6 +85,14 @@ def conv_silu(x: torch.Tensor, weight: torch.Tensor, seqpos: torch.Tensor) -> to
     return F.silu(out.to(x.dtype))
 
 
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Unit length over the last dimension (per head), with the fp32 statistics and eps of fla's and FlashQLA's
+    ``use_qk_l2norm_in_kernel``: done here, it fuses into the kernel that stores q and k, and the delta rule's
+    Python wrapper skips two compiled calls per layer."""
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated DeltaNet's log-space decay ``g`` (fp32) and write strength ``beta``, as Qwen3_5GatedDeltaNet."""
@@ -126,6 +134,7 @@ class Ops:
     gated_rms_norm: Callable[..., torch.Tensor] = gated_rms_norm
     conv_silu: Callable[..., torch.Tensor] = conv_silu
     gdn_gates: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_gates
+    l2_normalize: Callable[..., torch.Tensor] = l2_normalize
     swiglu: Callable[..., torch.Tensor] = swiglu
     rope: Callable[..., torch.Tensor] = rope
     linear: Callable[..., torch.Tensor] = linear
