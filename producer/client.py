@@ -125,19 +125,27 @@ def _raise_queue_full(error: redis.ResponseError) -> None:
     raise error
 
 
-class Client:
-    """Synchronous producer. ``max_unfinished=0`` disables the backpressure check (per shard). ``shards``: the
-    deployment's stream shard count; each request goes to ``shard_of(id)``. ``options``: redis-py connection
-    options (e.g. ``ssl_ca_certs``)."""
+class _Producer:
+    """What both clients hold: the connection (made with ``_connect`` unless one is given), names and limits."""
+
+    _connect: Any  # connect or aconnect
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "dq", max_unfinished: int = 100_000,
                  cluster: bool = False, connection: Any = None, shards: int = 1, **options: Any) -> None:
-        self.redis = connection or connect(url, cluster, **options)
+        self.redis = connection or self._connect(url, cluster, **options)
         self.cluster = cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
         self.keys = Keys(namespace)
         self.shards = max(1, shards)
         self.max_unfinished = max_unfinished
         self._submit = self.redis.register_script(SUBMIT)
+
+
+class Client(_Producer):
+    """Synchronous producer. ``max_unfinished=0`` disables the backpressure check (per shard). ``shards``: the
+    deployment's stream shard count; each request goes to ``shard_of(id)``. ``options``: redis-py connection
+    options (e.g. ``ssl_ca_certs``)."""
+
+    _connect = staticmethod(connect)
 
     def submit(self, request: Request | Mapping[str, Any]) -> str:
         return self.submit_many([request])[0]
@@ -210,17 +218,10 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Producer):
     """The asyncio producer, same methods as ``Client``."""
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "dq", max_unfinished: int = 100_000,
-                 cluster: bool = False, connection: Any = None, shards: int = 1, **options: Any) -> None:
-        self.redis = connection or aconnect(url, cluster, **options)
-        self.cluster = cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
-        self.keys = Keys(namespace)
-        self.shards = max(1, shards)
-        self.max_unfinished = max_unfinished
-        self._submit = self.redis.register_script(SUBMIT)
+    _connect = staticmethod(aconnect)
 
     async def submit(self, request: Request | Mapping[str, Any]) -> str:
         return (await self.submit_many([request]))[0]
