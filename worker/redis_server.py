@@ -73,18 +73,23 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def answers(self) -> bool:
+        """One readiness probe: a PING over plain TCP."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+
     def start(self, timeout: float = 10.0) -> RedisServer:
         log = open(self.directory / "redis.log", "ab")
         self.process = subprocess.Popen([self.binary, *self.args], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited: see {self.directory / 'redis.log'}")
+                tail = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"redis-server exited ({self.directory / 'redis.log'}): {tail}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(64).startswith(b"+PONG"):
-                        return self
+                if self.answers():
+                    return self
             except OSError:
                 pass
             time.sleep(0.02)
