@@ -12,8 +12,10 @@ Everything the device needs goes through one flat int64 host buffer (``Regions``
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -52,19 +54,20 @@ class Layout:
 
     @property
     def tokens(self) -> int:
-        return sum(self.lengths)
+        return self.cu_seqlens[-1]
 
     @property
     def rows(self) -> int:
-        return sum(self.questions)
+        return self.cu_rows[-1]
 
-    @property
+    # Cached: the launch reads them several times per pack.
+    @cached_property
     def cu_seqlens(self) -> list[int]:
-        return np.concatenate([[0], np.cumsum(self.lengths)]).tolist()
+        return [0, *itertools.accumulate(self.lengths)]
 
-    @property
+    @cached_property
     def cu_rows(self) -> list[int]:
-        return np.concatenate([[0], np.cumsum(self.questions)]).tolist()
+        return [0, *itertools.accumulate(self.questions)]
 
     @property
     def max_length(self) -> int:
