@@ -101,17 +101,15 @@ def probabilities(model, chunks, scores) -> list[torch.Tensor]:
     return out
 
 
+def differences(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
+    """Per question, the largest probability difference between two runs of the same questions."""
+    return [float((x - y).abs().max()) for x, y in zip(a, b, strict=True)]
+
+
 def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
     """Largest probability difference and argmax flip rate between two runs of the same questions."""
-    assert len(a) == len(b)
-    diff = max(float((x - y).abs().max()) for x, y in zip(a, b))
-    flips = sum(int(x.argmax() != y.argmax()) for x, y in zip(a, b)) / len(a)
-    return diff, flips
-
-
-def mean_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """Per question the largest probability difference, averaged over the questions."""
-    return sum(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) / len(a)
+    flips = sum(int(x.argmax() != y.argmax()) for x, y in zip(a, b, strict=True)) / len(a)
+    return max(differences(a, b)), flips
 
 
 def greedy_packs(chunks, budget, order=None):
@@ -183,7 +181,7 @@ def test_fast_path_equals_the_reference(models, chunks, references, name):
     got = probabilities(models["bfloat16"], chunks, run_packs(engine, chunks, greedy_packs(chunks, 2048)))
     diff, flips = compare(got, references["float32"])
     diff16, flips16 = compare(got, references["bfloat16"])
-    mean = mean_difference(got, references["float32"])
+    mean = sum(differences(got, references["float32"])) / len(got)
     report(test="fast", config=name, vs="fp32", max_prob_diff=diff, mean_prob_diff=mean, flip_rate=flips,
            vs_bf16_max_prob_diff=diff16, vs_bf16_flip_rate=flips16, warmup_s=round(engine.compile_seconds, 1),
            capture_s=round(engine.capture_seconds, 1))
