@@ -72,22 +72,18 @@ def reference_figures(model, chunks) -> dict:
 
 
 def categorize(name: str) -> str:
+    # Order matters: inductor's kernel names list the fused ops ("_scaled_mm" for a fused quantisation),
+    # FlashQLA's contain "flash", FlashAttention's mention cutlass types.
     lowered = name.lower()
-    # Inductor's kernels first (their names list the fused ops, "_scaled_mm" for a fused quantisation too), then
-    # FlashAttention (its template names mention cutlass types).
     if lowered.startswith("triton_"):
         return "fused element-wise (inductor Triton)"
-    if "flash_fwd" in lowered or "fmha" in lowered:
-        return "varlen attention (FlashAttention)"
-    if any(k in lowered for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "scaled_mm", "f8f8")):
-        return "GEMM (cuBLAS/CUTLASS)"
     if any(k in lowered for k in ("flash_qla", "fused_gdr", "kkt", "tilelang", "chunk_", "gated_delta",
                                   "recompute_w_u", "solve_tril", "l2norm", "wy_", "cumsum", "merge_16x16")):
         return "gated delta rule (fla / FlashQLA)"
     if "flash" in lowered or "fmha" in lowered or "attn" in lowered:
         return "varlen attention (FlashAttention)"
-    if lowered.startswith("triton_") or "triton" in lowered:
-        return "fused element-wise (inductor Triton)"
+    if any(k in lowered for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "scaled_mm", "f8f8")):
+        return "GEMM (cuBLAS/CUTLASS)"
     if "memcpy" in lowered or "memset" in lowered or "copy" in lowered:
         return "copies"
     return "other (eager element-wise, embedding, indexing)"
