@@ -28,7 +28,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis  # noqa: E402
-import redis.asyncio as aioredis  # noqa: E402
 
 from producer.client import AsyncClient, aconnect, prepare  # noqa: E402
 from producer.keys import Keys  # noqa: E402

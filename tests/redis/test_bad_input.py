@@ -94,6 +94,10 @@ def test_bad_input_is_answered_at_once_and_harms_nothing(redis_server, start_wor
         "nested-200": (_deep(200, "{"), "invalid_request"),
         "control-token-key": ({"state": {"<|mark|>": "read me"}, "questions": NOUL}, "invalid_request"),
         "png-bomb": (image({"data_base64": png_bomb()}), "invalid_image"),
+        "over-max-pixels": (image({"data_base64": png("red", (5000, 5000))}), "invalid_image"),
+        "lone-surrogate": ('{"id": "lone-surrogate", "state": "\\ud800", "questions": {"q": {"type": "noul"}}}',
+                           "invalid_request"),
+        "criteria-number": ({"state": "x", "questions": {"q": {"type": "noul", "criteria": 5}}}, "invalid_request"),
         "tiff": (image({"data_base64": tiff()}), "invalid_image"),
         "svg-format": (image({"format": "svg", "data_base64": "PHN2Zy8+"}), "invalid_request"),
         "not-base64": (image({"data_base64": "%%% not base64 %%%"}), "invalid_image"),
@@ -139,10 +143,13 @@ def test_bad_input_is_answered_at_once_and_harms_nothing(redis_server, start_wor
     assert list(report.results["control-text"].answers) == ["q", "t"]  # control tokens stayed text
     bomb = report.results["png-bomb"].error.message  # refused from the header (by Pillow itself when this large)
     assert "60000x60000" in bomb or "3600000000 pixels" in bomb
+    assert "5000x5000" in report.results["over-max-pixels"].error.message  # the worker's own pixel limit
     assert "TIFF" in report.results["tiff"].error.message
     assert bait.hits == 0  # no request ever reached the URL
     assert worker.metric("dq_retries_total") == 0 and worker.metric("dq_dead_letters_total") == 0
     assert worker.metric("dq_tokens_total") == sum(report.results[r["id"]].usage.tokens for r in good)
+    assert worker.metric("dq_results_total", status="error") == len(expected)
+    assert client.redis.xlen(stream) == 0  # everything acknowledged and deleted
     assert worker.process.poll() is None
 
 
