@@ -5,11 +5,17 @@ These run eagerly between the dense pieces (also when the pieces replay as CUDA 
 depend on the boundaries. The boundaries come in a ``Boundaries`` built once per pack from the engine's persistent
 device buffer; its tensors are fresh views for every pack because fla and FlashQLA cache host-side preparation by
 tensor identity, and a reused tensor object would hand them the previous pack's boundaries.
+
+On Hopper and Blackwell with FlashQLA installed, the delta rule calls FlashQLA's forward directly (``FlashQLA``):
+through fla, every layer call paid fla's dispatch, an autograd function and FlashQLA's own per-pack preparation,
+which reads ``cu_seqlens`` back from the GPU (a host synchronisation per pack). Here that preparation is done once
+per pack from the host copy of the boundaries, with FlashQLA's own helpers, so no call waits for the GPU.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -63,19 +69,84 @@ def _chunk_gated_delta_rule() -> Any:
     return chunk_gated_delta_rule
 
 
+class FlashQLA:
+    """FlashQLA's chunked forward, its per-pack context (the intra-card split of long sequences, chunk offsets and
+    indices) prepared on the host from ``Boundaries.cu_host`` instead of read back from the GPU."""
+
+    def __init__(self) -> None:
+        # Importing it raises on GPUs it has no kernels for (ValueError), as well as where it is missing.
+        from flash_qla.ops.gated_delta_rule.chunk import CHUNK_SIZE, chunk_gated_delta_rule_fwd
+        from flash_qla.ops.gated_delta_rule.chunk.cp import FlashQLACPContext, build_cp_context
+        from flash_qla.utils.index import prepare_varlen_metadata
+
+        self._chunk, self._forward, self._context_type = CHUNK_SIZE, chunk_gated_delta_rule_fwd, FlashQLACPContext
+        self._build, self._attach = build_cp_context, prepare_varlen_metadata
+        self._pack: Boundaries | None = None
+        self._context: Any = None
+
+    @staticmethod
+    def supports(q: torch.Tensor, v: torch.Tensor) -> bool:
+        return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == v.shape[-1] == 128
+
+    def context(self, b: Boundaries, heads: int) -> Any:
+        """The pack's context, built at its first layer (all layers of a pack share ``b``)."""
+        if self._pack is b:
+            return self._context
+        # FlashQLA decides the split from the lengths alone; given host boundaries it builds host tensors.
+        host = self._build(b.cu_host, enable_intra=True, num_v_heads=heads, chunk_size=self._chunk, is_train=False)
+        cu = self._attach(b.cu_long, b.cu_host)
+        if not host.is_intra:
+            context = self._context_type(cu_seqlens=cu)
+        else:
+            def device(t: torch.Tensor) -> torch.Tensor:
+                return t.to(cu.device, non_blocking=True)
+
+            split = self._attach(device(host.intra_cp_cu_seqlens), host.intra_cp_cu_seqlens)
+            context = self._context_type(
+                is_intra=True, cu_seqlens=cu, intra_cp_cu_seqlens=split, seq_map_r2c=device(host.seq_map_r2c),
+                seq_map_c2r=device(host.seq_map_c2r), ht_mask=device(host.ht_mask),
+                ht_mask_bwd=device(host.ht_mask_bwd))
+        self._pack, self._context = b, context
+        return context
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 b: Boundaries) -> torch.Tensor:
+        context = self.context(b, v.shape[1])
+        _, _, out, _, _, _ = self._forward(
+            q[None], k[None], v[None], g[None].contiguous(), beta[None].contiguous(), scale=q.shape[-1] ** -0.5,
+            initial_state=None, cu_seqlens=context.cu_seqlens, output_final_state=False, cp_context=context,
+            is_train=False)
+        return out[0]
+
+
+def _flash_qla() -> FlashQLA | None:
+    """FlashQLA called directly where it runs; None sends the delta rule through fla's dispatch (its Triton kernels
+    elsewhere). ``FLA_FLASH_QLA=0``, fla's switch for it, turns it off here too."""
+    if os.environ.get("FLA_FLASH_QLA", "1") == "0":
+        return None
+    try:
+        return FlashQLA()
+    except (ImportError, ValueError):
+        return None
+
+
 class CudaMixers:
-    """fla's chunked gated delta rule (FlashQLA's kernels on Hopper when installed) and torch's varlen attention."""
+    """The chunked gated delta rule (FlashQLA's kernels directly where they run, else fla's) and torch's varlen
+    attention."""
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
             raise FastPathUnavailable(f"the fast engine needs a CUDA GPU and none is available: {ALTERNATIVE}")
         self._gdn = _chunk_gated_delta_rule()
+        self.flash_qla = _flash_qla()
         self._varlen = _varlen_attn()
         # torch < 2.13 has no enable_gqa: the key/value heads are then repeated to the query heads.
         self._native_gqa = "enable_gqa" in inspect.signature(self._varlen).parameters
 
     def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     b: Boundaries) -> torch.Tensor:
+        if self.flash_qla is not None and self.flash_qla.supports(q, v):
+            return self.flash_qla(q, k, v, g, beta, b)
         out, _ = self._gdn(q[None], k[None], v[None], g[None], beta[None], initial_state=None,
                            output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=b.cu_long,
                            cu_seqlens_cpu=b.cu_host, chunk_indices=b.chunk_index)

@@ -2,7 +2,9 @@
 # Everything the GPU machine measures, most important first, each stage bounded in time so that a slow or failing
 # stage cannot starve the next: end to end through Redis (2B bf16, 2B FP8; each also times its engine in process
 # and the reference engine), the GPU tests, then the other shapes and mixes in process.
-# Usage: ops/bench/run_all.sh OUTDIR [STAGE...]   stages: e2e-bf16 e2e-fp8 tests mixes (default: all, in that order)
+# Usage: ops/bench/run_all.sh OUTDIR [STAGE...]   stages: delta-rule e2e-bf16 e2e-fp8 tests mixes (default: all, in
+# that order; delta-rule is the host and GPU time of the gated delta rule per pack, fla's dispatch against FlashQLA
+# called directly)
 # Stage limits in seconds: E2E_TIMEOUT, TEST_TIMEOUT, MIX_TIMEOUT. A cold machine needs about 3 minutes before the
 # first end-to-end worker is ready (static-shape compilation, FlashQLA's kernels); where one command may run only
 # 10 minutes, run the stages in separate commands on the same machine (kernel caches stay warm).
@@ -10,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: run_all.sh OUTDIR [STAGE...]}
 shift
-stages=${*:-e2e-bf16 e2e-fp8 tests mixes}
+stages=${*:-delta-rule e2e-bf16 e2e-fp8 tests mixes}
 want() { [[ " $stages " == *" $1 "* ]]; }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DQ_GPU_REPORT="$out/gpu-tests.jsonl"
@@ -23,6 +25,10 @@ stage() { echo "== $1 at $((SECONDS - start)) s"; }
   $PY -c 'import flash_qla; print("flash_qla", flash_qla.__version__)' 2>&1 | tail -1
   echo "cpus $(nproc)"; } >"$out/machine.txt" 2>&1
 cat "$out/machine.txt"
+
+want delta-rule && { stage "delta rule per pack"
+timeout "${DELTA_TIMEOUT:-120}" $PY ops/bench/delta_rule.py --out "$out" >"$out/delta_rule.log" 2>&1
+echo "exit $?"; tail -n 12 "$out/delta_rule.log"; }
 
 for dtype in bf16 fp8; do
   want "e2e-$dtype" || continue

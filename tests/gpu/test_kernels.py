@@ -1,0 +1,81 @@
+"""FlashQLA called directly (worker/kernels.py) equals the same kernels reached through fla's dispatch, and
+prepares each pack without waiting for the GPU.
+
+Packs: many short sequences (no intra-card split), one long sequence and a few uneven ones (FlashQLA splits long
+sequences across the card there), lengths off the 64-token chunk grid. Heads as in the 2B shape's linear layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("fla", reason="the fast engine needs flash-linear-attention")
+
+from worker.kernels import Boundaries, CudaMixers, FlashQLA  # noqa: E402
+
+try:
+    FlashQLA()
+except (ImportError, ValueError) as error:  # not installed, or no kernels for this GPU
+    pytest.skip(f"FlashQLA does not run here: {error}", allow_module_level=True)
+
+PACKS = {
+    "32 x 512": [512] * 32,
+    "one 8000": [8000],
+    "uneven": [6000, 300, 1200, 1],
+    "off the chunk grid": [37, 64, 65, 1000, 129, 2],
+}
+K_HEADS, V_HEADS, DIM = 16, 16, 128
+
+
+def boundaries(lengths: list[int]) -> Boundaries:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    cu_long = torch.tensor(cu, device="cuda")
+    return Boundaries(cu=cu_long.int(), cu_long=cu_long, cu_host=torch.tensor(cu), chunk_index=None,
+                      max_length=max(lengths), cu_rows=cu_long.int(), max_rows=max(lengths))
+
+
+def inputs(tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    q = F.normalize(randn(tokens, K_HEADS, DIM), dim=-1).bfloat16()
+    k = F.normalize(randn(tokens, K_HEADS, DIM), dim=-1).bfloat16()
+    v = randn(tokens, V_HEADS, DIM).bfloat16()
+    g = F.logsigmoid(randn(tokens, V_HEADS) + 3)  # fp32, as the pre piece makes it
+    beta = torch.sigmoid(randn(tokens, V_HEADS)).bfloat16()
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("name", list(PACKS))
+@torch.inference_mode()
+def test_direct_flash_qla_equals_fla_and_does_not_synchronise(name):
+    lengths = PACKS[name]
+    mixers = CudaMixers()
+    assert mixers.flash_qla is not None
+    q, k, v, g, beta = inputs(sum(lengths), seed=len(lengths))
+    expected, _ = mixers._gdn(q[None], k[None], v[None], g[None], beta[None], initial_state=None,
+                              output_final_state=False, cu_seqlens=boundaries(lengths).cu_long)
+    mixers.gated_delta(q, k, v, g, beta, boundaries(lengths))  # first call: JIT compilation may synchronise
+    torch.cuda.synchronize()
+    b = boundaries(lengths)  # a fresh pack: its context is prepared in the call below
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = mixers.gated_delta(q, k, v, g, beta, b)
+        again = mixers.gated_delta(q, k, v, g, beta, b)  # the pack's next layer reuses the context
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    split = mixers.flash_qla.context(b, V_HEADS).is_intra
+    diff = (first.float() - expected[0].float()).abs().max().item()
+    print("RESULT", {"pack": name, "intra_card_split": split, "max_diff_vs_fla": diff})
+    assert first.shape == v.shape and torch.isfinite(first).all()
+    assert diff == 0.0, f"the direct call differs from fla's dispatch of the same kernels by {diff}"
+    assert torch.equal(first, again)
