@@ -6,8 +6,8 @@ enqueues the copy of the head scores into pinned memory; it returns without wait
 waits for that copy. Two staging slots alternate, so the caller can form and launch the next pack while one runs;
 a slot is reused only after its pack has finished.
 
-One host synchronisation per pack remains where FlashQLA is installed: it reads ``cu_seqlens`` back once per pack
-(cached for the pack's other layers), so launching pack n+1 waits for pack n's GPU work to end.
+Nothing in a launch waits for the GPU (FlashQLA's per-pack context comes from the host boundaries, see
+worker/kernels.py) except a slot's reuse, which waits for the pack launched two before.
 """
 
 from __future__ import annotations
