@@ -6,8 +6,8 @@ Runs on the main thread. While pack n is on the GPU, pack n+1 is formed from wha
 
 - n+1 full (the queue is ahead of the GPU): launch first. Reading out first would leave the GPU idle for the
   read-out and the launch's host work, a quarter of the time on an H200 (end to end 71% of in process, 95% after).
-- n+1 partly full (the GPU keeps up): read out first. The launch's host work (tens of milliseconds per pack, much
-  of it in the delta-rule kernels' Python wrappers, whatever the pack's size) would otherwise delay n's answers.
+- n+1 partly full (the GPU keeps up): read out first. The launch's host work (milliseconds per pack, whatever its
+  size) would otherwise delay n's answers.
 
 A failing pack is bisected until the failing chunk is alone, so the others in it are still answered.
 """

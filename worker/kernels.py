@@ -15,7 +15,9 @@ per pack from the host copy of the boundaries, with FlashQLA's own helpers, so n
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -31,11 +33,24 @@ class FastPathUnavailable(RuntimeError):
 class Boundaries(NamedTuple):
     cu: torch.Tensor  # (chunks + 1,) int32 on the device
     cu_long: torch.Tensor  # the same, int64 (fla)
-    cu_host: torch.Tensor  # the same on the host (fla's cu_seqlens_cpu)
+    cu_host: torch.Tensor  # the same on the host (FlashQLA's context is prepared from it; fla's cu_seqlens_cpu)
     chunk_index: torch.Tensor  # (gdn chunks, 2) int64 on the device
     max_length: int
     cu_rows: torch.Tensor  # (chunks + 1,) int32: marker rows per chunk (pruned last layer)
     max_rows: int
+
+
+def boundaries_of(lengths: Sequence[int], device: torch.device | str) -> Boundaries:
+    """The boundaries of one pack of chunks of these lengths with one marker row each, copied to ``device``: for
+    the mixers alone in tests and benchmarks (the engine views its per-pack layout buffer instead)."""
+    from .layout import gdn_chunk_indices
+
+    cu = [0, *itertools.accumulate(lengths)]
+    cu_long = torch.tensor(cu).to(device, non_blocking=True)
+    cu_rows = torch.arange(len(cu), dtype=torch.int32).to(device, non_blocking=True)
+    index = torch.from_numpy(gdn_chunk_indices(lengths)).to(device, non_blocking=True)
+    return Boundaries(cu=cu_long.int(), cu_long=cu_long, cu_host=torch.tensor(cu), chunk_index=index,
+                      max_length=max(lengths), cu_rows=cu_rows, max_rows=1)
 
 
 class Mixers(Protocol):

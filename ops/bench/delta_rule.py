@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from worker.kernels import Boundaries, CudaMixers  # noqa: E402
+from worker.kernels import CudaMixers, boundaries_of  # noqa: E402
 
 SHAPES = {  # name -> chunk lengths of one pack
     "16k: 32 x 512": [512] * 32,
@@ -32,20 +32,11 @@ SHAPES = {  # name -> chunk lengths of one pack
 K_HEADS, V_HEADS, DIM = 16, 16, 128
 
 
-def boundaries(lengths: list[int]) -> Boundaries:
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    cu_long = torch.tensor(cu).cuda(non_blocking=True)
-    return Boundaries(cu=cu_long.int(), cu_long=cu_long, cu_host=torch.tensor(cu), chunk_index=None,
-                      max_length=max(lengths), cu_rows=cu_long.int(), max_rows=1)
-
-
 def one_pack(call, lengths: list[int], inputs: tuple, layers: int) -> tuple[float, float, float]:
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start = time.perf_counter()
-    b = boundaries(lengths)
+    b = boundaries_of(lengths, "cuda")
     begin.record()
     for _ in range(layers):
         call(*inputs, b)

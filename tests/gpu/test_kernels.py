@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("fla", reason="the fast engine needs flash-linear-attention")
 
-from worker.kernels import Boundaries, CudaMixers, FlashQLA  # noqa: E402
+from worker.kernels import CudaMixers, FlashQLA, boundaries_of  # noqa: E402
 
 try:
     FlashQLA()
@@ -30,15 +30,6 @@ PACKS = {
     "off the chunk grid": [37, 64, 65, 1000, 129, 2],
 }
 K_HEADS, V_HEADS, DIM = 16, 16, 128
-
-
-def boundaries(lengths: list[int]) -> Boundaries:
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    cu_long = torch.tensor(cu, device="cuda")
-    return Boundaries(cu=cu_long.int(), cu_long=cu_long, cu_host=torch.tensor(cu), chunk_index=None,
-                      max_length=max(lengths), cu_rows=cu_long.int(), max_rows=max(lengths))
 
 
 def inputs(tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -63,10 +54,10 @@ def test_direct_flash_qla_equals_fla_and_does_not_synchronise(name):
     assert mixers.flash_qla is not None
     q, k, v, g, beta = inputs(sum(lengths), seed=len(lengths))
     expected, _ = mixers._gdn(q[None], k[None], v[None], g[None], beta[None], initial_state=None,
-                              output_final_state=False, cu_seqlens=boundaries(lengths).cu_long)
-    mixers.gated_delta(q, k, v, g, beta, boundaries(lengths))  # first call: JIT compilation may synchronise
+                              output_final_state=False, cu_seqlens=boundaries_of(lengths, "cuda").cu_long)
+    mixers.gated_delta(q, k, v, g, beta, boundaries_of(lengths, "cuda"))  # first call: JIT compilation may synchronise
     torch.cuda.synchronize()
-    b = boundaries(lengths)  # a fresh pack: its context is prepared in the call below
+    b = boundaries_of(lengths, "cuda")  # a fresh pack: its context is prepared in the call below
     torch.cuda.set_sync_debug_mode("error")
     try:
         first = mixers.gated_delta(q, k, v, g, beta, b)
