@@ -223,7 +223,27 @@ def main() -> None:
             handle.writelines(json.dumps(r) + "\n" for r in results)
         (out / "summary.md").write_text(summary(results))
 
+    def add_references() -> None:
+        """The reference engine for the runs of the loaded model, after its fast runs and before the next model
+        replaces it, so that every shape and workload gets its ratio (past the deadline, none is started)."""
+        for result in results:
+            if args.no_reference or "error" in result or "ref_tokens_per_s" in result or \
+                    (result["shape"], result["workload"] == "vision") != cache.get("key"):
+                continue
+            if args.deadline_s and time.perf_counter() - begin > args.deadline_s:
+                result["reference_error"] = "skipped: deadline"
+                continue
+            try:
+                add_reference(result, cache)
+            except Exception as error:
+                result["reference_error"] = f"{type(error).__name__}: {error}"
+            print("RESULT", json.dumps(result), flush=True)
+            record()
+
     for spec in [s for s in args.runs.split(",") if s]:
+        parts = spec.split(":")
+        if cache.get("key") not in (None, (parts[0], parts[1:2] == ["vision"])):
+            add_references()  # the next run loads another model
         if args.deadline_s and time.perf_counter() - begin > args.deadline_s:
             results.append({"run": spec, "error": "skipped: deadline"})
             continue
@@ -238,18 +258,7 @@ def main() -> None:
         results.append(result)
         print("RESULT", json.dumps(result), flush=True)
         record()
-    # The reference engine last (its figures need the fast runs' models only while they are loaded), so that a
-    # deadline cuts reference figures rather than fast-path runs.
-    for result in results:
-        if args.no_reference or "error" in result or (result["shape"], result["workload"] == "vision") != \
-                cache.get("key"):
-            continue
-        try:
-            add_reference(result, cache)
-        except Exception as error:
-            result["reference_error"] = f"{type(error).__name__}: {error}"
-        print("RESULT", json.dumps(result), flush=True)
-        record()
+    add_references()
     print(summary(results), flush=True)
 
 
