@@ -78,12 +78,11 @@ async def consumer(index: int, url: str, keys: Keys, read_count: int, questions:
 async def producer(url: str, namespace: str, prepared: list[tuple[str, str]], batch: int, cluster: bool,
                    latencies: list[float]) -> None:
     async with AsyncClient(url, namespace, max_unfinished=0, cluster=cluster) as client:
-        requests_stream = Keys(namespace).requests
         total = len(prepared)
         for start in range(0, total, batch):
             chunk = prepared[start: start + batch]
             began = time.perf_counter()
-            await client._submit(keys=[requests_stream], args=[0, *(body for _, body in chunk)])
+            await client.submit_many(chunk)  # prepared already: sent as they are, 500 per submit call
             await client.wait_many([request_id for request_id, _ in chunk], timeout=300)
             latencies.append(time.perf_counter() - began)
 
