@@ -31,8 +31,6 @@ from producer.client import aconnect
 from producer.keys import Keys
 from producer.schema import ErrorCode, RequestError
 
-from . import checkpoint
-from . import engine as engines
 from .compute import Compute
 from .config import Settings
 from .entries import CHUNKS, Delivery
@@ -40,6 +38,9 @@ from .health import Snapshot
 from .intake import Consumer, Intake
 from .link import REDIS_ERRORS, Link
 from .metrics import Metrics
+from .model import checkpoint
+from .model.engine import Engine
+from .model.reference import ReferenceAdapter
 from .packer import Packer
 from .planner import Planner
 from .results import Publisher, Results, error_outcome
@@ -49,6 +50,20 @@ log = logging.getLogger("worker")
 VERSION = "0.1.0"
 
 
+def create_engine(model: checkpoint.DecisionModel, settings: Settings) -> Engine:
+    """``auto``: the fast engine on CUDA, the reference engine elsewhere."""
+    kind = settings.engine
+    if kind == "auto":
+        kind = "fast" if model.device.type == "cuda" else "reference"
+    if kind == "reference":
+        return ReferenceAdapter(model, settings)
+    if kind == "fast":
+        from .fast import FastEngine  # needs CUDA and flash-linear-attention; says so clearly if missing
+
+        return FastEngine(model, settings)
+    raise ValueError(f"engine must be auto, fast or reference, got {settings.engine!r}")
+
+
 class Daemon:
     def __init__(self, settings: Settings, model: checkpoint.DecisionModel | None = None) -> None:
         self.settings = settings
@@ -56,7 +71,7 @@ class Daemon:
         self.metrics = Metrics()
         self.model = model or checkpoint.load(settings.checkpoint, settings.device, settings.dtype,
                                               settings.max_chunk_tokens)
-        self.engine = engines.create(self.model, settings)
+        self.engine = create_engine(self.model, settings)
         self.ready = threading.Event()
         self.stopping = threading.Event()
         self.stop_deadline = float("inf")

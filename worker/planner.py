@@ -18,10 +18,11 @@ from typing import Any
 from producer.keys import Field
 from producer.schema import ErrorCode, Request, RequestError, parse_request
 
-from .checkpoint import DecisionModel, RenderSpec
 from .config import Settings
-from .encoder import Chunk, Encoder
 from .entries import REQUESTS, Delivery
+from .model.checkpoint import DecisionModel, RenderSpec
+from .model.encoder import Encoder
+from .model.engine import Chunk
 from .tasks import Task
 
 

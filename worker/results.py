@@ -33,7 +33,7 @@ from .metrics import Metrics
 from .tasks import Item, Task
 
 if TYPE_CHECKING:
-    from .readout import Answer
+    from .model.readout import Answer
 
 log = logging.getLogger("worker")
 # KEYS: result stream, parts hash, body key. ARGV: result JSON, TTL seconds. 1 if published now, 0 if already.

@@ -14,8 +14,8 @@ from producer.schema import Request
 from .entries import Delivery
 
 if TYPE_CHECKING:
-    from .encoder import Chunk
-    from .readout import Answer
+    from .model.engine import Chunk
+    from .model.readout import Answer
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from worker.engine import Pending  # noqa: E402
+from worker.model.engine import Pending  # noqa: E402
 
 log = logging.getLogger("worker.fault")
 
@@ -64,16 +64,16 @@ class FaultyEngine:
 
 def main() -> int:
     from worker.__main__ import main as worker_main
-    from worker import engine as engines
+    from worker import daemon as daemons
 
-    real_create = engines.create
+    real_create = daemons.create_engine
 
     def faulty_create(model, settings):
         return FaultyEngine(real_create(model, settings), model.tokenizer, os.environ.get("DQ_FAULT_RAISE", ""),
                             float(os.environ.get("DQ_FAULT_SLOW_S", "0")))
 
     # The daemon's own construction runs unchanged; the engine it creates comes wrapped.
-    engines.create = faulty_create
+    daemons.create_engine = faulty_create
     return worker_main(sys.argv[1:])
 
 
