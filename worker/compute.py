@@ -29,7 +29,8 @@ from .packer import Packer
 from .tasks import Item, Task
 
 log = logging.getLogger("worker")
-LAUNCH_FIRST_FILL = 0.9  # a pack this full (of the engine's token budget) is launched before the previous one is read out
+# A pack this full (of the engine's token budget) is launched before the previous one is read out.
+LAUNCH_FIRST_FILL = 0.9
 
 
 class Sink(Protocol):
@@ -54,7 +55,8 @@ class Compute:
             self.turned_at = time.time()
             self.metrics.heartbeat.labels("gpu").set(self.turned_at)
             pack = self._take(wait=in_flight is None)
-            if in_flight is not None and sum(item.tokens for item in pack) < LAUNCH_FIRST_FILL * self.engine.max_pack_tokens:
+            tokens = sum(item.tokens for item in pack)
+            if in_flight is not None and tokens < LAUNCH_FIRST_FILL * self.engine.max_pack_tokens:
                 self._finish(*in_flight)
                 in_flight = None
             launched = None

@@ -1,14 +1,11 @@
-"""Results: where every entry ends. Parts are aggregated, each request's result published exactly once, then the
-entries are acknowledged and let go.
+"""Results, where every entry ends: a task's answers gathered, its result published exactly once, the entry acked.
 
 Order, for at-least-once processing with exactly one result: the Lua script makes the result durable (first
 publication wins, later ones are no-ops), then the entry is acknowledged and deleted. A crash between the two
 redelivers the entry; its second result is refused by the script. Parts of a fanned-out request are kept in a hash
 keyed by part index (a set of finished parts, not a counter), so a part processed twice counts once.
-
-``Publisher`` is the Redis side (scripts and pipelines, torch-free: ops/redis_bench.py measures it alone).
-``Results`` is the stage on the asyncio thread: the GPU stage's sink (each report hops onto the loop), the task's
-answers gathered, outcomes published in batches.
+``Publisher`` is the Redis side (torch-free: ops/redis_bench.py measures it alone); ``Results`` is the stage on the
+asyncio thread, and compute's sink.
 """
 
 from __future__ import annotations
@@ -68,10 +65,6 @@ class Outcome:
     order: list[str] | None = None  # question order of the request, for merging parts
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 def share(task: Task) -> dict[str, Any]:
     """A task's answers as JSON-ready dicts (a whole result's fields, or a part's share of them)."""
     answers = task.answers
@@ -97,7 +90,7 @@ def ok_result(request_id: str, shares: list[dict[str, Any]], order: list[str], e
         usage=Usage(tokens=sum(p["tokens"] for p in shares), prompts=sum(p["prompts"] for p in shares),
                     parts=len(shares)),
         timings=Timings(enqueued_ms=enqueued_ms, started_ms=min(p["started_ms"] for p in shares),
-                        finished_ms=_now_ms(), compute_ms=round(sum(p["compute_ms"] for p in shares), 3)))
+                        finished_ms=int(time.time() * 1000), compute_ms=round(sum(p["compute_ms"] for p in shares), 3)))
 
 
 def task_outcome(task: Task, model: str) -> Outcome:
@@ -113,7 +106,7 @@ def error_outcome(delivery: Delivery, code: ErrorCode, message: str, model: str,
                   reply_to: str | None = None) -> Outcome:
     """An error result for the entry's request; its reply stream is the delivery's unless given."""
     timings = Timings(enqueued_ms=delivery.enqueued_ms, started_ms=int(delivery.taken * 1000),
-                      finished_ms=_now_ms())
+                      finished_ms=int(time.time() * 1000))
     return Outcome(delivery, reply_to if reply_to is not None else delivery.reply_to,
                    result=Result.failure(delivery.request_id, code, message, timings=timings, model=model))
 
@@ -148,7 +141,8 @@ class Publisher:
             if outcome.part is None:
                 final.append((outcome, outcome.result, reply))
             elif isinstance(reply, list):  # the last part: merge and publish the request's result
-                shares = [json.loads(reply[i + 1]) for i in sorted(range(0, len(reply), 2), key=lambda i: int(reply[i]))]
+                indexes = sorted(range(0, len(reply), 2), key=lambda at: int(reply[at]))  # HGETALL: index, share, ...
+                shares = [json.loads(reply[at + 1]) for at in indexes]
                 merges.append((outcome, ok_result(outcome.delivery.request_id, shares, outcome.order or [],
                                                   outcome.delivery.enqueued_ms, self.model)))
             else:
