@@ -34,6 +34,7 @@ class BadField(ValueError):
 
     def __init__(self, name: str, why: str) -> None:
         super().__init__(f"field {name!r} {why}")
+        self.field = name
 
 
 @dataclass(frozen=True)
