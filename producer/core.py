@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, TypeVar
 import redis
 from pydantic import ValidationError
 
-from .keys import GROUP, Keys, shard_of
+from .keys import GROUP, Field, Keys, shard_of
 from .schema import Request, Result, describe
 
 # KEYS[1] request stream; ARGV[1] limit (0: none); ARGV[2..] request bodies. All or nothing.
@@ -35,9 +35,9 @@ if limit > 0 and length + #ARGV - 1 > limit then
   return redis.error_reply('QUEUEFULL ' .. length .. ' unfinished entries, limit ' .. limit)
 end
 local ids = {}
-for i = 2, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'body', ARGV[i]) end
+for i = 2, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', '%s', ARGV[i]) end
 return ids
-"""
+""" % Field.BODY
 BATCH = 500  # requests per Lua call: bounds the time Redis spends in one script
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
 WINDOW = 256  # result streams one blocking read waits on (any of them landing wakes it)
@@ -133,7 +133,7 @@ Plan = Generator[Call | Pipeline | Script, Any, T]
 
 
 def parse_result(fields: Mapping[bytes, bytes]) -> Result:
-    return Result.model_validate_json(fields[b"body"])
+    return Result.model_validate_json(fields[Field.BODY.encode()])
 
 
 class Producer:
