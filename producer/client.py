@@ -15,12 +15,12 @@ import redis.asyncio as aioredis
 
 from .connection import Deployment, aconnect, connect
 from .core import (SUBMIT, Call, InvalidRequest, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
-                   Script, Submittable, prepare)
+                   Script, Submittable, WrongResult, prepare)
 from .keys import Keys
 from .schema import Result, ResultError
 
 __all__ = ["AsyncClient", "Client", "InvalidRequest", "Prepared", "QueueFull", "ResultError", "ResultTimeout",
-           "aconnect", "connect", "prepare"]
+           "WrongResult", "aconnect", "connect", "prepare"]
 T = TypeVar("T")
 
 

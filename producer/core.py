@@ -132,8 +132,17 @@ class Script:
 Plan = Generator[Call | Pipeline | Script, Any, T]
 
 
-def parse_result(fields: Mapping[bytes, bytes]) -> Result:
-    return Result.model_validate_json(fields[Field.BODY.encode()])
+class WrongResult(RuntimeError):
+    """A request's result stream holds a result for another id: written by something other than a worker (no
+    worker publishes one), never handed out as this request's answer."""
+
+
+def parse_result(fields: Mapping[bytes, bytes], request_id: str) -> Result:
+    """The result entry read from ``request_id``'s result stream; raises WrongResult unless it is that request's."""
+    result = Result.model_validate_json(fields[Field.BODY.encode()])
+    if result.id != request_id:
+        raise WrongResult(f"the result stream of request {request_id!r} holds a result for {result.id[:140]!r}")
+    return result
 
 
 class Producer:
@@ -190,7 +199,7 @@ class Producer:
     def fetch(self, request_id: str) -> Plan[Result | None]:
         """The result if it is there (non-blocking)."""
         reply = yield Call("xrange", (self.keys.result(request_id),), {"count": 1})
-        return parse_result(reply[0][1]) if reply else None
+        return parse_result(reply[0][1], request_id) if reply else None
 
     def wait_many(self, request_ids: Iterable[str], timeout: float | None) -> Plan[dict[str, Result]]:
         """Results of all ``request_ids`` in their order; raises ResultTimeout naming how many are missing."""
@@ -206,7 +215,8 @@ class Producer:
             window = {self.keys.result(r): r for r in missing[: 1 if self.cluster else WINDOW]}
             reply = yield Call("xread", (dict.fromkeys(window, "0-0"),), {"count": 1, "block": block})
             for key, entries in reply or []:
-                done[window[key.decode() if isinstance(key, bytes) else key]] = parse_result(entries[0][1])
+                request_id = window[key.decode() if isinstance(key, bytes) else key]
+                done[request_id] = parse_result(entries[0][1], request_id)
             if self.cluster and reply:  # one key per read there: when the oldest lands, look at the rest
                 done.update((yield from self.present(missing[1:])))
         return {r: done[r] for r in waiting}
@@ -216,7 +226,7 @@ class Producer:
         if not request_ids:
             return {}
         replies = yield Pipeline([Call("xrange", (self.keys.result(r),), {"count": 1}) for r in request_ids])
-        return {r: parse_result(reply[0][1]) for r, reply in zip(request_ids, replies) if reply}
+        return {r: parse_result(reply[0][1], r) for r, reply in zip(request_ids, replies) if reply}
 
     def decide(self, request: Submittable, timeout: float | None) -> Plan[Result]:
         [request_id] = yield from self.submit_many([request])

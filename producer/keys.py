@@ -13,8 +13,16 @@ from dataclasses import dataclass
 
 PROTOCOL = "1"
 GROUP = "workers"
-# Request ids become hash tags and key suffixes: no braces, no spaces, bounded length.
-ID_PATTERN = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+# Request ids become hash tags and key suffixes: no braces, no spaces, no newline, bounded length. Anchored with
+# \A and \Z (``$`` would let a trailing newline through); use ``valid_id``, which also refuses entry-id shapes.
+ID_PATTERN = re.compile(r"\A[A-Za-z0-9._:\-]{1,128}\Z")
+# A stream entry id: the id of a request sent without one. Reserved: a custom id of this shape could be chosen to
+# match a later request's entry id, and that request would be answered with the first one's result.
+ENTRY_ID_SHAPE = re.compile(r"\A[0-9]+-[0-9]+\Z")
+# A reply stream: a namespace's reply prefix, then a suffix of the id alphabet (no braces: no hash tags).
+REPLY_SUFFIX = re.compile(r"\A[A-Za-z0-9._:\-]{1,128}\Z")
+# Its shape whatever the namespace (the wire schema's check; a worker also wants its own namespace's prefix).
+REPLY_STREAM = re.compile(r"\A[A-Za-z0-9._:\-]{1,64}:v" + PROTOCOL + r":reply:[A-Za-z0-9._:\-]{1,128}\Z")
 ANY = "*"  # as a shard or a request id, makes a Keys name a glob pattern (ACL rules); never a valid id
 
 
@@ -72,6 +80,12 @@ class Keys:
         """Reply streams named by producers must start with this (workers write nowhere else)."""
         return f"{self.base}:reply:"
 
+    def is_reply_stream(self, name: object) -> bool:
+        """``name`` is one of this deployment's reply streams: exactly its prefix, then a suffix of 1-128
+        characters of A-Z a-z 0-9 . _ : - (so never another request's key, nor another namespace's)."""
+        return (isinstance(name, str) and name.startswith(self.reply_prefix)
+                and bool(REPLY_SUFFIX.match(name[len(self.reply_prefix):])))
+
     def result(self, request_id: str) -> str:
         """Stream holding the one result entry of a request (readable again until its TTL expires)."""
         return f"{self.base}:result:{{{request_id}}}"
@@ -92,6 +106,11 @@ class Keys:
     def everything(self) -> str:
         """Glob pattern of every key of the deployment (ACL rules)."""
         return f"{self.base}:{ANY}"
+
+
+def valid_id(value: object) -> bool:
+    """A custom request id: ``ID_PATTERN``, and not shaped like a stream entry id (those are reserved)."""
+    return isinstance(value, str) and bool(ID_PATTERN.match(value)) and not ENTRY_ID_SHAPE.match(value)
 
 
 def shard_of(request_id: str, shards: int) -> int:

@@ -15,9 +15,9 @@ import json
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 
-from .keys import ID_PATTERN
+from .keys import REPLY_STREAM, valid_id
 
 # Question content: text, or any JSON (templates print non-strings as JSON).
 Content = JsonValue
@@ -28,6 +28,8 @@ MAX_ASSETS = 16
 MAX_NAME_CHARS = 128
 MAX_DEPTH = 64  # JSON nesting; templates render nested values recursively (~150 levels exhaust Python's stack)
 IMAGE_FORMATS = ("png", "jpeg", "jpg", "webp", "gif", "bmp")
+MAX_ERROR_CHARS = 2000  # an error result's message: bounded whatever the request (a list of every problem is not)
+MAX_PROBLEMS = 10  # validation problems named in one message; the rest are counted
 MAX_METADATA_BYTES = 4096  # compact UTF-8 JSON; echoed in every result, so kept to what a tag or an id needs
 # W3C Trace Context: version-traceid-parentid-flags, lowercase hex; version ff and all-zero ids are invalid.
 TRACEPARENT = re.compile(r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}(-[0-9a-f-]+)?")
@@ -116,8 +118,9 @@ class Request(_Strict):
     @field_validator("id")
     @classmethod
     def _id_charset(cls, value: str | None) -> str | None:
-        if value is not None and not ID_PATTERN.match(value):
-            raise ValueError("id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+        if value is not None and not valid_id(value):
+            raise ValueError("id must be 1-128 characters of A-Z a-z 0-9 . _ : -, not shaped like a stream entry id "
+                             "(digits-digits: those are the ids of requests sent without one)")
         return value
 
     @field_validator("metadata")
@@ -152,11 +155,14 @@ class Request(_Strict):
                 raise ValueError(f"asset placeholders need at least 3 characters, got {name!r}")
         return value
 
-    @model_validator(mode="after")
-    def _reply_to_namespace(self) -> Request:
-        if self.reply_to is not None and ":reply:" not in self.reply_to:
-            raise ValueError("reply_to must be a reply stream name (Keys.reply_prefix + your suffix)")
-        return self
+    @field_validator("reply_to")
+    @classmethod
+    def _reply_stream(cls, value: str | None) -> str | None:
+        # The shape only: a worker also requires its own namespace's prefix (Keys.is_reply_stream).
+        if value is not None and not REPLY_STREAM.match(value):
+            raise ValueError("reply_to must be a reply stream name: <namespace>:v1:reply: then 1-128 characters of "
+                             "A-Z a-z 0-9 . _ : -")
+        return value
 
     def template_input(self) -> dict[str, Any]:
         """The request as transformers.decision reads it (queue fields dropped, questions as plain dicts)."""
@@ -226,6 +232,10 @@ class Result(_Open):
 
     @classmethod
     def failure(cls, request_id: str, code: ErrorCode | str, message: str, **fields: Any) -> Result:
+        """An error result; its message cut to ``MAX_ERROR_CHARS`` (its size must not grow with the request's)."""
+        if len(message) > MAX_ERROR_CHARS:
+            kept = MAX_ERROR_CHARS - 40  # room for the note
+            message = f"{message[:kept]} ... ({len(message) - kept} more characters)"
         return cls(id=request_id, status="error", error=ErrorInfo(code=code, message=message), **fields)
 
 
@@ -240,18 +250,21 @@ class ResultError(Exception):
 
 
 def describe(error: ValidationError) -> str:
-    """One line per problem, each naming where it is (``questions.tone.criteria: ...``)."""
+    """One line per problem, each naming where it is (``questions.tone.criteria: ...``); the first
+    ``MAX_PROBLEMS``, then how many more."""
     lines = []
-    for item in error.errors(include_url=False):
-        loc = [str(part) for part in item["loc"] if part not in ("noul", "choice", "score")]
-        lines.append(f"{'.'.join(loc) or 'request'}: {item['msg']}")
+    for item in error.errors(include_url=False)[:MAX_PROBLEMS]:
+        loc = [str(part)[:80] for part in item["loc"] if part not in ("noul", "choice", "score")]
+        lines.append(f"{'.'.join(loc) or 'request'}: {item['msg'][:300]}")
+    if error.error_count() > MAX_PROBLEMS:
+        lines.append(f"and {error.error_count() - MAX_PROBLEMS} more problems")
     return "; ".join(lines)
 
 
 def parse_request(raw: str | bytes) -> Request:
     """Parse a request entry body; raises ``RequestError`` with a code and a message naming the problem."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw.decode() if isinstance(raw, bytes) else raw)  # UTF-8 only (json.loads would guess)
     except RecursionError:  # not a ValueError: it would escape as a worker failure, retried, then dead-lettered
         raise RequestError(ErrorCode.INVALID_JSON, "body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as error:

@@ -50,8 +50,9 @@ class Settings:
     claim_idle_ms: int = _opt(60000, "reclaim entries pending longer than this from dead consumers")
     max_deliveries: int = _opt(5, "dead-letter an entry delivered more often than this")
     result_ttl_s: int = _opt(86400, "how long results stay readable")
-    max_entry_bytes: int = _opt(8 << 20, "larger request entries are refused with too_large")
-    max_image_pixels: int = _opt(4096 * 4096, "larger images are refused (decompression bombs)")
+    max_entry_bytes: int = _opt(8 << 20, "larger entries (all fields) are refused with too_large, unparsed")
+    max_image_pixels: int = _opt(4096 * 4096, "a request whose images have more pixels in all is refused "
+                                              "(decompression bombs)")
     drain_timeout_s: float = _opt(60.0, "on SIGTERM, longest wait for in-flight work before exiting")
     # Operations
     metrics_port: int = _opt(0, "serve /metrics, /healthz and /readyz on this port (0: off)")

@@ -33,7 +33,7 @@ from producer.schema import ErrorCode, RequestError
 
 from .compute import Compute
 from .config import Settings
-from .entries import CHUNKS, Delivery
+from .entries import CHUNKS, Delivery, reply_stream
 from .health import Snapshot
 from .intake import Consumer, Intake
 from .link import REDIS_ERRORS, Link
@@ -78,7 +78,8 @@ class Daemon:
         self.loop = asyncio.new_event_loop()  # runs on the "redis" thread
         client = aconnect(settings.redis_url, settings.redis_cluster, **settings.redis_options())
         self.link = Link(client, self.metrics, give_up=lambda: self.stopping.is_set() and self._past_deadline())
-        self.intake = Intake(Consumer(client, self.keys, settings.consumer_name), self.link, settings, self.metrics,
+        consumer = Consumer(client, self.keys, settings.consumer_name, settings.max_entry_bytes)
+        self.intake = Intake(consumer, self.link, settings, self.metrics,
                              accept=self._accept, stopping=self.stopping,
                              identity={"model": self.model.name, "engine": self.engine.name})
         self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name)
@@ -173,12 +174,12 @@ class Daemon:
                       delivery.key)
             self.intake.count_lost([(delivery.key, delivery.entry_id)])
             asyncio.ensure_future(self.results.ack_only(delivery))
+        elif not delivery.answerable:  # a part that names no request: its result could go nowhere
+            asyncio.ensure_future(self.results.dead_letter(delivery, delivery.invalid or "no request", answer=False))
         elif delivery.deliveries > self.settings.max_deliveries:
             asyncio.ensure_future(self.results.dead_letter(
                 delivery, f"delivered {delivery.deliveries} times without finishing"))
-        elif delivery.invalid:
-            self._failed(delivery, delivery.invalid)
-        else:
+        else:  # a bad field too: answered at once, from _plan (a part's reply stream is in its stored body)
             asyncio.ensure_future(self._plan(delivery))
 
     async def _plan(self, delivery: Delivery) -> None:
@@ -187,11 +188,14 @@ class Daemon:
         try:
             if delivery.stream == CHUNKS:  # a part: its request's body was stored when it fanned out
                 body = await self.intake.stored_body(delivery)
-                if body is None:
-                    raise RequestError(ErrorCode.INTERNAL, "the request body of this part is gone (Redis lost it?)")
+            if delivery.invalid:  # bad input: never retried
+                raise RequestError(delivery.invalid_code, delivery.invalid)
+            if delivery.stream == CHUNKS and body is None:
+                raise RequestError(ErrorCode.INTERNAL, "the request body of this part is gone (Redis lost it?)")
             task = await asyncio.wrap_future(self.planner.submit(delivery, body))
         except RequestError as error:
-            self.results.settle(error_outcome(delivery, error.code, error.message, self.model.name))
+            reply_to = delivery.reply_to if delivery.stream != CHUNKS else reply_stream(self.keys, body)
+            self.results.settle(error_outcome(delivery, error.code, error.message, self.model.name, reply_to))
             return
         except Exception as error:  # noqa: BLE001 - a planner bug must not take the daemon down
             log.exception("planning %s failed", delivery.entry_id)

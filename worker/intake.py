@@ -37,10 +37,11 @@ def _text(value: Any) -> str:
 class Consumer:
     """One consumer of the worker group, on the shard's two work streams."""
 
-    def __init__(self, redis_client: Any, keys: Keys, name: str) -> None:
+    def __init__(self, redis_client: Any, keys: Keys, name: str, max_entry_bytes: int | None = None) -> None:
         self.redis = redis_client
         self.keys = keys
         self.name = name
+        self.max_entry_bytes = max_entry_bytes  # larger entries are refused unparsed (Delivery.parse)
         self.streams = {keys.chunks: CHUNKS, keys.requests: REQUESTS}  # parts first: finish started requests
 
     async def ensure_groups(self) -> bool:
@@ -135,7 +136,8 @@ class Consumer:
                 for (key, entry_id, fields), reply in zip(found, replies)]
 
     def _parse(self, key: str, entry_id: str, fields: dict | None, deliveries: int) -> Delivery:
-        return Delivery.parse(self.keys, self.streams[key], key, entry_id, fields or {}, deliveries)
+        return Delivery.parse(self.keys, self.streams[key], key, entry_id, fields or {}, deliveries,
+                              self.max_entry_bytes)
 
 
 class Intake:

@@ -15,7 +15,7 @@ import time
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
-from producer.keys import Field
+from producer.keys import Field, Keys
 from producer.schema import ErrorCode, Request, RequestError, parse_request
 
 from .config import Settings
@@ -36,6 +36,10 @@ def plan_entry(encoder: Encoder, settings: Settings, raw: bytes | None, question
         raise RequestError(ErrorCode.TOO_LARGE,
                            f"the entry is {len(raw)} bytes; this worker takes at most {settings.max_entry_bytes}")
     request = parse_request(raw)
+    keys = Keys(settings.namespace)
+    if request.reply_to is not None and not keys.is_reply_stream(request.reply_to):
+        raise RequestError(ErrorCode.INVALID_REQUEST, f"reply_to must be a reply stream of this deployment: "
+                                                      f"{keys.reply_prefix} then 1-128 of A-Z a-z 0-9 . _ : -")
     if request.deadline_ms is not None and time.time() * 1000 > request.deadline_ms:
         late = time.time() * 1000 - request.deadline_ms
         raise RequestError(ErrorCode.DEADLINE_EXCEEDED, f"the deadline passed {late:.0f} ms before compute")

@@ -203,10 +203,12 @@ class Publisher:
             await pipe.execute()
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
-        """Copy the entry to the dead-letter stream first: a crash afterwards leaves a duplicate, never a loss."""
-        fields = {Field.STREAM: delivery.stream, Field.ENTRY_ID: delivery.entry_id,
-                  Field.DELIVERIES: delivery.deliveries, Field.REASON: reason[:2000],
-                  **{name.decode(): value for name, value in delivery.fields.items()}}
+        """Copy the entry to the dead-letter stream first: a crash afterwards leaves a duplicate, never a loss. Its
+        fields as they were (names too: any bytes), then where it was and why, which no field of its own hides."""
+        fields: dict[Any, Any] = {**delivery.fields, Field.STREAM: delivery.stream, Field.ENTRY_ID: delivery.entry_id,
+                                  Field.DELIVERIES: delivery.deliveries, Field.REASON: reason[:2000]}
+        for name in (Field.STREAM, Field.ENTRY_ID, Field.DELIVERIES, Field.REASON):
+            fields.pop(name.encode(), None)
         await self.redis.xadd(self.keys.dead, fields)
 
 
@@ -265,11 +267,15 @@ class Results:
         await self.link.until(lambda: self.publisher.ack([delivery]), "ack")
         self.release(delivery)
 
-    async def dead_letter(self, delivery: Delivery, reason: str) -> None:
+    async def dead_letter(self, delivery: Delivery, reason: str, answer: bool = True) -> None:
+        """Copy the entry to the dead-letter stream, then answer its request (``answer``) or only acknowledge it."""
         log.error("dead-lettering %s of %s after %d deliveries: %s", delivery.entry_id, delivery.key,
                   delivery.deliveries, reason)
         await self.link.until(lambda: self.publisher.dead_letter(delivery, reason), "dead letter")
         self.metrics.dead_letters.inc()
+        if not answer:
+            await self.ack_only(delivery)
+            return
         self.settle(error_outcome(delivery, ErrorCode.DEAD_LETTERED,
                                   f"gave up after {delivery.deliveries} deliveries: {reason}", self.model))
 

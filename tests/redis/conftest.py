@@ -112,3 +112,17 @@ def served(tiny_dir, tmp_path_factory):
             yield server
         finally:
             worker.stop()
+
+
+@pytest.fixture(scope="module")
+def module_worker(tiny_dir, tmp_path_factory, request):
+    """(server, worker): one redis-server and one ready worker shared by a module's tests, the worker started with
+    the module's ``WORKER_SETTINGS``. The tests keep to ids of their own and compare metrics before and after."""
+    with RedisServer() as server:
+        worker = WorkerProcess(tiny_dir, server.url, tmp_path_factory.mktemp("module") / "worker.log",
+                               **getattr(request.module, "WORKER_SETTINGS", {}))
+        try:
+            worker.wait_ready()
+            yield server, worker
+        finally:
+            worker.stop()

@@ -88,7 +88,7 @@ def test_parts_in_any_order_and_any_number_of_times_publish_one_complete_result(
         outcomes: list[list[Outcome]] = [[], []]
         for index, who in zip(order, owner):
             d = await deliver(r, keys, f"w{who}", {"request_id": request_id, "part": index, "parts": len(sizes),
-                                                   "questions": json.dumps(names[index])})
+                                                   "questions": json.dumps(names[index]), "enqueued_ms": 0})
             assert d.invalid is None and (d.request_id, d.part, d.parts) == (request_id, index, len(sizes))
             outcomes[who].append(Outcome(d, None, part=(index, len(sizes), share(index, names[index])),
                                          order=question_order))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.client import AsyncClient, Client, InvalidRequest, QueueFull, ResultTimeout
+from producer.client import AsyncClient, Client, InvalidRequest, QueueFull, ResultTimeout, WrongResult
 from producer.keys import Keys, shard_of
 from producer.schema import Result
 
@@ -154,6 +154,27 @@ def test_a_result_from_a_newer_worker_with_extra_fields_is_read(redis_server):
     assert result.option_probabilities == {"q": {"true": 0.8, "false": 0.2}}
     assert result.model_extra == {"explanations": {"q": "because"}}
     assert result.usage.model_extra == {"kv_cache_hits": 3} and result.timings.model_extra == {"gpu": "h200"}
+
+
+def test_a_result_for_another_id_is_never_handed_out(redis_server):
+    """A result stream holding a result of another id (no worker writes one; a reply stream pointed at another
+    request's result stream did) raises WrongResult instead of answering the wrong question."""
+    client = Client(redis_server.url)
+    publish(client, "mine")
+    client.redis.xadd(client.keys.result("victim"), {"body": json.dumps({"id": "attacker", "status": "ok",
+                                                                           "answers": {"q": {"noul": 1.0}}})})
+    assert client.wait("mine", timeout=5).id == "mine"
+    for call in (lambda: client.fetch("victim"), lambda: client.wait("victim", timeout=5),
+                 lambda: client.wait_many(["mine", "victim"], timeout=5)):
+        with pytest.raises(WrongResult, match="result stream of request 'victim' holds a result for 'attacker'"):
+            call()
+
+    async def run():
+        async with AsyncClient(redis_server.url) as aclient:
+            with pytest.raises(WrongResult):
+                await aclient.wait("victim", timeout=5)
+
+    asyncio.run(run())
 
 
 def test_wait_many_timeout_carries_what_landed(redis_server):

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from PIL import Image
 
 from support import png
 from producer.schema import ErrorCode, Request, RequestError
@@ -77,6 +78,32 @@ def test_image_errors(loaded):
         assert error.value.code == ErrorCode.INVALID_IMAGE
     with pytest.raises(RequestError, match="text only"):
         Encoder(loaded("repo-text")).plan(request(state="see img-1", assets={"img-1": {"data_base64": png()}}))
+
+
+def test_the_pixel_limit_is_for_all_of_a_requests_images(loaded, monkeypatch):
+    """Many images, each under the limit, over it together: refused from their headers, none decoded."""
+    encoder = Encoder(loaded("repo"), max_image_pixels=100 * 100)
+    assets = {f"img-{i}": {"data_base64": png("black", (60, 60))} for i in range(3)}  # 3600 pixels each
+    loads = []
+    monkeypatch.setattr(Image.Image, "load", lambda image: loads.append(image))
+    with pytest.raises(RequestError, match=r"assets.img-2: with 60x60, 10800 pixels is over the limit of 10000"):
+        encoder.plan(request(state="see img-0 img-1 img-2", assets=assets))
+    assert loads == []
+    monkeypatch.undo()
+    chunks = encoder.plan(request(state="see img-0 img-1", assets=dict(list(assets.items())[:2])))
+    assert chunks[0].image_grid_thw.shape[0] == 2
+
+
+def test_a_state_far_too_long_is_refused_before_rendering(loaded, monkeypatch):
+    """A state whose text alone needs more tokens than the model reads (each token covers at most the longest
+    vocabulary entry's characters) is refused without rendering or tokenizing it (which takes seconds)."""
+    encoder = Encoder(loaded("repo"))
+    rendered = []
+    monkeypatch.setattr(encoder, "_render", lambda body: rendered.append(body))
+    limit = encoder.max_length * encoder.max_token_chars
+    with pytest.raises(RequestError, match=f"the state has {limit + 1} characters of text") as error:
+        encoder.plan(request(state={"text": ["a" * limit, "b"]}))
+    assert error.value.code == ErrorCode.STATE_TOO_LONG and rendered == []
 
 
 def test_model_specific_limits_are_invalid_requests(loaded):

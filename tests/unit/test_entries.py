@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from producer.keys import Keys
+from producer.schema import ErrorCode
 from worker.entries import CHUNKS, REQUESTS, Delivery
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,17 +38,54 @@ def test_a_request_entry_names_its_id_reply_stream_and_enqueue_time():
     assert entry.body is not None and not entry.payload_gone and entry.stream == "requests"
 
 
-@pytest.mark.parametrize("body", [None, b"{broken", b"\xff\xfe", b"[1, 2]", b'"text"', b"[" * 5000,
-                                  json.dumps({"id": "a{b}"}).encode(), json.dumps({"id": 7}).encode()])
+@pytest.mark.parametrize("body", [b"{broken", b"\xff\xfe", b"[1, 2]", b'"text"', b"[" * 5000,
+                                  json.dumps({"id": "a{b}"}).encode(), json.dumps({"id": 7}).encode(),
+                                  json.dumps({"id": "r-1\n"}).encode(), json.dumps({"id": "x" * 129}).encode(),
+                                  json.dumps({"id": "1700000000999-0"}).encode(),
+                                  '{"id": "r-1", "state": "\u00e9"}'.encode("utf-16")])
 def test_a_request_without_a_usable_id_is_answered_under_its_entry_id(body):
+    """No id, or one that is not valid (a trailing newline, too long, shaped like a stream entry id, a body that
+    is not UTF-8): the entry id names the request."""
     entry = request(body)
     assert entry.request_id == "1700000000123-4" and entry.reply_to is None
     assert entry.invalid is None  # the body itself is the planner's to judge, with an error result
 
 
-@pytest.mark.parametrize("reply_to", ["someone:else", "dq:v1:result:{x}", "other:v1:reply:x", 5])
+@pytest.mark.parametrize("reply_to", ["someone:else", "dq:v1:result:{x}", "other:v1:reply:x", 5, "dq:v1:reply:",
+                                      "dq:v1:reply:a{b}", "dq:v1:reply:x\n", "dq:v1:reply:a b",
+                                      "dq:v1:reply:" + "x" * 129, "dq:v1:result:{x:reply:y}", "dq:v1:reply"])
 def test_only_this_deployments_reply_streams_are_replied_to(reply_to):
     assert request(json.dumps({"id": "r-1", "reply_to": reply_to}).encode()).reply_to is None
+
+
+def test_a_reply_stream_at_the_length_limit_is_replied_to():
+    longest = KEYS.reply_prefix + "a.b_c:d-" * 16
+    assert request(json.dumps({"id": "r-1", "reply_to": longest}).encode()).reply_to == longest
+
+
+def test_a_request_entry_has_one_field():
+    """Any other field (an enqueue time, anything) is refused, named; the request is still named by its id."""
+    body = json.dumps({"id": "r-1", "reply_to": REPLY}).encode()
+    for extra in ({"enqueued_ms": b"soon"}, {"enqueued_ms": b"1"}, {"priority": b"9"}):
+        entry = request(body, **extra)
+        assert entry.invalid.startswith(f"field {next(iter(extra))!r} is not a field of requests entries")
+        assert (entry.request_id, entry.reply_to, entry.answerable) == ("r-1", REPLY, True)
+    entry = Delivery.parse(KEYS, REQUESTS, KEYS.requests, "1-1", {b"\xff\xfe": b"x", b"body": body}, 1)
+    assert "is not a field" in entry.invalid and entry.request_id == "r-1"
+    entry = request(None, other=b"field")
+    assert entry.invalid.startswith("field 'other' is not a field") and entry.request_id == "1700000000123-4"
+
+
+def test_every_field_counts_towards_the_size_limit_and_a_large_entry_is_not_parsed():
+    body = json.dumps({"id": "big-1", "reply_to": REPLY, "state": "x"}).encode()
+    small = Delivery.parse(KEYS, REQUESTS, KEYS.requests, "5-0", {b"body": body}, 1, max_bytes=1000)
+    assert small.invalid is None and small.size == len(body) + 4
+    big = Delivery.parse(KEYS, REQUESTS, KEYS.requests, "5-0", {b"body": body, b"pad": b"x" * 2000}, 1,
+                         max_bytes=1000)
+    assert big.invalid.startswith("the entry is 2") and big.invalid_code == ErrorCode.TOO_LARGE
+    assert big.request_id == "big-1" and big.reply_to is None  # the leading id only (as the client writes it)
+    later = json.dumps({"state": "x" * 2000, "id": "big-2"}).encode()
+    assert Delivery.parse(KEYS, REQUESTS, KEYS.requests, "5-0", {b"body": later}, 1, 1000).request_id == "5-0"
 
 
 def test_a_chunk_entry_names_its_request_part_and_questions():
@@ -58,26 +96,35 @@ def test_a_chunk_entry_names_its_request_part_and_questions():
 
 
 @pytest.mark.parametrize("fields, field", [
-    ({"request_id": None}, "request_id"),
-    ({"request_id": b"\xff"}, "request_id"),
     ({"part": b"first"}, "part"),
+    ({"part": b"3"}, "part"),
+    ({"part": b"-1"}, "part"),
+    ({"part": b" 1"}, "part"),
     ({"parts": None}, "parts"),
+    ({"parts": b"0"}, "parts"),
+    ({"parts": b"65"}, "parts"),
+    ({"parts": b"9" * 5000}, "parts"),
     ({"questions": b"[broken"}, "questions"),
     ({"questions": b'{"a": 1}'}, "questions"),
     ({"questions": b"[1, 2]"}, "questions"),
+    ({"questions": b"[]"}, "questions"),
+    ({"questions": b'["a", "a"]'}, "questions"),
+    ({"questions": b"\xff"}, "questions"),
     ({"enqueued_ms": b"soon"}, "enqueued_ms"),
+    ({"enqueued_ms": b"1_000"}, "enqueued_ms"),
+    ({"reply_to": b"dq:v1:reply:x"}, "reply_to"),
 ])
 def test_each_bad_chunk_field_is_named_and_the_delivery_stays_usable(fields, field):
     entry = part(**fields)
     assert entry.invalid is not None and entry.invalid.startswith(f"field {field!r} ")
-    assert entry.request_id in ("r-1", "1700000000999-0")  # a bad id falls back to the entry id
-    assert isinstance(entry.enqueued_ms, int)
+    assert entry.request_id == "r-1" and entry.answerable
+    assert isinstance(entry.enqueued_ms, int) and 0 <= entry.part < entry.parts
 
 
-def test_a_bad_enqueue_time_on_a_request_entry_is_named_and_the_entry_time_used():
-    entry = request(json.dumps({"id": "r-1"}).encode(), enqueued_ms=b"x" * 100)
-    assert entry.invalid.startswith("field 'enqueued_ms' is not an integer") and len(entry.invalid) < 100
-    assert entry.enqueued_ms == 1700000000123 and entry.request_id == "r-1"
+@pytest.mark.parametrize("request_id", [None, b"\xff", b"a{b}", b"r-1\n", b"", b"x" * 129])
+def test_a_part_without_a_usable_request_id_answers_nothing(request_id):
+    entry = part(request_id=request_id)
+    assert entry.invalid.startswith("field 'request_id' ") and not entry.answerable
 
 
 def test_a_trimmed_entry_has_no_payload():

@@ -22,6 +22,7 @@ def test_valid_request_round_trips_to_template_input():
     (b"{not json", ErrorCode.INVALID_JSON),
     (b"[1, 2]", ErrorCode.INVALID_JSON),
     (b"\xff\xfe", ErrorCode.INVALID_JSON),
+    (body().encode("utf-16"), ErrorCode.INVALID_JSON),  # UTF-8 only (json.loads alone would guess the encoding)
 ])
 def test_malformed_bodies(raw, code):
     with pytest.raises(RequestError) as error:
@@ -63,6 +64,36 @@ def test_ids_reply_streams_and_assets_are_checked():
             parse_request(body(assets={"img-1": asset}))
     with pytest.raises(RequestError, match="format"):
         parse_request(body(assets={"img-1": {"format": "tiff", "data_base64": "AAAA"}}))
+
+
+@pytest.mark.parametrize("request_id", ["x\n", "x" * 129, "", "a b", "a{b}", "1700000000000-0", "0-1", "1-1\n"])
+def test_ids_are_matched_whole_and_entry_id_shapes_are_reserved(request_id):
+    with pytest.raises(RequestError, match="id must be") as error:
+        parse_request(body(id=request_id))
+    assert error.value.code == ErrorCode.INVALID_REQUEST
+
+
+def test_ids_at_the_limits_are_accepted():
+    for request_id in ("x" * 128, "a", "1700000000000-0-1", "1700000000000", "-1", "1-", "a.b_c:d-e"):
+        assert parse_request(body(id=request_id)).id == request_id
+
+
+@pytest.mark.parametrize("reply_to", ["some:other:key", "dq:v1:reply:", "dq:v1:reply:a{b}", "dq:v1:reply:x\n",
+                                      "dq:v1:result:{x:reply:y}", "dq:v1:reply:" + "x" * 129, "dq:v2:reply:x",
+                                      "n s:v1:reply:x", "dq:v1:reply:a b"])
+def test_reply_streams_have_one_shape(reply_to):
+    with pytest.raises(RequestError, match="reply_to must be"):
+        parse_request(body(reply_to=reply_to))
+
+
+def test_error_results_are_bounded_whatever_the_request():
+    """Thousands of invalid questions: the message names the first few and counts the rest."""
+    many = {f"q{i}": {"type": "bogus"} for i in range(5000)}
+    with pytest.raises(RequestError) as error:
+        parse_request(body(questions=many))
+    assert error.value.message.count("questions.q") == 10 and error.value.message.endswith("and 4990 more problems")
+    result = Result.failure("r", ErrorCode.INVALID_REQUEST, "x" * 100_000)
+    assert len(result.error.message) <= 2000 and result.error.message.endswith("(98040 more characters)")
 
 
 def test_too_many_questions_and_options():

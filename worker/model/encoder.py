@@ -29,29 +29,59 @@ from .engine import Chunk
 _PIL_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
 
 
-def decode_image(name: str, data_base64: str, max_pixels: int) -> Image.Image:
-    """Decode an inline image, refusing unknown formats and oversized (decompression bomb) images."""
+def open_image(name: str, data_base64: str) -> Image.Image:
+    """An inline image opened from its header only (nothing decoded yet): refuses unknown formats."""
     try:
         raw = base64.b64decode(data_base64, validate=True)
     except (binascii.Error, ValueError):
         raise RequestError(ErrorCode.INVALID_IMAGE, f"assets.{name}: data_base64 is not valid base64") from None
     try:
         image = Image.open(io.BytesIO(raw))
-        if image.format not in _PIL_FORMATS:
-            raise RequestError(ErrorCode.INVALID_IMAGE,
-                               f"assets.{name}: unsupported image format {image.format} (png, jpeg, webp, gif, bmp)")
-        width, height = image.size
-        if width * height > max_pixels:  # checked from the header, before any pixel is decoded
-            raise RequestError(ErrorCode.INVALID_IMAGE,
-                               f"assets.{name}: {width}x{height} is over the limit of {max_pixels} pixels")
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image.load()
-        return image.convert("RGB")
-    except RequestError:
-        raise
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning, Image.DecompressionBombError) as error:
         raise RequestError(ErrorCode.INVALID_IMAGE, f"assets.{name}: cannot decode image ({error})") from None
+    if image.format not in _PIL_FORMATS:
+        raise RequestError(ErrorCode.INVALID_IMAGE,
+                           f"assets.{name}: unsupported image format {image.format} (png, jpeg, webp, gif, bmp)")
+    return image
+
+
+def decode_images(assets: dict[str, str], max_pixels: int) -> dict[str, Image.Image]:
+    """Decode a request's inline images (name -> base64), refusing unknown formats and more than ``max_pixels``
+    over all of them (decompression bombs, one large or many): every header is read before any pixel is decoded."""
+    opened = {name: open_image(name, data) for name, data in assets.items()}
+    total = 0
+    for name, image in opened.items():
+        width, height = image.size
+        total += width * height
+        if total > max_pixels:
+            whose = f"{width}x{height}" if total == width * height else f"with {width}x{height}, {total} pixels"
+            raise RequestError(ErrorCode.INVALID_IMAGE, f"assets.{name}: {whose} is over the limit of {max_pixels} "
+                                                        "pixels for all of a request's images")
+    decoded = {}
+    for name, image in opened.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                image.load()
+            decoded[name] = image.convert("RGB")
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning,
+                Image.DecompressionBombError) as error:
+            raise RequestError(ErrorCode.INVALID_IMAGE, f"assets.{name}: cannot decode image ({error})") from None
+    return decoded
+
+
+def text_length(value: Any) -> int:
+    """Characters in the strings of a JSON value (iterative: the schema bounds the depth, not the stack)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 class Encoder:
@@ -69,6 +99,10 @@ class Encoder:
         self.one_prompt_for_all = "questions" in _get_template_variables(template)
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.control_tokens = sorted({*tokenizer.added_tokens_encoder, "<|mark|>", "<|split|>"}, key=len, reverse=True)
+        # A token covers at most this many characters of text, so a state's text of L characters is at least
+        # L / this many tokens: a state far too long is refused before it is rendered and tokenized (seconds).
+        self.renders_state = "state" in _get_template_variables(template)
+        self.max_token_chars = max(len(token) for token in tokenizer.get_vocab()) or 1
 
     def plan(self, request: Request, names: Sequence[str] | None = None) -> list[Chunk]:
         """The chunks of ``request`` (or of its questions ``names``), each at most ``max_length`` tokens."""
@@ -81,11 +115,16 @@ class Encoder:
             if missing:
                 raise RequestError(ErrorCode.INVALID_REQUEST, f"no question named {missing[0]!r} in the request")
             body["questions"] = {n: body["questions"][n] for n in names}
+        state_chars = text_length(body["state"]) if self.renders_state else 0
+        if state_chars > self.max_length * self.max_token_chars:
+            raise RequestError(ErrorCode.STATE_TOO_LONG, (
+                f"the state has {state_chars} characters of text, at least {state_chars // self.max_token_chars} "
+                f"tokens; this model reads at most {self.max_length} per prompt"))
         if request.assets:
             if not self.multimodal:
                 raise RequestError(ErrorCode.INVALID_REQUEST, "assets: this model reads text only")
-            body["assets"] = {n: decode_image(n, a.data_base64, self.max_image_pixels)
-                              for n, a in request.assets.items()}
+            body["assets"] = decode_images({n: a.data_base64 for n, a in request.assets.items()},
+                                           self.max_image_pixels)
         chunks = self._render(body)
         if all(chunk.length <= self.max_length for chunk in chunks):
             return chunks
@@ -120,12 +159,13 @@ class Encoder:
     def _split(self, body: dict[str, Any]) -> list[Chunk]:
         """Greedy grouping of questions by their estimated token cost; each group is rendered and checked."""
         names = list(body["questions"])
-        single = {n: self._length(body, [n]) for n in names}
-        too_long = [n for n in names if single[n] > self.max_length]
-        if too_long:
-            raise RequestError(ErrorCode.STATE_TOO_LONG, (
-                f"with question {too_long[0]!r} alone the prompt has {single[too_long[0]]} tokens; this model "
-                f"reads at most {self.max_length} per prompt: shorten the state"))
+        single: dict[str, int] = {}
+        for name in names:  # the first too long alone ends it (each render of a long state costs)
+            single[name] = self._length(body, [name])
+            if single[name] > self.max_length:
+                raise RequestError(ErrorCode.STATE_TOO_LONG, (
+                    f"with question {name!r} alone the prompt has {single[name]} tokens; this model reads at most "
+                    f"{self.max_length} per prompt: shorten the state"))
         # The state and the template's frame are in every prompt: estimate them from one pair.
         shared = max(0, single[names[0]] + single[names[1]] - self._length(body, names[:2]))
         groups: list[list[str]] = [[]]
