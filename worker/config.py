@@ -54,6 +54,7 @@ class Settings:
     max_image_pixels: int = _opt(4096 * 4096, "a request whose images have more pixels in all is refused "
                                               "(decompression bombs)")
     drain_timeout_s: float = _opt(60.0, "on SIGTERM, longest wait for in-flight work before exiting")
+    stall_timeout_s: float = _opt(60.0, "unready while entries are held and none has been settled for this long")
     # Operations
     metrics_port: int = _opt(0, "serve /metrics, /healthz and /readyz on this port (0: off)")
     log_format: str = _opt("text", "text or json")

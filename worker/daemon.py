@@ -123,7 +123,9 @@ class Daemon:
         return Snapshot(beats={name: beat for name, beat in beats.items() if beat is not None},
                         reading_since=self.intake.reading_since, loop_running=self.loop.is_running(),
                         redis_ok=self.link.reachable, ready=self.ready.is_set(), inflight=len(self.intake.held),
-                        stopping=self.stopping.is_set(), block_ms=self.settings.block_ms)
+                        stopping=self.stopping.is_set(), block_ms=self.settings.block_ms,
+                        refusing=self.link.refusing, oldest_taken=self.intake.oldest_taken(),
+                        settled_at=self.intake.settled_at, stall_s=self.settings.stall_timeout_s)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if self.stopping.is_set():

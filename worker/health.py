@@ -1,8 +1,10 @@
 """HTTP endpoints of a worker: ``/metrics`` (Prometheus), ``/healthz`` (liveness), ``/readyz`` (readiness).
 
 Liveness comes from the loops' own heartbeats, not from Redis: a Redis outage makes a worker unready, never
-restarts it. Readiness: model loaded, graphs captured (warm-up done) and Redis reachable. Both are decided from a
-``Snapshot``, a plain copy of the worker's state that the daemon fills on each request.
+restarts it. Readiness: model loaded, graphs captured (warm-up done), Redis reachable and not refusing the writes
+the work waits on (``REFUSED_READY_S`` after the last refusal), and the work in flight progressing: a worker that
+holds entries and has settled none for ``--stall-timeout-s`` is unready until one is settled. Both are decided
+from a ``Snapshot``, a plain copy of the worker's state that the daemon fills on each request.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class Snapshot:
     inflight: int
     stopping: bool
     block_ms: int  # the reader's BLOCK time
+    refusing: bool = False  # Redis refused a write the work waits on, lately (out of memory, an ACL, ...)
+    oldest_taken: float | None = None  # when the longest-held entry was taken (s since the epoch; None: none held)
+    settled_at: float | None = None  # when an entry was last settled (released)
+    stall_s: float = 60.0  # held entries with nothing settled for this long: stalled
 
 
 class Watched(Protocol):
@@ -56,9 +62,13 @@ def status(state: Snapshot) -> dict[str, Any]:
     # A healthy blocking read returns within its BLOCK time; much longer means Redis is not answering.
     redis_ok = state.redis_ok and not (reading is not None
                                        and now - reading > state.block_ms / 1000 + REDIS_GRACE_SECONDS)
-    return {"live": not stuck, "stuck": stuck, "ready": state.ready and redis_ok and not stuck,
-            "model_loaded": True, "warm": state.ready, "redis": redis_ok,
-            "inflight": state.inflight, "stopping": state.stopping}
+    # In-flight work that cannot progress (a refused write retried, a task lost): nothing settled since the oldest
+    # held entry was taken, or since the last settlement, whichever is later, for longer than the bound.
+    waiting = now - max(state.oldest_taken, state.settled_at or 0.0) if state.oldest_taken is not None else 0.0
+    stalled = waiting > state.stall_s
+    return {"live": not stuck, "stuck": stuck, "ready": state.ready and redis_ok and not stuck and not stalled and
+            not state.refusing, "model_loaded": True, "warm": state.ready, "redis": redis_ok,
+            "refusing": state.refusing, "stalled": stalled, "inflight": state.inflight, "stopping": state.stopping}
 
 
 def serve_http(daemon: Watched, port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:

@@ -63,30 +63,33 @@ class Consumer:
         return [self._parse(_text(key), _text(entry_id), fields, 1)
                 for key, entries in reply or [] for entry_id, fields in entries]
 
-    async def own_pending(self, count: int) -> list[Delivery]:
-        """Entries delivered to this consumer and never acknowledged (a restart, or a reply lost in transit)."""
+    async def own_pending(self, count: int, limit: int, skip: set[str]) -> tuple[list[Delivery], bool]:
+        """Entries delivered to this consumer and never acknowledged (a restart, or a reply lost in transit), but
+        those in ``skip`` (held already), at most ``limit``; and whether some are left for another turn."""
         found: list[tuple[str, str, dict]] = []
         for key in self.streams:
             cursor = "0"
-            while True:
+            while len(found) < limit:
                 reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: cursor}, count=count)
                 entries = reply[0][1] if reply else []
                 if not entries:
                     break
-                found += [(key, _text(entry_id), fields) for entry_id, fields in entries]
+                found += [(key, _text(entry_id), fields) for entry_id, fields in entries
+                          if _text(entry_id) not in skip][: limit - len(found)]
                 cursor = _text(entries[-1][0])
-        return await self._counted(found)
+        return await self._counted(found), len(found) >= limit
 
-    async def reclaim(self, min_idle_ms: int, count: int) -> tuple[list[Delivery], list[tuple[str, str]]]:
-        """Entries idle longer than ``min_idle_ms`` in any consumer's list, now ours; and (stream key, entry id) of
-        those that had no payload any more (Redis 7 drops them from the pending list itself)."""
+    async def reclaim(self, min_idle_ms: int, count: int, limit: int) -> tuple[list[Delivery], list[tuple[str, str]]]:
+        """Entries idle longer than ``min_idle_ms`` in any consumer's list, now ours, at most ``limit`` (each one
+        claimed is held: no more than there is room for); and (stream key, entry id) of those that had no payload
+        any more (Redis 7 drops them from the pending list itself)."""
         found: list[tuple[str, str, dict]] = []
         gone: list[tuple[str, str]] = []
         for key in self.streams:
             cursor = "0-0"
-            while True:
+            while len(found) < limit:
                 reply = await self.redis.xautoclaim(key, self.keys.group, self.name, min_idle_ms,
-                                                    start_id=cursor, count=count)
+                                                    start_id=cursor, count=min(count, limit - len(found)))
                 cursor, entries = _text(reply[0]), reply[1]
                 gone += [(key, _text(entry_id)) for entry_id in (reply[2] if len(reply) > 2 else [])]
                 found += [(key, _text(entry_id), fields) for entry_id, fields in entries]
@@ -152,6 +155,7 @@ class Intake:
         self.held: dict[str, Delivery] = {}  # entry id -> delivery: read, planned, queued or computing
         self.room = asyncio.Event()  # set when an entry is released
         self.lost: dict[tuple[str, str], None] = {}  # (stream key, entry id) counted as lost, recent ones
+        self.settled_at: float | None = None  # when an entry was last released (health: is work progressing?)
         self.read_turn: float | None = None  # the reader's last turn (liveness)
         self.reading_since: float | None = None  # the reader has waited on Redis since (health: Redis' fault)
 
@@ -163,7 +167,8 @@ class Intake:
             self.read_turn = time.time()
             self.metrics.heartbeat.labels("reader").set(self.read_turn)
             self.reading_since = None
-            if len(self.held) >= settings.max_inflight:
+            room = settings.max_inflight - len(self.held)
+            if room <= 0:
                 self.room.clear()
                 try:
                     await asyncio.wait_for(self.room.wait(), timeout=0.5)
@@ -172,11 +177,12 @@ class Intake:
                 continue
             self.reading_since = time.time()
             try:
-                if recover:
-                    deliveries = await self.consumer.own_pending(settings.read_count)
-                    how, recover = "recovered", False
+                if recover:  # at most ``room`` of them: the rest on the next turns
+                    deliveries, recover = await self.consumer.own_pending(min(settings.read_count, room), room,
+                                                                          set(self.held))
+                    how = "recovered"
                 else:
-                    deliveries = await self.consumer.read(settings.read_count, settings.block_ms)
+                    deliveries = await self.consumer.read(min(settings.read_count, room), settings.block_ms)
                     how = "read"
                 self.link.answered()
             except redis.ResponseError as error:
@@ -201,7 +207,8 @@ class Intake:
             self.metrics.heartbeat.labels("maintenance").set(time.time())
             try:
                 await self.consumer.keep_alive(list(self.held.values()))
-                reclaimed, gone = await self.consumer.reclaim(settings.claim_idle_ms, settings.read_count)
+                room = settings.max_inflight - len(self.held)  # claims beyond it would exceed --max-inflight
+                reclaimed, gone = await self.consumer.reclaim(settings.claim_idle_ms, settings.read_count, room)
                 if lost := self.count_lost(gone):
                     log.error("%d pending entries had no payload any more (trimmed?)", lost)
                 fresh = [d for d in reclaimed if d.entry_id not in self.held]
@@ -216,8 +223,8 @@ class Intake:
             except redis.ResponseError as error:
                 if "NOGROUP" in str(error):  # not left to the reader: it may be waiting for room, not reading
                     await self._group_lost()
-                else:
-                    log.warning("maintenance: %s", error)
+                else:  # e.g. OOM refusing the heartbeat: counted, logged once per interval
+                    self.link.refused("maintenance", error, stalls=False)
             except REDIS_ERRORS as error:
                 self.metrics.redis_errors.labels("maintenance").inc()
                 log.debug("maintenance: redis unavailable: %s", error)
@@ -239,6 +246,7 @@ class Intake:
 
     def release(self, delivery: Delivery) -> None:
         self.held.pop(delivery.entry_id, None)
+        self.settled_at = time.time()
         self.metrics.inflight.set(len(self.held))
         self.room.set()
 
@@ -248,6 +256,15 @@ class Intake:
         self.release(delivery)
         if fresh is not None:
             self.take(fresh, "retried")
+
+    def oldest_taken(self) -> float | None:
+        """When the longest-held entry was taken (held keeps the order entries were taken in). Any thread."""
+        for _ in range(3):  # another thread reads: the loop thread may change ``held`` meanwhile
+            try:
+                return next(iter(self.held.values())).taken if self.held else None
+            except (RuntimeError, StopIteration):
+                continue
+        return None
 
     def count_lost(self, entries: list[tuple[str, str]]) -> int:
         """Count payload-less pending entries once each: a reclaim may report an entry that the reader is acking

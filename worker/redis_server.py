@@ -93,6 +93,7 @@ class RedisServer:
             except OSError:
                 pass
             time.sleep(0.02)
+        self.stop(kill=True)  # not left running behind the error
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
 
     def stop(self, kill: bool = False) -> None:

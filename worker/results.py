@@ -33,23 +33,56 @@ if TYPE_CHECKING:
     from .model.readout import Answer
 
 log = logging.getLogger("worker")
-# KEYS: result stream, parts hash, body key. ARGV: result JSON, TTL seconds. 1 if published now, 0 if already.
-PUBLISH = f"""
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('XADD', KEYS[1], '*', '{Field.BODY}', ARGV[1])
+# Lua: the value of a field in a flat [name, value, ...] array (an entry's fields), or ''.
+_FIELD = "local function field(f, name) for i = 1, #f, 2 do if f[i] == name then return f[i + 1] end end return '' end"
+# Lua: add a reply to a reply stream, refreshing its TTL: 1, or why Redis refused (a key of another type is left
+# untouched, no entry and no TTL; an ACL). Never raises: a reply must not undo what the script did before it.
+_REPLY = f"""
+local function reply(key, id, body, ttl)
+  local kind = redis.pcall('TYPE', key)
+  if kind.err then return kind.err end
+  if kind.ok ~= 'stream' and kind.ok ~= 'none' then return 'WRONGTYPE the reply stream is a ' .. kind.ok end
+  local added = redis.pcall('XADD', key, '*', '{Field.REPLY_ID}', id, '{Field.BODY}', body)
+  if type(added) == 'table' and added.err then return added.err end
+  redis.pcall('EXPIRE', key, ttl)
+  return 1
+end
+"""
+# What a publication answers once a result is stored: {'published', who published it, and (when it was not this
+# call) the stored result JSON}. Who: ``Outcome.publisher``, kept in the result entry, so that a call re-run after
+# its answer was lost (redis-py re-sends a pipeline on a dropped connection) still learns that it published.
+_STORED = f"""
+{_FIELD}
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+if first then return {{'published', field(first[2], '{Field.PUBLISHER}'), field(first[2], '{Field.BODY}')}} end
+"""
+# KEYS: result stream, parts hash, body key[, reply stream]. ARGV: result JSON, TTL seconds, publisher[, request id].
+# With a reply stream (one Redis, not Cluster: its slot is not the request's), the reply is added in the same
+# script: exactly once with the publication. Answers {'published', publisher, '', 1 or why the reply was refused}.
+PUBLISH = _REPLY + _STORED + f"""
+redis.call('XADD', KEYS[1], '*', '{Field.BODY}', ARGV[1], '{Field.PUBLISHER}', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('DEL', KEYS[2], KEYS[3])
-return 1
+local replied = 0
+if KEYS[4] then replied = reply(KEYS[4], ARGV[4], ARGV[1], ARGV[2]) end
+return {{'published', ARGV[3], '', replied}}
 """
-# KEYS: parts hash, result stream. ARGV: part index, part count, part JSON, TTL seconds.
-# -1: the request already has its result; 0: parts still missing; else every part, as HGETALL gives them.
-PART = """
-if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-if redis.call('HLEN', KEYS[1]) < tonumber(ARGV[2]) then return 0 end
-return redis.call('HGETALL', KEYS[1])
+# KEYS: result stream, parts hash. ARGV: part index, part count, part JSON, TTL seconds.
+# As PUBLISH once the request has its result; 0: parts still missing; else every part, as HGETALL gives them.
+PART = _STORED + """
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+if redis.call('HLEN', KEYS[2]) < tonumber(ARGV[2]) then return 0 end
+return redis.call('HGETALL', KEYS[2])
 """
+# Redis Cluster: the reply on its own, after the publication (at least once). KEYS: reply stream. ARGV: request
+# id, result JSON, TTL seconds.
+REPLY = _REPLY + """
+local answer = reply(KEYS[1], ARGV[1], ARGV[2], ARGV[3])
+if answer == 1 then return 1 end
+return redis.error_reply(answer)
+"""
+PUBLISHED = b"published"
 CLUSTER_CONCURRENCY = 64  # script calls in flight at once on Redis Cluster (connections per node stay bounded)
 BATCH = 512  # outcomes settled in one go at most
 
@@ -60,10 +93,17 @@ class Outcome:
 
     delivery: Delivery  # names the request (``request_id``)
     reply_to: str | None
-    result: Result | None = None  # the request's result (whole requests and errors)
+    result: Result | None = None  # the request's result (whole requests and errors; a last part, once merged)
     part: tuple[int, int, dict[str, Any]] | None = None  # (index, count, share) of a fanned-out request
     order: list[str] | None = None  # question order of the request, for merging parts
+    replied: bool = False  # its reply was written or refused: settling it again does not reply again
+    refused: redis.ResponseError | None = None  # Redis refused its publication this time: settle it again later
 
+    @property
+    def publisher(self) -> str:
+        """Who publishes: this delivery of this entry (stream, entry id, delivery count)."""
+        entry = self.delivery
+        return f"{entry.stream} {entry.entry_id} {entry.deliveries}"
 
 def share(task: Task) -> dict[str, Any]:
     """A task's answers as JSON-ready dicts (a whole result's fields, or a part's share of them)."""
@@ -111,76 +151,119 @@ def error_outcome(delivery: Delivery, code: ErrorCode, message: str, model: str,
                    result=Result.failure(delivery.request_id, code, message, timings=timings, model=model))
 
 
-class Publisher:
-    """Settles outcomes in batches: two or three pipelined round trips however many there are."""
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
-    def __init__(self, redis_client: Any, keys: Keys, ttl_seconds: int, model: str) -> None:
+
+class Publisher:
+    """Settles outcomes in batches: a few pipelined round trips however many there are."""
+
+    def __init__(self, redis_client: Any, keys: Keys, ttl_seconds: int, model: str,
+                 reply_refused: Callable[[Outcome, Exception], None] | None = None) -> None:
         self.redis = redis_client
         self.keys = keys
         self.ttl = ttl_seconds
         self.model = model
+        self.reply_refused = reply_refused or (lambda outcome, error: None)  # counted and logged by the caller
         self._publish = redis_client.register_script(PUBLISH)
         self._part = redis_client.register_script(PART)
+        self._reply = redis_client.register_script(REPLY)
+        self.inline_replies = not isinstance(redis_client, RedisCluster)  # in the publication script (see PUBLISH)
 
     async def settle(self, outcomes: list[Outcome]) -> list[tuple[Outcome, Result | None, bool]]:
-        """Publish and acknowledge; returns (outcome, result published for its request or None, published now).
-        Idempotent: on a Redis error the caller retries the whole batch."""
+        """Publish, reply, acknowledge; returns (outcome, its request's result or None, published by this
+        delivery) for each outcome settled. An outcome whose publication Redis refused is left out, with the error
+        in ``refused`` (settle it again later). Idempotent: on a connection error the caller settles the batch
+        again. A reply Redis refuses (a key of another type, an ACL) is counted, never retried, never in the way."""
         calls = []
         for outcome in outcomes:
+            outcome.refused = None
             if outcome.part is None:
-                calls.append(self._publication(outcome, outcome.result))
+                calls.append(self._publication(outcome))
             else:
                 index, count, part = outcome.part
                 request_id = outcome.delivery.request_id
-                calls.append((self._part, [self.keys.parts(request_id), self.keys.result(request_id)],
+                calls.append((self._part, [self.keys.result(request_id), self.keys.parts(request_id)],
                               [index, count, json.dumps(part), self.ttl]))
-        replies = await self._scripts(calls)
-        final: list[tuple[Outcome, Result | None, Any]] = []
-        merges: list[tuple[Outcome, Result]] = []
-        for outcome, reply in zip(outcomes, replies):
-            if outcome.part is None:
-                final.append((outcome, outcome.result, reply))
-            elif isinstance(reply, list):  # the last part: merge and publish the request's result
+        decided: list[tuple[Outcome, Any]] = []
+        merged: list[Outcome] = []
+        for outcome, reply in zip(outcomes, await self._scripts(calls)):
+            if outcome.part is not None and isinstance(reply, list) and reply[:1] != [PUBLISHED]:
                 indexes = sorted(range(0, len(reply), 2), key=lambda at: int(reply[at]))  # HGETALL: index, share, ...
-                shares = [json.loads(reply[at + 1]) for at in indexes]
-                merges.append((outcome, ok_result(outcome.delivery.request_id, shares, outcome.order or [],
-                                                  outcome.delivery.enqueued_ms, self.model)))
+                outcome.result = ok_result(outcome.delivery.request_id, [json.loads(reply[at + 1]) for at in indexes],
+                                           outcome.order or [], outcome.delivery.enqueued_ms, self.model)
+                outcome.part = None  # the last part: from now on, the request's whole result to publish
+                merged.append(outcome)
             else:
-                final.append((outcome, None, 0))
-        if merges:
-            replies = await self._scripts([self._publication(outcome, result) for outcome, result in merges])
-            final += [(outcome, result, reply) for (outcome, result), reply in zip(merges, replies)]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for outcome, result, published in final:
-                entry = outcome.delivery
-                # A redelivered entry may have crashed between publishing and replying: reply again.
-                if result is not None and outcome.reply_to and (published or entry.deliveries > 1):
-                    pipe.xadd(outcome.reply_to, {Field.REPLY_ID: entry.request_id,
-                                                 Field.BODY: result.model_dump_json(exclude_none=True)})
-                    pipe.expire(outcome.reply_to, self.ttl)
-                pipe.xack(entry.key, self.keys.group, entry.entry_id)
-                pipe.xdel(entry.key, entry.entry_id)
-            await pipe.execute()
-        return [(outcome, result, bool(published)) for outcome, result, published in final]
+                decided.append((outcome, reply))
+        if merged:
+            decided += zip(merged, await self._scripts([self._publication(outcome) for outcome in merged]))
+        settled = []
+        for outcome, reply in decided:
+            if isinstance(reply, redis.ResponseError):
+                outcome.refused = reply
+                continue
+            settled.append((outcome, *self._who(outcome, reply)))
+            if isinstance(reply, list) and len(reply) > 3 and outcome.reply_to:  # replied in the publication
+                outcome.replied = True
+                if reply[3] != 1:
+                    self.reply_refused(outcome, redis.ResponseError(_text(reply[3])))
+        replies = [(outcome, result) for outcome, result, _, reply in settled
+                   if reply and outcome.reply_to and not outcome.replied and not self.inline_replies]
+        if replies:  # before the ack: a crash in between replies again on redelivery rather than never
+            answers = await self._scripts([(self._reply, [outcome.reply_to], [
+                outcome.delivery.request_id, result.model_dump_json(exclude_none=True), self.ttl])
+                for outcome, result in replies])
+            for (outcome, _), answer in zip(replies, answers):
+                outcome.replied = True
+                if isinstance(answer, redis.ResponseError):
+                    self.reply_refused(outcome, answer)
+        await self.ack([outcome.delivery for outcome, *_ in settled])
+        return [(outcome, result, mine) for outcome, result, mine, _ in settled]
 
-    def _publication(self, outcome: Outcome, result: Result) -> tuple[Any, list[str], list[Any]]:
+    def _who(self, outcome: Outcome, reply: Any) -> tuple[Result | None, bool, bool]:
+        """From a script's answer: the request's result, whether this delivery published it, whether to reply."""
+        if not isinstance(reply, list):  # 0: a part stored, the request still waits for others
+            return None, False, False
+        publisher = reply[1].decode()
+        stored = Result.model_validate_json(reply[2]) if len(reply) > 2 and reply[2] else outcome.result
+        if publisher == outcome.publisher:  # now, or this very call before (its answer lost in transit)
+            return stored, True, True
+        stream, entry_id, deliveries = (publisher.split(" ") + ["", "", ""])[:3]
+        earlier = (stream, entry_id) == (outcome.delivery.stream, outcome.delivery.entry_id) and deliveries.isdigit() \
+            and int(deliveries) < outcome.delivery.deliveries
+        # An earlier delivery of this entry published and may have died before replying: reply again (a reply is
+        # at least once). A publication by anyone else is theirs to reply to.
+        return stored, False, earlier
+
+    def _publication(self, outcome: Outcome) -> tuple[Any, list[str], list[Any]]:
         request_id = outcome.delivery.request_id
-        return (self._publish, [self.keys.result(request_id), self.keys.parts(request_id), self.keys.body(request_id)],
-                [result.model_dump_json(exclude_none=True), self.ttl])
+        assert outcome.result is not None
+        keys = [self.keys.result(request_id), self.keys.parts(request_id), self.keys.body(request_id)]
+        args = [outcome.result.model_dump_json(exclude_none=True), self.ttl, outcome.publisher]
+        if self.inline_replies and outcome.reply_to and not outcome.replied:
+            keys.append(outcome.reply_to)
+            args.append(request_id)
+        return self._publish, keys, args
 
     async def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
         """Script calls in one pipelined round trip; on Redis Cluster, whose pipelines refuse scripts, as concurrent
-        calls, each sent to the node of its keys' one slot."""
+        calls, each sent to the node of its keys' one slot. A call Redis refuses answers its ResponseError; a
+        connection error raises."""
         if isinstance(self.redis, RedisCluster):
             replies: list[Any] = []
             for start in range(0, len(calls), CLUSTER_CONCURRENCY):
-                replies += await asyncio.gather(*(script(keys=keys, args=args)
-                                                  for script, keys, args in calls[start: start + CLUSTER_CONCURRENCY]))
-            return replies
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for script, keys, args in calls:
-                await script(keys=keys, args=args, client=pipe)
-            return await pipe.execute()
+                replies += await asyncio.gather(*(script(keys=keys, args=args) for script, keys, args
+                                                  in calls[start: start + CLUSTER_CONCURRENCY]), return_exceptions=True)
+        else:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for script, keys, args in calls:
+                    await script(keys=keys, args=args, client=pipe)
+                replies = await pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, BaseException) and not isinstance(reply, redis.ResponseError):
+                raise reply
+        return replies
 
     async def fan_out(self, task: Task) -> None:
         """Store the request once, add one chunk-stream entry per part (``task.fan_out``), then acknowledge the
@@ -223,7 +306,7 @@ class Results:
         self.release = release  # the entry is settled: intake lets it go
         self.fail = fail  # the daemon's failure policy (retry, or dead-letter)
         self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
-        self.publish_logged = float("-inf")
+        publisher.reply_refused = self.reply_refused
 
     # ---- compute's sink (GPU thread)
 
@@ -280,31 +363,21 @@ class Results:
                                   f"gave up after {delivery.deliveries} deliveries: {reason}", self.model))
 
     async def run(self) -> None:
-        """Until cancelled: settle what is queued, up to BATCH outcomes at a time; never drop a batch."""
+        """Until cancelled: settle what is queued, up to BATCH outcomes at a time; never drop one."""
         while True:
             batch = [await self.outcomes.get()]
             while not self.outcomes.empty() and len(batch) < BATCH:
                 batch.append(self.outcomes.get_nowait())
             try:
                 done = await self.link.until(lambda: self.publisher.settle(batch), "publish")
-            except redis.exceptions.NoScriptError:  # the script cache was flushed (restart, failover, SCRIPT FLUSH)
-                log.warning("script cache flushed while publishing %d outcomes: publishing them again", len(batch))
-                for outcome in batch:  # the pipeline reloads the scripts; settling is idempotent
-                    self.outcomes.put_nowait(outcome)
-                await asyncio.sleep(0.01)
-                continue
-            except Exception as error:  # noqa: BLE001 - never drop a batch: log, wait, try again
-                # e.g. OOM (Redis full under noeviction) or NOPERM (ACL): it lasts until an operator acts; one
-                # line per 30 s, every failure counted.
-                self.metrics.redis_errors.labels("publish").inc()
-                if time.monotonic() - self.publish_logged > 30:
-                    self.publish_logged = time.monotonic()
-                    log.error("publishing %d outcomes failed (%s: %s); retrying every second", len(batch),
-                              type(error).__name__, error, exc_info=not isinstance(error, redis.ResponseError))
+            except Exception:  # noqa: BLE001 - a bug, or stopping past the drain: keep the batch, try again
+                log.exception("settling %d outcomes failed; trying again in a second", len(batch))
                 for outcome in batch:
-                    self.outcomes.put_nowait(outcome)
-                await asyncio.sleep(1.0)
+                    self.loop.call_later(1.0, self.outcomes.put_nowait, outcome)
                 continue
+            for outcome in batch:  # Redis refused its publication (OOM, NOPERM, ...): the others went on
+                if outcome.refused is not None:
+                    self._again(outcome, outcome.refused)
             now = time.time()
             for outcome, result, published in done:
                 self.release(outcome.delivery)
@@ -312,3 +385,18 @@ class Results:
                     code = result.error.code.value if result.error else ""
                     self.metrics.results.labels(result.status, code).inc()
                     self.metrics.latency.observe(max(0.0, now - outcome.delivery.enqueued_ms / 1000))
+
+    def _again(self, outcome: Outcome, error: redis.ResponseError) -> None:
+        """Settle a refused outcome again later: at once after a script cache flush (routine after a restart),
+        else in a second, counted, logged once per interval, and the worker unready meanwhile."""
+        outcome.refused = None
+        if not isinstance(error, redis.exceptions.NoScriptError):
+            self.link.refused("publish", error)
+        self.loop.call_later(0.01 if isinstance(error, redis.exceptions.NoScriptError) else 1.0,
+                             self.outcomes.put_nowait, outcome)
+
+    def reply_refused(self, outcome: Outcome, error: Exception) -> None:
+        """A reply Redis refused (its stream is a key of another type, an ACL, memory): counted, logged once per
+        interval, dropped: the result stream holds the result, and the work goes on."""
+        self.link.refused("reply", error, stalls=False,
+                          detail=f"reply to {(outcome.reply_to or '')[:200]} of {outcome.delivery.request_id}")

@@ -40,3 +40,21 @@ def test_redis_errors_make_it_unready():
 def test_a_reader_whose_loop_died_mid_read_is_dead():
     state = status(daemon(reader_age=STALE_SECONDS + 5, reading_for=STALE_SECONDS + 5, loop_running=False))
     assert not state["live"] and state["stuck"] == ["reader"]
+
+
+def test_held_work_that_settles_nothing_for_the_bound_is_unready_until_it_does():
+    now = time.time()
+    base = dict(beats={"reader": now, "gpu": now}, reading_since=None, loop_running=True, redis_ok=True, ready=True,
+                inflight=3, stopping=False, block_ms=1000, stall_s=10.0)
+    waiting = status(Snapshot(**base, oldest_taken=now - 11, settled_at=now - 30))
+    assert waiting["stalled"] and not waiting["ready"] and waiting["live"]  # unready, not restarted
+    assert status(Snapshot(**base, oldest_taken=now - 11, settled_at=now - 9))["ready"]  # another entry settled
+    assert status(Snapshot(**base, oldest_taken=now - 9, settled_at=None))["ready"]  # taken lately
+    assert status(Snapshot(**{**base, "inflight": 0}, oldest_taken=None, settled_at=now - 99))["ready"]  # idle
+
+
+def test_redis_refusing_the_works_writes_makes_it_unready():
+    now = time.time()
+    state = status(Snapshot(beats={"reader": now, "gpu": now}, reading_since=None, loop_running=True, redis_ok=True,
+                            ready=True, inflight=1, stopping=False, block_ms=1000, refusing=True))
+    assert state["live"] and state["redis"] and state["refusing"] and not state["ready"]

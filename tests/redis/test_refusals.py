@@ -1,0 +1,184 @@
+"""Redis refusing or dropping what a worker writes, with real redis-server and worker processes: a reply stream
+that cannot be written, connections killed under the worker, memory full while fanning out. Nothing wedges,
+nothing is lost or under-counted, and the worker's health says what is going on. And a reclaiming worker stays
+within --max-inflight."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections import Counter
+
+import pytest
+import redis
+
+from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log
+from producer.client import Client
+from producer.invariant import settle
+from producer.keys import Keys
+from worker.redis_server import RedisServer
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+KEYS = Keys()
+
+
+def replying(requests: list[dict], reply_to: str) -> list[dict]:
+    return [request | {"reply_to": reply_to} for request in requests]
+
+
+def readiness(worker) -> dict:
+    code, body = worker.get("/readyz")
+    return {"code": code, **json.loads(body)}
+
+
+def test_a_reply_stream_that_cannot_be_written_wedges_nothing(redis_server, start_worker, tiny_dir):
+    """A reply stream that is a string (WRONGTYPE): its requests still get their results, the requests beside them
+    too, from the first delivery on; the reply is counted as refused and the string left as it was (no TTL)."""
+    client = Client(redis_server.url)
+    blocked, fine = KEYS.reply_prefix + "is-a-string", KEYS.reply_prefix + "fine"
+    client.redis.set(blocked, "not a stream")
+    worker = start_worker(tiny_dir, redis_server.url)
+    requests = replying(batch(6, "blocked"), blocked) + batch(30, "beside") + replying(batch(6, "fine"), fine)
+    ids = client.submit_many(requests)
+    report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    assert all(r.ok for r in report.results.values())
+    assert client.redis.get(blocked) == b"not a stream" and client.redis.ttl(blocked) == -1
+    assert sorted(fields[b"id"].decode() for _, fields in client.redis.xrange(fine)) == sorted(f"fine-{i}" for i in
+                                                                                               range(6))
+    wait_for(lambda: worker.metric("dq_inflight_entries") == 0, what="every entry released")
+    assert worker.metric("dq_results_total") == len(ids)  # none under-counted
+    assert worker.metric("dq_redis_errors_total", op="reply") == 6
+    assert worker.metric("dq_redis_errors_total", op="publish") == 0  # the reply never held the publication up
+    assert worker.metric("dq_redeliveries_total") == 0
+    assert worker.log.read_text().count("redis refused reply") == 1  # one line per interval, each one counted
+    assert readiness(worker)["code"] == 200
+
+
+def test_replies_are_not_lost_when_connections_drop(redis_server, start_worker, tiny_dir):
+    """Every client connection killed every 10 ms while a worker publishes: redis-py re-sends a pipeline whose
+    answer was lost, and the publication it re-runs must still know that it published (it once answered
+    'already published', and no reply was sent). Each request: one result, and one reply."""
+    client = Client(redis_server.url)
+    reply = KEYS.reply_prefix + "storm"
+    ids = client.submit_many(replying(batch(400, "storm"), reply))
+    worker = start_worker(tiny_dir, redis_server.url, ready=False, claim_idle_ms=2000)
+    admin = redis.Redis.from_url(redis_server.url)
+    done = threading.Event()
+    kills = 0
+
+    def storm():
+        nonlocal kills
+        while not done.is_set():
+            try:
+                kills += admin.client_kill_filter(_type="normal", skipme=True)
+            except redis.RedisError:
+                pass
+            time.sleep(0.01)
+
+    def answered() -> bool:  # the test's own connections are killed too
+        try:
+            return all(client.fetch(r) for r in ids)
+        except redis.ConnectionError:
+            return False
+
+    killer = threading.Thread(target=storm)
+    killer.start()
+    try:
+        worker.wait_ready()
+        wait_for(answered, timeout=180, every=0.5, what="every result")
+    finally:
+        done.set()
+        killer.join()
+    report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    assert all(r.ok for r in report.results.values()) and kills > 20
+    replied = Counter(fields[b"id"].decode() for _, fields in client.redis.xrange(reply))
+    assert set(replied) == set(ids), f"{len(set(ids) - set(replied))} replies lost"
+    assert max(replied.values()) == 1  # one Redis: the reply is added by the publication script, exactly once
+    wait_for(lambda: worker.metric("dq_inflight_entries") == 0, what="every entry released")
+    assert worker.metric("dq_results_total") == len(ids)
+    print(f"{kills} connections killed")
+
+
+def test_out_of_memory_while_fanning_out_is_retried_and_reported(redis_server, start_worker, tiny_dir):
+    """Redis full (noeviction) when the worker stores a long request's parts: retried, counted, logged once, the
+    worker unready meanwhile (it was ready, and the requests were never answered); answered once memory is back."""
+    client = Client(redis_server.url)
+    worker = start_worker(tiny_dir, redis_server.url, **FANOUT)
+    worker.signal(signal.SIGSTOP)  # so that it takes the requests only once Redis is full
+    try:
+        ids = client.submit_many([long_request(f"oom-long-{i}") for i in range(3)])
+        client.redis.config_set("maxmemory", 1)  # every write that needs memory is now refused with OOM
+    finally:
+        worker.signal(signal.SIGCONT)
+    try:
+        wait_for(lambda: worker.metric("dq_redis_errors_total", op="fan out") >= 3, timeout=60, what="OOM on fan out")
+        state = wait_for(lambda: (lambda s: s if s["code"] == 503 else None)(readiness(worker)), timeout=10,
+                         what="unready")
+        assert state["refusing"] and state["live"] and worker.process.poll() is None
+    finally:
+        client.redis.config_set("maxmemory", 0)
+    report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+    assert all(r.ok and r.usage.parts > 1 for r in report.results.values())
+    wait_for(lambda: readiness(worker)["code"] == 200, timeout=30, what="ready again")
+    assert worker.log.read_text().count("redis refused fan out") == 1
+
+
+def test_work_that_cannot_progress_makes_the_worker_unready_within_the_bound(redis_server, start_worker, tiny_dir):
+    """Publication refused (the ACL-less stand-in: Redis out of memory): unready within seconds; a pack that takes
+    longer than --stall-timeout-s: unready, then ready again once it settles."""
+    client = Client(redis_server.url)
+    worker = start_worker(tiny_dir, redis_server.url, entry=FAULTY, env={"DQ_FAULT_SLOW_S": "6"},
+                          stall_timeout_s=2)
+    ids = client.submit_many(batch(2, "stall"))
+    wait_log(worker, "fault: slow pack")
+    started = time.monotonic()
+    state = wait_for(lambda: (lambda s: s if s["code"] == 503 else None)(readiness(worker)), timeout=10,
+                     what="unready")
+    assert state["stalled"] and state["live"] and time.monotonic() - started < 4.5  # 2 s, and the polling
+    settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    wait_for(lambda: readiness(worker)["code"] == 200, timeout=10, what="ready again")
+
+    more = client.submit_many(batch(2, "refused"))
+    wait_log(worker, "fault: slow pack", count=2)
+    client.redis.config_set("maxmemory", 1)  # the publication that follows the pack is refused
+    try:
+        state = wait_for(lambda: (lambda s: s if s["refusing"] else None)(readiness(worker)), timeout=30,
+                         what="refusing")
+        assert state["code"] == 503 and worker.metric("dq_redis_errors_total", op="publish") >= 1
+    finally:
+        client.redis.config_set("maxmemory", 0)
+    settle(client.redis, client.keys, more, timeout=60).assert_ok()
+    wait_for(lambda: readiness(worker)["code"] == 200, timeout=30, what="ready again")
+
+
+def test_a_reclaiming_worker_stays_within_max_inflight(redis_server, start_worker, tiny_dir):
+    client = Client(redis_server.url)
+    client.redis.xgroup_create(KEYS.requests, KEYS.group, id="0", mkstream=True)
+    ids = client.submit_many(batch(24, "reclaimed"))
+    client.redis.xreadgroup(KEYS.group, "gone", {KEYS.requests: ">"}, count=100)  # a consumer that then died
+    worker = start_worker(tiny_dir, redis_server.url, consumer="w-limit", max_inflight=4, read_count=8,
+                          claim_idle_ms=1000, entry=FAULTY, env={"DQ_FAULT_SLOW_S": "0.3"})
+    most = 0
+    while not all(client.fetch(r) for r in ids):
+        held = {c["name"]: c["pending"] for c in client.redis.xpending(KEYS.requests, KEYS.group)["consumers"]}
+        most = max(most, held.get(b"w-limit", 0))
+        time.sleep(0.02)
+    settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    assert worker.metric("dq_entries_read_total", how="reclaimed") == 24
+    assert 0 < most <= 4
+
+
+def test_a_server_that_never_answers_its_probe_is_stopped():
+    """The test helper itself: a redis-server that does not answer within the timeout is not left running."""
+
+    class Mute(RedisServer):
+        def answers(self) -> bool:
+            return False
+
+    server = Mute()
+    with pytest.raises(RuntimeError, match="did not answer"):
+        server.start(timeout=1.0)
+    assert server.process is None
