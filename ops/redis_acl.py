@@ -26,8 +26,8 @@ import secrets
 import sys
 
 PROTOCOL = "v1"
-# Connection set-up and the cluster topology a cluster client reads. (No CLIENT SETINFO: 7.0 lacks it, and
-# redis-py ignores its refusal on 7.2+.)
+# Connection set-up and the cluster topology a cluster client reads. (No CLIENT SETINFO: 7.0 lacks it, so the
+# project's clients do not send it.)
 CONNECT = "+ping +hello +client|setname +client|id +command +cluster|slots +cluster|shards +cluster|nodes"
 
 ROLES = {
