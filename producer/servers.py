@@ -79,6 +79,14 @@ def _refused(error: Exception, where: str) -> UnsupportedServer:
                              f"this project needs {SUPPORTED}")
 
 
+def lag_of(length: int, pending: int, lag: int | None) -> int:
+    """The group's lag (entries not yet delivered): ``XINFO GROUPS``' own figure, or, when the server reports NULL,
+    the stream's length less its pending entries. Redis and Valkey cannot count the lag once an entry after the
+    oldest one left was deleted (workers delete answered entries in any order), and a NULL read as 0 would tell an
+    autoscaler there is nothing to do; the length less pending is exact here because answered entries are deleted."""
+    return int(lag) if lag is not None else max(0, int(length) - int(pending))
+
+
 def check(connection: Any, where: str = "") -> Server:
     """Ask a synchronous client's server what it is (one ``HELLO``); raise UnsupportedServer unless supported.
     Connection errors pass through unchanged: an unreachable server is not an unsupported one."""

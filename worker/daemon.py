@@ -55,7 +55,7 @@ class Daemon:
         self.settings = settings
         self.keys = Keys(settings.namespace, settings.shard)
         self.consumer = settings.consumer_name
-        self.metrics = Metrics()
+        self.metrics = Metrics(shard=settings.shard)
         self.model = model or checkpoint.load(settings.checkpoint, settings.device, settings.dtype,
                                               settings.max_chunk_tokens)
         self.engine = engines.create(self.model, settings)
@@ -71,7 +71,7 @@ class Daemon:
         self.redis_ok = False
         self.beats: dict[str, float] = {}
         self.reading_since: float | None = None  # the reader is waiting on Redis since (health: Redis' fault, not ours)
-        self.metrics.info.labels(VERSION, self.model.name, self.engine.name, str(self.model.device)).set(1)
+        self.metrics.built(VERSION, self.model.name, self.engine.name, str(self.model.device))
 
     # ---------------------------------------------------------------- lifecycle (main thread)
 
@@ -364,7 +364,8 @@ class Daemon:
                 if result is not None and published:
                     code = result.error.code.value if result.error else ""
                     self.metrics.results.labels(result.status, code).inc()
-                    self.metrics.latency.observe(max(0.0, now - outcome.delivery.enqueued_ms / 1000))
+                    self.metrics.latency.labels(result.status).observe(
+                        max(0.0, now - outcome.delivery.enqueued_ms / 1000))
 
     async def _maintenance(self) -> None:
         s = self.settings
@@ -385,11 +386,7 @@ class Daemon:
                     self._accept(d, "reclaimed")
                 if time.monotonic() - last_stats > 5:
                     last_stats = time.monotonic()
-                    for stream, st in (await self.intake.group_stats()).items():
-                        self.metrics.stream_length.labels(stream).set(st["length"])
-                        self.metrics.stream_pending.labels(stream).set(st["pending"])
-                        if st["lag"] is not None:
-                            self.metrics.stream_lag.labels(stream).set(st["lag"])
+                    self.metrics.streams(await self.intake.group_stats())
                     beat = {"ts": time.time(), "inflight": len(self.inflight), "model": self.model.name,
                             "engine": self.engine.name}
                     await self.redis.hset(self.keys.workers(), self.consumer, json.dumps(beat))
