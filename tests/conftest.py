@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """Tiny checkpoints in every format: name -> directory."""
-    from worker import tiny
+    from worker.model import tiny
 
     root = tmp_path_factory.mktemp("checkpoints")
     made = {}
@@ -36,7 +36,7 @@ def tiny_dir(checkpoints):
 @pytest.fixture(scope="session")
 def loaded(checkpoints):
     """Loaded models, cached per (name, max_chunk_tokens)."""
-    from worker import checkpoint
+    from worker.model import checkpoint
 
     cache = {}
 

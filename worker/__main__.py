@@ -11,7 +11,7 @@ from .config import Settings
 
 
 def _tiny(args: argparse.Namespace) -> int:
-    from . import tiny
+    from .model import tiny
 
     path = tiny.write(args.directory, seed=args.seed, fmt=args.format, multimodal=not args.text_only)
     print(f"wrote a tiny {args.format} decision checkpoint to {path}")

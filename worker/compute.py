@@ -21,15 +21,15 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from .checkpoint import DecisionModel
-from .engine import Engine, Pending, PackRun
 from .metrics import Metrics
+from .model.checkpoint import DecisionModel
+from .model.engine import Engine, Pending, PackRun
+from .model.readout import Answer, answer, option_logits
 from .packer import Packer
-from .readout import Answer, answer, option_logits
 from .tasks import Item, Task
 
 log = logging.getLogger("worker")
-FULL = 0.9  # a pack this full (of the engine's token budget) is launched before the previous one is read out
+LAUNCH_FIRST_FILL = 0.9  # a pack this full (of the engine's token budget) is launched before the previous one is read out
 
 
 class Sink(Protocol):
@@ -56,7 +56,7 @@ class Compute:
             self.beats["gpu"] = time.time()
             self.metrics.heartbeat.labels("gpu").set(self.beats["gpu"])
             pack = self._take(wait=in_flight is None)
-            if in_flight is not None and sum(item.tokens for item in pack) < FULL * self.engine.max_pack_tokens:
+            if in_flight is not None and sum(item.tokens for item in pack) < LAUNCH_FIRST_FILL * self.engine.max_pack_tokens:
                 self._finish(*in_flight)
                 in_flight = None
             launched = None

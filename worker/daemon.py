@@ -25,16 +25,17 @@ from producer.client import aconnect
 from producer.keys import Keys
 from producer.schema import ErrorCode, RequestError
 
-from . import checkpoint
-from . import engine as engines
 from .config import Settings
 from .compute import Compute
 from .intake import Intake
 from .metrics import Metrics
+from .model import checkpoint
+from .model.engine import Engine
+from .model.readout import Answer
+from .model.reference import ReferenceAdapter
 from .packer import Packer
 from .planner import Planner, request_id_of
 from .results import Outcome, Publisher, error_outcome, part_groups, task_outcome
-from .readout import Answer
 from .tasks import CHUNKS, Delivery, Item, Task
 
 log = logging.getLogger("worker")
@@ -50,6 +51,20 @@ def reply_to_of(delivery: Delivery, keys: Keys) -> str | None:
     return value if isinstance(value, str) and value.startswith(keys.reply_prefix) else None
 
 
+def create_engine(model: checkpoint.DecisionModel, settings: Settings) -> Engine:
+    """``auto``: the fast engine on CUDA, the reference engine elsewhere."""
+    kind = settings.engine
+    if kind == "auto":
+        kind = "fast" if model.device.type == "cuda" else "reference"
+    if kind == "reference":
+        return ReferenceAdapter(model, settings)
+    if kind == "fast":
+        from .fast import FastEngine  # needs CUDA and flash-linear-attention; says so clearly if missing
+
+        return FastEngine(model, settings)
+    raise ValueError(f"engine must be auto, fast or reference, got {settings.engine!r}")
+
+
 class Daemon:
     def __init__(self, settings: Settings, model: checkpoint.DecisionModel | None = None) -> None:
         self.settings = settings
@@ -58,7 +73,7 @@ class Daemon:
         self.metrics = Metrics(shard=settings.shard)
         self.model = model or checkpoint.load(settings.checkpoint, settings.device, settings.dtype,
                                               settings.max_chunk_tokens)
-        self.engine = engines.create(self.model, settings)
+        self.engine = create_engine(self.model, settings)
         self.planner = Planner(self.model, settings)
         self.work: queue.Queue[Item] = queue.Queue()
         self.packer = Packer(self.work, self.engine.max_pack_tokens, settings.max_wait_ms / 1000)

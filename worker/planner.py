@@ -18,9 +18,10 @@ from typing import Any
 from producer.keys import ID_PATTERN
 from producer.schema import ErrorCode, Request, RequestError, parse_request
 
-from .checkpoint import DecisionModel, RenderSpec
 from .config import Settings
-from .encoder import Chunk, Encoder
+from .model.checkpoint import DecisionModel, RenderSpec
+from .model.encoder import Encoder
+from .model.engine import Chunk
 from .tasks import CHUNKS, Delivery, Task
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from producer.schema import Request
 
-from .encoder import Chunk
-from .readout import Answer
+from .model.engine import Chunk
+from .model.readout import Answer
 
 REQUESTS, CHUNKS = "requests", "chunks"
 

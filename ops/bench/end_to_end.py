@@ -48,7 +48,7 @@ def model_for(shape: str):
 
     from transformers.decision import DecisionConfig
 
-    from worker import checkpoint, tiny
+    from worker.model import checkpoint, tiny
 
     if shape == "tiny":
         return checkpoint.load(tiny.write(tempfile.mkdtemp(), multimodal=False), device="cpu")
@@ -91,8 +91,8 @@ def self_time(daemon, args: argparse.Namespace) -> None:
     from synthetic import packs, padded_batches, warmup_batches
 
     from producer.schema import Request
-    from worker.encoder import Encoder
-    from worker.reference import ReferenceEngine
+    from worker.model.encoder import Encoder
+    from worker.model.reference import ReferenceEngine
 
     encoder = Encoder(daemon.model)
     chunks = [c for r in make_requests(args.requests, 1, encoder) for c in encoder.plan(Request.model_validate(r))]
@@ -167,14 +167,14 @@ def run_bench(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
 
     from producer.client import Client
-    from worker.encoder import Encoder
+    from worker.model.encoder import Encoder
     from worker.redis_server import RedisServer, free_port
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    from worker import tiny
+    from worker.model import tiny
     from transformers.decision import DecisionConfig
-    from worker.checkpoint import RenderSpec
+    from worker.model.checkpoint import RenderSpec
 
     spec = RenderSpec(DecisionConfig(chat_template=tiny.TINY_TEMPLATE.strip()), tiny.build_tokenizer(), False,
                       8192, {"noul": 8, "choice": 8, "score": 8})

@@ -30,8 +30,8 @@ from synthetic import WORKLOADS, packs, padded_batches, probabilities, random_mo
 
 from worker.config import Settings  # noqa: E402
 from worker.fast import FastEngine  # noqa: E402
-from worker.layout import plan  # noqa: E402
-from worker.reference import ReferenceEngine  # noqa: E402
+from worker.fast.layout import plan  # noqa: E402
+from worker.model.reference import ReferenceEngine  # noqa: E402
 
 COUNTS = {"standard": 1200, "long-tail": 1500, "vision": 800}  # requests timed per run (about 0.4-0.6M tokens)
 REF_COUNTS = {"standard": 256, "long-tail": 320, "vision": 192}

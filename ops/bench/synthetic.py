@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from transformers.decision import Question
 
-from worker.checkpoint import DecisionModel
-from worker.encoder import Chunk
+from worker.model.checkpoint import DecisionModel
+from worker.model.engine import Chunk
 
 # DESIGN.md section 1 (public configs). The vision tower's size is not in that table: Qwen3-VL-2B's is assumed.
 SHAPES = {

@@ -33,12 +33,12 @@ pytest.importorskip("fla", reason="the fast engine needs flash-linear-attention"
 
 from support import png  # noqa: E402
 from producer.schema import Request  # noqa: E402
-from worker import checkpoint, tiny  # noqa: E402
 from worker.config import Settings  # noqa: E402
-from worker.encoder import Encoder  # noqa: E402
 from worker.fast import FastEngine  # noqa: E402
-from worker.readout import option_logits  # noqa: E402
-from worker.reference import ReferenceEngine  # noqa: E402
+from worker.model import checkpoint, tiny  # noqa: E402
+from worker.model.encoder import Encoder  # noqa: E402
+from worker.model.readout import option_logits  # noqa: E402
+from worker.model.reference import ReferenceEngine  # noqa: E402
 
 MAX_CHUNK = 512
 BUCKETS = "512,1024,2048"
@@ -195,7 +195,7 @@ def test_fast_path_equals_the_reference(models, chunks, references, name):
 def test_without_fla_the_error_names_the_reference_engine(models, monkeypatch):
     import sys
 
-    from worker.kernels import FastPathUnavailable
+    from worker.fast import FastPathUnavailable
 
     monkeypatch.setitem(sys.modules, "fla", None)
     monkeypatch.setitem(sys.modules, "fla.ops", None)

@@ -1,4 +1,4 @@
-"""FlashQLA called directly (worker/kernels.py) equals the same kernels reached through fla's dispatch, and
+"""FlashQLA called directly (worker/fast/mixers.py) equals the same kernels reached through fla's dispatch, and
 prepares each pack without waiting for the GPU.
 
 Packs: many short sequences (no intra-card split), one long sequence and a few uneven ones (FlashQLA splits long
@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("fla", reason="the fast engine needs flash-linear-attention")
 
-from worker.kernels import CudaMixers, FlashQLA, boundaries_of  # noqa: E402
+from worker.fast.mixers import CudaMixers, FlashQLA, boundaries_of  # noqa: E402
 
 try:
     FlashQLA()

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from worker.engine import Pending  # noqa: E402
+from worker.model.engine import Pending  # noqa: E402
 
 log = logging.getLogger("worker.fault")
 

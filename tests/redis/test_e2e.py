@@ -10,9 +10,9 @@ import torch
 from support import png
 from producer.client import Client
 from producer.schema import Request
-from worker.encoder import Encoder
-from worker.readout import answer, option_logits
-from worker.reference import ReferenceEngine
+from worker.model.encoder import Encoder
+from worker.model.readout import answer, option_logits
+from worker.model.reference import ReferenceEngine
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -4,8 +4,8 @@ import shutil
 import pytest
 import torch
 
-from worker import checkpoint, tiny
-from worker.checkpoint import CheckpointError
+from worker.model import checkpoint, tiny
+from worker.model.checkpoint import CheckpointError
 
 
 @pytest.mark.parametrize("name, backbone, noncausal, softcap", [

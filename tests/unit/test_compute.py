@@ -7,9 +7,9 @@ import torch
 
 from producer.schema import Request
 from worker.compute import Compute
-from worker.encoder import Chunk, Encoder
-from worker.engine import PackRun, Pending
 from worker.metrics import Metrics
+from worker.model.encoder import Encoder
+from worker.model.engine import Chunk, PackRun, Pending
 from worker.packer import Packer
 from worker.tasks import Delivery, Item, Task
 

@@ -3,7 +3,7 @@ import torch
 
 from support import png
 from producer.schema import ErrorCode, Request, RequestError
-from worker.encoder import Encoder
+from worker.model.encoder import Encoder
 
 QUESTIONS = {
     "spam": {"type": "noul", "instructions": "Is this spam?"},

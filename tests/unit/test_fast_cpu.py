@@ -10,14 +10,14 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
 from support import png
 from producer.schema import Request
-from worker import fp8, ops
 from worker.config import Settings
-from worker.encoder import Chunk, Encoder
-from worker.fast import FastEngine
-from worker.kernels import FastPathUnavailable, TorchMixers
-from worker.layout import GDN_CHUNK, Layout, Regions, choose_bucket, chunk_positions, gdn_chunk_indices, plan
-from worker.readout import head
-from worker.reference import ReferenceEngine
+from worker.fast import FastEngine, FastPathUnavailable, fp8, ops
+from worker.fast.layout import GDN_CHUNK, Layout, Regions, choose_bucket, chunk_positions, gdn_chunk_indices, plan
+from worker.fast.mixers import TorchMixers
+from worker.model.encoder import Encoder
+from worker.model.engine import Chunk
+from worker.model.readout import head
+from worker.model.reference import ReferenceEngine
 
 MIXED = {
     "spam": {"type": "noul", "instructions": "Is this spam?"},
@@ -185,7 +185,7 @@ def test_fp8_linear_is_the_dequantized_matmul():
 
 
 def test_fp8_converts_every_eligible_matrix(loaded):
-    from worker import layers
+    from worker.fast import layers
 
     model = loaded("repo")
     layer = next(layer for layer in model.language_model.layers if layer.block_type == "full_attention")
@@ -255,7 +255,7 @@ def test_unknown_compile_mode_is_refused(loaded):
 def test_without_flash_linear_attention_the_error_names_the_reference_engine(monkeypatch):
     import sys
 
-    from worker.kernels import _chunk_gated_delta_rule
+    from worker.fast.mixers import _chunk_gated_delta_rule
 
     monkeypatch.setitem(sys.modules, "fla", None)
     monkeypatch.setitem(sys.modules, "fla.ops", None)

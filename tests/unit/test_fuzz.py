@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from fuzz_requests import _deep, bodies
 from producer.schema import ErrorCode, RequestError
 from worker.config import Settings
-from worker.encoder import Encoder
+from worker.model.encoder import Encoder
 from worker.planner import plan_entry
 from worker.tasks import REQUESTS, Delivery
 

@@ -10,9 +10,9 @@ from transformers.decision import prepare_inputs
 
 from support import png
 from producer.schema import Request
-from worker.encoder import Encoder
-from worker.readout import answer, option_logits
-from worker.reference import ReferenceEngine
+from worker.model.encoder import Encoder
+from worker.model.readout import answer, option_logits
+from worker.model.reference import ReferenceEngine
 
 MIXED = {
     "spam": {"type": "noul", "instructions": "Is this spam?"},
@@ -93,7 +93,7 @@ def test_answers_match_the_pipeline(tiny_dir, loaded):
 @pytest.mark.parametrize("temperature", [0.25, 1.0, 3.0])
 def test_readout_softmax_equals_torch(temperature):
     """The read-out's plain-Python softmax is torch's float64 softmax, also for logits far from zero."""
-    from worker.readout import softmax
+    from worker.model.readout import softmax
 
     generator = torch.Generator().manual_seed(0)
     for options in (2, 4, 5, 16):

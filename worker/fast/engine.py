@@ -1,13 +1,13 @@
 """The fast engine: packs of chunks through one padding-free forward, optionally compiled and CUDA-graphed.
 
-``launch`` lays the pack out on the host (worker/layout.py), moves it with one copy from a pinned buffer into a
+``launch`` lays the pack out on the host (worker/fast/layout.py), moves it with one copy from a pinned buffer into a
 persistent device buffer, runs the forward (eager, or the graphs of the smallest bucket that holds the pack) and
 enqueues the copy of the head scores into pinned memory; it returns without waiting for the GPU. ``Pending.wait``
 waits for that copy. Two staging slots alternate, so the caller can form and launch the next pack while one runs;
 a slot is reused only after its pack has finished.
 
 Nothing in a launch waits for the GPU (FlashQLA's per-pack context comes from the host boundaries, see
-worker/kernels.py) except a slot's reuse, which waits for the pack launched two before.
+worker/fast/mixers.py) except a slot's reuse, which waits for the pack launched two before.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import numpy as np
 import torch
 from transformers.decision import Question
 
-from .checkpoint import DecisionModel
-from .config import Settings
-from .encoder import Chunk
-from .engine import PackRun, Pending
+from ..config import Settings
+from ..model.checkpoint import DecisionModel
+from ..model.engine import Chunk, PackRun, Pending
+from .errors import ALTERNATIVE, FastPathUnavailable
 from .forward import COMPILE_MODES, PackedForward
 from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warmer
-from .kernels import ALTERNATIVE, Boundaries, CudaMixers, FastPathUnavailable, Mixers
 from .layout import Layout, Regions, chunk_positions, plan, row_capacity
+from .mixers import Boundaries, CudaMixers, Mixers
 
 log = logging.getLogger(__name__)
 SLOTS = 2

@@ -20,10 +20,10 @@ import torch
 
 from . import layers
 from .forward import ROWS, PackedForward, compile_piece
-from .kernels import Boundaries
 from .layers import FULL, LINEAR
-from .ops import Ops
 from .layout import row_capacity
+from .mixers import Boundaries
+from .ops import Ops
 
 Capture = Callable[[Callable[[], None]], Callable[[], None]]
 

@@ -20,7 +20,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from .encoder import Chunk
+from ..model.engine import Chunk
 
 GDN_CHUNK = 64  # the gated delta rule kernels' chunk size (fla's default)
 _ALIGN = 64  # region offsets in int64 elements: keeps every device view 16-byte aligned

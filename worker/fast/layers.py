@@ -3,7 +3,7 @@
 Each layer is split at its token mixer: ``pre_*`` (norm, projections, convolution, gates, q/k norms, RoPE) and
 ``post_*`` (output gate and projection, residual, MLP) are dense and row-local, so they can be compiled and
 captured in CUDA graphs; the mixer between them (Gated DeltaNet or varlen attention) reads the chunk boundaries
-and runs eagerly (worker/kernels.py). transformers is never patched: the weights are read from its modules, and
+and runs eagerly (worker/fast/mixers.py). transformers is never patched: the weights are read from its modules, and
 the projections a layer applies to the same input are concatenated into one matrix (a copy: one GEMM instead of
 three or four).
 """

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .kernels import ALTERNATIVE, FastPathUnavailable
+from .errors import ALTERNATIVE, FastPathUnavailable
 from .layers import FullAttn
 from .ops import FP8_MAX, Dense, Fp8
 

@@ -23,7 +23,7 @@ class Dense(NamedTuple):
 
 
 class Fp8(NamedTuple):
-    """A linear layer in float8_e4m3fn with one fp32 scale per output channel (see worker/fp8.py)."""
+    """A linear layer in float8_e4m3fn with one fp32 scale per output channel (see worker/fast/fp8.py)."""
 
     qweight: torch.Tensor  # (out, in) float8_e4m3fn
     scale: torch.Tensor  # (1, out) float32

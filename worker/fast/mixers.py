@@ -23,12 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-ALTERNATIVE = "run the reference engine instead (--engine reference, DQ_ENGINE=reference)"
-
-
-class FastPathUnavailable(RuntimeError):
-    """The fast engine cannot run here; the message says why and names the reference engine."""
-
+from .errors import ALTERNATIVE, FastPathUnavailable
 
 class Boundaries(NamedTuple):
     cu: torch.Tensor  # (chunks + 1,) int32 on the device

@@ -7,10 +7,13 @@ padding that follows a prompt. This is the path the fast engine is checked again
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from ..config import Settings
 from .checkpoint import DecisionModel
-from .encoder import Chunk
+from .engine import Chunk, PackRun, Pending
 from .readout import head
 
 
@@ -47,3 +50,27 @@ class ReferenceEngine:
         rows = torch.cat([hidden[i, chunk.rows.to(device)] for i, chunk in enumerate(chunks)])
         scores = head(model, rows).cpu()
         return list(scores.split([len(chunk.questions) for chunk in chunks]))
+
+
+class ReferenceAdapter:
+    """The padded reference engine behind the Engine contract (CPU, or GPU for checking)."""
+
+    name = "reference"
+
+    def __init__(self, model: DecisionModel, settings: Settings) -> None:
+        self.engine = ReferenceEngine(model)
+        self._budget = settings.pack_tokens
+
+    @property
+    def max_pack_tokens(self) -> int:
+        return self._budget
+
+    def warmup(self) -> None:
+        pass
+
+    def launch(self, chunks: list[Chunk]) -> Pending:
+        start = time.perf_counter()
+        scores = self.engine.forward(chunks)
+        capacity = len(chunks) * max(chunk.length for chunk in chunks)
+        run = PackRun(scores, sum(c.length for c in chunks), capacity, None, False, time.perf_counter() - start)
+        return Pending(lambda: run)

@@ -14,7 +14,6 @@ import copy
 import io
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,28 +25,9 @@ from transformers.utils.chat_template_utils import _get_template_variables
 from producer.schema import ErrorCode, Request, RequestError
 
 from .checkpoint import DecisionModel, RenderSpec
+from .engine import Chunk
 
 _PIL_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One prompt of a request: what an engine needs to score its questions."""
-
-    input_ids: torch.Tensor  # (length,) int64
-    rows: torch.Tensor  # (questions,) positions the head reads: the token before each mark
-    questions: tuple[Question, ...]  # in readout order; options in logit order
-    pixel_values: torch.Tensor | None = None  # (patches, dim) for the vision tower
-    image_grid_thw: torch.Tensor | None = None  # (images, 3)
-    mm_token_type_ids: torch.Tensor | None = None  # (length,) 1 at image tokens; for M-RoPE positions
-
-    @property
-    def length(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def has_images(self) -> bool:
-        return self.image_grid_thw is not None
 
 
 def decode_image(name: str, data_base64: str, max_pixels: int) -> Image.Image:

@@ -2,7 +2,7 @@
 
 ``PackedForward`` owns the per-layer weights (read from the checkpoint's modules, fused, optionally FP8), the
 dense pieces (plain, or compiled per sub-module or per piece), and the eager path: one call per piece, shapes as
-the pack has them. The graphed path (worker/graphs.py) replays the same pieces from static buffers.
+the pack has them. The graphed path (worker/fast/graphs.py) replays the same pieces from static buffers.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..model.checkpoint import DecisionModel
 from . import fp8 as fp8_weights
 from . import layers
-from .checkpoint import DecisionModel
-from .kernels import Boundaries, Mixers
 from .layers import FULL, LINEAR
+from .mixers import Boundaries, Mixers
 from .ops import Ops
 
 ROWS = "rows"  # the pruned last layer: queries, output and MLP at marker rows only

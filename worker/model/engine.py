@@ -1,0 +1,75 @@
+"""The engine contract: what the queue stages hand an engine (``Chunk``), and what every engine offers them
+(``Engine``: run one pack of chunks, get head scores back as a ``PackRun``).
+
+``launch`` starts a pack and returns at once where the device allows (the GPU works while the daemon forms the
+next pack); ``Pending.wait`` returns the scores. The reference engine computes synchronously.
+
+Tensors and questions are named here for their types only: the contract loads without torch or transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from transformers.decision import Question
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One prompt of a request: what an engine needs to score its questions."""
+
+    input_ids: torch.Tensor  # (length,) int64
+    rows: torch.Tensor  # (questions,) positions the head reads: the token before each mark
+    questions: tuple[Question, ...]  # in readout order; options in logit order
+    pixel_values: torch.Tensor | None = None  # (patches, dim) for the vision tower
+    image_grid_thw: torch.Tensor | None = None  # (images, 3)
+    mm_token_type_ids: torch.Tensor | None = None  # (length,) 1 at image tokens; for M-RoPE positions
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def has_images(self) -> bool:
+        return self.image_grid_thw is not None
+
+
+@dataclass(frozen=True)
+class PackRun:
+    """What one forward pass did: per-chunk head scores and the facts the metrics report."""
+
+    scores: list[torch.Tensor]  # per chunk: (questions, verbalizers) float32 on the CPU
+    tokens: int  # real prompt tokens in the pack
+    capacity: int  # tokens the pass computed (bucket size, or batch x longest for padded batches)
+    bucket: int | None  # the static bucket it ran in, None when eager
+    graph: bool  # replayed through a captured CUDA graph
+    seconds: float  # launch to scores on the host
+
+
+class Pending:
+    """A launched pack; ``wait`` blocks until its scores are on the host."""
+
+    def __init__(self, finish: Callable[[], PackRun]) -> None:
+        self._finish = finish
+        self._run: PackRun | None = None
+
+    def wait(self) -> PackRun:
+        if self._run is None:
+            self._run = self._finish()
+        return self._run
+
+
+class Engine(Protocol):
+    name: str
+
+    @property
+    def max_pack_tokens(self) -> int:
+        """Token budget the packer fills; a single chunk longer than this still runs (eagerly, alone)."""
+
+    def warmup(self) -> None:
+        """Compile and capture everything up front, before the worker reports ready."""
+
+    def launch(self, chunks: list[Chunk]) -> Pending: ...
