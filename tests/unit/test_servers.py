@@ -16,13 +16,13 @@ def test_hello_replies_in_both_protocols():
     assert str(from_hello(resp3)) == "Valkey 9.1.2" and from_hello(resp2).label == "redis-7.0.15"
 
 
-@pytest.mark.parametrize("server, supported", [
+@pytest.mark.parametrize("server, accepted", [
     (Server("redis", (6, 2, 14)), False), (Server("redis", (7, 0, 0)), True), (Server("redis", (8, 2)), True),
     (Server("valkey", (7, 2, 4)), True), (Server("valkey", (9, 1, 2)), True), (Server("keydb", (6, 3)), False),
 ])
-def test_minimum_versions(server, supported):
-    assert server.supported is supported
-    if supported:
+def test_minimum_versions(server, accepted):
+    assert server.supported is accepted
+    if accepted:
         assert require(server) is server
     else:
         with pytest.raises(UnsupportedServer) as refused:
