@@ -41,7 +41,8 @@ ROLES = {
         "~{requests} %R~{results} %R~{replies}"
     ),
     "worker": (
-        "{connect} +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xinfo|groups +xlen +xadd "
+        "{connect} +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|delconsumer "
+        "+xinfo|groups +xinfo|consumers +xlen +xadd "
         "+evalsha +script|load +script|exists +exists +hlen +hgetall +hset +hdel +get +set "
         "~{everything} "
         # scripts delete a published request's parts and body and expire results: nothing else may go away

@@ -16,6 +16,9 @@ GROUP = "workers"
 # Request ids become hash tags and key suffixes: no braces, no spaces, bounded length.
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 ANY = "*"  # as a shard or a request id, makes a Keys name a glob pattern (ACL rules); never a valid id
+# A worker whose heartbeat (Keys.workers) is this old, or a group consumer idle this long with nothing pending, is
+# gone: stats do not count it. Workers beat every 5 s; clocks are assumed in sync (NTP).
+GONE_S = 30
 
 
 class Field:
@@ -85,7 +88,8 @@ class Keys:
         return f"{self.base}:body:{{{request_id}}}"
 
     def workers(self) -> str:
-        """Hash of live workers: consumer name -> JSON heartbeat (for stats and dashboards)."""
+        """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, engine}``, written every 5 s
+        (worker/presence.py); beats older than GONE_S are gone and deleted by the live workers."""
         return f"{self.base}:workers"
 
     @property

@@ -91,24 +91,43 @@ def lag_of(length: int, pending: int, lag: int | None) -> int:
     return int(lag) if lag is not None else max(0, int(length) - int(pending))
 
 
+def _every_node(connection: Any) -> dict[str, Any]:
+    """Redis Cluster: ask every node, named (a HELLO has no key to route by)."""
+    return {"target_nodes": connection.get_nodes()} if hasattr(connection, "get_nodes") else {}
+
+
+def _judge(reply: Any, where: str) -> Server:
+    """The one server of a reply, or the oldest of a cluster's nodes' replies (a dict by node name)."""
+    replies = [reply]
+    if isinstance(reply, dict) and not {"server", b"server"} & set(reply):
+        replies = list(reply.values())
+    servers = sorted((from_hello(r) for r in replies), key=lambda s: (s.supported, s.version))
+    for server in servers:
+        require(server, where)
+    return servers[0]
+
+
 def check(connection: Any, where: str = "") -> Server:
-    """Ask a synchronous client's server what it is (one ``HELLO``); raise UnsupportedServer unless supported.
-    Connection errors pass through unchanged: an unreachable server is not an unsupported one."""
+    """Ask a synchronous client's server (every node of a cluster) what it is, with ``HELLO``; raise
+    UnsupportedServer unless supported. Connection errors pass through: an unreachable server is not an
+    unsupported one."""
     import redis
 
     try:
-        reply = connection.execute_command("HELLO")
+        reply = connection.execute_command("HELLO", **_every_node(connection))
     except redis.ResponseError as error:
         raise _refused(error, where) from None
-    return require(from_hello(reply), where)
+    return _judge(reply, where)
 
 
 async def acheck(connection: Any, where: str = "") -> Server:
     """``check`` for an asyncio client."""
     import redis
 
+    if hasattr(connection, "get_nodes") and not connection.get_nodes():
+        await connection.initialize()  # an asyncio cluster client learns its nodes on first use
     try:
-        reply = await connection.execute_command("HELLO")
+        reply = await connection.execute_command("HELLO", **_every_node(connection))
     except redis.ResponseError as error:
         raise _refused(error, where) from None
-    return require(from_hello(reply), where)
+    return _judge(reply, where)

@@ -14,6 +14,7 @@ import re
 import socket
 from dataclasses import dataclass, field, fields
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from producer.client import SOCKET_TIMEOUT
 
@@ -73,6 +74,8 @@ class Settings:
     max_inflight: int = _opt(512, "entries held at once (read, planned, queued or computing); reading pauses above",
                             low=1)
     claim_idle_ms: int = _opt(60000, "reclaim entries pending longer than this from dead consumers", low=1)
+    consumer_gone_ms: int = _opt(300000, "delete a group consumer that has nothing pending and has been idle longer "
+                                         "than this (its worker is gone)", low=1000)
     max_deliveries: int = _opt(5, "dead-letter an entry delivered more often than this", low=1)
     result_ttl_s: int = _opt(86400, "how long results stay readable", low=1)
     max_entry_bytes: int = _opt(8 << 20, "larger request entries are refused with too_large", low=1)
@@ -116,6 +119,18 @@ class Settings:
     @property
     def consumer_name(self) -> str:
         return self.consumer or f"{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def redis_where(self) -> str:
+        """The Redis URL without its password, for logs and errors."""
+        try:
+            parts = urlsplit(self.redis_url)
+            if parts.password is None:
+                return self.redis_url
+            host = f"{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+            return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+        except ValueError:  # not even a URL: say so without echoing what may be a secret
+            return "<unparsable Redis URL>"
 
     @property
     def bucket_sizes(self) -> tuple[int, ...]:
