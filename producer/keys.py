@@ -8,8 +8,10 @@ scripts that aggregate and publish a request's result touch one slot whatever th
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 PROTOCOL = "1"
 GROUP = "workers"
@@ -106,3 +108,11 @@ def shard_of(request_id: str, shards: int) -> int:
     for byte in request_id.encode():
         value = (value * 31 + byte) & 0xFFFFFFFF
     return value % shards
+
+
+def beat_age(raw: Any, now: float) -> float:
+    """Seconds since a worker wrote a heartbeat of ``Keys.workers`` (``{"ts": ...}``; unreadable: infinitely old)."""
+    try:
+        return now - float(json.loads(raw)["ts"])
+    except (ValueError, TypeError, KeyError):
+        return float("inf")

@@ -17,7 +17,7 @@ import json
 import time
 from typing import Any
 
-from producer.keys import GONE_S, Keys
+from producer.keys import GONE_S, Keys, beat_age
 
 # KEYS: a work stream. ARGV: group, idle limit (ms), this worker's consumer name. The names deleted.
 FORGET = """
@@ -36,14 +36,6 @@ return gone
 
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
-def beat_age(raw: Any, now: float) -> float:
-    """Seconds since a heartbeat in ``Keys.workers`` was written (infinite when it is unreadable)."""
-    try:
-        return now - float(json.loads(raw)["ts"])
-    except (ValueError, TypeError, KeyError):
-        return float("inf")
 
 
 class Presence:
