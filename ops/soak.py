@@ -101,11 +101,13 @@ def produce(client: Client, soak: Soak, lock: threading.Lock, prefix: str, until
             n += 1
             (bad if rng.random() < bad_fraction else good).append(f"{prefix}-{n}")
         requests = [request(i, rng) for i in good]
-        while True:
+        while requests:
             try:
                 client.submit_many(requests)
                 break
-            except QueueFull:  # backpressure: the workers are behind; wait and send the same batch again
+            except QueueFull as full:  # backpressure: the workers are behind; wait and send what did not go in
+                refused = set(full.refused)
+                requests = [r for r in requests if r["id"] in refused]
                 with lock:
                     soak.queue_full += 1
                 time.sleep(0.05)

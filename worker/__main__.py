@@ -1,4 +1,4 @@
-"""``python -m worker``: serve, write a tiny checkpoint, or check a running worker's health."""
+"""dq-worker (or python -m worker): serve, write a tiny checkpoint, or check a running worker's health."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+
+from producer import __version__
+from producer.keys import PROTOCOL
 
 from .config import Settings
 
@@ -18,17 +21,20 @@ def _tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="dq-worker", description=__doc__)
+    top.add_argument("--version", action="version",
+                     version=f"dq-worker {__version__} (decision-queue, wire protocol v{PROTOCOL})")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     tiny_cmd = commands.add_parser("tiny-checkpoint", help="write a tiny random Qwen3.5 decision checkpoint")
-    tiny_cmd.add_argument("directory")
-    tiny_cmd.add_argument("--seed", type=int, default=0)
+    tiny_cmd.add_argument("directory", help="where to write it (created if missing)")
+    tiny_cmd.add_argument("--seed", type=int, default=0, help="seed of the random weights [default 0]")
     tiny_cmd.add_argument("--format", choices=("repo", "readout", "judge"), default="repo",
-                          help="save_pretrained repo, decision_config.json + readout.safetensors, or JEV judge")
-    tiny_cmd.add_argument("--text-only", action="store_true", help="a qwen3_5_text backbone (no vision tower)")
+                          help="save_pretrained repo, decision_config.json + readout.safetensors, or JEV judge "
+                               "[default 'repo']")
+    tiny_cmd.add_argument("--text-only", action="store_true",
+                          help="a qwen3_5_text backbone (no vision tower) [default off]")
     tiny_cmd.set_defaults(run=_tiny)
 
     serve_cmd = commands.add_parser("serve", help="consume requests from Redis and publish results")
@@ -39,10 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     check_cmd.add_argument("--metrics-port", dest="metrics_port", type=int, default=None,
                            help="the worker's --metrics-port [env DQ_METRICS_PORT, default 0: none served]")
     check_cmd.add_argument("--url", help="the health endpoint's base URL instead (default http://127.0.0.1:PORT)")
-    check_cmd.add_argument("--live", action="store_true", help="liveness (/healthz) instead of readiness")
+    check_cmd.add_argument("--live", action="store_true",
+                           help="liveness (/healthz) instead of readiness (/readyz) [default off]")
     check_cmd.set_defaults(run=_check)
+    return top
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = parser().parse_args(argv)
     return args.run(args)
 
 
@@ -51,7 +62,7 @@ def _settings(command: str, make: Callable[[], Settings]) -> Settings | None:
     try:
         return make()
     except ValueError as error:
-        print(f"python -m worker {command}: error: {error}", file=sys.stderr)
+        print(f"dq-worker {command}: error: {error}", file=sys.stderr)
         return None
 
 
@@ -74,7 +85,7 @@ def _check(args: argparse.Namespace) -> int:
         if settings is None:
             return 2
         if not settings.metrics_port:
-            print("python -m worker check: error: no health endpoint to ask: --metrics-port (DQ_METRICS_PORT) is 0, "
+            print("dq-worker check: error: no health endpoint to ask: --metrics-port (DQ_METRICS_PORT) is 0, "
                   "so serve runs none; set it for both, or pass --url", file=sys.stderr)
             return 2
         url = f"http://127.0.0.1:{settings.metrics_port}"

@@ -14,9 +14,8 @@ import re
 import socket
 from dataclasses import dataclass, field, fields
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-from producer.client import SOCKET_TIMEOUT
+from producer.connection import SOCKET_TIMEOUT, redact
 
 DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
 NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a prefix of every key: no braces (hash tags), no colons
@@ -123,14 +122,7 @@ class Settings:
     @property
     def redis_where(self) -> str:
         """The Redis URL without its password, for logs and errors."""
-        try:
-            parts = urlsplit(self.redis_url)
-            if parts.password is None:
-                return self.redis_url
-            host = f"{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
-            return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
-        except ValueError:  # not even a URL: say so without echoing what may be a secret
-            return "<unparsable Redis URL>"
+        return redact(self.redis_url)
 
     @property
     def bucket_sizes(self) -> tuple[int, ...]:

@@ -201,7 +201,7 @@ class Daemon:
         try:
             if self.link.reachable:  # best effort: a heartbeat left behind is forgotten by the others
                 await asyncio.wait_for(self.intake.leave(), timeout=2.0)
-            await self.link.redis.aclose()
+            await self.link.close()
         except (asyncio.TimeoutError, *REDIS_ERRORS):
             pass
 
@@ -225,8 +225,7 @@ class Daemon:
         body = None
         try:
             if delivery.stream == CHUNKS:  # a part: its request's body was stored when it fanned out
-                body = await self.link.until(lambda: self.link.redis.get(self.keys.body(delivery.request_id)),
-                                             "get body")
+                body = await self.intake.stored_body(delivery)
                 if body is None:
                     raise RequestError(ErrorCode.INTERNAL, "the request body of this part is gone (Redis lost it?)")
             task = await asyncio.wrap_future(self.planner.submit(delivery, body))

@@ -20,7 +20,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from producer.client import aconnect, connect
+from producer.connection import aconnect, connect
 from producer.servers import Server, acheck, check
 
 from .config import Settings
@@ -43,6 +43,9 @@ class Link:
         self.server: Server | None = None
         self._down_since: float | None = None
         self._warned = float("-inf")
+
+    async def close(self) -> None:
+        await self.redis.aclose()
 
     def answered(self) -> None:
         if not self.reachable:

@@ -89,7 +89,7 @@ def test_serve_refuses_bad_settings_with_exit_2_before_loading_anything(tiny_dir
     done = run_worker("serve", "--checkpoint", str(tiny_dir), "--engine", "fsat", "--log-level", "verbose",
                       env={"DQ_SHARD": "-3"})
     assert done.returncode == 2, done.stderr
-    assert "python -m worker serve: error: --engine (DQ_ENGINE) must be one of auto, fast, reference" in done.stderr
+    assert "dq-worker serve: error: --engine (DQ_ENGINE) must be one of auto, fast, reference" in done.stderr
     assert "--log-level" in done.stderr and "--shard (DQ_SHARD)" in done.stderr
     assert "Traceback" not in done.stderr and "no torch" in done.stdout  # refused before torch, let alone the model
 

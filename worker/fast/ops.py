@@ -34,39 +34,39 @@ Linear = Dense | Fp8
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
-    if isinstance(w, Fp8):
-        return fp8_linear(x, w)
-    return F.linear(x, w.weight, w.bias)
+def linear(inputs: torch.Tensor, weights: Linear) -> torch.Tensor:
+    if isinstance(weights, Fp8):
+        return fp8_linear(inputs, weights)
+    return F.linear(inputs, weights.weight, weights.bias)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8) -> torch.Tensor:
+def fp8_linear(inputs: torch.Tensor, weights: Fp8) -> torch.Tensor:
     """Rowwise FP8 matmul: one scale per token (computed here) and one per output channel (precomputed)."""
-    flat = x.reshape(-1, x.shape[-1])
+    flat = inputs.reshape(-1, inputs.shape[-1])
     scale = flat.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
     quantized = (flat.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    out = torch._scaled_mm(quantized, w.qweight.t(), scale_a=scale, scale_b=w.scale, bias=w.bias,
-                           out_dtype=x.dtype)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    out = torch._scaled_mm(quantized, weights.qweight.t(), scale_a=scale, scale_b=weights.scale,
+                           bias=weights.bias, out_dtype=inputs.dtype)
+    return out.reshape(*inputs.shape[:-1], out.shape[-1])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3_5RMSNorm: fp32 statistics, zero-centred weight ``(1 + w)``, result in the input dtype."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * (1.0 + weight.float())).type_as(x)
+def rms_norm(inputs: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3_5RMSNorm: fp32 statistics, zero-centred weight ``(1 + weight)``, result in the input dtype."""
+    inputs_fp32 = inputs.float()
+    out = inputs_fp32 * torch.rsqrt(inputs_fp32.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(inputs)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm(inputs: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3_5RMSNormGated: normalise in fp32, scale in the input dtype, then multiply by silu(gate) in fp32."""
-    dtype = x.dtype
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    dtype = inputs.dtype
+    inputs_fp32 = inputs.float()
+    out = inputs_fp32 * torch.rsqrt(inputs_fp32.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * out.to(dtype)
     return (out * F.silu(gate.float())).to(dtype)
 
 
-def conv_silu(x: torch.Tensor, weight: torch.Tensor, seqpos: torch.Tensor) -> torch.Tensor:
+def conv_silu(inputs: torch.Tensor, weight: torch.Tensor, seqpos: torch.Tensor) -> torch.Tensor:
     """Depthwise causal convolution over packed (tokens, channels) rows, then SiLU.
 
     ``weight`` is (channels, taps); tap ``taps - 1`` multiplies the current token. A token at position ``p`` of its
@@ -75,29 +75,30 @@ def conv_silu(x: torch.Tensor, weight: torch.Tensor, seqpos: torch.Tensor) -> to
     dtype before the activation as ``causal_conv1d_fn`` does.
     """
     taps = weight.shape[-1]
-    wf = weight.float()
-    xf = x.float()
-    out = xf * wf[:, taps - 1]
+    weight_fp32 = weight.float()
+    inputs_fp32 = inputs.float()
+    out = inputs_fp32 * weight_fp32[:, taps - 1]
     for shift in range(1, taps):
-        shifted = F.pad(xf[: xf.shape[0] - shift], (0, 0, shift, 0))
+        shifted = F.pad(inputs_fp32[: inputs_fp32.shape[0] - shift], (0, 0, shift, 0))
         keep = (seqpos >= shift).unsqueeze(-1)
-        out = out + torch.where(keep, shifted, 0.0) * wf[:, taps - 1 - shift]
-    return F.silu(out.to(x.dtype))
+        out = out + torch.where(keep, shifted, 0.0) * weight_fp32[:, taps - 1 - shift]
+    return F.silu(out.to(inputs.dtype))
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def l2_normalize(inputs: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Unit length over the last dimension (per head), with the fp32 statistics and eps of fla's and FlashQLA's
     ``use_qk_l2norm_in_kernel``: done here, it fuses into the kernel that stores q and k, and the delta rule's
     Python wrapper skips two compiled calls per layer."""
-    xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    inputs_fp32 = inputs.float()
+    return (inputs_fp32 * torch.rsqrt((inputs_fp32 * inputs_fp32).sum(-1, keepdim=True) + eps)).to(inputs.dtype)
 
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+def gdn_gates(decay_in: torch.Tensor, beta_in: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated DeltaNet's log-space decay ``g`` (fp32) and write strength ``beta``, as Qwen3_5GatedDeltaNet."""
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-    return g, b.sigmoid()
+    """Gated DeltaNet's log-space decay (its ``g``, fp32) and write strength ``beta``, as Qwen3_5GatedDeltaNet
+    computes them from its projections ``a`` (``decay_in``) and ``b`` (``beta_in``)."""
+    decay = -a_log.float().exp() * F.softplus(decay_in.float() + dt_bias)
+    return decay, beta_in.sigmoid()
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -105,17 +106,17 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate_half(inputs: torch.Tensor) -> torch.Tensor:
+    half = inputs.shape[-1] // 2
+    return torch.cat((-inputs[..., half:], inputs[..., :half]), dim=-1)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(inputs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Partial rotary embedding on (tokens, heads, dim) with (tokens, rotary_dim) tables, as apply_rotary_pos_emb."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat(((x_rot * cos) + (rotate_half(x_rot) * sin), x_pass), dim=-1)
+    rotary_part, pass_part = inputs[..., :rot], inputs[..., rot:]
+    return torch.cat(((rotary_part * cos) + (rotate_half(rotary_part) * sin), pass_part), dim=-1)
 
 
 def softcap_head(hidden: torch.Tensor, head: Dense, softcap: float | None) -> torch.Tensor:
