@@ -109,6 +109,9 @@ class Daemon:
         if after_warmup is not None:
             after_warmup()
         self.ready.set()
+        deadline = time.monotonic() + 2.0  # first contact runs beside the warm-up: normally done by now
+        while not self.link.reachable and time.monotonic() < deadline:
+            time.sleep(0.05)
         log.info("%s: model %s, engine %s on %s, consumer %s", "ready" if self.link.reachable else
                  f"warm, ready once Redis at {self.link.where} answers", self.model.name, self.engine.name,
                  self.model.device, self.settings.consumer_name)

