@@ -97,6 +97,10 @@ class Compute:
     def _record(self, run: PackRun) -> None:
         m = self.metrics
         m.forward.labels(str(run.bucket) if run.bucket else "eager").observe(run.seconds)
+        if run.gpu_seconds is not None:
+            m.pack_gpu.observe(run.gpu_seconds)
+        if run.idle_seconds is not None:
+            m.gpu_idle.observe(run.idle_seconds)
         m.fill.observe(run.tokens / max(run.capacity, 1))
         m.tokens.inc(run.tokens)
         m.packs.labels("graph" if run.graph else "eager").inc()

@@ -10,6 +10,7 @@ three or four).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -27,13 +28,14 @@ class Mlp(NamedTuple):
 
 class LinearAttn(NamedTuple):
     norm: torch.Tensor  # input_layernorm
-    in_proj: Linear  # [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a]
+    in_proj: Linear  # [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a], or without b and a where ``gates`` holds them
     conv: torch.Tensor  # (conv_dim, taps)
     a_log: torch.Tensor
     dt_bias: torch.Tensor
     out_norm: torch.Tensor  # the gated RMSNorm's weight
     out_proj: Linear
     mlp: Mlp
+    gates: Dense | None = None  # [in_proj_b; in_proj_a] apart, in bf16, when in_proj is FP8 (worker/fast/fp8.py)
 
 
 class FullAttn(NamedTuple):
@@ -126,31 +128,28 @@ def head_weights(language_model: Any, proj: torch.nn.Linear, softcap: float | No
 
 def mlp_block(ops: Ops, w: Mlp, h: torch.Tensor, eps: float) -> torch.Tensor:
     x = ops.rms_norm(h, w.norm, eps)
-    return h + ops.linear(ops.swiglu(ops.linear(x, w.gate_up)), w.down)
+    return h + ops.linear(ops.swiglu(ops.linear(x, w.gate_up), w.down), w.down)
 
 
-def pre_linear(ops: Ops, d: LinearDims, w: LinearAttn, h: torch.Tensor, seqpos: torch.Tensor
-               ) -> tuple[torch.Tensor, ...]:
+def pre_linear(ops: Ops, d: LinearDims, w: LinearAttn, h: torch.Tensor, seqpos: torch.Tensor,
+               outs: Sequence[torch.Tensor] | None = None) -> Sequence[torch.Tensor]:
     """-> q (T, Hk, Dk), k (T, Hk, Dk) both of unit length per head, v (T, Hv, Dv), g (T, Hv) fp32, beta (T, Hv),
-    z (T, value_dim)."""
-    tokens = h.shape[0]
+    z (T, value_dim); written into ``outs`` where given (the static buffers of the graphed path)."""
     x = ops.rms_norm(h, w.norm, d.eps)
-    widths = [d.key_dim, d.key_dim, d.value_dim]
-    q, k, v, z, b, a = ops.linear(x, w.in_proj).split([*widths, d.value_dim, d.v_heads, d.v_heads], dim=-1)
-    # The convolution is depthwise: one call per output, so that a compiled piece computes each output in the
-    # kernel that stores it (one shared result would be materialised in fp32 and read three times).
-    q, k, v = (ops.conv_silu(part, weight, seqpos) for part, weight in zip((q, k, v), w.conv.split(widths)))
-    g, beta = ops.gdn_gates(a, b, w.a_log, w.dt_bias)
-    q, k = (ops.l2_normalize(part.view(tokens, d.k_heads, d.head_k)) for part in (q, k))
-    return q, k, v.view(tokens, d.v_heads, d.head_v), g, beta, z
+    projected = ops.linear(x, w.in_proj)
+    off_z = 2 * d.key_dim + d.value_dim
+    if w.gates is None:  # b and a are the last columns of the projection
+        gates, off_b = projected, off_z + d.value_dim
+    else:
+        gates, off_b = ops.linear(x, w.gates), 0
+    return ops.short_conv(projected, gates, (off_z, off_b, off_b + d.v_heads), w.conv, w.a_log, w.dt_bias, d,
+                          seqpos, outs)
 
 
 def post_linear(ops: Ops, d: LinearDims, w: LinearAttn, h: torch.Tensor, o: torch.Tensor, z: torch.Tensor
                 ) -> torch.Tensor:
     """o: the delta rule's output (T, Hv, Dv)."""
-    tokens = h.shape[0]
-    core = ops.gated_rms_norm(o.reshape(-1, d.head_v), z.reshape(-1, d.head_v), w.out_norm, d.eps)
-    h = h + ops.linear(core.reshape(tokens, d.value_dim), w.out_proj)
+    h = h + ops.linear(ops.gated_norm(o, z, w.out_norm, d.eps, w.out_proj), w.out_proj)
     return mlp_block(ops, w.mlp, h, d.eps)
 
 
