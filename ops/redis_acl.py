@@ -24,27 +24,32 @@ import hashlib
 import os
 import secrets
 import sys
+from pathlib import Path
 
-PROTOCOL = "v1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from producer.keys import ANY, Keys  # noqa: E402
+
 # Connection set-up and the cluster topology a cluster client reads. (No CLIENT SETINFO: 7.0 lacks it, and
 # redis-py ignores its refusal on 7.2+.)
 CONNECT = "+ping +hello +client|setname +client|id +command +cluster|slots +cluster|shards +cluster|nodes"
 
+# Key patterns (the placeholders) are the deployment's own names, from producer/keys.py; see ``patterns``.
 ROLES = {
     "producer": (
         "{connect} +xadd +xlen +xread +xrange +evalsha +script|load "
-        "~{ns}:{v}:{{s*}}:requests %R~{ns}:{v}:result:* %R~{ns}:{v}:reply:*"
+        "~{requests} %R~{results} %R~{replies}"
     ),
     "worker": (
         "{connect} +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xinfo|groups +xlen +xadd "
         "+evalsha +script|load +script|exists +exists +hlen +hgetall +hset +hdel +get +set "
-        "~{ns}:{v}:* "
+        "~{everything} "
         # scripts delete a published request's parts and body and expire results: nothing else may go away
-        "(+del +expire ~{ns}:{v}:result:* ~{ns}:{v}:parts:* ~{ns}:{v}:body:* ~{ns}:{v}:reply:*)"
+        "(+del +expire ~{results} ~{parts} ~{bodies} ~{replies})"
     ),
     "monitor": (
         "{connect} +xinfo|groups +xinfo|stream +xinfo|consumers +xlen +xpending +hkeys +hlen +hgetall +info "
-        "%R~{ns}:{v}:*"
+        "%R~{everything}"
     ),
     "admin": "~* &* +@all",
 }
@@ -52,6 +57,13 @@ ROLES = {
 
 # Well known, for a local docker compose only: ops/compose.yaml uses them unless DQ_ACL_<ROLE>_PASSWORD is set.
 DEVELOPMENT_PASSWORDS = {role: f"dev-{role}-password" for role in ROLES}
+
+
+def patterns(namespace: str) -> dict[str, str]:
+    """The key patterns the roles name: every shard's request stream, every request's keys, the reply streams."""
+    every = Keys(namespace, ANY)
+    return {"everything": every.everything, "requests": every.requests, "results": every.result(ANY),
+            "parts": every.parts(ANY), "bodies": every.body(ANY), "replies": every.reply_prefix + ANY}
 
 
 def password_hash(password: str) -> str:
@@ -62,7 +74,7 @@ def render(passwords: dict[str, str], namespace: str = "dq") -> str:
     """The aclfile text: one ``user`` line per role (every role in ROLES needs a password)."""
     lines = ["user default on nopass resetkeys resetchannels -@all +ping"]  # aclfiles take no comments
     for role, rules in ROLES.items():
-        body = rules.format(connect=CONNECT, ns=namespace, v=PROTOCOL)
+        body = rules.format(connect=CONNECT, **patterns(namespace))
         lines.append(f"user {role} on {password_hash(passwords[role])} resetkeys resetchannels -@all {body}"
                      if role != "admin" else f"user {role} on {password_hash(passwords[role])} {body}")
     return "\n".join(lines) + "\n"

@@ -1,9 +1,10 @@
 """How many requests per second one Redis shard carries for this workload, without the model.
 
-Replays the exact Redis traffic of a request through the real code: producers submit with ``AsyncClient``
-(the submit script, batches of 500) and wait for results (pipelined XRANGE + blocking XREAD); consumers read
-with ``Intake.read`` (XREADGROUP over chunks and requests) and settle with ``Publisher.settle`` (the publish
-script, XACK, XDEL) a result shaped like a real one. Nothing is computed: the consumers answer at once.
+Replays the exact Redis traffic of a request through the real code, without torch: producers send with
+``AsyncClient.send`` (the submit script, batches of 500) and wait with ``wait_many`` (pipelined XRANGE + blocking
+XREAD); consumers are the worker's Redis faces, ``worker.intake.Consumer.read`` (XREADGROUP over chunks and
+requests, each entry parsed into a Delivery) and ``worker.results.Publisher.settle`` (the publish script, XACK,
+XDEL) with a result shaped like a real one. Nothing is computed: the consumers answer at once.
 
     python ops/redis_bench.py                      # starts its own redis-server (AOF, appendfsync always)
     python ops/redis_bench.py --appendfsync everysec --requests 50000
@@ -31,13 +32,13 @@ import redis  # noqa: E402
 
 from producer.client import AsyncClient, aconnect, prepare  # noqa: E402
 from producer.keys import Keys  # noqa: E402
-from worker.intake import Intake  # noqa: E402
+from worker.intake import Consumer  # noqa: E402
 from worker.results import Outcome, Publisher, ok_result  # noqa: E402
 
 
-def request(i: int, state_bytes: int, questions: int) -> dict:
+def request(number: int, state_bytes: int, questions: int) -> dict:
     names = [f"q{k}" for k in range(questions)]
-    return {"id": f"bench-{i}", "state": ("x" * state_bytes),
+    return {"id": f"bench-{number}", "state": ("x" * state_bytes),
             "questions": {n: {"type": "choice", "instructions": "Which tone?",
                               "criteria": {"calm": "polite", "angry": None, "neutral": None}} for n in names}}
 
@@ -57,17 +58,15 @@ def share(questions: int) -> dict:
 async def consumer(index: int, url: str, keys: Keys, read_count: int, questions: int, stop: asyncio.Event,
                    cluster: bool) -> int:
     client = aconnect(url, cluster)
-    intake = Intake(client, keys, f"bench-{os.getpid()}-{index}")
+    reader = Consumer(client, keys, f"bench-{os.getpid()}-{index}")
     publisher = Publisher(client, keys, 3600, "bench")
     # One result built once, renamed per request: the load generator spends its CPU on Redis calls, not pydantic.
     template = ok_result("x", [share(questions)], [f"q{k}" for k in range(questions)], 0, "bench")
     settled = 0
     while not stop.is_set():
-        deliveries = await intake.read(read_count, 200)
-        outcomes = []
-        for d in deliveries:
-            request_id = json.loads(d.fields[b"body"])["id"]
-            outcomes.append(Outcome(d, request_id, None, result=template.model_copy(update={"id": request_id})))
+        deliveries = await reader.read(read_count, 200)
+        outcomes = [Outcome(delivery, None, result=template.model_copy(update={"id": delivery.request_id}))
+                    for delivery in deliveries]
         if outcomes:
             await publisher.settle(outcomes)
             settled += len(outcomes)
@@ -78,12 +77,10 @@ async def consumer(index: int, url: str, keys: Keys, read_count: int, questions:
 async def producer(url: str, namespace: str, prepared: list[tuple[str, str]], batch: int, cluster: bool,
                    latencies: list[float]) -> None:
     async with AsyncClient(url, namespace, max_unfinished=0, cluster=cluster) as client:
-        requests_stream = Keys(namespace).requests
-        total = len(prepared)
-        for start in range(0, total, batch):
+        for start in range(0, len(prepared), batch):
             chunk = prepared[start: start + batch]
             began = time.perf_counter()
-            await client._submit(keys=[requests_stream], args=[0, *(body for _, body in chunk)])
+            await client.send([body for _, body in chunk])
             await client.wait_many([request_id for request_id, _ in chunk], timeout=300)
             latencies.append(time.perf_counter() - began)
 
@@ -116,8 +113,9 @@ def _generate(args: argparse.Namespace, process: int, out: multiprocessing.Queue
               start: multiprocessing.Event) -> None:
     # Requests validated and serialized before the clock starts: the producer's CPU, not Redis'.
     per_producer = args.requests // args.processes // args.producers
-    prepared = [[prepare(request((process * 1000 + p) * 10_000_000 + i, args.state_bytes, args.questions))
-                 for i in range(per_producer)] for p in range(args.producers)]
+    prepared = [[prepare(request((process * 1000 + producer_index) * 10_000_000 + number, args.state_bytes,
+                                 args.questions)) for number in range(per_producer)]
+                for producer_index in range(args.producers)]
     ready.put(process)
     start.wait()
     out.put(asyncio.run(generate(args, process, prepared)))

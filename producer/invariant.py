@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from .keys import Keys
+from .keys import Field, Keys
 from .schema import Result
 
 BATCH = 1000  # result streams read per pipelined round trip
@@ -79,7 +79,7 @@ def _read_results(connection: Any, keys: Keys, ids: list[str]) -> dict[str, list
 
 def _judge(request_id: str, entry_fields: dict[bytes, bytes]) -> tuple[Result | None, str | None]:
     try:
-        result = Result.model_validate_json(entry_fields[b"body"])
+        result = Result.model_validate_json(entry_fields[Field.BODY.encode()])
     except (KeyError, ValidationError, ValueError) as error:
         return None, f"not a result: {str(error)[:200]}"
     if result.id != request_id:

@@ -1,4 +1,5 @@
-"""Every Redis name that producers and workers share, in one place (wire protocol v1).
+"""Every Redis name that producers and workers share, in one place (wire protocol v1): keys, and the fields of
+stream entries.
 
 Streams carry a shard hash tag (``{s0}``) so that a worker's blocking read over its shard's request and chunk
 streams touches one Redis Cluster slot. Per-request keys carry the request id as their hash tag, so the Lua
@@ -14,14 +15,34 @@ PROTOCOL = "1"
 GROUP = "workers"
 # Request ids become hash tags and key suffixes: no braces, no spaces, bounded length.
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+ANY = "*"  # as a shard or a request id, makes a Keys name a glob pattern (ACL rules); never a valid id
+
+
+class Field:
+    """Field names of stream entries (an entry is a flat map: ``XADD key * field value ...``)."""
+
+    BODY = "body"  # request entries: the request JSON; result and reply entries: the result JSON
+    REPLY_ID = "id"  # reply entries: the request the result answers (one reply stream serves many requests)
+    # Chunk entries: one part of a fanned-out request, whose body is stored at Keys.body(request_id)
+    REQUEST_ID = "request_id"
+    PART = "part"  # this part's index, from 0
+    PARTS = "parts"  # how many parts the request has
+    QUESTIONS = "questions"  # JSON list of this part's question names
+    ENQUEUED_MS = "enqueued_ms"  # when the request was enqueued (ms): its entry id's time
+    # Dead-letter entries: where the entry was and why it was given up, then the entry's own fields
+    STREAM = "stream"  # requests or chunks
+    ENTRY_ID = "entry_id"
+    DELIVERIES = "deliveries"
+    REASON = "reason"
 
 
 @dataclass(frozen=True)
 class Keys:
-    """The names of one deployment (``namespace``) and one stream shard."""
+    """The names of one deployment (``namespace``) and one stream shard. With ``ANY`` for the shard or a request id,
+    the same names are glob patterns (``Keys(ns, ANY).requests``: every shard's request stream)."""
 
     namespace: str = "dq"
-    shard: int = 0
+    shard: int | str = 0
 
     @property
     def base(self) -> str:
@@ -66,6 +87,11 @@ class Keys:
     def workers(self) -> str:
         """Hash of live workers: consumer name -> JSON heartbeat (for stats and dashboards)."""
         return f"{self.base}:workers"
+
+    @property
+    def everything(self) -> str:
+        """Glob pattern of every key of the deployment (ACL rules)."""
+        return f"{self.base}:{ANY}"
 
 
 def shard_of(request_id: str, shards: int) -> int:

@@ -1,8 +1,8 @@
-"""The GPU stage: packs from the work queue through the engine, head scores to answers, handed back to the loop.
+"""The GPU stage: packs from the work queue through the engine, head scores to answers, handed to one sink.
 
 Runs on the main thread. While pack n is on the GPU, pack n+1 is formed from what is queued. Its scores are read out
-(temperatures, softmax, System One answers) and handed to the asyncio thread through ``post``
-(``call_soon_threadsafe``), which owns every task's state, either before or after pack n+1 is launched:
+(temperatures, softmax, System One answers) and handed to the sink (results.py, which hops onto the asyncio thread
+that owns every task's state), either before or after pack n+1 is launched:
 
 - n+1 full (the queue is ahead of the GPU): launch first. Reading out first would leave the GPU idle for the
   read-out and the launch's host work, a quarter of the time on an H200 (end to end 71% of in process, 95% after).
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -29,11 +29,12 @@ from .packer import Packer
 from .tasks import Item, Task
 
 log = logging.getLogger("worker")
-LAUNCH_FIRST_FILL = 0.9  # a pack this full (of the engine's token budget) is launched before the previous one is read out
+# A pack this full (of the engine's token budget) is launched before the previous one is read out.
+LAUNCH_FIRST_FILL = 0.9
 
 
 class Sink(Protocol):
-    """Where outcomes go (the daemon's asyncio side); called through ``post``, never directly."""
+    """Where each item's fate goes; called on this (the GPU) thread."""
 
     def chunk_done(self, item: Item, answers: list[Answer], seconds: float) -> None: ...
 
@@ -43,20 +44,19 @@ class Sink(Protocol):
 
 
 class Compute:
-    def __init__(self, model: DecisionModel, engine: Engine, packer: Packer, metrics: Metrics,
-                 sink: Sink, post: Callable[..., Any], beats: dict[str, float]) -> None:
-        self.model, self.engine, self.packer, self.metrics = model, engine, packer, metrics
-        self.sink, self.post = sink, post
-        self.beats = beats  # the daemon's loop heartbeats (liveness): this loop's is "gpu"
+    def __init__(self, model: DecisionModel, engine: Engine, packer: Packer, metrics: Metrics, sink: Sink) -> None:
+        self.model, self.engine, self.packer, self.metrics, self.sink = model, engine, packer, metrics, sink
+        self.turned_at: float | None = None  # the loop's last turn (liveness)
 
     def run(self, done: Callable[[], bool]) -> None:
         """Until ``done()`` holds with no pack in flight."""
         in_flight: tuple[list[Item], Pending] | None = None
         while not (in_flight is None and done()):
-            self.beats["gpu"] = time.time()
-            self.metrics.heartbeat.labels("gpu").set(self.beats["gpu"])
+            self.turned_at = time.time()
+            self.metrics.heartbeat.labels("gpu").set(self.turned_at)
             pack = self._take(wait=in_flight is None)
-            if in_flight is not None and sum(item.tokens for item in pack) < LAUNCH_FIRST_FILL * self.engine.max_pack_tokens:
+            tokens = sum(item.tokens for item in pack)
+            if in_flight is not None and tokens < LAUNCH_FIRST_FILL * self.engine.max_pack_tokens:
                 self._finish(*in_flight)
                 in_flight = None
             launched = None
@@ -75,7 +75,7 @@ class Compute:
             if item.task.cancelled:
                 continue
             if item.task.expired:  # no compute for work past its deadline
-                self.post(self.sink.task_expired, item.task)
+                self.sink.task_expired(item.task)
                 continue
             pack.append(item)
         return pack
@@ -92,23 +92,23 @@ class Compute:
             questions = item.chunk.questions
             answers = [answer(config, q, logits)
                        for q, logits in zip(questions, option_logits(self.model, questions, scores))]
-            self.post(self.sink.chunk_done, item, answers, run.seconds * item.tokens / max(run.tokens, 1))
+            self.sink.chunk_done(item, answers, run.seconds * item.tokens / max(run.tokens, 1))
 
     def _record(self, run: PackRun) -> None:
-        m = self.metrics
-        m.forward.labels(str(run.bucket) if run.bucket else "eager").observe(run.seconds)
+        metrics = self.metrics
+        metrics.forward.labels(str(run.bucket) if run.bucket else "eager").observe(run.seconds)
         if run.gpu_seconds is not None:
-            m.pack_gpu.observe(run.gpu_seconds)
+            metrics.pack_gpu.observe(run.gpu_seconds)
         if run.idle_seconds is not None:
-            m.gpu_idle.observe(run.idle_seconds)
-        m.fill.observe(run.tokens / max(run.capacity, 1))
-        m.tokens.inc(run.tokens)
-        m.packs.labels("graph" if run.graph else "eager").inc()
+            metrics.gpu_idle.observe(run.idle_seconds)
+        metrics.fill.observe(run.tokens / max(run.capacity, 1))
+        metrics.tokens.inc(run.tokens)
+        metrics.packs.labels("graph" if run.graph else "eager").inc()
         device = self.model.device
         if device.type == "cuda":
-            m.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(device))
-            m.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved(device))
-            m.gpu_memory.labels("peak").set(torch.cuda.max_memory_allocated(device))
+            metrics.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(device))
+            metrics.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved(device))
+            metrics.gpu_memory.labels("peak").set(torch.cuda.max_memory_allocated(device))
 
     def _isolate(self, pack: list[Item], error: BaseException) -> None:
         """A failed pack: run halves again until the failing chunk is alone; the others are answered."""
@@ -117,7 +117,7 @@ class Compute:
             os._exit(70)
         if len(pack) == 1:
             log.warning("chunk of %s failed: %r", pack[0].task.request_id, error)
-            self.post(self.sink.task_failed, pack[0].task, f"{type(error).__name__}: {error}")
+            self.sink.task_failed(pack[0].task, f"{type(error).__name__}: {error}")
             return
         for half in (pack[: len(pack) // 2], pack[len(pack) // 2:]):
             try:

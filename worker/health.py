@@ -1,7 +1,8 @@
 """HTTP endpoints of a worker: ``/metrics`` (Prometheus), ``/healthz`` (liveness), ``/readyz`` (readiness).
 
 Liveness comes from the loops' own heartbeats, not from Redis: a Redis outage makes a worker unready, never
-restarts it. Readiness: model loaded, graphs captured (warm-up done) and Redis reachable.
+restarts it. Readiness: model loaded, graphs captured (warm-up done) and Redis reachable. Both are decided from a
+``Snapshot``, a plain copy of the worker's state that the daemon fills on each request.
 """
 
 from __future__ import annotations
@@ -10,43 +11,64 @@ import json
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .metrics import Metrics
 
 STALE_SECONDS = 30.0  # a loop that has not turned for this long is stuck (a pack takes far less)
 REDIS_GRACE_SECONDS = 5.0  # a read slower than its BLOCK time by this much: Redis is unreachable (unready)
 
 
-def status(daemon: Any) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Snapshot:
+    beats: dict[str, float]  # loop name -> its last turn (s since the epoch): "reader", and "gpu" once it runs
+    reading_since: float | None  # the reader has waited on Redis since then (None: not reading)
+    loop_running: bool  # the asyncio (Redis) thread still runs
+    redis_ok: bool  # the last Redis call went through
+    ready: bool  # the engine is warm
+    inflight: int
+    stopping: bool
+    block_ms: int  # the reader's BLOCK time
+
+
+class Watched(Protocol):
+    """What the endpoints read: the daemon, through these two only."""
+
+    metrics: Metrics
+
+    def snapshot(self) -> Snapshot: ...
+
+
+def status(state: Snapshot) -> dict[str, Any]:
     now = time.time()
-    beats = dict(daemon.beats)
-    loop = getattr(daemon, "loop", None)
     # Only while the Redis loop runs: a reader that died mid-read is stuck, not waiting.
-    reading = getattr(daemon, "reading_since", None) if loop is not None and loop.is_running() else None
+    reading = state.reading_since if state.loop_running else None
     # A reader blocked on an unresponsive Redis (paused, partitioned: each call waits out its socket timeout and
     # retries) is not stuck itself: restarting it would not help, so it makes the worker unready, not dead.
-    stuck = [name for name, beat in beats.items()
+    stuck = [name for name, beat in state.beats.items()
              if now - beat > STALE_SECONDS and not (name == "reader" and reading is not None)]
-    if daemon.ready.is_set() and "gpu" not in beats:
+    if state.ready and "gpu" not in state.beats:
         stuck.append("gpu")
     # A healthy blocking read returns within its BLOCK time; much longer means Redis is not answering.
-    redis_ok = daemon.redis_ok and not (reading is not None
-                                        and now - reading > daemon.settings.block_ms / 1000 + REDIS_GRACE_SECONDS)
-    return {"live": not stuck, "stuck": stuck, "ready": daemon.ready.is_set() and redis_ok and not stuck,
-            "model_loaded": True, "warm": daemon.ready.is_set(), "redis": redis_ok,
-            "inflight": len(daemon.inflight), "stopping": daemon.stopping.is_set()}
+    redis_ok = state.redis_ok and not (reading is not None
+                                       and now - reading > state.block_ms / 1000 + REDIS_GRACE_SECONDS)
+    return {"live": not stuck, "stuck": stuck, "ready": state.ready and redis_ok and not stuck,
+            "model_loaded": True, "warm": state.ready, "redis": redis_ok,
+            "inflight": state.inflight, "stopping": state.stopping}
 
 
-def serve_http(daemon: Any, port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:
+def serve_http(daemon: Watched, port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
             if self.path == "/metrics":
-                daemon.metrics.ready.set(1 if status(daemon)["ready"] else 0)
+                daemon.metrics.ready.set(1 if status(daemon.snapshot())["ready"] else 0)
                 self._send(200, generate_latest(daemon.metrics.registry), CONTENT_TYPE_LATEST)
                 return
-            state = status(daemon)
+            state = status(daemon.snapshot())
             if self.path == "/healthz":
                 self._send(200 if state["live"] else 503, json.dumps(state).encode(), "application/json")
             elif self.path == "/readyz":

@@ -1,26 +1,46 @@
-"""Intake: read entries from the worker group, recover own pending entries, reclaim dead consumers' entries,
-and keep this worker's long-running entries from being reclaimed by others. All calls are asyncio Redis calls."""
+"""Intake: entries from the worker group into this worker, each one held until its result is settled.
+
+``Consumer`` is this worker's Redis calls on the group (read, recover own pending entries, reclaim dead consumers'
+entries, keep long work from being reclaimed, claim again for a retry); every entry comes back as a parsed
+``Delivery``. ``Intake`` is the stage on the asyncio thread: its reader takes entries while fewer than
+``--max-inflight`` are held, its maintenance loop reclaims, keeps alive, and reports stream stats and the worker's
+heartbeat. Each entry taken goes once to ``accept`` (the daemon's route); ``release`` lets it go.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
 
 from producer.keys import Keys
 
-from .tasks import CHUNKS, REQUESTS, Delivery
+from .config import Settings
+from .entries import CHUNKS, REQUESTS, Delivery, Stream
+from .link import REDIS_ERRORS, Link
+from .metrics import Metrics
+
+log = logging.getLogger("worker")
+LOST_REMEMBERED = 10_000  # payload-less entries remembered, so that each is counted once
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class Intake:
-    def __init__(self, redis_client: Any, keys: Keys, consumer: str) -> None:
+class Consumer:
+    """One consumer of the worker group, on the shard's two work streams."""
+
+    def __init__(self, redis_client: Any, keys: Keys, name: str) -> None:
         self.redis = redis_client
         self.keys = keys
-        self.consumer = consumer
+        self.name = name
         self.streams = {keys.chunks: CHUNKS, keys.requests: REQUESTS}  # parts first: finish started requests
 
     async def ensure_groups(self) -> bool:
@@ -37,73 +57,59 @@ class Intake:
 
     async def read(self, count: int, block_ms: int) -> list[Delivery]:
         """New entries (``>``), parts before requests."""
-        reply = await self.redis.xreadgroup(self.keys.group, self.consumer, {k: ">" for k in self.streams},
+        reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: ">" for key in self.streams},
                                             count=count, block=block_ms)
-        return [Delivery(self.streams[_text(key)], _text(key), _text(entry_id), fields or {}, 1)
+        return [self._parse(_text(key), _text(entry_id), fields, 1)
                 for key, entries in reply or [] for entry_id, fields in entries]
 
     async def own_pending(self, count: int) -> list[Delivery]:
         """Entries delivered to this consumer and never acknowledged (a restart, or a reply lost in transit)."""
-        out: list[Delivery] = []
-        for key, stream in self.streams.items():
+        found: list[tuple[str, str, dict]] = []
+        for key in self.streams:
             cursor = "0"
             while True:
-                reply = await self.redis.xreadgroup(self.keys.group, self.consumer, {key: cursor}, count=count)
+                reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: cursor}, count=count)
                 entries = reply[0][1] if reply else []
                 if not entries:
                     break
-                out += [Delivery(stream, key, _text(i), fields or {}, 0) for i, fields in entries]
+                found += [(key, _text(entry_id), fields) for entry_id, fields in entries]
                 cursor = _text(entries[-1][0])
-        await self._counts(out)
-        return out
+        return await self._counted(found)
 
     async def reclaim(self, min_idle_ms: int, count: int) -> tuple[list[Delivery], list[tuple[str, str]]]:
         """Entries idle longer than ``min_idle_ms`` in any consumer's list, now ours; and (stream key, entry id) of
         those that had no payload any more (Redis 7 drops them from the pending list itself)."""
-        out: list[Delivery] = []
+        found: list[tuple[str, str, dict]] = []
         gone: list[tuple[str, str]] = []
-        for key, stream in self.streams.items():
+        for key in self.streams:
             cursor = "0-0"
             while True:
-                reply = await self.redis.xautoclaim(key, self.keys.group, self.consumer, min_idle_ms,
+                reply = await self.redis.xautoclaim(key, self.keys.group, self.name, min_idle_ms,
                                                     start_id=cursor, count=count)
                 cursor, entries = _text(reply[0]), reply[1]
-                gone += [(key, _text(i)) for i in (reply[2] if len(reply) > 2 else [])]
-                out += [Delivery(stream, key, _text(i), fields or {}, 0) for i, fields in entries]
+                gone += [(key, _text(entry_id)) for entry_id in (reply[2] if len(reply) > 2 else [])]
+                found += [(key, _text(entry_id), fields) for entry_id, fields in entries]
                 if cursor == "0-0":
                     break
-        await self._counts(out)
-        return out, gone
+        return await self._counted(found), gone
 
     async def keep_alive(self, deliveries: list[Delivery]) -> None:
         """Reset the idle time of entries still in work so that no one reclaims them (JUSTID: no count bump)."""
         by_key: dict[str, list[str]] = {}
-        for d in deliveries:
-            by_key.setdefault(d.key, []).append(d.entry_id)
+        for delivery in deliveries:
+            by_key.setdefault(delivery.key, []).append(delivery.entry_id)
         for key, ids in by_key.items():
-            await self.redis.xclaim(key, self.keys.group, self.consumer, 0, ids, justid=True)
+            await self.redis.xclaim(key, self.keys.group, self.name, 0, ids, justid=True)
 
     async def claim_again(self, delivery: Delivery) -> Delivery | None:
         """Take an own entry again for a retry: bumps its delivery counter. None if it is gone."""
-        reply = await self.redis.xclaim(delivery.key, self.keys.group, self.consumer, 0, [delivery.entry_id])
+        reply = await self.redis.xclaim(delivery.key, self.keys.group, self.name, 0, [delivery.entry_id])
         if not reply or not reply[0][1]:
             return None
-        fresh = Delivery(delivery.stream, delivery.key, delivery.entry_id, reply[0][1], 0)
-        await self._counts([fresh])
+        [fresh] = await self._counted([(delivery.key, delivery.entry_id, reply[0][1])])
         return fresh
 
-    async def _counts(self, deliveries: list[Delivery]) -> None:
-        """Fill in Redis' delivery counters (reads from history and claims bump them)."""
-        if not deliveries:
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for d in deliveries:
-                pipe.xpending_range(d.key, self.keys.group, d.entry_id, d.entry_id, 1)
-            replies = await pipe.execute()
-        for d, reply in zip(deliveries, replies):
-            d.deliveries = int(reply[0]["times_delivered"]) if reply else 1
-
-    async def group_stats(self) -> dict[str, dict[str, Any]]:
+    async def group_stats(self) -> dict[Stream, dict[str, Any]]:
         out = {}
         for key, stream in self.streams.items():
             entry: dict[str, Any] = {"length": await self.redis.xlen(key), "pending": 0, "lag": None}
@@ -112,3 +118,161 @@ class Intake:
                     entry.update(pending=group["pending"], lag=group.get("lag"))
             out[stream] = entry
         return out
+
+    async def _counted(self, found: list[tuple[str, str, dict]]) -> list[Delivery]:
+        """Deliveries with Redis' delivery counters (reads from history and claims bump them)."""
+        if not found:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key, entry_id, _ in found:
+                pipe.xpending_range(key, self.keys.group, entry_id, entry_id, 1)
+            replies = await pipe.execute()
+        return [self._parse(key, entry_id, fields, int(reply[0]["times_delivered"]) if reply else 1)
+                for (key, entry_id, fields), reply in zip(found, replies)]
+
+    def _parse(self, key: str, entry_id: str, fields: dict | None, deliveries: int) -> Delivery:
+        return Delivery.parse(self.keys, self.streams[key], key, entry_id, fields or {}, deliveries)
+
+
+class Intake:
+    """The held entries (loop thread only) and the two loops that fill them and keep them."""
+
+    def __init__(self, consumer: Consumer, link: Link, settings: Settings, metrics: Metrics,
+                 accept: Callable[[Delivery], None], stopping: threading.Event, identity: dict[str, str]) -> None:
+        self.consumer, self.link, self.settings, self.metrics = consumer, link, settings, metrics
+        self.accept = accept
+        self.stopping = stopping
+        self.identity = identity  # model and engine, for the heartbeat in Keys.workers
+        self.held: dict[str, Delivery] = {}  # entry id -> delivery: read, planned, queued or computing
+        self.room = asyncio.Event()  # set when an entry is released
+        self.lost: dict[tuple[str, str], None] = {}  # (stream key, entry id) counted as lost, recent ones
+        self.read_turn: float | None = None  # the reader's last turn (liveness)
+        self.reading_since: float | None = None  # the reader has waited on Redis since (health: Redis' fault)
+
+    async def run_reader(self) -> None:
+        """Until stopping: own pending entries first (at start, and after a reply may have been lost), then new."""
+        settings = self.settings
+        recover = True
+        while not self.stopping.is_set():
+            self.read_turn = time.time()
+            self.metrics.heartbeat.labels("reader").set(self.read_turn)
+            self.reading_since = None
+            if len(self.held) >= settings.max_inflight:
+                self.room.clear()
+                try:
+                    await asyncio.wait_for(self.room.wait(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            self.reading_since = time.time()
+            try:
+                if recover:
+                    deliveries = await self.consumer.own_pending(settings.read_count)
+                    how, recover = "recovered", False
+                else:
+                    deliveries = await self.consumer.read(settings.read_count, settings.block_ms)
+                    how = "read"
+                self.link.answered()
+            except redis.ResponseError as error:
+                if "NOGROUP" not in str(error):
+                    raise
+                await self._group_lost()
+                continue
+            except REDIS_ERRORS as error:
+                self.link.failed("read", error)
+                recover = True
+                await asyncio.sleep(0.5)
+                continue
+            for delivery in deliveries:
+                self.take(delivery, how)
+
+    async def run_maintenance(self) -> None:
+        """Until cancelled: keep held entries alive, reclaim dead consumers' entries; stats and heartbeat every 5 s."""
+        settings = self.settings
+        every = max(0.1, min(5.0, settings.claim_idle_ms / 4000))
+        last_stats = float("-inf")
+        while True:
+            self.metrics.heartbeat.labels("maintenance").set(time.time())
+            try:
+                await self.consumer.keep_alive(list(self.held.values()))
+                reclaimed, gone = await self.consumer.reclaim(settings.claim_idle_ms, settings.read_count)
+                if lost := self.count_lost(gone):
+                    log.error("%d pending entries had no payload any more (trimmed?)", lost)
+                fresh = [d for d in reclaimed if d.entry_id not in self.held]
+                if fresh:  # one line per reclaim, not one per entry (a dead worker may have held hundreds)
+                    log.info("reclaimed %d entries from consumers idle over %d ms", len(fresh), settings.claim_idle_ms)
+                for delivery in fresh:
+                    log.debug("reclaimed %s of %s (delivery %d)", delivery.entry_id, delivery.key, delivery.deliveries)
+                    self.take(delivery, "reclaimed")
+                if time.monotonic() - last_stats > 5:
+                    last_stats = time.monotonic()
+                    await self._report()
+            except redis.ResponseError as error:
+                if "NOGROUP" in str(error):  # not left to the reader: it may be waiting for room, not reading
+                    await self._group_lost()
+                else:
+                    log.warning("maintenance: %s", error)
+            except REDIS_ERRORS as error:
+                self.metrics.redis_errors.labels("maintenance").inc()
+                log.debug("maintenance: redis unavailable: %s", error)
+            await asyncio.sleep(every)
+
+    def take(self, delivery: Delivery, how: str) -> None:
+        """Hold an entry and hand it to ``accept``, once however many ways it arrived (read, recovered, ...)."""
+        if delivery.entry_id in self.held:
+            return
+        self.held[delivery.entry_id] = delivery
+        metrics = self.metrics
+        metrics.inflight.set(len(self.held))
+        metrics.entries.labels(delivery.stream, how).inc()
+        if delivery.deliveries > 1:
+            metrics.redeliveries.labels(delivery.stream).inc()
+        else:
+            metrics.queue_wait.observe(max(0.0, delivery.taken - delivery.enqueued_ms / 1000))
+        self.accept(delivery)
+
+    def release(self, delivery: Delivery) -> None:
+        self.held.pop(delivery.entry_id, None)
+        self.metrics.inflight.set(len(self.held))
+        self.room.set()
+
+    async def retry(self, delivery: Delivery) -> None:
+        """Take an own entry again (its delivery counter goes up) and hand it to ``accept`` as a new delivery."""
+        fresh = await self.link.until(lambda: self.consumer.claim_again(delivery), "claim")
+        self.release(delivery)
+        if fresh is not None:
+            self.take(fresh, "retried")
+
+    def count_lost(self, entries: list[tuple[str, str]]) -> int:
+        """Count payload-less pending entries once each: a reclaim may report an entry that the reader is acking
+        as lost at the same moment (both saw it in the pending list)."""
+        fresh = [entry for entry in entries if entry not in self.lost]
+        self.lost.update(dict.fromkeys(fresh))
+        while len(self.lost) > LOST_REMEMBERED:
+            del self.lost[next(iter(self.lost))]
+        self.metrics.lost.inc(len(fresh))
+        return len(fresh)
+
+    async def start(self) -> None:
+        await self.link.until(self.consumer.ensure_groups, "create groups")
+
+    async def leave(self) -> None:
+        """Take this worker's heartbeat out of Keys.workers (on a clean stop)."""
+        await self.consumer.redis.hdel(self.consumer.keys.workers(), self.consumer.name)
+
+    async def _group_lost(self) -> None:
+        """Redis lost the group (a restart without persistence, a failover to an empty replica): recreate it once,
+        whichever loop noticed first, and report the loss."""
+        if await self.link.until(self.consumer.ensure_groups, "create groups"):
+            log.error("consumer group missing (Redis lost its data?): recreated it; entries not yet read are lost")
+            self.metrics.groups_recreated.inc()
+
+    async def _report(self) -> None:
+        """Stream lengths, pending and lag as metrics; this worker's heartbeat in Keys.workers."""
+        for stream, stats in (await self.consumer.group_stats()).items():
+            self.metrics.stream_length.labels(stream).set(stats["length"])
+            self.metrics.stream_pending.labels(stream).set(stats["pending"])
+            if stats["lag"] is not None:
+                self.metrics.stream_lag.labels(stream).set(stats["lag"])
+        beat = {"ts": time.time(), "inflight": len(self.held), **self.identity}
+        await self.consumer.redis.hset(self.consumer.keys.workers(), self.consumer.name, json.dumps(beat))

@@ -1,4 +1,5 @@
-"""Entry -> task: validate, check size and deadline, render and tokenize, beside the GPU.
+"""Entry -> task: validate, check size and deadline, render and tokenize, beside the GPU; and whether the task
+fans out (a request too long for one worker in good time is sent back as parts any worker may take).
 
 Planning is mostly Python (templates, validation): in threads it competes with the GPU thread for the GIL, so a
 busy GPU worker plans in separate processes (``--planner-processes``), each with its own encoder built from the
@@ -7,7 +8,6 @@ checkpoint's render spec (tokenizer, template; no weights). Threads suit CPU run
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import threading
@@ -15,35 +15,23 @@ import time
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
-from producer.keys import ID_PATTERN
+from producer.keys import Field
 from producer.schema import ErrorCode, Request, RequestError, parse_request
 
 from .config import Settings
+from .entries import REQUESTS, Delivery
 from .model.checkpoint import DecisionModel, RenderSpec
 from .model.encoder import Encoder
 from .model.engine import Chunk
-from .tasks import CHUNKS, Delivery, Task
+from .tasks import Task
 
 
-def request_id_of(delivery: Delivery) -> str:
-    """The id a result is published under: a part's request, the body's valid ``id``, else the entry id."""
-    if delivery.stream == CHUNKS:
-        return delivery.fields[b"request_id"].decode()
-    try:
-        candidate = json.loads(delivery.fields.get(b"body", b"")).get("id")
-    except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):  # any body at all
-        candidate = None
-    if isinstance(candidate, str) and ID_PATTERN.match(candidate):
-        return candidate
-    return delivery.entry_id
-
-
-def plan_entry(encoder: Encoder, settings: Settings, delivery: Delivery, body: bytes | None
+def plan_entry(encoder: Encoder, settings: Settings, raw: bytes | None, questions: list[str] | None
                ) -> tuple[Request, list[Chunk]]:
-    """Raises RequestError (answered at once, never retried) for bad input and expired deadlines."""
-    raw = body if body is not None else delivery.fields.get(b"body")
+    """A request body (of a request entry, or stored for a part) planned whole, or only the part's ``questions``.
+    Raises RequestError (answered at once, never retried) for bad input and expired deadlines."""
     if raw is None:
-        raise RequestError(ErrorCode.INVALID_REQUEST, "the entry has no 'body' field")
+        raise RequestError(ErrorCode.INVALID_REQUEST, f"the entry has no {Field.BODY!r} field")
     if len(raw) > settings.max_entry_bytes:
         raise RequestError(ErrorCode.TOO_LARGE,
                            f"the entry is {len(raw)} bytes; this worker takes at most {settings.max_entry_bytes}")
@@ -51,8 +39,20 @@ def plan_entry(encoder: Encoder, settings: Settings, delivery: Delivery, body: b
     if request.deadline_ms is not None and time.time() * 1000 > request.deadline_ms:
         late = time.time() * 1000 - request.deadline_ms
         raise RequestError(ErrorCode.DEADLINE_EXCEEDED, f"the deadline passed {late:.0f} ms before compute")
-    names = json.loads(delivery.fields[b"questions"]) if delivery.stream == CHUNKS else None
-    return request, encoder.plan(request, names)
+    return request, encoder.plan(request, questions)
+
+
+def part_groups(task: Task, budget: int) -> list[list[str]]:
+    """Consecutive chunks grouped into parts of at most ``budget`` tokens (a longer chunk is a part alone)."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for chunk in task.chunks:
+        if groups[-1] and used + chunk.length > budget:
+            groups.append([])
+            used = 0
+        groups[-1].extend(q.name for q in chunk.questions)
+        used += chunk.length
+    return groups
 
 
 # ---- planner processes: one encoder per process, errors returned as values (they cross a pickle boundary)
@@ -78,10 +78,10 @@ def _init_process(spec: RenderSpec, settings: Settings, parent: int) -> None:
     _PROCESS_ENCODER, _PROCESS_SETTINGS = Encoder(spec, settings.max_image_pixels), settings
 
 
-def _plan_in_process(delivery: Delivery, body: bytes | None) -> Any:
+def _plan_in_process(raw: bytes | None, questions: list[str] | None) -> Any:
     assert _PROCESS_ENCODER is not None and _PROCESS_SETTINGS is not None
     try:
-        request, chunks = plan_entry(_PROCESS_ENCODER, _PROCESS_SETTINGS, delivery, body)
+        request, chunks = plan_entry(_PROCESS_ENCODER, _PROCESS_SETTINGS, raw, questions)
     except RequestError as error:
         return (error.code, error.message)
     return request, [_to_arrays(chunk) for chunk in chunks]
@@ -108,7 +108,8 @@ def _from_arrays(fields: dict[str, Any]) -> Chunk:
 
 
 class Planner:
-    """``submit`` returns a future of the entry's Task; bad input fails the future with RequestError."""
+    """``submit`` returns a future of the entry's Task (``fan_out`` set when it is to be sent out as parts); bad
+    input fails the future with RequestError."""
 
     def __init__(self, model: DecisionModel, settings: Settings) -> None:
         self.model, self.settings = model, settings
@@ -134,13 +135,14 @@ class Planner:
             encoder = self._local.encoder = Encoder(self.model, self.settings.max_image_pixels)
         return encoder
 
-    def _plan_in_thread(self, delivery: Delivery, body: bytes | None) -> tuple[Request, list[Chunk]]:
-        return plan_entry(self._encoder(), self.settings, delivery, body)
+    def _plan_in_thread(self, raw: bytes | None, questions: list[str] | None) -> tuple[Request, list[Chunk]]:
+        return plan_entry(self._encoder(), self.settings, raw, questions)
 
     def submit(self, delivery: Delivery, body: bytes | None = None) -> Future[Task]:
+        """``body``: a part's request body (stored apart); a request entry carries its own."""
         out: Future[Task] = Future()
         work = _plan_in_process if self.processes > 0 else self._plan_in_thread
-        inner = self.pool.submit(work, delivery, body)
+        inner = self.pool.submit(work, body if body is not None else delivery.body, delivery.questions)
 
         def done(finished: Future) -> None:
             try:
@@ -154,14 +156,20 @@ class Planner:
             request, chunks = value
             if self.processes > 0:
                 chunks = [_from_arrays(chunk) for chunk in chunks]
-            task = Task(delivery=delivery, request_id=request_id_of(delivery), request=request, chunks=chunks,
-                        remaining=len(chunks))
-            if delivery.stream == CHUNKS:
-                task.part, task.parts = int(delivery.fields[b"part"]), int(delivery.fields[b"parts"])
+            task = Task(delivery=delivery, request=request, chunks=chunks, remaining=len(chunks))
+            task.fan_out = self._fan_out(task)
             out.set_result(task)
 
         inner.add_done_callback(done)
         return out
+
+    def _fan_out(self, task: Task) -> list[list[str]]:
+        """The parts a request over ``--fanout-tokens`` (in several prompts) is sent out as; none to keep it here."""
+        budget = self.settings.fanout_tokens
+        if task.delivery.stream != REQUESTS or len(task.chunks) < 2 or task.tokens <= budget:
+            return []
+        groups = part_groups(task, budget)
+        return groups if len(groups) > 1 else []
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

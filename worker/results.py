@@ -1,30 +1,42 @@
-"""Results: aggregate parts, publish each request's result exactly once, then acknowledge the entries.
+"""Results, where every entry ends: a task's answers gathered, its result published exactly once, the entry acked.
 
 Order, for at-least-once processing with exactly one result: the Lua script makes the result durable (first
 publication wins, later ones are no-ops), then the entry is acknowledged and deleted. A crash between the two
 redelivers the entry; its second result is refused by the script. Parts of a fanned-out request are kept in a hash
 keyed by part index (a set of finished parts, not a counter), so a part processed twice counts once.
+``Publisher`` is the Redis side (torch-free: ops/redis_bench.py measures it alone); ``Results`` is the stage on the
+asyncio thread, and compute's sink.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import redis
 from redis.asyncio import RedisCluster
 
-from producer.keys import Keys
+from producer.keys import Field, Keys
 from producer.schema import ErrorCode, Result, Timings, Usage
 
-from .tasks import Delivery, Task
+from .entries import Delivery
+from .link import Link
+from .metrics import Metrics
+from .tasks import Item, Task
 
+if TYPE_CHECKING:
+    from .model.readout import Answer
+
+log = logging.getLogger("worker")
 # KEYS: result stream, parts hash, body key. ARGV: result JSON, TTL seconds. 1 if published now, 0 if already.
-PUBLISH = """
+PUBLISH = f"""
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('XADD', KEYS[1], '*', 'body', ARGV[1])
+redis.call('XADD', KEYS[1], '*', '{Field.BODY}', ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('DEL', KEYS[2], KEYS[3])
 return 1
@@ -39,22 +51,18 @@ if redis.call('HLEN', KEYS[1]) < tonumber(ARGV[2]) then return 0 end
 return redis.call('HGETALL', KEYS[1])
 """
 CLUSTER_CONCURRENCY = 64  # script calls in flight at once on Redis Cluster (connections per node stay bounded)
+BATCH = 512  # outcomes settled in one go at most
 
 
 @dataclass
 class Outcome:
     """How one entry ended: a result for its request, or (for a part) the part's share of it."""
 
-    delivery: Delivery
-    request_id: str
+    delivery: Delivery  # names the request (``request_id``)
     reply_to: str | None
     result: Result | None = None  # the request's result (whole requests and errors)
     part: tuple[int, int, dict[str, Any]] | None = None  # (index, count, share) of a fanned-out request
     order: list[str] | None = None  # question order of the request, for merging parts
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def share(task: Task) -> dict[str, Any]:
@@ -72,7 +80,7 @@ def share(task: Task) -> dict[str, Any]:
 
 def ok_result(request_id: str, shares: list[dict[str, Any]], order: list[str], enqueued_ms: int,
               model: str) -> Result:
-    merged: dict[str, dict[str, Any]] = {k: {} for k in ("answers", "logits", "probabilities", "options")}
+    merged: dict[str, dict[str, Any]] = {key: {} for key in ("answers", "logits", "probabilities", "options")}
     for part in shares:
         for key in merged:
             merged[key].update(part[key])
@@ -82,78 +90,83 @@ def ok_result(request_id: str, shares: list[dict[str, Any]], order: list[str], e
         usage=Usage(tokens=sum(p["tokens"] for p in shares), prompts=sum(p["prompts"] for p in shares),
                     parts=len(shares)),
         timings=Timings(enqueued_ms=enqueued_ms, started_ms=min(p["started_ms"] for p in shares),
-                        finished_ms=_now_ms(), compute_ms=round(sum(p["compute_ms"] for p in shares), 3)))
+                        finished_ms=int(time.time() * 1000), compute_ms=round(sum(p["compute_ms"] for p in shares), 3)))
 
 
 def task_outcome(task: Task, model: str) -> Outcome:
     order = list(task.request.questions)
     if task.parts > 1:
-        return Outcome(task.delivery, task.request_id, task.request.reply_to,
-                       part=(task.part, task.parts, share(task)), order=order)
+        return Outcome(task.delivery, task.request.reply_to, part=(task.part, task.parts, share(task)), order=order)
     names = [q.name for chunk in task.chunks for q in chunk.questions]
     result = ok_result(task.request_id, [share(task)], names, task.delivery.enqueued_ms, model)
-    return Outcome(task.delivery, task.request_id, task.request.reply_to, result=result)
+    return Outcome(task.delivery, task.request.reply_to, result=result)
 
 
-def error_outcome(delivery: Delivery, request_id: str, code: ErrorCode, message: str, model: str,
+def error_outcome(delivery: Delivery, code: ErrorCode, message: str, model: str,
                   reply_to: str | None = None) -> Outcome:
+    """An error result for the entry's request; its reply stream is the delivery's unless given."""
     timings = Timings(enqueued_ms=delivery.enqueued_ms, started_ms=int(delivery.taken * 1000),
-                      finished_ms=_now_ms())
-    return Outcome(delivery, request_id, reply_to,
-                   result=Result.failure(request_id, code, message, timings=timings, model=model))
+                      finished_ms=int(time.time() * 1000))
+    return Outcome(delivery, reply_to if reply_to is not None else delivery.reply_to,
+                   result=Result.failure(delivery.request_id, code, message, timings=timings, model=model))
 
 
 class Publisher:
     """Settles outcomes in batches: two or three pipelined round trips however many there are."""
 
-    def __init__(self, redis: Any, keys: Keys, ttl_seconds: int, model: str) -> None:
-        self.redis = redis
+    def __init__(self, redis_client: Any, keys: Keys, ttl_seconds: int, model: str) -> None:
+        self.redis = redis_client
         self.keys = keys
         self.ttl = ttl_seconds
         self.model = model
-        self._publish = redis.register_script(PUBLISH)
-        self._part = redis.register_script(PART)
+        self._publish = redis_client.register_script(PUBLISH)
+        self._part = redis_client.register_script(PART)
 
     async def settle(self, outcomes: list[Outcome]) -> list[tuple[Outcome, Result | None, bool]]:
         """Publish and acknowledge; returns (outcome, result published for its request or None, published now).
         Idempotent: on a Redis error the caller retries the whole batch."""
-        k = self.keys
         calls = []
-        for o in outcomes:
-            if o.part is None:
-                calls.append((self._publish, [k.result(o.request_id), k.parts(o.request_id), k.body(o.request_id)],
-                              [o.result.model_dump_json(exclude_none=True), self.ttl]))
+        for outcome in outcomes:
+            if outcome.part is None:
+                calls.append(self._publication(outcome, outcome.result))
             else:
-                index, count, part = o.part
-                calls.append((self._part, [k.parts(o.request_id), k.result(o.request_id)],
+                index, count, part = outcome.part
+                request_id = outcome.delivery.request_id
+                calls.append((self._part, [self.keys.parts(request_id), self.keys.result(request_id)],
                               [index, count, json.dumps(part), self.ttl]))
         replies = await self._scripts(calls)
         final: list[tuple[Outcome, Result | None, Any]] = []
         merges: list[tuple[Outcome, Result]] = []
-        for o, reply in zip(outcomes, replies):
-            if o.part is None:
-                final.append((o, o.result, reply))
+        for outcome, reply in zip(outcomes, replies):
+            if outcome.part is None:
+                final.append((outcome, outcome.result, reply))
             elif isinstance(reply, list):  # the last part: merge and publish the request's result
-                shares = [json.loads(reply[i + 1]) for i in sorted(range(0, len(reply), 2), key=lambda i: int(reply[i]))]
-                merges.append((o, ok_result(o.request_id, shares, o.order or [], o.delivery.enqueued_ms, self.model)))
+                indexes = sorted(range(0, len(reply), 2), key=lambda at: int(reply[at]))  # HGETALL: index, share, ...
+                shares = [json.loads(reply[at + 1]) for at in indexes]
+                merges.append((outcome, ok_result(outcome.delivery.request_id, shares, outcome.order or [],
+                                                  outcome.delivery.enqueued_ms, self.model)))
             else:
-                final.append((o, None, 0))
+                final.append((outcome, None, 0))
         if merges:
-            replies = await self._scripts([
-                (self._publish, [k.result(o.request_id), k.parts(o.request_id), k.body(o.request_id)],
-                 [result.model_dump_json(exclude_none=True), self.ttl]) for o, result in merges])
-            for (o, result), reply in zip(merges, replies):
-                final.append((o, result, reply))
+            replies = await self._scripts([self._publication(outcome, result) for outcome, result in merges])
+            final += [(outcome, result, reply) for (outcome, result), reply in zip(merges, replies)]
         async with self.redis.pipeline(transaction=False) as pipe:
-            for o, result, published in final:
+            for outcome, result, published in final:
+                entry = outcome.delivery
                 # A redelivered entry may have crashed between publishing and replying: reply again.
-                if result is not None and o.reply_to and (published or o.delivery.deliveries > 1):
-                    pipe.xadd(o.reply_to, {"id": o.request_id, "body": result.model_dump_json(exclude_none=True)})
-                    pipe.expire(o.reply_to, self.ttl)
-                pipe.xack(o.delivery.key, k.group, o.delivery.entry_id)
-                pipe.xdel(o.delivery.key, o.delivery.entry_id)
+                if result is not None and outcome.reply_to and (published or entry.deliveries > 1):
+                    pipe.xadd(outcome.reply_to, {Field.REPLY_ID: entry.request_id,
+                                                 Field.BODY: result.model_dump_json(exclude_none=True)})
+                    pipe.expire(outcome.reply_to, self.ttl)
+                pipe.xack(entry.key, self.keys.group, entry.entry_id)
+                pipe.xdel(entry.key, entry.entry_id)
             await pipe.execute()
-        return [(o, result, bool(published)) for o, result, published in final]
+        return [(outcome, result, bool(published)) for outcome, result, published in final]
+
+    def _publication(self, outcome: Outcome, result: Result) -> tuple[Any, list[str], list[Any]]:
+        request_id = outcome.delivery.request_id
+        return (self._publish, [self.keys.result(request_id), self.keys.parts(request_id), self.keys.body(request_id)],
+                [result.model_dump_json(exclude_none=True), self.ttl])
 
     async def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
         """Script calls in one pipelined round trip; on Redis Cluster, whose pipelines refuse scripts, as concurrent
@@ -169,40 +182,127 @@ class Publisher:
                 await script(keys=keys, args=args, client=pipe)
             return await pipe.execute()
 
-    async def fan_out(self, task: Task, groups: list[list[str]]) -> None:
-        """Store the request once, add one chunk-stream entry per part, then acknowledge the request entry."""
-        k, d = self.keys, task.delivery
-        raw = d.fields[b"body"]
+    async def fan_out(self, task: Task) -> None:
+        """Store the request once, add one chunk-stream entry per part (``task.fan_out``), then acknowledge the
+        request entry."""
+        entry, groups = task.delivery, task.fan_out
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(k.body(task.request_id), raw, ex=self.ttl)
+            pipe.set(self.keys.body(entry.request_id), entry.body, ex=self.ttl)
             for index, names in enumerate(groups):
-                pipe.xadd(k.chunks, {"request_id": task.request_id, "part": index, "parts": len(groups),
-                                     "questions": json.dumps(names), "enqueued_ms": d.enqueued_ms})
+                pipe.xadd(self.keys.chunks, {Field.REQUEST_ID: entry.request_id, Field.PART: index,
+                                             Field.PARTS: len(groups), Field.QUESTIONS: json.dumps(names),
+                                             Field.ENQUEUED_MS: entry.enqueued_ms})
             await pipe.execute()
-        await self.ack([d])
+        await self.ack([entry])
 
     async def ack(self, deliveries: list[Delivery]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
-            for d in deliveries:
-                pipe.xack(d.key, self.keys.group, d.entry_id)
-                pipe.xdel(d.key, d.entry_id)
+            for entry in deliveries:
+                pipe.xack(entry.key, self.keys.group, entry.entry_id)
+                pipe.xdel(entry.key, entry.entry_id)
             await pipe.execute()
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Copy the entry to the dead-letter stream first: a crash afterwards leaves a duplicate, never a loss."""
-        fields = {"stream": delivery.stream, "entry_id": delivery.entry_id, "deliveries": delivery.deliveries,
-                  "reason": reason[:2000], **{k.decode(): v for k, v in delivery.fields.items()}}
+        fields = {Field.STREAM: delivery.stream, Field.ENTRY_ID: delivery.entry_id,
+                  Field.DELIVERIES: delivery.deliveries, Field.REASON: reason[:2000],
+                  **{name.decode(): value for name, value in delivery.fields.items()}}
         await self.redis.xadd(self.keys.dead, fields)
 
 
-def part_groups(task: Task, budget: int) -> list[list[str]]:
-    """Consecutive chunks grouped into parts of at most ``budget`` tokens (a longer chunk is a part alone)."""
-    groups: list[list[str]] = [[]]
-    used = 0
-    for chunk in task.chunks:
-        if groups[-1] and used + chunk.length > budget:
-            groups.append([])
-            used = 0
-        groups[-1].extend(q.name for q in chunk.questions)
-        used += chunk.length
-    return groups
+class Results:
+    """The stage: the GPU stage's sink, and the loop that publishes outcomes. Task state is the loop thread's: the
+    three sink calls come from the GPU thread and only hop onto the loop."""
+
+    def __init__(self, publisher: Publisher, link: Link, loop: asyncio.AbstractEventLoop, metrics: Metrics,
+                 release: Callable[[Delivery], None], fail: Callable[[Delivery, str], None]) -> None:
+        self.publisher, self.link, self.loop, self.metrics = publisher, link, loop, metrics
+        self.model = publisher.model
+        self.release = release  # the entry is settled: intake lets it go
+        self.fail = fail  # the daemon's failure policy (retry, or dead-letter)
+        self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
+        self.publish_logged = float("-inf")
+
+    # ---- compute's sink (GPU thread)
+
+    def chunk_done(self, item: Item, answers: list[Answer], seconds: float) -> None:
+        self.loop.call_soon_threadsafe(self._chunk_done, item, answers, seconds)
+
+    def task_failed(self, task: Task, reason: str) -> None:
+        self.loop.call_soon_threadsafe(self._task_failed, task, reason)
+
+    def task_expired(self, task: Task) -> None:
+        self.loop.call_soon_threadsafe(self._task_expired, task)
+
+    # ---- loop thread
+
+    def _chunk_done(self, item: Item, answers: list[Answer], seconds: float) -> None:
+        task = item.task
+        if task.cancelled:
+            return
+        task.answers.update({answer.name: answer for answer in answers})
+        task.compute_seconds += seconds
+        task.remaining -= 1
+        if task.remaining == 0:
+            self.settle(task_outcome(task, self.model))
+
+    def _task_failed(self, task: Task, reason: str) -> None:
+        if not task.cancelled:
+            task.cancelled = True
+            self.fail(task.delivery, reason)
+
+    def _task_expired(self, task: Task) -> None:
+        if task.cancelled or task.remaining == 0:
+            return
+        task.cancelled = True
+        self.settle(error_outcome(task.delivery, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before compute",
+                                  self.model, task.request.reply_to))
+
+    def settle(self, outcome: Outcome) -> None:
+        self.outcomes.put_nowait(outcome)
+
+    async def ack_only(self, delivery: Delivery) -> None:
+        await self.link.until(lambda: self.publisher.ack([delivery]), "ack")
+        self.release(delivery)
+
+    async def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        log.error("dead-lettering %s of %s after %d deliveries: %s", delivery.entry_id, delivery.key,
+                  delivery.deliveries, reason)
+        await self.link.until(lambda: self.publisher.dead_letter(delivery, reason), "dead letter")
+        self.metrics.dead_letters.inc()
+        self.settle(error_outcome(delivery, ErrorCode.DEAD_LETTERED,
+                                  f"gave up after {delivery.deliveries} deliveries: {reason}", self.model))
+
+    async def run(self) -> None:
+        """Until cancelled: settle what is queued, up to BATCH outcomes at a time; never drop a batch."""
+        while True:
+            batch = [await self.outcomes.get()]
+            while not self.outcomes.empty() and len(batch) < BATCH:
+                batch.append(self.outcomes.get_nowait())
+            try:
+                done = await self.link.until(lambda: self.publisher.settle(batch), "publish")
+            except redis.exceptions.NoScriptError:  # the script cache was flushed (restart, failover, SCRIPT FLUSH)
+                log.warning("script cache flushed while publishing %d outcomes: publishing them again", len(batch))
+                for outcome in batch:  # the pipeline reloads the scripts; settling is idempotent
+                    self.outcomes.put_nowait(outcome)
+                await asyncio.sleep(0.01)
+                continue
+            except Exception as error:  # noqa: BLE001 - never drop a batch: log, wait, try again
+                # e.g. OOM (Redis full under noeviction) or NOPERM (ACL): it lasts until an operator acts; one
+                # line per 30 s, every failure counted.
+                self.metrics.redis_errors.labels("publish").inc()
+                if time.monotonic() - self.publish_logged > 30:
+                    self.publish_logged = time.monotonic()
+                    log.error("publishing %d outcomes failed (%s: %s); retrying every second", len(batch),
+                              type(error).__name__, error, exc_info=not isinstance(error, redis.ResponseError))
+                for outcome in batch:
+                    self.outcomes.put_nowait(outcome)
+                await asyncio.sleep(1.0)
+                continue
+            now = time.time()
+            for outcome, result, published in done:
+                self.release(outcome.delivery)
+                if result is not None and published:
+                    code = result.error.code.value if result.error else ""
+                    self.metrics.results.labels(result.status, code).inc()
+                    self.metrics.latency.observe(max(0.0, now - outcome.delivery.enqueued_ms / 1000))

@@ -1,35 +1,21 @@
-"""The plain objects handed between the daemon's stages: a stream entry, the task it becomes, a chunk of work."""
+"""The plain objects handed between the queue stages: the task an entry becomes, and the chunks of work it holds.
+
+Torch-free at run time: chunks and answers are only named here, for their types.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from producer.schema import Request
 
-from .model.engine import Chunk
-from .model.readout import Answer
+from .entries import Delivery
 
-REQUESTS, CHUNKS = "requests", "chunks"
-
-
-@dataclass
-class Delivery:
-    """One stream entry as Redis handed it to this consumer."""
-
-    stream: str  # REQUESTS or CHUNKS
-    key: str  # the stream's Redis key
-    entry_id: str
-    fields: dict[bytes, bytes]
-    deliveries: int  # Redis' delivery counter, this delivery included
-    taken: float = field(default_factory=time.time)
-
-    @property
-    def enqueued_ms(self) -> int:
-        """Entry ids start with the enqueue time in ms; parts carry their request's."""
-        if b"enqueued_ms" in self.fields:
-            return int(self.fields[b"enqueued_ms"])
-        return int(self.entry_id.split("-")[0])
+if TYPE_CHECKING:
+    from .model.engine import Chunk
+    from .model.readout import Answer
 
 
 @dataclass
@@ -37,15 +23,25 @@ class Task:
     """The work of one entry: a whole request, or one part of a fanned-out request."""
 
     delivery: Delivery
-    request_id: str
     request: Request
-    part: int = 0
-    parts: int = 1
     chunks: list[Chunk] = field(default_factory=list)
+    fan_out: list[list[str]] = field(default_factory=list)  # question names per part, when it fans out (planner)
     answers: dict[str, Answer] = field(default_factory=dict)
-    remaining: int = 0
+    remaining: int = 0  # chunks not answered yet
     compute_seconds: float = 0.0
     cancelled: bool = False  # failed or expired: its chunks still queued are skipped
+
+    @property
+    def request_id(self) -> str:
+        return self.delivery.request_id
+
+    @property
+    def part(self) -> int:
+        return self.delivery.part
+
+    @property
+    def parts(self) -> int:
+        return self.delivery.parts
 
     @property
     def tokens(self) -> int:

@@ -66,15 +66,14 @@ def main() -> int:
     from worker.__main__ import main as worker_main
     from worker import daemon as daemons
 
-    real_init = daemons.Daemon.__init__
+    real_create = daemons.create_engine
 
-    def faulty_init(self, settings, model=None):
-        real_init(self, settings, model)
-        self.engine = FaultyEngine(self.engine, self.model.tokenizer, os.environ.get("DQ_FAULT_RAISE", ""),
-                                   float(os.environ.get("DQ_FAULT_SLOW_S", "0")))
+    def faulty_create(model, settings):
+        return FaultyEngine(real_create(model, settings), model.tokenizer, os.environ.get("DQ_FAULT_RAISE", ""),
+                            float(os.environ.get("DQ_FAULT_SLOW_S", "0")))
 
-    # The daemon's own construction runs unchanged; its engine is wrapped right after.
-    daemons.Daemon.__init__ = faulty_init
+    # The daemon's own construction runs unchanged; the engine it creates comes wrapped.
+    daemons.create_engine = faulty_create
     return worker_main(sys.argv[1:])
 
 

@@ -17,8 +17,8 @@ from producer.client import aconnect
 from producer.keys import Keys
 from producer.schema import Result
 from worker.redis_server import RedisServer
+from worker.entries import CHUNKS, REQUESTS, Delivery
 from worker.results import Outcome, Publisher
-from worker.tasks import CHUNKS, REQUESTS, Delivery
 
 pytestmark = pytest.mark.redis
 
@@ -68,7 +68,7 @@ async def deliver(r, keys: Keys, consumer: str, fields: dict) -> Delivery:
     """A real chunk-stream entry taken by ``consumer``, so that acknowledging it is checked too."""
     await r.xadd(keys.chunks, fields)
     [[_, [(entry_id, got)]]] = await r.xreadgroup(keys.group, consumer, {keys.chunks: ">"}, count=1)
-    return Delivery(CHUNKS, keys.chunks, entry_id.decode(), got, 1)
+    return Delivery.parse(keys, CHUNKS, keys.chunks, entry_id.decode(), got, 1)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -87,8 +87,10 @@ def test_parts_in_any_order_and_any_number_of_times_publish_one_complete_result(
         await r.set(keys.body(request_id), "{}")  # what a fan-out stores; publication deletes it
         outcomes: list[list[Outcome]] = [[], []]
         for index, who in zip(order, owner):
-            d = await deliver(r, keys, f"w{who}", {"request_id": request_id, "part": index})
-            outcomes[who].append(Outcome(d, request_id, None, part=(index, len(sizes), share(index, names[index])),
+            d = await deliver(r, keys, f"w{who}", {"request_id": request_id, "part": index, "parts": len(sizes),
+                                                   "questions": json.dumps(names[index])})
+            assert d.invalid is None and (d.request_id, d.part, d.parts) == (request_id, index, len(sizes))
+            outcomes[who].append(Outcome(d, None, part=(index, len(sizes), share(index, names[index])),
                                          order=question_order))
 
         async def settle(who: int) -> list:
@@ -135,9 +137,10 @@ def test_whole_results_published_several_times_keep_the_first(server, publicatio
         await workers[0].xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
         outcomes: list[list[Outcome]] = [[], []]
         for n, (who, status) in enumerate(publications):
-            entry_id = (await workers[0].xadd(keys.requests, {"body": "{}"})).decode()
-            d = Delivery(REQUESTS, keys.requests, entry_id, {b"body": b"{}"}, 1)
-            outcomes[who].append(Outcome(d, request_id, None, result=result(n, status)))
+            body = json.dumps({"id": request_id})
+            entry_id = (await workers[0].xadd(keys.requests, {"body": body})).decode()
+            d = Delivery.parse(keys, REQUESTS, keys.requests, entry_id, {b"body": body.encode()}, 1)
+            outcomes[who].append(Outcome(d, None, result=result(n, status)))
 
         async def settle(who: int) -> list:
             publisher = Publisher(workers[who], keys, TTL, "tiny")

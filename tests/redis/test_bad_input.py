@@ -21,8 +21,7 @@ from fuzz_requests import _deep, bodies
 from producer.client import Client
 from producer.invariant import settle
 from support import png
-from worker.planner import request_id_of
-from worker.tasks import REQUESTS, Delivery
+from worker.entries import REQUESTS, Delivery
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -121,8 +120,8 @@ def test_bad_input_is_answered_at_once_and_harms_nothing(redis_server, start_wor
         if isinstance(body, dict):
             body = json.dumps({"id": name, **body})
         entry_id = client.redis.xadd(stream, {"body": body}).decode()
-        readable = request_id_of(Delivery(REQUESTS, stream, entry_id, {b"body": body.encode() if isinstance(
-            body, str) else body}, 1))
+        readable = Delivery.parse(client.keys, REQUESTS, stream, entry_id, {b"body": body.encode() if isinstance(
+            body, str) else body}, 1).request_id
         expected[readable] = code
         assert readable == name or name in ("not-json", "invalid-utf8", "not-an-object", "nested-deep", "nested-200",
                                                    "bad-id")
@@ -165,7 +164,7 @@ def test_fuzzed_bodies_end_to_end_each_get_exactly_one_result(redis_server, star
     for body in sample:
         raw = body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass")
         entry_id = client.redis.xadd(stream, {"body": raw}).decode()
-        ids.append(request_id_of(Delivery(REQUESTS, stream, entry_id, {b"body": raw}, 1)))
+        ids.append(Delivery.parse(client.keys, REQUESTS, stream, entry_id, {b"body": raw}, 1).request_id)
     report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
     assert len(report.results) == len(set(ids))
     assert worker.metric("dq_retries_total") == 0 and worker.metric("dq_dead_letters_total") == 0

@@ -1,17 +1,20 @@
 """The GPU stage's order of work: a full next pack is launched before the previous one is read out (the GPU never
 waits for the host), a partly full one after it (its answers do not wait for the next launch's host work)."""
 
+import json
 import queue
 
 import torch
 
+from producer.keys import Keys
 from producer.schema import Request
 from worker.compute import Compute
+from worker.entries import REQUESTS, Delivery
 from worker.metrics import Metrics
 from worker.model.encoder import Encoder
 from worker.model.engine import Chunk, PackRun, Pending
 from worker.packer import Packer
-from worker.tasks import Delivery, Item, Task
+from worker.tasks import Item, Task
 
 BUDGET = 100
 
@@ -49,7 +52,8 @@ def items(model, lengths):
     for i, n in enumerate(lengths):
         chunk = Chunk(input_ids=torch.zeros(n, dtype=torch.long), rows=torch.tensor([n - 1]),
                       questions=template.questions)
-        task = Task(Delivery("requests", "k", f"{i}-0", {}, 1), f"r{i}", request, chunks=[chunk], remaining=1)
+        entry = Delivery.parse(Keys(), REQUESTS, "k", f"{i}-0", {b"body": json.dumps({"id": f"r{i}"}).encode()}, 1)
+        task = Task(entry, request, chunks=[chunk], remaining=1)
         out.append(Item(task, 0, chunk))
     return out
 
@@ -65,8 +69,7 @@ def run(model, lengths):
         def chunk_done(self, item, answers, seconds):
             answered.append(item.task.request_id)
 
-    compute = Compute(model, engine, Packer(work, BUDGET, max_wait=0.0), Metrics(), Sink(),
-                      post=lambda fn, *args: fn(*args), beats={})
+    compute = Compute(model, engine, Packer(work, BUDGET, max_wait=0.0), Metrics(), Sink())
     compute.run(done=work.empty)
     assert sorted(answered) == sorted(f"r{i}" for i in range(len(lengths)))  # every chunk answered once
     return engine.events

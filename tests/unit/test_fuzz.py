@@ -15,7 +15,6 @@ from producer.schema import ErrorCode, RequestError
 from worker.config import Settings
 from worker.model.encoder import Encoder
 from worker.planner import plan_entry
-from worker.tasks import REQUESTS, Delivery
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +30,8 @@ def test_every_body_plans_or_is_refused_with_a_code(planning, body, raw):
     encoder, config, model = planning
     field = body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass") if raw else body.encode(
         "utf-8", "replace")
-    delivery = Delivery(REQUESTS, "fuzz", "1-1", {b"body": field}, 1)
     try:
-        request, chunks = plan_entry(encoder, config, delivery, None)
+        request, chunks = plan_entry(encoder, config, field, None)
     except RequestError as error:
         assert isinstance(error.code, ErrorCode) and error.message
         return
@@ -47,9 +45,8 @@ def test_every_body_plans_or_is_refused_with_a_code(planning, body, raw):
 def test_deeply_nested_bodies_are_refused_with_a_code(planning, depth, opener):
     """Outside hypothesis on purpose: it raises the recursion limit while a test runs, which hides these."""
     encoder, config, _ = planning
-    delivery = Delivery(REQUESTS, "deep", "1-1", {b"body": _deep(depth, opener).encode()}, 1)
     with pytest.raises(RequestError) as caught:
-        plan_entry(encoder, config, delivery, None)
+        plan_entry(encoder, config, _deep(depth, opener).encode(), None)
     assert "deep" in caught.value.message and len(caught.value.message) < 300
 
 
@@ -68,12 +65,10 @@ def test_control_tokens_in_object_keys_are_refused_never_read_as_marks(planning,
     template prints as they are: a key could add a mark (and move where the head reads) or a chat token."""
     encoder, config, _ = planning
     body = {"state": "hello", "questions": {"q": {"type": "noul"}}} | hostile
-    delivery = Delivery(REQUESTS, "keys", "1-1", {b"body": json.dumps(body).encode()}, 1)
     with pytest.raises(RequestError) as caught:
-        plan_entry(encoder, config, delivery, None)
+        plan_entry(encoder, config, json.dumps(body).encode(), None)
     assert caught.value.code == ErrorCode.INVALID_REQUEST and "control token" in caught.value.message
     # The same text in values is text: planned, one readout row per question.
     fine = {"state": {"k": "<|mark|> <|im_start|>"}, "questions": {"q": {"type": "noul", "instructions": "<|split|>"}}}
-    _, chunks = plan_entry(encoder, config, Delivery(REQUESTS, "k", "1-1", {b"body": json.dumps(fine).encode()}, 1),
-                           None)
+    _, chunks = plan_entry(encoder, config, json.dumps(fine).encode(), None)
     assert [len(c.rows) for c in chunks] == [1]

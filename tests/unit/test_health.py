@@ -1,22 +1,16 @@
 """Health decisions from the loops' heartbeats: stuck loops are dead, a reader waiting on Redis is only unready."""
 
-import threading
 import time
-from types import SimpleNamespace
 
-from worker.config import Settings
-from worker.health import REDIS_GRACE_SECONDS, STALE_SECONDS, status
+from worker.health import REDIS_GRACE_SECONDS, STALE_SECONDS, Snapshot, status
 
 
 def daemon(reader_age: float, gpu_age: float = 0.0, reading_for: float | None = None, redis_ok: bool = True,
-           loop_running: bool = True):
+           loop_running: bool = True) -> Snapshot:
     now = time.time()
-    ready = threading.Event()
-    ready.set()
-    return SimpleNamespace(beats={"reader": now - reader_age, "gpu": now - gpu_age}, ready=ready, redis_ok=redis_ok,
-                           loop=SimpleNamespace(is_running=lambda: loop_running),
-                           reading_since=None if reading_for is None else now - reading_for, inflight={},
-                           stopping=threading.Event(), settings=Settings(block_ms=1000))
+    return Snapshot(beats={"reader": now - reader_age, "gpu": now - gpu_age},
+                    reading_since=None if reading_for is None else now - reading_for, loop_running=loop_running,
+                    redis_ok=redis_ok, ready=True, inflight=0, stopping=False, block_ms=1000)
 
 
 def test_turning_loops_are_live_and_ready():

@@ -4,17 +4,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from producer.keys import Keys
 from producer.schema import ErrorCode, RequestError
 from worker.config import Settings
+from worker.entries import CHUNKS, REQUESTS, Delivery
 from worker.planner import Planner
-from worker.tasks import CHUNKS, REQUESTS, Delivery
 
 BODY = {"id": "p-1", "state": "Refund please.", "questions": {
     "spam": {"type": "noul"}, "tone": {"type": "choice", "criteria": {"calm": None, "angry": None}}}}
 
 
 def delivery(body: bytes, stream: str = REQUESTS, **fields: bytes) -> Delivery:
-    return Delivery(stream, "key", "1-0", {b"body": body, **{k.encode(): v for k, v in fields.items()}}, 1)
+    return Delivery.parse(Keys(), stream, "key", "1-0",
+                          {b"body": body, **{name.encode(): value for name, value in fields.items()}}, 1)
 
 
 @pytest.fixture(scope="module", params=["threads", "processes"])

@@ -1,0 +1,94 @@
+"""Stream entries parsed once, when taken (worker/entries.py): what a delivery names, and a clear reason for each bad
+field. And the Redis side of the worker loads without the model's libraries."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from producer.keys import Keys
+from worker.entries import CHUNKS, REQUESTS, Delivery
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = Keys("dq")
+REPLY = KEYS.reply_prefix + "mine"
+
+
+def request(body: bytes | None, **extra: bytes) -> Delivery:
+    fields = {b"body": body} if body is not None else {}
+    return Delivery.parse(KEYS, REQUESTS, KEYS.requests, "1700000000123-4", {**fields, **_encoded(extra)}, 1)
+
+
+def part(**fields: bytes) -> Delivery:
+    good = {"request_id": b"r-1", "part": b"1", "parts": b"3", "questions": b'["a", "b"]', "enqueued_ms": b"1234"}
+    return Delivery.parse(KEYS, CHUNKS, KEYS.chunks, "1700000000999-0", _encoded({**good, **fields}), 2)
+
+
+def _encoded(fields: dict[str, bytes | None]) -> dict[bytes, bytes]:
+    return {name.encode(): value for name, value in fields.items() if value is not None}
+
+
+def test_a_request_entry_names_its_id_reply_stream_and_enqueue_time():
+    entry = request(json.dumps({"id": "r-1", "reply_to": REPLY, "state": "x"}).encode())
+    assert (entry.request_id, entry.reply_to, entry.enqueued_ms) == ("r-1", REPLY, 1700000000123)
+    assert entry.invalid is None and entry.questions is None and (entry.part, entry.parts) == (0, 1)
+    assert entry.body is not None and not entry.payload_gone and entry.stream == "requests"
+
+
+@pytest.mark.parametrize("body", [None, b"{broken", b"\xff\xfe", b"[1, 2]", b'"text"', b"[" * 5000,
+                                  json.dumps({"id": "a{b}"}).encode(), json.dumps({"id": 7}).encode()])
+def test_a_request_without_a_usable_id_is_answered_under_its_entry_id(body):
+    entry = request(body)
+    assert entry.request_id == "1700000000123-4" and entry.reply_to is None
+    assert entry.invalid is None  # the body itself is the planner's to judge, with an error result
+
+
+@pytest.mark.parametrize("reply_to", ["someone:else", "dq:v1:result:{x}", "other:v1:reply:x", 5])
+def test_only_this_deployments_reply_streams_are_replied_to(reply_to):
+    assert request(json.dumps({"id": "r-1", "reply_to": reply_to}).encode()).reply_to is None
+
+
+def test_a_chunk_entry_names_its_request_part_and_questions():
+    entry = part()
+    assert (entry.request_id, entry.part, entry.parts, entry.questions) == ("r-1", 1, 3, ["a", "b"])
+    assert entry.enqueued_ms == 1234 and entry.reply_to is None and entry.invalid is None
+    assert entry.body is None and entry.deliveries == 2
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"request_id": None}, "request_id"),
+    ({"request_id": b"\xff"}, "request_id"),
+    ({"part": b"first"}, "part"),
+    ({"parts": None}, "parts"),
+    ({"questions": b"[broken"}, "questions"),
+    ({"questions": b'{"a": 1}'}, "questions"),
+    ({"questions": b"[1, 2]"}, "questions"),
+    ({"enqueued_ms": b"soon"}, "enqueued_ms"),
+])
+def test_each_bad_chunk_field_is_named_and_the_delivery_stays_usable(fields, field):
+    entry = part(**fields)
+    assert entry.invalid is not None and entry.invalid.startswith(f"field {field!r} ")
+    assert entry.request_id in ("r-1", "1700000000999-0")  # a bad id falls back to the entry id
+    assert isinstance(entry.enqueued_ms, int)
+
+
+def test_a_bad_enqueue_time_on_a_request_entry_is_named_and_the_entry_time_used():
+    entry = request(json.dumps({"id": "r-1"}).encode(), enqueued_ms=b"x" * 100)
+    assert entry.invalid.startswith("field 'enqueued_ms' is not an integer") and len(entry.invalid) < 100
+    assert entry.enqueued_ms == 1700000000123 and entry.request_id == "r-1"
+
+
+def test_a_trimmed_entry_has_no_payload():
+    assert Delivery.parse(KEYS, CHUNKS, KEYS.chunks, "1-0", {}, 3).payload_gone
+
+
+def test_the_redis_side_of_the_worker_loads_without_torch():
+    """Intake, results and the entries (and the Redis benchmark built on them) import no torch, PIL or
+    transformers: ops/redis_bench.py runs where the model's libraries are not installed."""
+    code = ("import sys; sys.path.insert(0, 'ops'); import worker.intake, worker.results, worker.entries, redis_bench; "
+            "print(sorted(m for m in ('torch', 'PIL', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
