@@ -108,23 +108,23 @@ def self_time(daemon, args: argparse.Namespace) -> None:
         from fast_path import profile
 
         report["profile"] = profile(daemon.engine, groups[:8])  # kernel families, ms per 16k-token pack
-    if cuda:
         report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         report["reserved_bytes"] = torch.cuda.memory_reserved()
-    sample = chunks[:256]
-    reference = ReferenceEngine(daemon.model)
-    batches = padded_batches(sample)
-    for batch in warmup_batches(batches):  # kernel compilation outside the timing
-        reference.forward(batch)
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for batch in batches:
-        reference.forward(batch)
-    if cuda:
-        torch.cuda.synchronize()
-    ref_seconds = time.perf_counter() - start
-    report["reference_tokens_per_s"] = round(sum(c.length for c in sample) / ref_seconds)
+    if not args.no_reference:
+        sample = chunks[:256]
+        reference = ReferenceEngine(daemon.model)
+        batches = padded_batches(sample)
+        for batch in warmup_batches(batches):  # kernel compilation outside the timing
+            reference.forward(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for batch in batches:
+            reference.forward(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        ref_seconds = time.perf_counter() - start
+        report["reference_tokens_per_s"] = round(sum(c.length for c in sample) / ref_seconds)
     report["self_time_seconds"] = round(time.perf_counter() - began, 1)  # the benchmark's own work before ready
     Path(args.self_time_file).write_text(json.dumps(report))
 
@@ -226,6 +226,7 @@ def run_bench(args: argparse.Namespace) -> int:
                "--requests", str(args.requests), "--self-time-file", str(self_time_file)]
         cmd += ["--fp8"] if args.fp8 else []
         cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
+        cmd += ["--no-reference"] if args.no_reference else []
         cmd += ["--no-graphs"] if args.no_graphs else []
         started = time.monotonic()
         worker = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -322,6 +323,7 @@ def main() -> int:
     parser.add_argument("--compile", default="layer", choices=("none", "sub", "layer"))
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--compile-cache", default="", help="the worker's compile_cache (empty: the defaults)")
+    parser.add_argument("--no-reference", action="store_true", help="skip timing the reference engine")
     parser.add_argument("--buckets", default="2048,4096,8192,16384")
     parser.add_argument("--planner-processes", type=int, default=4)
     parser.add_argument("--max-inflight", type=int, default=1024)
