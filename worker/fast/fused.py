@@ -220,12 +220,13 @@ def short_conv(x: torch.Tensor, gates: torch.Tensor, offsets: tuple[int, int, in
             and x.stride(-1) == 1 and gates.stride(-1) == 1 and weight.is_contiguous()):
         return plain.short_conv(x, gates, offsets, weight, a_log, dt_bias, d, seqpos, outs)
     tokens = x.shape[0]
-    if outs is None:
+    if outs is None:  # q, k, v, g, beta, z: the order pre_linear hands over
         outs = (x.new_empty(tokens, d.k_heads, d.head_k), x.new_empty(tokens, d.k_heads, d.head_k),
-                x.new_empty(tokens, d.v_heads, d.head_v), x.new_empty(tokens, d.value_dim),
-                x.new_empty(tokens, d.v_heads, dtype=torch.float32), x.new_empty(tokens, d.v_heads))
+                x.new_empty(tokens, d.v_heads, d.head_v), x.new_empty(tokens, d.v_heads, dtype=torch.float32),
+                x.new_empty(tokens, d.v_heads), x.new_empty(tokens, d.value_dim))
     assert all(out.is_contiguous() for out in outs), "the kernel writes dense rows"
-    short_conv_(x, weight, seqpos, gates, a_log, dt_bias, *outs, *offsets)
+    q, k, v, g, beta, z = outs
+    short_conv_(x, weight, seqpos, gates, a_log, dt_bias, q, k, v, z, g, beta, *offsets)
     return outs
 
 
