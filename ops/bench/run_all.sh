@@ -26,7 +26,7 @@ stage() { echo "== $1 at $((SECONDS - start)) s"; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c 'import torch, transformers, fla; print("torch", torch.__version__, "transformers", transformers.__version__, "fla", fla.__version__)'
   $PY -c 'import flash_qla; print("flash_qla", flash_qla.__version__)' 2>&1 | tail -1
-  echo "cpus $(nproc)"; git log --oneline -1 2>/dev/null || echo "commit ${COMMIT:-unknown}"; } >"$out/machine.txt" 2>&1
+  echo "cpus $(nproc)"; echo "commit ${COMMIT:-$(git log --oneline -1 2>/dev/null)}"; } >"$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
 want delta-rule && { stage "delta rule per pack"
