@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from producer.client import Client, QueueFull  # noqa: E402
 from producer.invariant import Report, settle  # noqa: E402
-from producer.keys import Keys, shard_of  # noqa: E402
+from producer.keys import Field, Keys, shard_of  # noqa: E402
 
 QUESTIONS = [
     {"type": "noul", "instructions": "Does the customer ask for a refund?"},
@@ -101,18 +101,20 @@ def produce(client: Client, soak: Soak, lock: threading.Lock, prefix: str, until
             n += 1
             (bad if rng.random() < bad_fraction else good).append(f"{prefix}-{n}")
         requests = [request(i, rng) for i in good]
-        while True:
+        while requests:
             try:
                 client.submit_many(requests)
                 break
-            except QueueFull:  # backpressure: the workers are behind; wait and send the same batch again
+            except QueueFull as full:  # backpressure: the workers are behind; wait and send what did not go in
+                refused = set(full.refused)
+                requests = [r for r in requests if r["id"] in refused]
                 with lock:
                     soak.queue_full += 1
                 time.sleep(0.05)
         for request_id in bad:  # a plain XADD, as a producer in another language would send it
             body = {"id": request_id, "state": "x", "questions": {"q": {"type": "no-such-type"}}}
             keys = Keys(client.keys.namespace, shard_of(request_id, client.shards))
-            client.redis.xadd(keys.requests, {"body": json.dumps(body)})
+            client.redis.xadd(keys.requests, {Field.BODY: json.dumps(body)})
         with lock:
             soak.good += good
             soak.bad += bad

@@ -1,0 +1,9 @@
+"""The decision-queue producer and wire contract: ``producer.client`` (Client, AsyncClient), ``producer.schema``
+(requests, results, error codes) and ``producer.keys`` (every Redis name). Needs redis and pydantic, not torch."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("decision-queue")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"

@@ -1,177 +1,221 @@
-"""``python -m producer``: submit a JSONL file of requests (and wait for the results), or show queue stats.
+"""dq-producer (or python -m producer): submit a JSONL file of requests and wait for their results, print one
+result, or show queue stats.
 
-    python -m producer submit --redis URL requests.jsonl --wait --out results.jsonl
-    python -m producer stats --redis URL
-    python -m producer result --redis URL ID [--wait SECONDS]
+  dq-producer submit requests.jsonl                      one line per request: {"line": N, "id": ...}
+  dq-producer submit requests.jsonl --wait --ordered     one result per request line, in input order
+  dq-producer result ID --wait 30
+  dq-producer stats
+
+Exit codes: 0 every request queued (or, with --wait, answered ok); 1 some refused, answered with an error or timed
+out; 2 usage (bad flag, file or URL); 3 queue full, some requests not sent; 4 Redis unreachable or refusing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
-from typing import Any, TextIO
+from collections import Counter
+from typing import Any
 
-from .client import Client, InvalidRequest, QueueFull, ResultTimeout, prepare
-from .schema import ErrorCode, Result
+import redis
 
+from . import __version__
+from .client import Client, QueueFull, ResultTimeout
+from .connection import Deployment, check_reachable
+from .keys import PROTOCOL
+from .lines import FAILED, OK, UNREACHABLE, USAGE, Line, Report, read_lines
+from .schema import ErrorCode
 
-class Progress:
-    """One status line on stderr: redrawn on a terminal, printed every 10 s otherwise."""
-
-    def __init__(self, total: int, quiet: bool) -> None:
-        self.total, self.quiet = total, quiet
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
-        self.start = time.monotonic()
-
-    def show(self, submitted: int, answered: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.quiet or (not force and now - self.last < (0.5 if self.tty else 10.0)):
-            return
-        self.last = now
-        rate = answered / max(now - self.start, 1e-9)
-        line = f"submitted {submitted}/{self.total}  answered {answered}/{self.total}  {rate:.1f}/s"
-        sys.stderr.write(("\r" + line) if self.tty else line + "\n")
-        if force and self.tty:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+# Connection flags: the worker's names (worker/config.py), so one vocabulary serves both; the first is the flag.
+CONNECTION = {  # field of Deployment: (flags, metavar, help)
+    "url": (["--redis-url", "--redis"], "URL", "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user)"),
+    "namespace": (["--namespace"], "NAME", "prefix of every Redis name of the deployment"),
+    "cluster": (["--redis-cluster", "--cluster"], None, "the URL is a node of a Redis Cluster"),
+    "shards": (["--shards"], "N", "stream shards of the deployment: submit spreads over them, stats shows each"),
+    "tls_ca": (["--redis-tls-ca"], "FILE", "CA certificate file that verifies the Redis server (rediss://)"),
+    "tls_cert": (["--redis-tls-cert"], "FILE", "client certificate file, when Redis requires one (rediss://)"),
+    "tls_key": (["--redis-tls-key"], "FILE", "the client certificate's private key file (rediss://)"),
+}
 
 
-def _read(path: str) -> list[tuple[str, Any]]:
-    """(id, prepared body or local error Result) per non-empty line."""
-    out: list[tuple[str, Any]] = []
-    handle = sys.stdin if path == "-" else open(path, encoding="utf-8")
-    with handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            fallback = f"line-{number}"
+def submit(args: argparse.Namespace, client: Client) -> int:
+    lines: list[Line] = args.lines
+    with contextlib.ExitStack() as stack:
+        out = sys.stdout if args.output is None else stack.enter_context(args.output)
+        report = Report(lines, out, args.quiet)
+        report.refusals()
+        _send(client, lines, report, args)
+        if not args.wait:
+            for line in lines:
+                out.write(json.dumps(line.receipt()) + "\n")
+            return report.summary(waited=False)
+        _wait(client, lines, report, args)
+        return report.summary(waited=True)
+
+
+def _send(client: Client, lines: list[Line], report: Report, args: argparse.Namespace) -> None:
+    """Enqueue in windows of ``--batch``; while the queue is full, retry for up to ``--queue-timeout`` seconds
+    without progress, then mark the rest not sent."""
+    todo = [line for line in lines if line.state == "read"]
+    for start in range(0, len(todo), args.batch):
+        window = todo[start: start + args.batch]
+        stalled_since, delay = time.monotonic(), 0.05
+        while window:
             try:
-                data = json.loads(line)
-            except ValueError as error:
-                out.append((fallback, Result.failure(fallback, ErrorCode.INVALID_JSON, f"line {number}: {error}")))
-                continue
-            rid = data.get("id") if isinstance(data, dict) and isinstance(data.get("id"), str) else fallback
-            try:
-                out.append(prepare(data))
-            except InvalidRequest as error:
-                out.append((rid, Result.failure(rid, ErrorCode.INVALID_REQUEST, str(error))))
-    return out
-
-
-def _write(out: TextIO | None, result: Result) -> None:
-    if out is not None:
-        out.write(result.model_dump_json(exclude_none=True) + "\n")
-
-
-def submit(args: argparse.Namespace) -> int:
-    client = Client(args.redis, args.namespace, max_unfinished=args.max_unfinished, cluster=args.cluster)
-    items = _read(args.file)
-    progress = Progress(len(items), args.quiet)
-    out = open(args.out, "w", encoding="utf-8") if args.out else None
-    failed = 0
-    pending: list[str] = []
-    submitted = 0
-    for rid, item in items:
-        if isinstance(item, Result):  # refused locally: the same error a worker would give
-            _write(out, item)
-            failed += 1
-    bodies = [(rid, body) for rid, body in items if not isinstance(body, Result)]
-    for start in range(0, len(bodies), args.batch):
-        batch = bodies[start: start + args.batch]
-        delay = 0.05
-        while True:
-            try:
-                client.send([body for _, body in batch])
-                break
-            except QueueFull:
-                progress.show(submitted, 0)
-                time.sleep(delay)  # backpressure: wait for workers to drain the stream
+                client.submit_many([line.prepared for line in window])
+                accepted = Counter(line.id for line in window)
+            except QueueFull as full:
+                accepted = Counter(full.accepted)
+                if full.accepted:
+                    stalled_since = time.monotonic()
+                elif time.monotonic() - stalled_since >= args.queue_timeout:
+                    for line in window + todo[start + args.batch:]:
+                        line.fail("not_sent", ErrorCode.NOT_SENT, f"queue full for {args.queue_timeout:g} s "
+                                                                  f"({full.detail})")
+                    report.note(f"queue full for {args.queue_timeout:g} s ({full.detail}): "
+                                f"{report.count('not_sent')} requests not sent")
+                    return
+                time.sleep(delay)  # backpressure: wait for the workers to drain the stream
                 delay = min(delay * 2, 2.0)
-        submitted += len(batch)
-        pending += [rid for rid, _ in batch]
-        progress.show(submitted, 0)
-    if not args.wait:
-        progress.show(submitted, 0, force=True)
-        for rid in pending:
-            print(rid)
-        return 0
-    answered = 0
-    deadline = time.monotonic() + args.timeout
-    while pending:
-        window = pending[:1000]
+            for line in window:
+                if accepted[line.id] > 0:
+                    accepted[line.id] -= 1
+                    line.state = "queued"
+            window = [line for line in window if line.state == "read"]
+            report.progress()
+
+
+def _wait(client: Client, lines: list[Line], report: Report, args: argparse.Namespace) -> None:
+    """Collect results until all are there or ``--timeout`` passes; the missing ones get a ``timeout`` result."""
+    for line in lines:
+        if line.state in ("refused", "not_sent"):
+            report.write(line, args.ordered)
+    deadline = report.waiting_since = time.monotonic()
+    deadline += args.timeout
+    waiting = [line for line in lines if line.state == "queued"]
+    while waiting:
+        window = waiting[:1000]
         try:
-            done = client.wait_many(window, timeout=min(2.0, max(0.0, deadline - time.monotonic())))
-        except ResultTimeout:
-            done = {rid: r for rid in window if (r := client.fetch(rid)) is not None}
-        for rid, result in done.items():
-            _write(out, result)
-            failed += not result.ok
-        answered += len(done)
-        pending = [rid for rid in pending if rid not in done]
-        progress.show(submitted, answered + failed)
-        if pending and time.monotonic() > deadline:
-            print(f"timed out: {len(pending)} results missing (they stay fetchable until their TTL)", file=sys.stderr)
-            return 1
-    progress.show(submitted, answered, force=True)
-    if out:
-        out.close()
-    return 0
+            landed = client.wait_many([line.id for line in window],
+                                      timeout=min(2.0, max(0.0, deadline - time.monotonic())))
+        except ResultTimeout as partial:
+            landed = partial.results
+        for line in window:
+            if line.id in landed:
+                line.state, line.result = "answered", landed[line.id]
+                report.write(line, args.ordered)
+        waiting = [line for line in waiting if line.state == "queued"]
+        report.progress()
+        if waiting and time.monotonic() >= deadline:
+            for line in waiting:
+                line.fail("timed_out", ErrorCode.TIMEOUT, f"no result within {args.timeout:g} s; the request stays "
+                                                          f"queued (dq-producer result {line.id})")
+                report.write(line, args.ordered)
+            report.note(f"{len(waiting)} results missing after {args.timeout:g} s; they can be read later "
+                        f"(dq-producer result ID)")
+            return
 
 
-def stats(args: argparse.Namespace) -> int:
-    print(json.dumps(Client(args.redis, args.namespace, cluster=args.cluster).stats(), indent=2, default=str))
-    return 0
+def stats(args: argparse.Namespace, client: Client) -> int:
+    print(json.dumps(client.stats(), indent=2, default=str))
+    return OK
 
 
-def result(args: argparse.Namespace) -> int:
-    client = Client(args.redis, args.namespace, cluster=args.cluster)
+def result(args: argparse.Namespace, client: Client) -> int:
     try:
         found = client.wait(args.id, args.wait) if args.wait else client.fetch(args.id)
     except ResultTimeout:
         found = None
     if found is None:
-        print(f"no result for {args.id}", file=sys.stderr)
-        return 1
+        print(f"dq-producer: no result for {args.id}" + (f" within {args.wait:g} s" if args.wait else ""),
+              file=sys.stderr)
+        return FAILED
     print(found.model_dump_json(exclude_none=True, indent=2))
-    return 0
+    return OK if found.ok else FAILED
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="dq-producer", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("--version", action="version",
+                     version=f"dq-producer {__version__} (decision-queue, wire protocol v{PROTOCOL})")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    defaults = Deployment()
+    for name, (flags, metavar, text) in CONNECTION.items():
+        default, env = getattr(defaults, name), Deployment.ENV[name]
+        kind: dict[str, Any] = ({"action": "store_true"} if isinstance(default, bool)
+                                else {"type": int, "metavar": metavar} if isinstance(default, int)
+                                else {"metavar": metavar})
+        shown = ("on" if default else "off") if isinstance(default, bool) else repr(default)
+        common.add_argument(*flags, dest=name, default=None, help=f"{text} [env {env}, default {shown}]", **kind)
+
+    sub = commands.add_parser("submit", parents=[common], help="submit a JSONL file, one request per line",
+                              description="Submit a JSONL file, one request per line (blank lines are skipped).")
+    sub.add_argument("file", help="JSONL file, or - for stdin")
+    sub.add_argument("--wait", action="store_true",
+                     help="wait and write one result per request line (else one {line, id} record) [default off]")
+    sub.add_argument("--ordered", action="store_true",
+                     help="with --wait, write results in input order instead of as they land [default off]")
+    sub.add_argument("--out", default="-", metavar="FILE", help="where the records or results go [default '-': stdout]")
+    sub.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                     help="seconds to wait for the results; the missing ones get a timeout result [default 600]")
+    sub.add_argument("--queue-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="seconds to keep retrying while the queue is full and nothing gets in; then the rest is "
+                          "not sent and the exit code is 3 (0: give up at once) [default 60]")
+    sub.add_argument("--batch", type=_positive, default=500, metavar="N", help="requests per submit call [default 500]")
+    sub.add_argument("--max-unfinished", type=int, default=100_000, metavar="N",
+                     help="backpressure: the most entries a shard's request stream may hold (0: no limit) "
+                          "[default 100000]")
+    sub.add_argument("--quiet", action="store_true", help="no progress line (the summary stays) [default off]")
+    sub.set_defaults(run=submit)
+
+    stat = commands.add_parser("stats", parents=[common], help="queue totals and each shard's figures",
+                               description="Stream lengths, the worker group's pending, lag and consumers, dead "
+                                           "letters, per shard and in total, and the live workers (JSON).")
+    stat.set_defaults(run=stats)
+
+    res = commands.add_parser("result", parents=[common], help="print one result (exit 1 for an error or none)",
+                              description="Print one request's result; exit 0 if it is ok, 1 if it is an error "
+                                          "result or there is none.")
+    res.add_argument("id", help="the request id")
+    res.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="seconds to wait for it (0: look once) [default 0]")
+    res.set_defaults(run=result)
+    return top
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m producer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL (rediss:// for TLS)")
-    common.add_argument("--namespace", default="dq")
-    common.add_argument("--cluster", action="store_true", help="the URL is a node of a Redis Cluster")
-
-    sub = commands.add_parser("submit", parents=[common], help="submit a JSONL file, one request per line")
-    sub.add_argument("file", help="JSONL file, or - for stdin")
-    sub.add_argument("--wait", action="store_true", help="wait for every result")
-    sub.add_argument("--out", help="write one result JSON per line here")
-    sub.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for all results")
-    sub.add_argument("--batch", type=int, default=500)
-    sub.add_argument("--max-unfinished", type=int, default=100_000, help="backpressure limit (0: none)")
-    sub.add_argument("--quiet", action="store_true", help="no progress line")
-    sub.set_defaults(run=submit)
-
-    st = commands.add_parser("stats", parents=[common], help="stream length, pending, lag, consumers, dead letters")
-    st.set_defaults(run=stats)
-
-    res = commands.add_parser("result", parents=[common], help="print one result")
-    res.add_argument("id")
-    res.add_argument("--wait", type=float, default=0.0, help="seconds to wait for it")
-    res.set_defaults(run=result)
-
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
+    try:  # everything that can be wrong before a byte is sent
+        deployment = Deployment.resolve(**{name: getattr(args, name) for name in CONNECTION})
+        if args.command == "submit":
+            with sys.stdin if args.file == "-" else open(args.file, encoding="utf-8") as handle:
+                args.lines = read_lines(handle)
+            args.output = None if args.out == "-" else open(args.out, "w", encoding="utf-8")
+    except (ValueError, OSError) as error:
+        print(f"dq-producer: {error}", file=sys.stderr)
+        return USAGE
     try:
-        return args.run(args)
-    except QueueFull as error:
-        print(f"queue full: {error}", file=sys.stderr)
-        return 3
+        check_reachable(deployment)
+        with Client(deployment.url, deployment.namespace, cluster=deployment.cluster, shards=deployment.shards,
+                    max_unfinished=getattr(args, "max_unfinished", 0), **deployment.tls_files()) as client:
+            return args.run(args, client)
+    except redis.RedisError as error:
+        print(f"dq-producer: Redis at {deployment.safe_url}: {error}", file=sys.stderr)
+        return UNREACHABLE
+    except KeyboardInterrupt:
+        print("dq-producer: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,212 +1,92 @@
-"""Python producer: submit System One requests to the queue and wait for their results (sync and asyncio).
+"""The Python producer: submit requests, wait for their results, read queue stats; blocking (``Client``) or
+asyncio (``AsyncClient``), with the same methods.
 
-Submitting is one Lua call per batch that refuses the whole batch when the request stream already holds more than
-``max_unfinished`` entries (workers delete entries once answered, so its length is the unfinished work). Waiting is
-a blocking ``XREAD`` on the result streams of up to 256 awaited requests at once (each keeps its one entry until the
-TTL: a result published while nobody waited is still there, and can be read again); on Redis Cluster, where one
-read cannot span slots, on the oldest one, then a pipelined look at the others.
+Both faces run the plans of one core (``producer.core.Producer``) against their connection: the logic is written
+once, only the I/O differs.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import ValidationError
-from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
-from .keys import GROUP, Keys, shard_of
-from .schema import Request, Result, describe
+from .connection import Deployment, aconnect, connect
+from .core import (SUBMIT, Call, InvalidRequest, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
+                   Script, Submittable, prepare)
+from .keys import Keys
+from .schema import Result, ResultError
 
-# KEYS[1] request stream; ARGV[1] limit (0: none); ARGV[2..] request bodies. All or nothing.
-SUBMIT = """
-local limit = tonumber(ARGV[1])
-local length = redis.call('XLEN', KEYS[1])
-if limit > 0 and length + #ARGV - 1 > limit then
-  return redis.error_reply('QUEUEFULL ' .. length .. ' unfinished entries, limit ' .. limit)
-end
-local ids = {}
-for i = 2, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'body', ARGV[i]) end
-return ids
-"""
-BATCH = 500  # requests per Lua call: bounds the time Redis spends in one script
-BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
-WINDOW = 256  # result streams one blocking read waits on (any of them landing wakes it)
-SOCKET_TIMEOUT = 5.0
-# redis-py's default retry (10 jittered retries from 10 ms, capped at 1 s) gives up after about a second of refused
-# connections: less than a Redis restart. These ride out ~12 s. A retried call may run twice (lost reply): results
-# are published once whatever happens, and a request enqueued twice is answered once (docs/RELIABILITY.md).
-RETRIES, RETRY_BASE, RETRY_CAP = 16, 0.05, 1.0
-# redis-py reloads a script once on NOSCRIPT; a cache flushed again in between (restarts, failovers, SCRIPT FLUSH
-# in a row) raised to the caller. A NOSCRIPT reply means the script did not run: trying again is safe.
-NOSCRIPT_TRIES = 5
+__all__ = ["AsyncClient", "Client", "InvalidRequest", "Prepared", "QueueFull", "ResultError", "ResultTimeout",
+           "aconnect", "connect", "prepare"]
+T = TypeVar("T")
 
 
-class QueueFull(RuntimeError):
-    """Backpressure: the stream holds more unfinished requests than the producer's limit."""
+class _Face:
+    """What both faces hold: the connection (made from the deployment unless one is given) and the core.
 
-
-class InvalidRequest(ValueError):
-    """The request fails the wire schema; nothing was sent."""
-
-
-class ResultTimeout(TimeoutError):
-    """No result within the timeout; the request stays queued and its result can be fetched later."""
-
-
-def _options(retry: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """Timeouts that suit blocking reads and a retry that rides out a Redis restart; the caller's options win."""
-    return {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT, "health_check_interval": 30,
-            "retry": retry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES), **options}
-
-
-def connect(url: str, cluster: bool = False, **options: Any) -> Any:
-    """A synchronous client (rediss:// URLs give TLS)."""
-    return (redis.RedisCluster if cluster else redis.Redis).from_url(url, **_options(Retry, options))
-
-
-def aconnect(url: str, cluster: bool = False, **options: Any) -> Any:
-    """An asyncio client, as ``connect``."""
-    return (aioredis.RedisCluster if cluster else aioredis.Redis).from_url(url, **_options(AsyncRetry, options))
-
-
-def prepare(request: Request | Mapping[str, Any], max_bytes: int = 8 << 20) -> tuple[str, str]:
-    """Validate, give an id if it has none, serialize: (id, body)."""
-    try:
-        parsed = request if isinstance(request, Request) else Request.model_validate(request)
-    except ValidationError as error:
-        raise InvalidRequest(describe(error)) from None
-    if parsed.id is None:
-        parsed = parsed.model_copy(update={"id": uuid.uuid4().hex})
-    body = parsed.model_dump_json(exclude_none=True)
-    if len(body.encode()) > max_bytes:
-        raise InvalidRequest(f"request is {len(body.encode())} bytes, over the {max_bytes}-byte limit")
-    return parsed.id, body
-
-
-def parse_result(fields: Mapping[bytes, bytes]) -> Result:
-    return Result.model_validate_json(fields[b"body"])
-
-
-def by_shard(prepared: list[tuple[str, str]], shards: int) -> dict[int, list[str]]:
-    """Prepared bodies grouped by the stream shard of their request id, in order within each shard."""
-    out: dict[int, list[str]] = {}
-    for request_id, body in prepared:
-        out.setdefault(shard_of(request_id, shards), []).append(body)
-    return out
-
-
-def _block_ms(deadline: float | None, missing: int, total: int) -> int:
-    """How long the next blocking read may wait; raises ResultTimeout once the deadline has passed."""
-    left = None if deadline is None else deadline - time.monotonic()
-    if left is not None and left <= 0:
-        raise ResultTimeout(f"{missing} of {total} results not there yet")
-    return BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
-
-
-def _landed(reply: Any, window: dict[str, str]) -> dict[str, Result]:
-    """Results in an XREAD reply over result streams, by request id."""
-    out = {}
-    for key, entries in reply or []:
-        name = key.decode() if isinstance(key, bytes) else key
-        out[window[name]] = parse_result(entries[0][1])
-    return out
-
-
-def _raise_queue_full(error: redis.ResponseError) -> None:
-    if str(error).startswith("QUEUEFULL"):
-        raise QueueFull(str(error)[len("QUEUEFULL "):]) from None
-    raise error
-
-
-class _Producer:
-    """What both clients hold: the connection (made with ``_connect`` unless one is given), names and limits."""
+    Arguments left out come from the worker's ``DQ_*`` variables (``DQ_REDIS_URL``, ``DQ_NAMESPACE``,
+    ``DQ_REDIS_CLUSTER``, ``DQ_REDIS_TLS_*``) and ``DQ_SHARDS``, then the defaults. ``max_unfinished``: the
+    backpressure limit per shard (0: none). ``options``: redis-py connection options (e.g. ``ssl_ca_certs``).
+    """
 
     _connect: Any  # connect or aconnect
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "dq", max_unfinished: int = 100_000,
-                 cluster: bool = False, connection: Any = None, shards: int = 1, **options: Any) -> None:
-        self.redis = connection or self._connect(url, cluster, **options)
-        self.cluster = cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
-        self.keys = Keys(namespace)
-        self.shards = max(1, shards)
-        self.max_unfinished = max_unfinished
-        self._submit = self.redis.register_script(SUBMIT)
+    def __init__(self, url: str | None = None, namespace: str | None = None, max_unfinished: int = 100_000,
+                 cluster: bool | None = None, connection: Any = None, shards: int | None = None,
+                 **options: Any) -> None:
+        self.deployment = Deployment.resolve(url=url, namespace=namespace, cluster=cluster, shards=shards)
+        self.redis = connection or self._connect(self.deployment.url, self.deployment.cluster,
+                                                 **{**self.deployment.tls_files(), **options})
+        cluster = self.deployment.cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
+        self.keys = Keys(self.deployment.namespace)
+        self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster)
+        self._script = self.redis.register_script(SUBMIT)
+
+    @property
+    def shards(self) -> int:
+        return self.core.shards
+
+    @property
+    def max_unfinished(self) -> int:
+        return self.core.max_unfinished
 
 
-class Client(_Producer):
-    """Synchronous producer. ``max_unfinished=0`` disables the backpressure check (per shard). ``shards``: the
-    deployment's stream shard count; each request goes to ``shard_of(id)``. ``options``: redis-py connection
-    options (e.g. ``ssl_ca_certs``)."""
+class Client(_Face):
+    """The blocking producer."""
 
     _connect = staticmethod(connect)
 
-    def submit(self, request: Request | Mapping[str, Any]) -> str:
+    def submit(self, request: Submittable) -> str:
+        """Enqueue one request; returns its id. Raises InvalidRequest (nothing sent) or QueueFull."""
         return self.submit_many([request])[0]
 
-    def submit_many(self, requests: Iterable[Request | Mapping[str, Any]]) -> list[str]:
-        """Send requests in all-or-nothing batches of 500; returns their ids in order."""
-        prepared = [prepare(r) for r in requests]
-        for shard, bodies in by_shard(prepared, self.shards).items():
-            for start in range(0, len(bodies), BATCH):
-                self.send(bodies[start: start + BATCH], shard)
-        return [request_id for request_id, _ in prepared]
-
-    def send(self, bodies: list[str], shard: int = 0) -> None:
-        """Enqueue already prepared bodies (see ``prepare``) on one shard, all or none; raises QueueFull."""
-        for attempt in range(NOSCRIPT_TRIES):
-            try:
-                self._submit(keys=[Keys(self.keys.namespace, shard).requests], args=[self.max_unfinished, *bodies])
-                return
-            except redis.exceptions.NoScriptError:  # not run: the cache was flushed again after redis-py reloaded it
-                if attempt == NOSCRIPT_TRIES - 1:
-                    raise
-            except redis.ResponseError as error:
-                _raise_queue_full(error)
+    def submit_many(self, requests: Iterable[Submittable]) -> list[str]:
+        """Enqueue requests in batches, each all or nothing; returns their ids in order. On backpressure raises
+        QueueFull, whose ``accepted`` and ``refused`` say which went in."""
+        return self._run(self.core.submit_many(requests))
 
     def fetch(self, request_id: str) -> Result | None:
         """The result if it is there (non-blocking)."""
-        reply = self.redis.xrange(self.keys.result(request_id), count=1)
-        return parse_result(reply[0][1]) if reply else None
+        return self._run(self.core.fetch(request_id))
 
     def wait(self, request_id: str, timeout: float | None = 60.0) -> Result:
+        """The result of one request, blocking up to ``timeout`` seconds (None: forever); raises ResultTimeout."""
         return self.wait_many([request_id], timeout)[request_id]
 
     def wait_many(self, request_ids: Iterable[str], timeout: float | None = 60.0) -> dict[str, Result]:
-        """Results of all ``request_ids``; raises ResultTimeout naming how many are missing."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waiting = list(dict.fromkeys(request_ids))
-        done = self._present(waiting)
-        while len(done) < len(waiting):
-            missing = [r for r in waiting if r not in done]
-            block = _block_ms(deadline, len(missing), len(waiting))
-            window = {self.keys.result(r): r for r in missing[: 1 if self.cluster else WINDOW]}
-            reply = self.redis.xread(dict.fromkeys(window, "0-0"), count=1, block=block)
-            done.update(_landed(reply, window))
-            if self.cluster and reply:  # one key per read there: when the oldest lands, look at the rest
-                done.update(self._present(missing[1:]))
-        return {r: done[r] for r in waiting}
+        """Results of all ``request_ids`` by id, in their order; raises ResultTimeout naming how many are missing."""
+        return self._run(self.core.wait_many(request_ids, timeout))
 
-    def _present(self, request_ids: list[str]) -> dict[str, Result]:
-        """The results already there, in one round trip (one key per command: fine on Redis Cluster too)."""
-        with self.redis.pipeline(transaction=False) as pipe:
-            for request_id in request_ids:
-                pipe.xrange(self.keys.result(request_id), count=1)
-            replies = pipe.execute()
-        return {r: parse_result(reply[0][1]) for r, reply in zip(request_ids, replies) if reply}
-
-    def decide(self, request: Request | Mapping[str, Any], timeout: float | None = 60.0) -> Result:
+    def decide(self, request: Submittable, timeout: float | None = 60.0) -> Result:
         """Submit and wait."""
-        return self.wait(self.submit(request), timeout)
+        return self._run(self.core.decide(request, timeout))
 
     def stats(self) -> dict[str, Any]:
-        return queue_stats(self.redis, self.keys)
+        """Queue totals and per-shard figures (see ``Producer.stats``)."""
+        return self._run(self.core.stats())
 
     def close(self) -> None:
         self.redis.close()
@@ -217,66 +97,55 @@ class Client(_Producer):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _run(self, plan: Plan[T]) -> T:
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = plan.throw(error) if error is not None else plan.send(reply)
+            except StopIteration as finished:
+                return finished.value
+            try:
+                reply, error = self._do(step), None
+            except Exception as failed:  # handed to the plan: it knows which errors mean what
+                reply, error = None, failed
 
-class AsyncClient(_Producer):
-    """The asyncio producer, same methods as ``Client``."""
+    def _do(self, step: Call | Pipeline | Script) -> Any:
+        if isinstance(step, Script):
+            return self._script(keys=step.keys, args=step.args)
+        if isinstance(step, Pipeline):
+            with self.redis.pipeline(transaction=False) as pipe:
+                for call in step.calls:
+                    getattr(pipe, call.method)(*call.args, **call.kwargs)
+                return pipe.execute()
+        return getattr(self.redis, step.method)(*step.args, **step.kwargs)
+
+
+class AsyncClient(_Face):
+    """The asyncio producer: ``Client``'s methods, awaited."""
 
     _connect = staticmethod(aconnect)
 
-    async def submit(self, request: Request | Mapping[str, Any]) -> str:
+    async def submit(self, request: Submittable) -> str:
         return (await self.submit_many([request]))[0]
 
-    async def submit_many(self, requests: Iterable[Request | Mapping[str, Any]]) -> list[str]:
-        prepared = [prepare(r) for r in requests]
-        for shard, bodies in by_shard(prepared, self.shards).items():
-            for start in range(0, len(bodies), BATCH):
-                await self.send(bodies[start: start + BATCH], shard)
-        return [request_id for request_id, _ in prepared]
-
-    async def send(self, bodies: list[str], shard: int = 0) -> None:
-        """As ``Client.send``."""
-        for attempt in range(NOSCRIPT_TRIES):
-            try:
-                await self._submit(keys=[Keys(self.keys.namespace, shard).requests],
-                                   args=[self.max_unfinished, *bodies])
-                return
-            except redis.exceptions.NoScriptError:  # not run: flushed again after redis-py reloaded it
-                if attempt == NOSCRIPT_TRIES - 1:
-                    raise
-            except redis.ResponseError as error:
-                _raise_queue_full(error)
+    async def submit_many(self, requests: Iterable[Submittable]) -> list[str]:
+        return await self._run(self.core.submit_many(requests))
 
     async def fetch(self, request_id: str) -> Result | None:
-        reply = await self.redis.xrange(self.keys.result(request_id), count=1)
-        return parse_result(reply[0][1]) if reply else None
+        return await self._run(self.core.fetch(request_id))
 
     async def wait(self, request_id: str, timeout: float | None = 60.0) -> Result:
         return (await self.wait_many([request_id], timeout))[request_id]
 
     async def wait_many(self, request_ids: Iterable[str], timeout: float | None = 60.0) -> dict[str, Result]:
-        """As ``Client.wait_many``: one connection however many results are awaited."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waiting = list(dict.fromkeys(request_ids))
-        done = await self._present(waiting)
-        while len(done) < len(waiting):
-            missing = [r for r in waiting if r not in done]
-            block = _block_ms(deadline, len(missing), len(waiting))
-            window = {self.keys.result(r): r for r in missing[: 1 if self.cluster else WINDOW]}
-            reply = await self.redis.xread(dict.fromkeys(window, "0-0"), count=1, block=block)
-            done.update(_landed(reply, window))
-            if self.cluster and reply:
-                done.update(await self._present(missing[1:]))
-        return {r: done[r] for r in waiting}
+        return await self._run(self.core.wait_many(request_ids, timeout))
 
-    async def _present(self, request_ids: list[str]) -> dict[str, Result]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for request_id in request_ids:
-                pipe.xrange(self.keys.result(request_id), count=1)
-            replies = await pipe.execute()
-        return {r: parse_result(reply[0][1]) for r, reply in zip(request_ids, replies) if reply}
+    async def decide(self, request: Submittable, timeout: float | None = 60.0) -> Result:
+        return await self._run(self.core.decide(request, timeout))
 
-    async def decide(self, request: Request | Mapping[str, Any], timeout: float | None = 60.0) -> Result:
-        return await self.wait(await self.submit(request), timeout)
+    async def stats(self) -> dict[str, Any]:
+        return await self._run(self.core.stats())
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -287,21 +156,25 @@ class AsyncClient(_Producer):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def _run(self, plan: Plan[T]) -> T:
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = plan.throw(error) if error is not None else plan.send(reply)
+            except StopIteration as finished:
+                return finished.value
+            try:
+                reply, error = await self._do(step), None
+            except Exception as failed:
+                reply, error = None, failed
 
-def queue_stats(connection: Any, keys: Keys) -> dict[str, Any]:
-    """Stream lengths, pending and lag of the worker group, consumers, dead letters, live workers."""
-    out: dict[str, Any] = {}
-    for name, stream in (("requests", keys.requests), ("chunks", keys.chunks)):
-        entry: dict[str, Any] = {"length": connection.xlen(stream)}
-        try:
-            groups = {g["name"].decode() if isinstance(g["name"], bytes) else g["name"]: g
-                      for g in connection.xinfo_groups(stream)}
-        except redis.ResponseError:  # no such stream yet
-            groups = {}
-        group = groups.get(GROUP)
-        if group:
-            entry.update(pending=group["pending"], lag=group.get("lag"), consumers=group["consumers"])
-        out[name] = entry
-    out["dead_letters"] = connection.xlen(keys.dead)
-    out["workers"] = len(connection.hkeys(keys.workers()))
-    return out
+    async def _do(self, step: Call | Pipeline | Script) -> Any:
+        if isinstance(step, Script):
+            return await self._script(keys=step.keys, args=step.args)
+        if isinstance(step, Pipeline):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for call in step.calls:
+                    getattr(pipe, call.method)(*call.args, **call.kwargs)
+                return await pipe.execute()
+        return await getattr(self.redis, step.method)(*step.args, **step.kwargs)

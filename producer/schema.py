@@ -1,14 +1,18 @@
 """The wire format shared by producers and workers: a System One request, its result, and error codes.
 
 A request is ``{"state": ..., "questions": {name: question}, "assets": {...}}`` plus queue fields (``id``,
-``reply_to``, ``deadline_ms``). Validation errors name the question and the problem, so a producer can fix its
-input from the error result alone.
+``reply_to``, ``deadline_ms``) and caller context echoed in its result (``metadata``, ``traceparent``). Validation
+errors name the field and the problem, so a producer can fix its input from the error result alone.
+
+Requests are strict (an unknown field is a mistake worth refusing); results are open (a field added by a newer
+worker is kept, not refused), so producers already deployed keep reading results when workers move ahead.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
@@ -24,6 +28,9 @@ MAX_ASSETS = 16
 MAX_NAME_CHARS = 128
 MAX_DEPTH = 64  # JSON nesting; templates render nested values recursively (~150 levels exhaust Python's stack)
 IMAGE_FORMATS = ("png", "jpeg", "jpg", "webp", "gif", "bmp")
+MAX_METADATA_BYTES = 4096  # compact UTF-8 JSON; echoed in every result, so kept to what a tag or an id needs
+# W3C Trace Context: version-traceid-parentid-flags, lowercase hex; version ff and all-zero ids are invalid.
+TRACEPARENT = re.compile(r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}(-[0-9a-f-]+)?")
 
 
 class ErrorCode(str, enum.Enum):
@@ -37,10 +44,19 @@ class ErrorCode(str, enum.Enum):
     DEADLINE_EXCEEDED = "deadline_exceeded"  # expired before compute started
     DEAD_LETTERED = "dead_lettered"  # delivered too often without finishing (a crashing or poison input)
     INTERNAL = "internal_error"  # the worker failed on this input; retried before this result
+    # Written by the producer's command line for its own output, never by a worker:
+    TIMEOUT = "timeout"  # no result within the wait; the request stays queued and its result may still come
+    NOT_SENT = "not_sent"  # never enqueued: the queue stayed full
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Open(BaseModel):
+    """Results and their parts: unknown fields are accepted and kept (``model_extra``), written out again."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
 
 
 class NoulQuestion(_Strict):
@@ -94,12 +110,30 @@ class Request(_Strict):
     assets: dict[str, ImageAsset] | None = Field(default=None, max_length=MAX_ASSETS)
     reply_to: str | None = None
     deadline_ms: int | None = Field(default=None, ge=0)
+    metadata: dict[str, JsonValue] | None = None  # opaque to workers, echoed in the result
+    traceparent: str | None = None  # W3C trace context: echoed, and in the worker's log lines for the request
 
     @field_validator("id")
     @classmethod
     def _id_charset(cls, value: str | None) -> str | None:
         if value is not None and not ID_PATTERN.match(value):
             raise ValueError("id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()) if value else 0
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata is {size} bytes of JSON, over the {MAX_METADATA_BYTES}-byte limit")
+        return value
+
+    @field_validator("traceparent")
+    @classmethod
+    def _traceparent_format(cls, value: str | None) -> str | None:
+        if value is not None and not (TRACEPARENT.fullmatch(value) and (value[:2] != "00" or len(value) == 55)):
+            raise ValueError("traceparent must be a W3C trace context: 00-<32 hex trace id>-<16 hex parent id>-"
+                             "<2 hex flags>, lowercase, ids not all zeros")
         return value
 
     @field_validator("questions")
@@ -133,26 +167,31 @@ class Request(_Strict):
         return body
 
 
-class ErrorInfo(_Strict):
-    code: ErrorCode
+class ErrorInfo(_Open):
+    # A code this version does not know (a newer worker's) stays a plain string.
+    code: Annotated[ErrorCode | str, Field(union_mode="left_to_right")]
     message: str
 
 
-class Usage(_Strict):
+class Usage(_Open):
     tokens: int = 0  # prompt tokens the model read, over all chunks
     prompts: int = 0  # sequences (chunks) the request was rendered into
     parts: int = 1  # parts it was fanned out into across workers
 
 
-class Timings(_Strict):
+class Timings(_Open):
     enqueued_ms: int | None = None  # from the stream entry id
     started_ms: int | None = None  # first worker picked it up
     finished_ms: int | None = None  # result published
     compute_ms: float | None = None  # forward time of the packs it rode in (summed over parts)
 
 
-class Result(_Strict):
-    """The one result of a request: ``ok`` with answers, or ``error`` with a code and a message."""
+class Result(_Open):
+    """The one result of a request: ``ok`` with answers, or ``error`` with a code and a message.
+
+    ``result.ok`` tells which; ``result.raise_for_error()`` turns an error into a ``ResultError`` and returns an ok
+    result, so ``client.decide(request).raise_for_error().answers`` reads an answer or raises.
+    """
 
     id: str
     status: Literal["ok", "error"]
@@ -164,14 +203,40 @@ class Result(_Strict):
     timings: Timings | None = None
     error: ErrorInfo | None = None
     model: str | None = None
+    metadata: dict[str, JsonValue] | None = None  # the request's, echoed
+    traceparent: str | None = None  # the request's, echoed
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
+    def raise_for_error(self) -> Result:
+        """This result if it is ok; else raises ``ResultError`` with its code and message."""
+        if not self.ok:
+            raise ResultError(self)
+        return self
+
+    @property
+    def option_probabilities(self) -> dict[str, dict[str, float]]:
+        """Probabilities by question, then by option name: ``result.option_probabilities["tone"]["calm"]``.
+        Raises ``ResultError`` for an error result (it has none)."""
+        self.raise_for_error()
+        options = self.options or {}
+        return {name: dict(zip(options.get(name, ()), values)) for name, values in (self.probabilities or {}).items()}
+
     @classmethod
-    def failure(cls, request_id: str, code: ErrorCode, message: str, **fields: Any) -> Result:
+    def failure(cls, request_id: str, code: ErrorCode | str, message: str, **fields: Any) -> Result:
         return cls(id=request_id, status="error", error=ErrorInfo(code=code, message=message), **fields)
+
+
+class ResultError(Exception):
+    """An error result, raised by ``Result.raise_for_error``: ``code``, ``message`` and the ``result`` itself."""
+
+    def __init__(self, result: Result) -> None:
+        error = result.error or ErrorInfo(code=ErrorCode.INTERNAL, message="error result without details")
+        self.result, self.code, self.message = result, error.code, error.message
+        code = self.code.value if isinstance(self.code, ErrorCode) else self.code
+        super().__init__(f"request {result.id}: {code}: {self.message}")
 
 
 def describe(error: ValidationError) -> str:

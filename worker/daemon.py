@@ -170,7 +170,7 @@ class Daemon:
             task.cancel()
         try:
             await self.intake.leave()
-            await self.link.redis.aclose()
+            await self.link.close()
         except REDIS_ERRORS:
             pass
 
@@ -194,8 +194,7 @@ class Daemon:
         body = None
         try:
             if delivery.stream == CHUNKS:  # a part: its request's body was stored when it fanned out
-                body = await self.link.until(lambda: self.link.redis.get(self.keys.body(delivery.request_id)),
-                                             "get body")
+                body = await self.intake.stored_body(delivery)
                 if body is None:
                     raise RequestError(ErrorCode.INTERNAL, "the request body of this part is gone (Redis lost it?)")
             task = await asyncio.wrap_future(self.planner.submit(delivery, body))

@@ -109,6 +109,10 @@ class Consumer:
         [fresh] = await self._counted([(delivery.key, delivery.entry_id, reply[0][1])])
         return fresh
 
+    async def stored_body(self, delivery: Delivery) -> bytes | None:
+        """A part's request body, stored when its request fanned out (None: gone)."""
+        return await self.redis.get(self.keys.body(delivery.request_id))
+
     async def group_stats(self) -> dict[Stream, dict[str, Any]]:
         out = {}
         for key, stream in self.streams.items():
@@ -254,7 +258,11 @@ class Intake:
         return len(fresh)
 
     async def start(self) -> None:
+        """Create the group on both streams unless it is there (waits for Redis)."""
         await self.link.until(self.consumer.ensure_groups, "create groups")
+
+    async def stored_body(self, delivery: Delivery) -> bytes | None:
+        return await self.link.until(lambda: self.consumer.stored_body(delivery), "get body")
 
     async def leave(self) -> None:
         """Take this worker's heartbeat out of Keys.workers (on a clean stop)."""

@@ -28,6 +28,9 @@ class Link:
         self.give_up = give_up  # when a call that cannot reach Redis stops retrying (stopping, past the drain)
         self.reachable = False
 
+    async def close(self) -> None:
+        await self.redis.aclose()
+
     def answered(self) -> None:
         if not self.reachable:
             log.info("redis reachable")

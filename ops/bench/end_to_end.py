@@ -46,18 +46,13 @@ def model_for(shape: str):
     ``tiny``: the tiny checkpoint itself, on the CPU (checks this harness without a GPU)."""
     import tempfile
 
-    from transformers.decision import DecisionConfig
-
     from worker.model import checkpoint, tiny
 
     if shape == "tiny":
         return checkpoint.load(tiny.write(tempfile.mkdtemp(), multimodal=False), device="cpu")
     from synthetic import random_model
 
-    model = random_model(shape)
-    model.decision_config = model.model.decision_config = DecisionConfig(chat_template=tiny.TINY_TEMPLATE.strip())
-    model.processor = tiny.build_tokenizer()
-    return model
+    return random_model(shape, rendering=tiny.rendering())
 
 
 def settings_for(args: argparse.Namespace, **extra):
@@ -99,7 +94,7 @@ def self_time(daemon, args: argparse.Namespace) -> None:
     chunks = [c for r in make_requests(args.requests, 1, encoder) for c in encoder.plan(Request.model_validate(r))]
     groups = packs(chunks, daemon.engine.max_pack_tokens)
     timed(daemon.engine, groups[: max(1, len(groups) // 8)])
-    seconds = timed(daemon.engine, groups)
+    seconds, _ = timed(daemon.engine, groups)
     tokens = sum(c.length for c in chunks)
     report = {"tokens_per_s": round(tokens / seconds), "requests_per_s": round(args.requests / seconds, 1),
               "seconds": round(seconds, 2), "packs": len(groups)}
@@ -199,18 +194,13 @@ def run_bench(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
 
     from producer.client import Client
+    from worker.model import tiny
     from worker.model.encoder import Encoder
     from worker.redis_server import RedisServer, free_port
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    from worker.model import tiny
-    from transformers.decision import DecisionConfig
-    from worker.model.checkpoint import RenderSpec
-
-    spec = RenderSpec(DecisionConfig(chat_template=tiny.TINY_TEMPLATE.strip()), tiny.build_tokenizer(), False,
-                      8192, {"noul": 8, "choice": 8, "score": 8})
-    encoder = Encoder(spec)
+    encoder = Encoder(tiny.rendering())
     backlog = make_requests(args.requests, 1, encoder)
     report: dict = {"shape": args.shape, "dtype": "fp8" if args.fp8 else "bf16", "compile": args.compile,
                     "graphs": not args.no_graphs, "buckets": args.buckets,

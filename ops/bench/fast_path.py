@@ -30,28 +30,30 @@ from synthetic import WORKLOADS, packs, padded_batches, probabilities, random_mo
 
 from worker.config import Settings  # noqa: E402
 from worker.fast import FastEngine  # noqa: E402
-from worker.fast.layout import plan  # noqa: E402
+from worker.model.engine import Engine  # noqa: E402
 from worker.model.reference import ReferenceEngine  # noqa: E402
 
 COUNTS = {"standard": 1200, "long-tail": 1500, "vision": 800}  # requests timed per run (about 0.4-0.6M tokens)
 REF_COUNTS = {"standard": 256, "long-tail": 320, "vision": 192}
 
 
-def timed(engine: FastEngine, groups: list[list]) -> float:
-    """Seconds for ``groups`` through ``engine``, launching pack n+1 before waiting for pack n (as the daemon)."""
+def timed(engine: Engine, groups: list[list]) -> tuple[float, int]:
+    """Seconds for ``groups`` through ``engine``, launching pack n+1 before waiting for pack n (as the daemon), and
+    the tokens its packs computed (their bucket sizes: the pack fill's denominator)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     start = time.perf_counter()
     pending = None
+    capacity = 0
     for group in groups:
         launched = engine.launch(group)
         if pending is not None:
-            pending.wait()
+            capacity += pending.wait().capacity
         pending = launched
     if pending is not None:
-        pending.wait()
+        capacity += pending.wait().capacity
     sync()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, capacity
 
 
 def reference_figures(model, chunks) -> dict:
@@ -136,11 +138,10 @@ def run_one(spec: str, args: argparse.Namespace, cache: dict) -> dict:
     engine.warmup()
     groups = packs(chunks, engine.max_pack_tokens)
     timed(engine, groups[: max(2, len(groups) // 10)])  # first real packs: allocator and autotuning settle
-    seconds = timed(engine, groups)
+    seconds, capacity = timed(engine, groups)
     tokens = sum(c.length for c in chunks)
-    capacity = sum(plan(g, engine.buckets).capacity for g in groups)
     result = {"run": spec, "shape": shape, "workload": workload, "dtype": dtype, "variant": variant,
-              "compile": compile_mode, "graphs": engine.graphed is not None, "requests": len(requests),
+              "compile": compile_mode, "graphs": engine.graphs_on, "requests": len(requests),
               "tokens": tokens, "packs": len(groups), "tokens_per_s": tokens / seconds,
               "requests_per_s": len(requests) / seconds, "pack_fill": tokens / capacity,
               "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,

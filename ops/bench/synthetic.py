@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers.decision import Question
 
-from worker.model.checkpoint import DecisionModel
+from worker.model.checkpoint import DecisionModel, RenderSpec
 from worker.model.engine import Chunk
 
 # DESIGN.md section 1 (public configs). The vision tower's size is not in that table: Qwen3-VL-2B's is assumed.
@@ -35,7 +35,10 @@ OFFSETS = {"noul": 0, "score": 2, "choice": 8}
 KINDS = (("noul", 2), ("choice", 4), ("score", 5))
 
 
-def random_model(shape: str, multimodal: bool = False, device: str = "cuda") -> DecisionModel:
+def random_model(shape: str, multimodal: bool = False, device: str = "cuda", rendering: RenderSpec | None = None
+                 ) -> DecisionModel:
+    """``rendering``: the template and tokenizer requests are rendered with (the end-to-end benchmark's planner);
+    without one the model has none, and its chunks come from the synthetic workloads."""
     from transformers import JevConfig, JevForDecision, Qwen3_5Config, Qwen3_5TextConfig
     from transformers.decision import DecisionConfig
 
@@ -59,8 +62,8 @@ def random_model(shape: str, multimodal: bool = False, device: str = "cuda") -> 
             model = JevForDecision(config).eval()
     finally:
         torch.set_default_dtype(default)
-    model.decision_config = DecisionConfig()
-    tokenizer = SimpleNamespace(pad_token_id=0)
+    model.decision_config = rendering.decision_config if rendering else DecisionConfig()
+    tokenizer = rendering.processor if rendering else SimpleNamespace(pad_token_id=0)
     return DecisionModel(model=model, decision_config=model.decision_config, processor=tokenizer,
                          name=f"random-{shape}", multimodal=multimodal, max_length=8192)
 

@@ -99,3 +99,16 @@ def start_worker(tmp_path):
     yield start
     for worker in started:
         worker.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir, tmp_path_factory):
+    """One redis-server and one ready worker (tiny checkpoint, CPU) shared by a module's tests, which keep to ids
+    of their own: for tests of a client's behaviour that need real results, not of the worker's."""
+    with RedisServer() as server:
+        worker = WorkerProcess(tiny_dir, server.url, tmp_path_factory.mktemp("served") / "worker.log")
+        try:
+            worker.wait_ready()
+            yield server
+        finally:
+            worker.stop()

@@ -1,9 +1,5 @@
 """End to end: real redis-server, real worker processes on the tiny checkpoint (CPU), the real producer."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -128,26 +124,3 @@ def test_kill_9_mid_work_the_other_worker_finishes(redis_server, start_worker, t
     assert all(results[r].ok for r in ids)
     assert all(result_entries(client, r) == 1 for r in ids)
     assert survivor.metric("dq_entries_read_total", how="reclaimed") > 0
-
-
-def test_cli_submit_wait_out(redis_server, start_worker, tiny_dir, tmp_path):
-    start_worker(tiny_dir, redis_server.url)
-    lines = [json.dumps(r) for r in requests(5, "cli")] + ["{broken", json.dumps({"id": "no-questions",
-                                                                                   "state": "x"})]
-    source = tmp_path / "requests.jsonl"
-    source.write_text("\n".join(lines) + "\n")
-    out = tmp_path / "results.jsonl"
-    done = subprocess.run([sys.executable, "-m", "producer", "submit", "--redis", redis_server.url, str(source),
-                           "--wait", "--out", str(out), "--timeout", "120", "--quiet"],
-                          capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr
-    results = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert len(results) == 7
-    for i in range(5):
-        assert results[f"cli-{i}"]["status"] == "ok" and results[f"cli-{i}"]["answers"]
-        assert set(results[f"cli-{i}"]["logits"]) == set(results[f"cli-{i}"]["answers"])
-    assert results["line-6"]["error"]["code"] == "invalid_json"
-    assert results["no-questions"]["error"]["code"] == "invalid_request"
-    stats = subprocess.run([sys.executable, "-m", "producer", "stats", "--redis", redis_server.url],
-                           capture_output=True, text=True, timeout=60)
-    assert json.loads(stats.stdout)["requests"]["length"] == 0

@@ -2,15 +2,20 @@
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from producer.client import AsyncClient, Client, InvalidRequest, QueueFull, ResultTimeout
-from producer.keys import Keys
+from producer.keys import Keys, shard_of
 from producer.schema import Result
 
+ROOT = Path(__file__).resolve().parents[2]
 REQUEST = {"state": "hello", "questions": {"q": {"type": "noul", "instructions": "ok?"}}}
 
 
@@ -112,3 +117,108 @@ def test_waiting_on_many_results_reads_each_once(redis_server):
     assert list(results) == ids and all(results[r].id == r for r in ids)
     calls = client.redis.info("commandstats")
     assert calls.get("cmdstat_xrange", {}).get("calls", 0) <= len(ids)  # one look before blocking, then XREADs
+
+
+def test_queue_full_says_which_requests_went_in(redis_server):
+    """1000 requests without ids over a limit of 600: the first batch goes in, and its ids are not lost."""
+    client = Client(redis_server.url, max_unfinished=600)
+    with pytest.raises(QueueFull, match="shard 0: 500 unfinished entries, limit 600; 500 of 1000") as full:
+        client.submit_many([REQUEST] * 1000)
+    accepted, refused = full.value.accepted, full.value.refused
+    assert len(accepted) == 500 and len(refused) == 500 and not set(accepted) & set(refused)
+    queued = [json.loads(fields[b"body"])["id"] for _, fields in client.redis.xrange(client.keys.requests)]
+    assert queued == accepted  # exactly those, in order
+    # Batches never exceed the limit, so a limit below 500 does not refuse a batch the empty stream could take.
+    small = Client(redis_server.url, namespace="small", max_unfinished=3)
+    with pytest.raises(QueueFull) as full:
+        small.submit_many([REQUEST] * 5)
+    assert len(full.value.accepted) == 3 and len(full.value.refused) == 2
+
+
+def test_an_invalid_request_is_named_by_its_position_and_nothing_is_sent(redis_server):
+    client = Client(redis_server.url)
+    with pytest.raises(InvalidRequest, match=r"request 2: metadata: .* over the 4096-byte limit") as error:
+        client.submit_many([REQUEST, REQUEST, {**REQUEST, "metadata": {"blob": "x" * 5000}}])
+    assert error.value.index == 2 and client.redis.xlen(client.keys.requests) == 0
+
+
+def test_a_result_from_a_newer_worker_with_extra_fields_is_read(redis_server):
+    client = Client(redis_server.url)
+    request_id = client.submit(REQUEST)
+    body = {"id": request_id, "status": "ok", "answers": {"q": {"type": "noul", "noul": 0.8}},
+            "probabilities": {"q": [0.8, 0.2]}, "options": {"q": ["true", "false"]},
+            "usage": {"tokens": 5, "prompts": 1, "parts": 1, "kv_cache_hits": 3},
+            "timings": {"enqueued_ms": 1, "finished_ms": 2, "gpu": "h200"}, "explanations": {"q": "because"}}
+    client.redis.xadd(client.keys.result(request_id), {"body": json.dumps(body)})
+    result = client.wait_many([request_id], timeout=5)[request_id]
+    assert result.option_probabilities == {"q": {"true": 0.8, "false": 0.2}}
+    assert result.model_extra == {"explanations": {"q": "because"}}
+    assert result.usage.model_extra == {"kv_cache_hits": 3} and result.timings.model_extra == {"gpu": "h200"}
+
+
+def test_wait_many_timeout_carries_what_landed(redis_server):
+    client = Client(redis_server.url)
+    ids = client.submit_many([REQUEST] * 3)
+    publish(client, ids[1])
+    with pytest.raises(ResultTimeout, match="2 of 3") as late:
+        client.wait_many(ids, timeout=0.3)
+    assert list(late.value.results) == [ids[1]] and late.value.missing == [ids[0], ids[2]]
+
+
+def test_async_client_has_every_method_of_client(redis_server):
+    import inspect
+
+    def public(cls):
+        return {name: list(inspect.signature(member).parameters) for name, member in inspect.getmembers(cls)
+                if callable(member) and not name.startswith("_")}
+
+    assert public(AsyncClient) == public(Client)
+
+    async def scenario():
+        async with AsyncClient(redis_server.url, shards=2) as client:
+            ids = await client.submit_many([{**REQUEST, "id": f"a-{i}"} for i in range(6)])
+            stats = await client.stats()
+            assert stats["requests"]["length"] == 6 and [s["shard"] for s in stats["shards"]] == [0, 1]
+            asyncio.get_running_loop().call_later(0.2, publish, Client(redis_server.url), "a-decided")
+            decided = await client.decide({**REQUEST, "id": "a-decided"}, timeout=10)
+            assert decided.ok and decided.id == "a-decided"
+            return ids
+    assert asyncio.run(scenario()) == [f"a-{i}" for i in range(6)]
+
+
+def test_shards_spread_requests_and_stats_show_each(redis_server):
+    client = Client(redis_server.url, shards=3)
+    ids = client.submit_many([{**REQUEST, "id": f"s-{i}"} for i in range(30)])
+    for shard in range(3):
+        stream = Keys("dq", shard).requests
+        queued = [json.loads(fields[b"body"])["id"] for _, fields in client.redis.xrange(stream)]
+        assert queued == [r for r in ids if shard_of(r, 3) == shard] and queued  # each shard got its own
+    stats = client.stats()
+    assert [s["requests"]["length"] for s in stats["shards"]] == [len([r for r in ids if shard_of(r, 3) == s])
+                                                                  for s in range(3)]
+    assert stats["requests"] == {"length": 30} and stats["dead_letters"] == 0 and stats["workers"] == 0
+
+
+def test_the_client_reads_the_workers_environment(redis_server, monkeypatch):
+    monkeypatch.setenv("DQ_REDIS_URL", redis_server.url)
+    monkeypatch.setenv("DQ_NAMESPACE", "envns")
+    monkeypatch.setenv("DQ_SHARDS", "2")
+    client = Client()
+    assert (client.keys.namespace, client.shards) == ("envns", 2)
+    client.submit({**REQUEST, "id": "env-1"})
+    assert client.redis.xlen(Keys("envns", shard_of("env-1", 2)).requests) == 1
+
+
+@pytest.mark.slow
+def test_the_readme_python_snippet_runs_as_written(served):
+    """The README's snippet, verbatim, against a real worker (its Client() reads DQ_REDIS_URL)."""
+    readme = (ROOT / "README.md").read_text()
+    snippet = readme.split("## Using it from a service", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "DQ_REDIS_URL": served.url})
+    assert done.returncode == 0, done.stderr
+    first, *rest = done.stdout.splitlines()
+    refund, calm = map(float, first.split())
+    assert 0 <= refund <= 1 and 0 <= calm <= 1
+    assert [line.split(" ", 1)[0] for line in rest] == ["ticket-0", "ticket-1"]
+    assert all(line.split(" ", 1)[1].startswith("{'true': ") for line in rest)

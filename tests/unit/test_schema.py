@@ -85,3 +85,61 @@ def test_error_result_shape():
     data = json.loads(result.model_dump_json(exclude_none=True))
     assert data == {"id": "r", "status": "error", "error": {"code": "deadline_exceeded", "message": "late"}}
     assert Request.model_validate(GOOD).reply_to is None
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_metadata_and_traceparent_are_accepted_and_checked():
+    request = parse_request(body(metadata={"tenant": "acme", "tags": [1, None, {"a": "é"}]}, traceparent=TRACEPARENT))
+    assert request.metadata == {"tenant": "acme", "tags": [1, None, {"a": "é"}]} and request.traceparent == TRACEPARENT
+    assert parse_request(body(metadata={"k": "x" * 4000})).metadata  # under the cap
+    assert parse_request(body(traceparent="01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-cafe"))
+    cases = [
+        ({"metadata": {"k": "x" * 4090}}, "metadata: Value error, metadata is 4098 bytes of JSON, over the 4096"),
+        ({"metadata": ["not", "an", "object"]}, "metadata: Input should be a valid dictionary"),
+        ({"metadata": "tenant=acme"}, "metadata: Input should be a valid dictionary"),
+        ({"traceparent": TRACEPARENT.upper()}, "traceparent: Value error, traceparent must be a W3C trace context"),
+        ({"traceparent": TRACEPARENT + "\n"}, "traceparent: Value error"),
+        ({"traceparent": TRACEPARENT + "-00"}, "traceparent: Value error"),  # version 00 has exactly four fields
+        ({"traceparent": "00-" + "0" * 32 + "-00f067aa0ba902b7-01"}, "traceparent: Value error"),
+        ({"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-" + "0" * 16 + "-01"}, "traceparent: Value error"),
+        ({"traceparent": "ff" + TRACEPARENT[2:]}, "traceparent: Value error"),
+        ({"traceparent": 7}, "traceparent: Input should be a valid string"),
+    ]
+    for change, message in cases:
+        with pytest.raises(RequestError) as error:
+            parse_request(body(**change))
+        assert error.value.code == ErrorCode.INVALID_REQUEST and error.value.message.startswith(message), change
+
+
+def test_results_accept_fields_they_do_not_know_and_keep_them():
+    """A newer worker may add fields anywhere in a result, and error codes: older producers still read it."""
+    raw = json.dumps({"id": "r", "status": "error", "new_top": {"x": 1},
+                      "error": {"code": "brand_new_code", "message": "m", "hint": "h"},
+                      "usage": {"tokens": 3, "prompts": 1, "parts": 1, "cache_hits": 2}, "timings": {"queued_ms": 4, "finished_ms": 9}})
+    result = Result.model_validate_json(raw)
+    assert result.model_extra == {"new_top": {"x": 1}} and result.usage.model_extra == {"cache_hits": 2}
+    assert result.timings.finished_ms == 9 and result.timings.model_extra == {"queued_ms": 4}
+    assert result.error.code == "brand_new_code" and result.error.model_extra == {"hint": "h"}
+    assert json.loads(result.model_dump_json(exclude_none=True)) == json.loads(raw)  # written out again as read
+    known = Result.model_validate_json(json.dumps({"id": "r", "status": "error",
+                                                   "error": {"code": "too_large", "message": "m"}}))
+    assert known.error.code is ErrorCode.TOO_LARGE
+
+
+def test_ok_raise_for_error_and_probabilities_by_option():
+    from producer.schema import ResultError
+
+    result = Result(id="r", status="ok", answers={"tone": {}}, probabilities={"tone": [0.75, 0.25], "spam": [0.5, 0.5]},
+                    options={"tone": ["calm", "angry"], "spam": ["true", "false"]})
+    assert result.ok and result.raise_for_error() is result
+    assert result.option_probabilities == {"tone": {"calm": 0.75, "angry": 0.25}, "spam": {"true": 0.5, "false": 0.5}}
+    assert result.probabilities["tone"] == [0.75, 0.25]  # the lists stay
+    failed = Result.failure("r-9", ErrorCode.STATE_TOO_LONG, "needs 9000 tokens, the model reads 8192")
+    assert not failed.ok
+    with pytest.raises(ResultError, match="request r-9: state_too_long: needs 9000 tokens") as error:
+        failed.raise_for_error()
+    assert error.value.code is ErrorCode.STATE_TOO_LONG and error.value.result is failed
+    with pytest.raises(ResultError):
+        failed.option_probabilities

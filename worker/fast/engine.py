@@ -27,8 +27,8 @@ from ..model.checkpoint import DecisionModel
 from ..model.engine import Chunk, PackRun, Pending
 from .errors import ALTERNATIVE, FastPathUnavailable
 from .forward import COMPILE_MODES, PackedForward
-from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warmer
 from .layers import LINEAR
+from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warmer
 from .layout import Layout, Regions, chunk_positions, plan, row_capacity
 from .mixers import Boundaries, CudaMixers, Mixers
 
@@ -122,7 +122,7 @@ class FastEngine:
         for size in sizes:  # every bucket's graphs replayed once (their first launch uploads them)
             self.launch(self._dummy_pack([size // 2, size - size // 2])).wait()
         # The delta rule's kernels come in variants (FlashQLA: split across the card or not, and the tile width its
-        # grid size picks), each JIT-compiled on first use (15-20 s on an H200): one pack for each variant that
+        # grid size picks), each JIT-compiled on first use (15-25 s on an H200): one pack for each variant that
         # any pack of at most the budget can reach, now rather than under traffic (worker/fast/mixers.py).
         heads = next((stage.dims.v_heads for stage in self.fwd.stages if stage.kind == LINEAR), 0)
         variants = self.fwd.mixers.variant_packs(heads, self._budget) if heads else []
@@ -148,9 +148,9 @@ class FastEngine:
                 torch.cuda.empty_cache()  # the warm-up stream's cached blocks; the graphs keep their pool
 
     def _static_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        r = self.regions
-        return (self.device_layout[r.seqpos: r.seqpos + bucket],
-                self.device_layout[r.rows: r.rows + row_capacity(bucket)])
+        regions = self.regions
+        return (self.device_layout[regions.seqpos: regions.seqpos + bucket],
+                self.device_layout[regions.rows: regions.rows + row_capacity(bucket)])
 
     def _dummy_pack(self, lengths: Sequence[int]) -> list[Chunk]:
         """Chunks of padding of these lengths, one marker each."""
@@ -213,25 +213,27 @@ class FastEngine:
             slot.pending = pending
         return pending
 
-    def _forward(self, layout: Layout, chunks: Sequence[Chunk], r: Regions, flat: torch.Tensor) -> torch.Tensor:
+    def _forward(self, layout: Layout, chunks: Sequence[Chunk], regions: Regions, flat: torch.Tensor
+                 ) -> torch.Tensor:
         tokens, cap, count = layout.tokens, layout.capacity, len(layout.lengths)
         # Fresh views for every pack: fla caches host-side preparation by tensor identity.
-        cu_long = flat[r.cu: r.cu + count + 1]
-        b = Boundaries(
+        cu_long = flat[regions.cu: regions.cu + count + 1]
+        bounds = Boundaries(
             cu=cu_long.to(torch.int32), cu_long=cu_long, cu_host=torch.tensor(layout.cu_seqlens),
-            chunk_index=flat[r.chunk_index: r.chunk_index + 2 * layout.gdn_chunks].view(-1, 2),
-            max_length=layout.max_length, cu_rows=flat[r.cu_rows: r.cu_rows + count + 1].to(torch.int32),
+            chunk_index=flat[regions.chunk_index: regions.chunk_index + 2 * layout.gdn_chunks].view(-1, 2),
+            max_length=layout.max_length, cu_rows=flat[regions.cu_rows: regions.cu_rows + count + 1].to(torch.int32),
             max_rows=layout.max_questions)
-        ids = flat[r.ids: r.ids + tokens]
-        positions = flat[r.positions: r.positions + 3 * r.capacity].view(3, r.capacity)[:, :cap]
-        seqpos = flat[r.seqpos: r.seqpos + cap]
-        rows = flat[r.rows: r.rows + layout.rows_capacity]
-        h = self.fwd.embed(ids, *self._images(chunks, layout))
+        ids = flat[regions.ids: regions.ids + tokens]
+        positions = flat[regions.positions: regions.positions + 3 * regions.capacity]
+        positions = positions.view(3, regions.capacity)[:, :cap]
+        seqpos = flat[regions.seqpos: regions.seqpos + cap]
+        rows = flat[regions.rows: regions.rows + layout.rows_capacity]
+        hidden = self.fwd.embed(ids, *self._images(chunks, layout))
         if layout.bucket is not None and self.graphed is not None:
-            self.graphed.prologue(layout.bucket, h, positions, layout.rows)
-            return self.graphed.replay(layout.bucket, tokens, layout.rows, b)
-        cos, sin = self.fwd.rope_tables(positions, h)
-        return self.fwd.run(h, cos, sin, seqpos, rows, b)
+            self.graphed.prologue(layout.bucket, hidden, positions, layout.rows)
+            return self.graphed.replay(layout.bucket, tokens, layout.rows, bounds)
+        cos, sin = self.fwd.rope_tables(positions, hidden)
+        return self.fwd.run(hidden, cos, sin, seqpos, rows, bounds)
 
     def _images(self, chunks: Sequence[Chunk], layout: Layout) -> tuple[torch.Tensor | None, ...]:
         """Rows of the pack's image tokens, and the pixels and grids of its images, in pack order."""

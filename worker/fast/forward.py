@@ -41,8 +41,8 @@ class Pieces(NamedTuple):
     final: Callable[..., Any]
 
 
-def _final(ops: Ops, _dims: None, head: layers.Head, h: torch.Tensor) -> torch.Tensor:
-    return layers.final(ops, head, h)
+def _final(ops: Ops, _dims: None, head: layers.Head, hidden: torch.Tensor) -> torch.Tensor:
+    return layers.final(ops, head, hidden)
 
 
 PLAIN = Pieces(layers.pre_linear, layers.post_linear, layers.pre_full, layers.pre_full_rows, layers.post_full,
@@ -127,15 +127,15 @@ class PackedForward:
     def embed(self, ids: torch.Tensor, image_rows: torch.Tensor | None = None,
               pixel_values: torch.Tensor | None = None, grid: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings, with the vision tower's features written at the image tokens (rows of the pack)."""
-        h = self.embed_tokens(ids)
+        hidden = self.embed_tokens(ids)
         if pixel_values is not None:
             assert image_rows is not None and grid is not None
-            features = self.model.backbone.get_image_features(
-                pixel_values.to(h.device, self.model.dtype), grid.to(h.device), return_dict=True).pooler_output
-            features = torch.cat(features).to(h.dtype)
+            features = self.model.backbone.get_image_features(pixel_values.to(hidden.device, self.model.dtype),
+                                                              grid.to(hidden.device), return_dict=True).pooler_output
+            features = torch.cat(features).to(hidden.dtype)
             assert features.shape[0] == image_rows.shape[0], "one feature per image token"
-            h = h.index_copy(0, image_rows, features)
-        return h
+            hidden = hidden.index_copy(0, image_rows, features)
+        return hidden
 
     def rope_tables(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(3, T) M-RoPE positions -> cos, sin (T, rotary_dim): the backbone's own rotary embedding."""
@@ -144,24 +144,24 @@ class PackedForward:
 
     # ---- the eager path ----
 
-    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqpos: torch.Tensor,
-            rows: torch.Tensor, b: Boundaries) -> torch.Tensor:
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqpos: torch.Tensor,
+            rows: torch.Tensor, bounds: Boundaries) -> torch.Tensor:
         """(T, hidden) embeddings -> (rows, verbalizers) fp32 head scores at the marker ``rows``."""
-        p, ops, mix = self.pieces, self.ops, self.mixers
+        pieces, ops, mix = self.pieces, self.ops, self.mixers
         for stage in self.stages:
-            d, w = stage.dims, stage.weights
+            dims, weights = stage.dims, stage.weights
             if stage.kind == LINEAR:
-                q, k, v, g, beta, z = p.pre_linear(ops, d, w, h, seqpos)
-                o = mix.gated_delta(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, b)
-                h = p.post_linear(ops, d, w, h, o, z)
+                query, key, value, decay, beta, out_gate = pieces.pre_linear(ops, dims, weights, hidden, seqpos)
+                mixed = mix.gated_delta(query.contiguous(), key.contiguous(), value.contiguous(), decay, beta, bounds)
+                hidden = pieces.post_linear(ops, dims, weights, hidden, mixed, out_gate)
             elif stage.kind == FULL:
-                q, k, v, gate = p.pre_full(ops, d, w, h, cos, sin)
-                o = mix.attention(q, k, v, d.scale, self.causal, b)
-                h = p.post_full(ops, d, w, h, o, gate)
+                query, key, value, gate = pieces.pre_full(ops, dims, weights, hidden, cos, sin)
+                mixed = mix.attention(query, key, value, dims.scale, self.causal, bounds)
+                hidden = pieces.post_full(ops, dims, weights, hidden, mixed, gate)
             else:
-                q, k, v, gate, h = p.pre_full_rows(ops, d, w, h, cos, sin, rows)
-                o = mix.attention(q, k, v, d.scale, False, b, rows_only=True)
-                h = p.post_full(ops, d, w, h, o, gate)
+                query, key, value, gate, hidden = pieces.pre_full_rows(ops, dims, weights, hidden, cos, sin, rows)
+                mixed = mix.attention(query, key, value, dims.scale, False, bounds, rows_only=True)
+                hidden = pieces.post_full(ops, dims, weights, hidden, mixed, gate)
         if not self.pruned:
-            h = h[rows]
-        return p.final(ops, None, self.head, h)
+            hidden = hidden[rows]
+        return pieces.final(ops, None, self.head, hidden)

@@ -29,23 +29,23 @@ def require_fp8(device: torch.device) -> None:
                                   f"{device} has none: turn fp8 off (--no-fp8), or {ALTERNATIVE}")
 
 
-def eligible(w: Dense) -> bool:
+def eligible(dense: Dense) -> bool:
     """torch._scaled_mm wants both matrix dimensions divisible by 16."""
-    out_features, in_features = w.weight.shape
+    out_features, in_features = dense.weight.shape
     return out_features % 16 == 0 and in_features % 16 == 0
 
 
-def quantize(w: Dense) -> Fp8:
-    weight = w.weight.float()
+def quantize(dense: Dense) -> Fp8:
+    weight = dense.weight.float()
     scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     qweight = (weight / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return Fp8(qweight, scale.t().contiguous(), w.bias)
+    return Fp8(qweight, scale.t().contiguous(), dense.bias)
 
 
-def rows(w: Fp8, start: int, stop: int) -> Fp8:
+def rows(matrix: Fp8, start: int, stop: int) -> Fp8:
     """Output channels ``start:stop`` of a quantized matrix (same values as quantizing those rows alone)."""
-    return Fp8(w.qweight[start:stop], w.scale[:, start:stop].contiguous(),
-               None if w.bias is None else w.bias[start:stop])
+    return Fp8(matrix.qweight[start:stop], matrix.scale[:, start:stop].contiguous(),
+               None if matrix.bias is None else matrix.bias[start:stop])
 
 
 def chosen_layers(spec: str, kinds: Sequence[str]) -> set[int]:
@@ -84,11 +84,11 @@ def convert(weights: Any) -> Any:
         qkv = quantize(weights.qkv) if eligible(weights.qkv) else weights.qkv
         q_rows = weights.q.weight.shape[0]
         if isinstance(qkv, Fp8):
-            q, kv = rows(qkv, 0, q_rows), rows(qkv, q_rows, qkv.qweight.shape[0])
+            query, key_value = rows(qkv, 0, q_rows), rows(qkv, q_rows, qkv.qweight.shape[0])
         else:
-            q, kv = weights.q, weights.kv
+            query, key_value = weights.q, weights.kv
         rest = {name: convert(getattr(weights, name)) for name in ("o_proj", "mlp")}
-        return weights._replace(qkv=qkv, q=q, kv=kv, **rest)
+        return weights._replace(qkv=qkv, q=query, kv=key_value, **rest)
     if isinstance(weights, Dense):
         return quantize(weights) if eligible(weights) else weights
     if isinstance(weights, tuple) and hasattr(weights, "_fields"):

@@ -40,35 +40,38 @@ def _write(outs: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None
 
 # The pieces in "into" form: outputs are written into static buffers (compiled, the copies fuse into the kernels
 # that produce them).
-def pre_linear_into(ops: Ops, d: Any, w: Any, h: torch.Tensor, seqpos: torch.Tensor, *outs: torch.Tensor) -> None:
-    layers.pre_linear(ops, d, w, h, seqpos, outs)  # the short convolution writes its outputs in place
+def pre_linear_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, seqpos: torch.Tensor,
+                    *outs: torch.Tensor) -> None:
+    layers.pre_linear(ops, dims, weights, hidden, seqpos, outs)  # the short convolution writes into outs
 
 
-def post_linear_into(ops: Ops, d: Any, w: Any, h: torch.Tensor, o: torch.Tensor, z: torch.Tensor) -> None:
-    h.copy_(layers.post_linear(ops, d, w, h, o, z))
+def post_linear_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, mixed: torch.Tensor,
+                     out_gate: torch.Tensor) -> None:
+    hidden.copy_(layers.post_linear(ops, dims, weights, hidden, mixed, out_gate))
 
 
-def pre_full_into(ops: Ops, d: Any, w: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def pre_full_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   *outs: torch.Tensor) -> None:
-    _write(outs, layers.pre_full(ops, d, w, h, cos, sin))
+    _write(outs, layers.pre_full(ops, dims, weights, hidden, cos, sin))
 
 
-def pre_full_rows_into(ops: Ops, d: Any, w: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def pre_full_rows_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        rows: torch.Tensor, *outs: torch.Tensor) -> None:
-    _write(outs, layers.pre_full_rows(ops, d, w, h, cos, sin, rows))
+    _write(outs, layers.pre_full_rows(ops, dims, weights, hidden, cos, sin, rows))
 
 
-def post_full_into(ops: Ops, d: Any, w: Any, h: torch.Tensor, o: torch.Tensor, gate: torch.Tensor) -> None:
-    h.copy_(layers.post_full(ops, d, w, h, o, gate))
+def post_full_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, mixed: torch.Tensor,
+                   gate: torch.Tensor) -> None:
+    hidden.copy_(layers.post_full(ops, dims, weights, hidden, mixed, gate))
 
 
-def final_into(ops: Ops, _d: None, head: Any, h: torch.Tensor, scores: torch.Tensor) -> None:
-    scores.copy_(layers.final(ops, head, h))
+def final_into(ops: Ops, _dims: None, head: Any, hidden: torch.Tensor, scores: torch.Tensor) -> None:
+    scores.copy_(layers.final(ops, head, hidden))
 
 
-def final_rows_into(ops: Ops, _d: None, head: Any, h: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor
+def final_rows_into(ops: Ops, _dims: None, head: Any, hidden: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor
                     ) -> None:
-    scores.copy_(layers.final(ops, head, h[rows]))
+    scores.copy_(layers.final(ops, head, hidden[rows]))
 
 
 INTO = (pre_linear_into, post_linear_into, pre_full_into, pre_full_rows_into, post_full_into, final_into,
@@ -120,44 +123,44 @@ class GraphedForward:
         self.graphs: dict[int, list[Callable[[], None]]] = {}
 
     def pieces(self, bucket: int, seqpos: torch.Tensor, rows: torch.Tensor) -> list[Callable[[], None]]:
-        """Piece j = post of stage j-1 (if any) + pre of stage j; the last piece ends with the head."""
+        """Piece n = post of stage n - 1 (if any) + pre of stage n; the last piece ends with the head."""
         ws, fwd, ops = self.ws, self.fwd, self.fwd.ops
         cap, rcap = bucket, row_capacity(bucket)
         assert cap <= ws.capacity and rcap <= ws.rows and seqpos.shape[0] == cap and rows.shape[0] == rcap
-        h = ws.h[:cap]
+        hidden = ws.h[:cap]
 
         def post(stage: Any) -> None:
-            d, w = stage.dims, stage.weights
+            dims, weights = stage.dims, stage.weights
             if stage.kind == LINEAR:
-                self.post_linear(ops, d, w, h, ws.lo[:cap], ws.z[:cap])
+                self.post_linear(ops, dims, weights, hidden, ws.lo[:cap], ws.z[:cap])
             elif stage.kind == FULL:
-                self.post_full(ops, d, w, h, ws.fo[:cap], ws.gate[:cap])
+                self.post_full(ops, dims, weights, hidden, ws.fo[:cap], ws.gate[:cap])
             else:
-                self.post_full(ops, d, w, ws.rh[:rcap], ws.ro[:rcap], ws.rgate[:rcap])
+                self.post_full(ops, dims, weights, ws.rh[:rcap], ws.ro[:rcap], ws.rgate[:rcap])
 
         def pre(stage: Any) -> None:
-            d, w = stage.dims, stage.weights
+            dims, weights = stage.dims, stage.weights
             if stage.kind == LINEAR:
-                self.pre_linear(ops, d, w, h, seqpos, ws.lq[:cap], ws.lk[:cap], ws.lv[:cap], ws.g[:cap],
-                                ws.beta[:cap], ws.z[:cap])
+                self.pre_linear(ops, dims, weights, hidden, seqpos, ws.lq[:cap], ws.lk[:cap], ws.lv[:cap],
+                                ws.g[:cap], ws.beta[:cap], ws.z[:cap])
             elif stage.kind == FULL:
-                self.pre_full(ops, d, w, h, ws.cos[:cap], ws.sin[:cap], ws.fq[:cap], ws.fk[:cap], ws.fv[:cap],
-                              ws.gate[:cap])
+                self.pre_full(ops, dims, weights, hidden, ws.cos[:cap], ws.sin[:cap], ws.fq[:cap], ws.fk[:cap],
+                              ws.fv[:cap], ws.gate[:cap])
             else:
-                self.pre_full_rows(ops, d, w, h, ws.cos[:cap], ws.sin[:cap], rows, ws.rq[:rcap], ws.fk[:cap],
-                                   ws.fv[:cap], ws.rgate[:rcap], ws.rh[:rcap])
+                self.pre_full_rows(ops, dims, weights, hidden, ws.cos[:cap], ws.sin[:cap], rows, ws.rq[:rcap],
+                                   ws.fk[:cap], ws.fv[:cap], ws.rgate[:rcap], ws.rh[:rcap])
 
         def head() -> None:
             if fwd.pruned:
                 self.final(ops, None, fwd.head, ws.rh[:rcap], ws.scores[:rcap])
             else:
-                self.final_rows(ops, None, fwd.head, h, rows, ws.scores[:rcap])
+                self.final_rows(ops, None, fwd.head, hidden, rows, ws.scores[:rcap])
 
         stages = fwd.stages
         out: list[Callable[[], None]] = []
-        for j in range(len(stages) + 1):
-            before = stages[j - 1] if j > 0 else None
-            after = stages[j] if j < len(stages) else None
+        for index in range(len(stages) + 1):
+            before = stages[index - 1] if index > 0 else None
+            after = stages[index] if index < len(stages) else None
 
             def piece(before: Any = before, after: Any = after) -> None:
                 if before is not None:
@@ -180,11 +183,11 @@ class GraphedForward:
                 warm(piece)
             self.graphs[bucket] = [capture(piece) for piece in pieces]
 
-    def prologue(self, bucket: int, h: torch.Tensor, positions: torch.Tensor, rows: int) -> None:
-        """Embeddings of the real tokens into the static hidden state and RoPE tables for the bucket's rows;
-        inert rows zeroed (see above). ``positions``: (3, bucket), the tail at 0; ``rows``: the real marker rows."""
-        ws, tokens = self.ws, h.shape[0]
-        ws.h[:tokens].copy_(h)
+    def prologue(self, bucket: int, hidden: torch.Tensor, positions: torch.Tensor, rows: int) -> None:
+        """Embeddings of the real tokens into the static hidden state and RoPE tables for the bucket's rows; inert
+        rows zeroed (see above). ``positions``: (3, bucket), the tail at 0; ``rows``: the real marker rows."""
+        ws, tokens = self.ws, hidden.shape[0]
+        ws.h[:tokens].copy_(hidden)
         ws.h[tokens:bucket].zero_()
         for out in (getattr(ws, "lo", None), getattr(ws, "fo", None)):
             if out is not None:
@@ -192,25 +195,26 @@ class GraphedForward:
         if getattr(ws, "ro", None) is not None:
             ws.ro[rows: row_capacity(bucket)].zero_()
         if ws.cos is not None:
-            cos, sin = self.fwd.rope_tables(positions, h)
+            cos, sin = self.fwd.rope_tables(positions, hidden)
             ws.cos[:bucket].copy_(cos)
             ws.sin[:bucket].copy_(sin)
 
-    def replay(self, bucket: int, tokens: int, rows: int, b: Boundaries) -> torch.Tensor:
+    def replay(self, bucket: int, tokens: int, rows: int, bounds: Boundaries) -> torch.Tensor:
         """After ``prologue``: the pack's head scores, (row capacity, verbalizers) fp32, the first ``rows`` real."""
         ws, fwd, mix = self.ws, self.fwd, self.fwd.mixers
         graphs = self.graphs[bucket]
-        t = slice(0, tokens)
+        real = slice(0, tokens)  # the pack's tokens; the mixers never see the bucket's inert tail
         for stage, graph in zip(fwd.stages, graphs):
             graph()
-            d = stage.dims
+            dims = stage.dims
             if stage.kind == LINEAR:
-                ws.lo[t].copy_(mix.gated_delta(ws.lq[t], ws.lk[t], ws.lv[t], ws.g[t], ws.beta[t], b))
+                ws.lo[real].copy_(mix.gated_delta(ws.lq[real], ws.lk[real], ws.lv[real], ws.g[real], ws.beta[real],
+                                                  bounds))
             elif stage.kind == FULL:
-                ws.fo[t].copy_(mix.attention(ws.fq[t], ws.fk[t], ws.fv[t], d.scale, fwd.causal, b))
+                ws.fo[real].copy_(mix.attention(ws.fq[real], ws.fk[real], ws.fv[real], dims.scale, fwd.causal, bounds))
             else:
                 assert stage.kind == ROWS
-                ws.ro[:rows].copy_(mix.attention(ws.rq[:rows], ws.fk[t], ws.fv[t], d.scale, False, b,
+                ws.ro[:rows].copy_(mix.attention(ws.rq[:rows], ws.fk[real], ws.fv[real], dims.scale, False, bounds,
                                                  rows_only=True))
         graphs[-1]()
         return ws.scores[: row_capacity(bucket)]

@@ -83,8 +83,8 @@ def _dense(*modules: torch.nn.Linear) -> Dense:
     return Dense(weight, bias)
 
 
-def _split(w: Dense, start: int, stop: int) -> Dense:
-    return Dense(w.weight[start:stop], None if w.bias is None else w.bias[start:stop])
+def _split(dense: Dense, start: int, stop: int) -> Dense:
+    return Dense(dense.weight[start:stop], None if dense.bias is None else dense.bias[start:stop])
 
 
 def _mlp(layer: Any) -> Mlp:
@@ -126,72 +126,74 @@ def head_weights(language_model: Any, proj: torch.nn.Linear, softcap: float | No
 
 # ---- dense pieces: (tokens, hidden) in, row-local, no knowledge of chunk boundaries except ``seqpos`` ----
 
-def mlp_block(ops: Ops, w: Mlp, h: torch.Tensor, eps: float) -> torch.Tensor:
-    x = ops.rms_norm(h, w.norm, eps)
-    return h + ops.linear(ops.swiglu(ops.linear(x, w.gate_up), w.down), w.down)
+def mlp_block(ops: Ops, mlp: Mlp, hidden: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = ops.rms_norm(hidden, mlp.norm, eps)
+    return hidden + ops.linear(ops.swiglu(ops.linear(normed, mlp.gate_up), mlp.down), mlp.down)
 
 
-def pre_linear(ops: Ops, d: LinearDims, w: LinearAttn, h: torch.Tensor, seqpos: torch.Tensor,
+def pre_linear(ops: Ops, dims: LinearDims, weights: LinearAttn, hidden: torch.Tensor, seqpos: torch.Tensor,
                outs: Sequence[torch.Tensor] | None = None) -> Sequence[torch.Tensor]:
-    """-> q (T, Hk, Dk), k (T, Hk, Dk) both of unit length per head, v (T, Hv, Dv), g (T, Hv) fp32, beta (T, Hv),
-    z (T, value_dim); written into ``outs`` where given (the static buffers of the graphed path)."""
-    x = ops.rms_norm(h, w.norm, d.eps)
-    projected = ops.linear(x, w.in_proj)
-    off_z = 2 * d.key_dim + d.value_dim
-    if w.gates is None:  # b and a are the last columns of the projection
-        gates, off_b = projected, off_z + d.value_dim
+    """-> query (T, Hk, Dk), key (T, Hk, Dk) both of unit length per head, value (T, Hv, Dv), decay (T, Hv) fp32,
+    beta (T, Hv), out_gate (T, value_dim); written into ``outs`` where given (the graphed path's static buffers)."""
+    normed = ops.rms_norm(hidden, weights.norm, dims.eps)
+    projected = ops.linear(normed, weights.in_proj)
+    off_gate = 2 * dims.key_dim + dims.value_dim
+    if weights.gates is None:  # b and a are the projection's last columns
+        gates, off_beta = projected, off_gate + dims.value_dim
     else:
-        gates, off_b = ops.linear(x, w.gates), 0
-    return ops.short_conv(projected, gates, (off_z, off_b, off_b + d.v_heads), w.conv, w.a_log, w.dt_bias, d,
-                          seqpos, outs)
+        gates, off_beta = ops.linear(normed, weights.gates), 0
+    return ops.short_conv(projected, gates, (off_gate, off_beta, off_beta + dims.v_heads), weights.conv,
+                          weights.a_log, weights.dt_bias, dims, seqpos, outs)
 
 
-def post_linear(ops: Ops, d: LinearDims, w: LinearAttn, h: torch.Tensor, o: torch.Tensor, z: torch.Tensor
-                ) -> torch.Tensor:
-    """o: the delta rule's output (T, Hv, Dv)."""
-    h = h + ops.linear(ops.gated_norm(o, z, w.out_norm, d.eps, w.out_proj), w.out_proj)
-    return mlp_block(ops, w.mlp, h, d.eps)
+def post_linear(ops: Ops, dims: LinearDims, weights: LinearAttn, hidden: torch.Tensor, mixed: torch.Tensor,
+                out_gate: torch.Tensor) -> torch.Tensor:
+    """mixed: the delta rule's output (T, Hv, Dv)."""
+    core = ops.gated_norm(mixed, out_gate, weights.out_norm, dims.eps, weights.out_proj)
+    hidden = hidden + ops.linear(core, weights.out_proj)
+    return mlp_block(ops, weights.mlp, hidden, dims.eps)
 
 
-def _query_gate(ops: Ops, d: FullDims, w: FullAttn, projected: torch.Tensor
+def _query_gate(ops: Ops, dims: FullDims, weights: FullAttn, projected: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows = projected.shape[0]
-    query, gate = projected.view(rows, d.heads, 2 * d.head_dim).chunk(2, dim=-1)
-    return ops.rms_norm(query, w.q_norm, d.eps), gate.reshape(rows, d.heads * d.head_dim)
+    query, gate = projected.view(rows, dims.heads, 2 * dims.head_dim).chunk(2, dim=-1)
+    return ops.rms_norm(query, weights.q_norm, dims.eps), gate.reshape(rows, dims.heads * dims.head_dim)
 
 
-def pre_full(ops: Ops, d: FullDims, w: FullAttn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-             ) -> tuple[torch.Tensor, ...]:
-    """-> q (T, H, D), k (T, Hkv, D), v (T, Hkv, D), gate (T, H * D)."""
-    tokens = h.shape[0]
-    x = ops.rms_norm(h, w.norm, d.eps)
-    q_size, kv_size = 2 * d.heads * d.head_dim, d.kv_heads * d.head_dim
-    qg, k, v = ops.linear(x, w.qkv).split([q_size, kv_size, kv_size], dim=-1)
-    q, gate = _query_gate(ops, d, w, qg)
-    k = ops.rms_norm(k.view(tokens, d.kv_heads, d.head_dim), w.k_norm, d.eps)
-    return ops.rope(q, cos, sin), ops.rope(k, cos, sin), v.view(tokens, d.kv_heads, d.head_dim), gate
+def pre_full(ops: Ops, dims: FullDims, weights: FullAttn, hidden: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """-> query (T, H, D), key (T, Hkv, D), value (T, Hkv, D), gate (T, H * D)."""
+    tokens = hidden.shape[0]
+    normed = ops.rms_norm(hidden, weights.norm, dims.eps)
+    q_size, kv_size = 2 * dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+    query_and_gate, key, value = ops.linear(normed, weights.qkv).split([q_size, kv_size, kv_size], dim=-1)
+    query, gate = _query_gate(ops, dims, weights, query_and_gate)
+    key = ops.rms_norm(key.view(tokens, dims.kv_heads, dims.head_dim), weights.k_norm, dims.eps)
+    return (ops.rope(query, cos, sin), ops.rope(key, cos, sin), value.view(tokens, dims.kv_heads, dims.head_dim),
+            gate)
 
 
-def pre_full_rows(ops: Ops, d: FullDims, w: FullAttn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def pre_full_rows(ops: Ops, dims: FullDims, weights: FullAttn, hidden: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The pruned last layer: keys and values for every token, queries only at the marker ``rows``.
-    -> q (R, H, D), k (T, Hkv, D), v (T, Hkv, D), gate (R, H * D), h (R, hidden)."""
-    tokens = h.shape[0]
-    x = ops.rms_norm(h, w.norm, d.eps)
-    k, v = ops.linear(x, w.kv).split([d.kv_heads * d.head_dim] * 2, dim=-1)
-    k = ops.rms_norm(k.view(tokens, d.kv_heads, d.head_dim), w.k_norm, d.eps)
-    q, gate = _query_gate(ops, d, w, ops.linear(x[rows], w.q))
-    return (ops.rope(q, cos[rows], sin[rows]), ops.rope(k, cos, sin), v.view(tokens, d.kv_heads, d.head_dim),
-            gate, h[rows])
+    -> query (R, H, D), key (T, Hkv, D), value (T, Hkv, D), gate (R, H * D), hidden (R, hidden size)."""
+    tokens = hidden.shape[0]
+    normed = ops.rms_norm(hidden, weights.norm, dims.eps)
+    key, value = ops.linear(normed, weights.kv).split([dims.kv_heads * dims.head_dim] * 2, dim=-1)
+    key = ops.rms_norm(key.view(tokens, dims.kv_heads, dims.head_dim), weights.k_norm, dims.eps)
+    query, gate = _query_gate(ops, dims, weights, ops.linear(normed[rows], weights.q))
+    return (ops.rope(query, cos[rows], sin[rows]), ops.rope(key, cos, sin),
+            value.view(tokens, dims.kv_heads, dims.head_dim), gate, hidden[rows])
 
 
-def post_full(ops: Ops, d: FullDims, w: FullAttn, h: torch.Tensor, o: torch.Tensor, gate: torch.Tensor
-              ) -> torch.Tensor:
-    """o: attention output (rows, H, D); also the pruned layer's second half, on marker rows only."""
-    h = h + ops.linear(o.reshape(h.shape[0], -1) * torch.sigmoid(gate), w.o_proj)
-    return mlp_block(ops, w.mlp, h, d.eps)
+def post_full(ops: Ops, dims: FullDims, weights: FullAttn, hidden: torch.Tensor, mixed: torch.Tensor,
+              gate: torch.Tensor) -> torch.Tensor:
+    """mixed: attention output (rows, H, D); also the pruned layer's second half, on marker rows only."""
+    hidden = hidden + ops.linear(mixed.reshape(hidden.shape[0], -1) * torch.sigmoid(gate), weights.o_proj)
+    return mlp_block(ops, weights.mlp, hidden, dims.eps)
 
 
-def final(ops: Ops, w: Head, h: torch.Tensor) -> torch.Tensor:
-    """Final norm and the decision head on marker rows ``h`` -> (rows, verbalizers) fp32."""
-    return softcap_head(ops.rms_norm(h, w.norm, w.eps), w.proj, w.softcap)
+def final(ops: Ops, head: Head, hidden: torch.Tensor) -> torch.Tensor:
+    """Final norm and the decision head on marker rows ``hidden`` -> (rows, verbalizers) fp32."""
+    return softcap_head(ops.rms_norm(hidden, head.norm, head.eps), head.proj, head.softcap)

@@ -49,13 +49,13 @@ def boundaries_of(lengths: Sequence[int], device: torch.device | str) -> Boundar
 
 
 class Mixers(Protocol):
-    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    b: Boundaries) -> torch.Tensor:
+    def gated_delta(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
+                    beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:
         """(T, Hk, Dk) x2 (unit length per head), (T, Hv, Dv), (T, Hv) x2 -> (T, Hv, Dv); the state restarts at
         every chunk."""
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                  b: Boundaries, rows_only: bool = False) -> torch.Tensor:
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
+                  bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
         """(Tq, H, D), (T, Hkv, D) x2 -> (Tq, H, D) within each chunk; ``rows_only``: queries are marker rows."""
 
     def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
@@ -99,28 +99,29 @@ class FlashQLA:
         self._context: Any = None
 
     @staticmethod
-    def supports(q: torch.Tensor, v: torch.Tensor) -> bool:
-        return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == v.shape[-1] == 128
+    def supports(query: torch.Tensor, value: torch.Tensor) -> bool:
+        return query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] == value.shape[-1] == 128
 
-    def context(self, b: Boundaries, heads: int) -> Any:
-        """The pack's context, built at its first layer (all layers of a pack share ``b``)."""
-        if self._pack is b:
+    def context(self, bounds: Boundaries, heads: int) -> Any:
+        """The pack's context, built at its first layer (all layers of a pack share ``bounds``)."""
+        if self._pack is bounds:
             return self._context
         # FlashQLA decides the split from the lengths alone; given host boundaries it builds host tensors.
-        host = self._build(b.cu_host, enable_intra=True, num_v_heads=heads, chunk_size=self._chunk, is_train=False)
-        cu = self._attach(b.cu_long, b.cu_host)
+        host = self._build(bounds.cu_host, enable_intra=True, num_v_heads=heads, chunk_size=self._chunk,
+                           is_train=False)
+        cu = self._attach(bounds.cu_long, bounds.cu_host)
         if not host.is_intra:
             context = self._context_type(cu_seqlens=cu)
         else:
-            def device(t: torch.Tensor) -> torch.Tensor:
-                return t.to(cu.device, non_blocking=True)
+            def device(tensor: torch.Tensor) -> torch.Tensor:
+                return tensor.to(cu.device, non_blocking=True)
 
             split = self._attach(device(host.intra_cp_cu_seqlens), host.intra_cp_cu_seqlens)
             context = self._context_type(
                 is_intra=True, cu_seqlens=cu, intra_cp_cu_seqlens=split, seq_map_r2c=device(host.seq_map_r2c),
                 seq_map_c2r=device(host.seq_map_c2r), ht_mask=device(host.ht_mask),
                 ht_mask_bwd=device(host.ht_mask_bwd))
-        self._pack, self._context = b, context
+        self._pack, self._context = bounds, context
         return context
 
     def variant(self, lengths: Sequence[int], heads: int) -> tuple[bool, int]:
@@ -160,13 +161,13 @@ class FlashQLA:
             found.setdefault(self.variant(lengths, heads), lengths)
         return list(found.values())
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 b: Boundaries) -> torch.Tensor:
-        context = self.context(b, v.shape[1])
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
+                 beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:
+        context = self.context(bounds, value.shape[1])
         _, _, out, _, _, _ = self._forward(
-            q[None], k[None], v[None], g[None].contiguous(), beta[None].contiguous(), scale=q.shape[-1] ** -0.5,
-            initial_state=None, cu_seqlens=context.cu_seqlens, output_final_state=False, cp_context=context,
-            is_train=False)
+            query[None], key[None], value[None], decay[None].contiguous(), beta[None].contiguous(),
+            scale=query.shape[-1] ** -0.5, initial_state=None, cu_seqlens=context.cu_seqlens,
+            output_final_state=False, cp_context=context, is_train=False)
         return out[0]
 
 
@@ -202,28 +203,28 @@ class CudaMixers:
         counts = [count for count in (2 ** i for i in range(8)) if count <= budget]
         return [[budget // count] * count for count in counts]
 
-    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    b: Boundaries) -> torch.Tensor:
-        if self.flash_qla is not None and self.flash_qla.supports(q, v):
-            return self.flash_qla(q, k, v, g, beta, b)
-        out, _ = self._gdn(q[None], k[None], v[None], g[None], beta[None], initial_state=None,
-                           output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=b.cu_long,
-                           cu_seqlens_cpu=b.cu_host, chunk_indices=b.chunk_index)
+    def gated_delta(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
+                    beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:
+        if self.flash_qla is not None and self.flash_qla.supports(query, value):
+            return self.flash_qla(query, key, value, decay, beta, bounds)
+        out, _ = self._gdn(query[None], key[None], value[None], decay[None], beta[None], initial_state=None,
+                           output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=bounds.cu_long,
+                           cu_seqlens_cpu=bounds.cu_host, chunk_indices=bounds.chunk_index)
         return out[0]
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                  b: Boundaries, rows_only: bool = False) -> torch.Tensor:
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
+                  bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
         assert not (causal and rows_only), "marker-row queries need a noncausal layer"
         extra: dict[str, Any] = {}
-        if q.shape[1] != k.shape[1]:
+        if query.shape[1] != key.shape[1]:
             if self._native_gqa:
                 extra["enable_gqa"] = True
             else:
-                groups = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        cu_q, max_q = (b.cu_rows, b.max_rows) if rows_only else (b.cu, b.max_length)
-        return self._varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, b.cu, max_q, b.max_length,
-                            scale=scale, window_size=(-1, 0) if causal else (-1, -1), **extra)
+                groups = query.shape[1] // key.shape[1]
+                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        cu_q, max_q = (bounds.cu_rows, bounds.max_rows) if rows_only else (bounds.cu, bounds.max_length)
+        return self._varlen(query.contiguous(), key.contiguous(), value.contiguous(), cu_q, bounds.cu, max_q,
+                            bounds.max_length, scale=scale, window_size=(-1, 0) if causal else (-1, -1), **extra)
 
 
 class TorchMixers:
@@ -233,30 +234,31 @@ class TorchMixers:
     def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
         return []  # nothing compiled per pack shape
 
-    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    b: Boundaries) -> torch.Tensor:
+    def gated_delta(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
+                    beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-        cu = b.cu_host.tolist()
-        out = torch.empty_like(v)
+        cu = bounds.cu_host.tolist()
+        out = torch.empty_like(value)
         for start, stop in zip(cu[:-1], cu[1:]):
             part = slice(start, stop)
-            core, _ = torch_chunk_gated_delta_rule(q[None, part], k[None, part], v[None, part], g=g[None, part],
-                                                   beta=beta[None, part], initial_state=None,
+            core, _ = torch_chunk_gated_delta_rule(query[None, part], key[None, part], value[None, part],
+                                                   g=decay[None, part], beta=beta[None, part], initial_state=None,
                                                    output_final_state=False, use_qk_l2norm_in_kernel=False)
             out[part] = core[0].to(out.dtype)
         return out
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                  b: Boundaries, rows_only: bool = False) -> torch.Tensor:
-        cu = b.cu.tolist()
-        cu_q = b.cu_rows.tolist() if rows_only else cu
-        groups = q.shape[1] // k.shape[1]
-        out = torch.empty_like(q)
-        for i in range(len(cu) - 1):
-            qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu[i], cu[i + 1])
-            query = q[qs].transpose(0, 1)[None]
-            key, value = (x[ks].repeat_interleave(groups, dim=1).transpose(0, 1)[None] for x in (k, v))
-            out[qs] = F.scaled_dot_product_attention(query, key, value, scale=scale,
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
+                  bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
+        cu = bounds.cu.tolist()
+        cu_q = bounds.cu_rows.tolist() if rows_only else cu
+        groups = query.shape[1] // key.shape[1]
+        out = torch.empty_like(query)
+        for chunk in range(len(cu) - 1):
+            qs, ks = slice(cu_q[chunk], cu_q[chunk + 1]), slice(cu[chunk], cu[chunk + 1])
+            chunk_query = query[qs].transpose(0, 1)[None]
+            chunk_key, chunk_value = (tensor[ks].repeat_interleave(groups, dim=1).transpose(0, 1)[None]
+                                      for tensor in (key, value))
+            out[qs] = F.scaled_dot_product_attention(chunk_query, chunk_key, chunk_value, scale=scale,
                                                      is_causal=causal)[0].transpose(0, 1)
         return out

@@ -47,49 +47,50 @@ Linear = Dense | Fp8
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def linear(x: torch.Tensor | Quantized, w: Linear) -> torch.Tensor:
-    if isinstance(w, Fp8):
-        return fp8_linear(x, w)
-    assert not isinstance(x, Quantized), "only an FP8 GEMM takes a quantised activation"
-    return F.linear(x, w.weight, w.bias)
+def linear(inputs: torch.Tensor | Quantized, weights: Linear) -> torch.Tensor:
+    if isinstance(weights, Fp8):
+        return fp8_linear(inputs, weights)
+    assert not isinstance(inputs, Quantized), "only an FP8 GEMM takes a quantised activation"
+    return F.linear(inputs, weights.weight, weights.bias)
 
 
-def quantize(x: torch.Tensor) -> Quantized:
+def quantize(inputs: torch.Tensor) -> Quantized:
     """Rowwise FP8: scale = amax / 448 per row, values rounded to nearest."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return Quantized((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale, x.dtype)
+    scale = inputs.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    values = (inputs.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Quantized(values, scale, inputs.dtype)
 
 
-def fp8_linear(x: torch.Tensor | Quantized, w: Fp8) -> torch.Tensor:
+def fp8_linear(inputs: torch.Tensor | Quantized, weights: Fp8) -> torch.Tensor:
     """Rowwise FP8 matmul: one scale per token and one per output channel (precomputed). Fast accumulation (as
-    torchao's FP8 inference default): about 15% less GEMM time on an H200, and at the 2B shape no change in the
-    answers beyond FP8's own rounding (docs/BENCHMARKS.md, FP8 fidelity)."""
-    if isinstance(x, Quantized):
-        q, lead = x, x.values.shape[:-1]
+    torchao's FP8 inference default): 36.0 -> 30.8 ms of GEMMs per 16k-token 2B pack on an H200, and no change in
+    the answers beyond FP8's own rounding (docs/BENCHMARKS.md, FP8 fidelity)."""
+    if isinstance(inputs, Quantized):
+        quantized, lead = inputs, inputs.values.shape[:-1]
     else:
-        q, lead = quantize(x.reshape(-1, x.shape[-1])), x.shape[:-1]
-    out = torch._scaled_mm(q.values, w.qweight.t(), scale_a=q.scale, scale_b=w.scale, bias=w.bias,
-                           out_dtype=q.dtype, use_fast_accum=True)
+        quantized, lead = quantize(inputs.reshape(-1, inputs.shape[-1])), inputs.shape[:-1]
+    out = torch._scaled_mm(quantized.values, weights.qweight.t(), scale_a=quantized.scale, scale_b=weights.scale,
+                           bias=weights.bias, out_dtype=quantized.dtype, use_fast_accum=True)
     return out.reshape(*lead, out.shape[-1])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3_5RMSNorm: fp32 statistics, zero-centred weight ``(1 + w)``, result in the input dtype."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * (1.0 + weight.float())).type_as(x)
+def rms_norm(inputs: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3_5RMSNorm: fp32 statistics, zero-centred weight ``(1 + weight)``, result in the input dtype."""
+    inputs_fp32 = inputs.float()
+    out = inputs_fp32 * torch.rsqrt(inputs_fp32.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(inputs)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm(inputs: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3_5RMSNormGated: normalise in fp32, scale in the input dtype, then multiply by silu(gate) in fp32."""
-    dtype = x.dtype
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    dtype = inputs.dtype
+    inputs_fp32 = inputs.float()
+    out = inputs_fp32 * torch.rsqrt(inputs_fp32.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * out.to(dtype)
     return (out * F.silu(gate.float())).to(dtype)
 
 
-def conv_silu(x: torch.Tensor, weight: torch.Tensor, seqpos: torch.Tensor) -> torch.Tensor:
+def conv_silu(inputs: torch.Tensor, weight: torch.Tensor, seqpos: torch.Tensor) -> torch.Tensor:
     """Depthwise causal convolution over packed (tokens, channels) rows, then SiLU.
 
     ``weight`` is (channels, taps); tap ``taps - 1`` multiplies the current token. A token at position ``p`` of its
@@ -98,29 +99,30 @@ def conv_silu(x: torch.Tensor, weight: torch.Tensor, seqpos: torch.Tensor) -> to
     dtype before the activation as ``causal_conv1d_fn`` does.
     """
     taps = weight.shape[-1]
-    wf = weight.float()
-    xf = x.float()
-    out = xf * wf[:, taps - 1]
+    weight_fp32 = weight.float()
+    inputs_fp32 = inputs.float()
+    out = inputs_fp32 * weight_fp32[:, taps - 1]
     for shift in range(1, taps):
-        shifted = F.pad(xf[: xf.shape[0] - shift], (0, 0, shift, 0))
+        shifted = F.pad(inputs_fp32[: inputs_fp32.shape[0] - shift], (0, 0, shift, 0))
         keep = (seqpos >= shift).unsqueeze(-1)
-        out = out + torch.where(keep, shifted, 0.0) * wf[:, taps - 1 - shift]
-    return F.silu(out.to(x.dtype))
+        out = out + torch.where(keep, shifted, 0.0) * weight_fp32[:, taps - 1 - shift]
+    return F.silu(out.to(inputs.dtype))
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def l2_normalize(inputs: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Unit length over the last dimension (per head), with the fp32 statistics and eps of fla's and FlashQLA's
     ``use_qk_l2norm_in_kernel``: done here, it fuses into the kernel that stores q and k, and the delta rule's
     Python wrapper skips two compiled calls per layer."""
-    xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    inputs_fp32 = inputs.float()
+    return (inputs_fp32 * torch.rsqrt((inputs_fp32 * inputs_fp32).sum(-1, keepdim=True) + eps)).to(inputs.dtype)
 
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+def gdn_gates(decay_in: torch.Tensor, beta_in: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated DeltaNet's log-space decay ``g`` (fp32) and write strength ``beta``, as Qwen3_5GatedDeltaNet."""
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-    return g, b.sigmoid()
+    """Gated DeltaNet's log-space decay (its ``g``, fp32) and write strength ``beta``, as Qwen3_5GatedDeltaNet
+    computes them from its projections ``a`` (``decay_in``) and ``b`` (``beta_in``)."""
+    decay = -a_log.float().exp() * F.softplus(decay_in.float() + dt_bias)
+    return decay, beta_in.sigmoid()
 
 
 def swiglu(gate_up: torch.Tensor, target: Linear | None = None) -> torch.Tensor:
@@ -128,49 +130,53 @@ def swiglu(gate_up: torch.Tensor, target: Linear | None = None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, target: Linear | None = None
-               ) -> torch.Tensor:
-    """The linear layers' output norm on the delta rule's output o (T, H, D) and the gate z (T, H * D): per head,
+def gated_norm(attended: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+               target: Linear | None = None) -> torch.Tensor:
+    """The linear layers' output norm on the delta rule's output (T, H, D) and the gate z (T, H * D), per head
     -> (T, H * D)."""
-    tokens, heads, dim = o.shape
-    return gated_rms_norm(o.reshape(-1, dim), z.reshape(-1, dim), weight, eps).reshape(tokens, heads * dim)
+    tokens, heads, dim = attended.shape
+    normed = gated_rms_norm(attended.reshape(-1, dim), gate.reshape(-1, dim), weight, eps)
+    return normed.reshape(tokens, heads * dim)
 
 
-def short_conv(x: torch.Tensor, gates: torch.Tensor, offsets: tuple[int, int, int], weight: torch.Tensor,
-               a_log: torch.Tensor, dt_bias: torch.Tensor, d: Any, seqpos: torch.Tensor,
+def short_conv(mixed: torch.Tensor, gates: torch.Tensor, offsets: tuple[int, int, int], weight: torch.Tensor,
+               a_log: torch.Tensor, dt_bias: torch.Tensor, dims: Any, seqpos: torch.Tensor,
                outs: Sequence[torch.Tensor] | None = None) -> Sequence[torch.Tensor]:
-    """Everything a linear layer's delta rule reads, from its in-projection ``x`` = [q | k | v | z ...] and
-    ``gates`` (holding b and a at ``offsets[1:]``; z starts at ``offsets[0]``): q, k (T, Hk, Dk) convolved, SiLU,
-    unit length per head; v (T, Hv, Dv); g (T, Hv) fp32; beta (T, Hv); z (T, Hv * Dv). ``d``: the layer's
-    LinearDims. ``outs``: static buffers to write them into (returned), else new tensors."""
-    tokens = x.shape[0]
+    """Everything a linear layer's delta rule reads, from its in-projection ``mixed`` = [q | k | v | z ...] and
+    ``gates`` (holding b and a at ``offsets[1:]``; z starts at ``offsets[0]``): query, key (T, Hk, Dk) convolved,
+    SiLU, unit length per head; value (T, Hv, Dv); decay (T, Hv) fp32; beta (T, Hv); z (T, Hv * Dv). ``dims``:
+    the layer's LinearDims. ``outs``: static buffers to write them into (returned), else new tensors."""
+    tokens = mixed.shape[0]
     off_z, off_b, off_a = offsets
-    widths = [d.key_dim, d.key_dim, d.value_dim]
-    q, k, v = x[:, :off_z].split(widths, dim=-1)
+    widths = [dims.key_dim, dims.key_dim, dims.value_dim]
+    query, key, value = mixed[:, :off_z].split(widths, dim=-1)
     # The convolution is depthwise: one call per output, so that a compiled piece computes each output in the
     # kernel that stores it (one shared result would be materialised in fp32 and read three times).
-    q, k, v = (conv_silu(part, w, seqpos) for part, w in zip((q, k, v), weight.split(widths)))
-    g, beta = gdn_gates(gates[:, off_a: off_a + d.v_heads], gates[:, off_b: off_b + d.v_heads], a_log, dt_bias)
-    q, k = (l2_normalize(part.view(tokens, d.k_heads, d.head_k)) for part in (q, k))
-    result = (q, k, v.view(tokens, d.v_heads, d.head_v), g, beta, x[:, off_z: off_z + d.value_dim])
+    query, key, value = (conv_silu(part, taps, seqpos)
+                         for part, taps in zip((query, key, value), weight.split(widths)))
+    decay, beta = gdn_gates(gates[:, off_a: off_a + dims.v_heads], gates[:, off_b: off_b + dims.v_heads], a_log,
+                            dt_bias)
+    query, key = (l2_normalize(part.view(tokens, dims.k_heads, dims.head_k)) for part in (query, key))
+    result = (query, key, value.view(tokens, dims.v_heads, dims.head_v), decay, beta,
+              mixed[:, off_z: off_z + dims.value_dim])
     if outs is None:
         return result
-    for out, value in zip(outs, result, strict=True):
-        out.copy_(value)
+    for out, computed in zip(outs, result, strict=True):
+        out.copy_(computed)
     return outs
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate_half(inputs: torch.Tensor) -> torch.Tensor:
+    half = inputs.shape[-1] // 2
+    return torch.cat((-inputs[..., half:], inputs[..., :half]), dim=-1)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(inputs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Partial rotary embedding on (tokens, heads, dim) with (tokens, rotary_dim) tables, as apply_rotary_pos_emb."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat(((x_rot * cos) + (rotate_half(x_rot) * sin), x_pass), dim=-1)
+    rotary_part, pass_part = inputs[..., :rot], inputs[..., rot:]
+    return torch.cat(((rotary_part * cos) + (rotate_half(rotary_part) * sin), pass_part), dim=-1)
 
 
 def softcap_head(hidden: torch.Tensor, head: Dense, softcap: float | None) -> torch.Tensor:

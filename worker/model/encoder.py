@@ -16,7 +16,6 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from jinja2 import TemplateError
 from PIL import Image
 from transformers.decision import DECISION_PROMPT, Question, prepare_inputs
@@ -91,7 +90,7 @@ class Encoder:
         if all(chunk.length <= self.max_length for chunk in chunks):
             return chunks
         if not self.one_prompt_for_all or len(body["questions"]) == 1:
-            longest = max(chunks, key=lambda c: c.length)
+            longest = max(chunks, key=lambda chunk: chunk.length)
             raise RequestError(ErrorCode.STATE_TOO_LONG, (
                 f"the prompt of question {longest.questions[0].name!r} has {longest.length} tokens; this model "
                 f"reads at most {self.max_length} per prompt"))
@@ -107,11 +106,12 @@ class Encoder:
                 raise RequestError(ErrorCode.INVALID_REQUEST, (
                     f"the prompt has {len(inputs['marks'])} marks for {len(questions)} questions: control tokens in "
                     "user text?"))
-            for q in questions:
-                if len(q.options) > self.max_options[q.type]:
+            for question in questions:
+                limit = self.max_options[question.type]
+                if len(question.options) > limit:
                     raise RequestError(ErrorCode.INVALID_REQUEST, (
-                        f"Question {q.name!r}: this model's head scores at most {self.max_options[q.type]} options "
-                        f"for a {q.type} question, got {len(q.options)}"))
+                        f"Question {question.name!r}: this model's head scores at most {limit} options "
+                        f"for a {question.type} question, got {len(question.options)}"))
         return [_chunk(inputs, questions) for inputs, questions in prompts]
 
     def _length(self, body: dict[str, Any], names: Sequence[str]) -> int:

@@ -30,15 +30,15 @@ class ReferenceEngine:
         width = max(chunk.length for chunk in chunks)
         input_ids = torch.full((len(chunks), width), model.pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunks), width), dtype=torch.long)
-        for i, chunk in enumerate(chunks):
-            input_ids[i, : chunk.length] = chunk.input_ids
-            mask[i, : chunk.length] = 1
+        for index, chunk in enumerate(chunks):
+            input_ids[index, : chunk.length] = chunk.input_ids
+            mask[index, : chunk.length] = 1
         extra = {}
         if any(chunk.has_images for chunk in chunks):
             types = torch.zeros((len(chunks), width), dtype=torch.long)
-            for i, chunk in enumerate(chunks):
+            for index, chunk in enumerate(chunks):
                 if chunk.mm_token_type_ids is not None:
-                    types[i, : chunk.length] = chunk.mm_token_type_ids
+                    types[index, : chunk.length] = chunk.mm_token_type_ids
             with_images = [chunk for chunk in chunks if chunk.has_images]
             extra = {
                 "pixel_values": torch.cat([c.pixel_values for c in with_images]).to(device, model.dtype),

@@ -110,6 +110,18 @@ def backbone_config(tokenizer, multimodal: bool = True, noncausal: bool = True, 
                          vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=True)
 
 
+def rendering(max_length: int = 8192, max_options: int = 8):
+    """The tiny checkpoint's template and tokenizer (text only) as a RenderSpec, without its weights: requests
+    rendered with it have the tiny checkpoint's token counts. The benchmarks size their requests with it and let
+    their random models render with it."""
+    from transformers.decision import DecisionConfig
+
+    from .checkpoint import RenderSpec
+
+    return RenderSpec(DecisionConfig(chat_template=TINY_TEMPLATE.strip()), build_tokenizer(), False, max_length,
+                      dict.fromkeys(("noul", "choice", "score"), max_options))
+
+
 def write(directory: str | Path, seed: int = 0, fmt: str = "repo", multimodal: bool = True,
           max_positions: int = 4096, size: str = "tiny") -> Path:
     """Write a tiny checkpoint to ``directory`` in format ``repo``, ``readout`` or ``judge``; ``size`` is a key

@@ -1,0 +1,130 @@
+"""Reaching Redis: the deployment a producer talks to, read from the same ``DQ_*`` variables the worker reads, and
+the connection options both client faces (and the worker) use.
+
+Arguments win over the environment, the environment over the defaults, as for the worker's settings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+SOCKET_TIMEOUT = 5.0
+# redis-py's default retry (a few jittered retries) gives up after about a second of refused connections: less
+# than a Redis restart. These ride out ~12 s. A retried call may run twice (lost reply): results are published
+# once whatever happens, and a request enqueued twice is answered once (docs/RELIABILITY.md).
+RETRIES, RETRY_BASE, RETRY_CAP = 16, 0.05, 1.0
+TLS_OPTIONS = {"tls_ca": "ssl_ca_certs", "tls_cert": "ssl_certfile", "tls_key": "ssl_keyfile"}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where requests go: the Redis URL, the namespace, Redis Cluster or not, the stream shard count, TLS files."""
+
+    url: str = DEFAULT_URL
+    namespace: str = "dq"
+    cluster: bool = False
+    shards: int = 1
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    # The worker's variable names (worker/config.py), and DQ_SHARDS: how many shards producers spread over.
+    ENV = {"url": "DQ_REDIS_URL", "namespace": "DQ_NAMESPACE", "cluster": "DQ_REDIS_CLUSTER",
+           "shards": "DQ_SHARDS", "tls_ca": "DQ_REDIS_TLS_CA", "tls_cert": "DQ_REDIS_TLS_CERT",
+           "tls_key": "DQ_REDIS_TLS_KEY"}
+
+    @classmethod
+    def resolve(cls, environ: Mapping[str, str] | None = None, **given: Any) -> Deployment:
+        """Each field from ``given`` unless None, else from its ``DQ_*`` variable, else the default; checked."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in fields(cls):
+            value = given.get(field.name)
+            raw = environ.get(cls.ENV[field.name])
+            if value is None and raw is not None:
+                value = _convert(cls.ENV[field.name], raw, field.default)
+            if value is not None:
+                values[field.name] = value
+        deployment = cls(**values)
+        if urlsplit(deployment.url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"a Redis URL starts with redis://, rediss:// or unix://, got {redact(deployment.url)}")
+        if deployment.shards < 1:
+            raise ValueError(f"shards must be at least 1, got {deployment.shards}")
+        if deployment.tls_files() and not deployment.url.startswith("rediss://"):
+            raise ValueError("TLS files (DQ_REDIS_TLS_*) need a rediss:// URL")
+        return deployment
+
+    def tls_files(self) -> dict[str, str]:
+        """The TLS files as redis-py connection options."""
+        return {option: getattr(self, name) for name, option in TLS_OPTIONS.items() if getattr(self, name)}
+
+    @property
+    def safe_url(self) -> str:
+        """The URL without its password, for messages and logs."""
+        return redact(self.url)
+
+
+def _convert(variable: str, raw: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return lowered in ("1", "true", "yes", "on")
+        raise ValueError(f"{variable}={raw!r} is not a boolean")
+    if isinstance(default, int):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{variable}={raw!r} is not an integer") from None
+    return raw
+
+
+def redact(url: str) -> str:
+    """``redis://user:***@host:6379/0`` for ``redis://user:secret@host:6379/0``."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = f"{parts.username}:" if parts.username else ":"
+        host = parts.hostname or ""
+        netloc = f"{user}***@{host}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:  # not even a URL: say so without echoing what may be a secret
+        return "<unparsable URL>"
+
+
+def _options(retry: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """Timeouts that suit blocking reads and a retry that rides out a Redis restart; the caller's options win."""
+    return {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT, "health_check_interval": 30,
+            "retry": retry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES), **options}
+
+
+def connect(url: str, cluster: bool = False, **options: Any) -> Any:
+    """A synchronous client (rediss:// URLs give TLS)."""
+    return (redis.RedisCluster if cluster else redis.Redis).from_url(url, **_options(Retry, options))
+
+
+def aconnect(url: str, cluster: bool = False, **options: Any) -> Any:
+    """An asyncio client, as ``connect``."""
+    return (aioredis.RedisCluster if cluster else aioredis.Redis).from_url(url, **_options(AsyncRetry, options))
+
+
+def check_reachable(deployment: Deployment, **options: Any) -> None:
+    """One PING without retries, so that a wrong URL fails within the socket timeout instead of after the ~12 s
+    of retries meant for a restarting Redis. Raises a ``redis.RedisError`` (or ValueError for a malformed URL)."""
+    client = connect(deployment.url, deployment.cluster, **{**deployment.tls_files(), **options,
+                                                             "retry": Retry(NoBackoff(), 0)})
+    try:
+        client.ping()
+    finally:
+        client.close()

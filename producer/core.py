@@ -1,0 +1,259 @@
+"""The producer's core: all of its logic and no socket, shared by ``Client`` and ``AsyncClient`` (client.py).
+
+``Producer`` plans every Redis exchange: each operation is a generator that yields what to send
+(a ``Call``, a ``Pipeline`` or the submit ``Script``) and is sent the reply, or has the error thrown in. The two
+faces only run those plans against their connection: ``Client`` blocks, ``AsyncClient`` awaits. So batching,
+backpressure, the windowed wait, result parsing and stats are written once, and the faces have the same methods.
+Every request goes through ``Producer.send``: the one place that writes to a request stream.
+
+Submitting is one Lua call per batch that refuses the batch when the request stream already holds more than
+``max_unfinished`` entries (workers delete entries once answered, so its length is the unfinished work). Waiting is
+a blocking ``XREAD`` on the result streams of up to 256 awaited requests at once (each keeps its one entry until the
+TTL: a result published while nobody waited is still there, and can be read again); on Redis Cluster, where one
+read cannot span slots, on the oldest one, then a pipelined look at the others.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar
+
+import redis
+from pydantic import ValidationError
+
+from .keys import GROUP, Field, Keys, shard_of
+from .schema import Request, Result, describe
+
+# KEYS[1] request stream; ARGV[1] limit (0: none); ARGV[2..] request bodies. All or nothing.
+SUBMIT = """
+local limit = tonumber(ARGV[1])
+local length = redis.call('XLEN', KEYS[1])
+if limit > 0 and length + #ARGV - 1 > limit then
+  return redis.error_reply('QUEUEFULL ' .. length .. ' unfinished entries, limit ' .. limit)
+end
+local ids = {}
+for i = 2, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', '%s', ARGV[i]) end
+return ids
+""" % Field.BODY
+BATCH = 500  # requests per Lua call: bounds the time Redis spends in one script
+BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
+WINDOW = 256  # result streams one blocking read waits on (any of them landing wakes it)
+MAX_BODY_BYTES = 8 << 20  # the worker's default --max-entry-bytes
+# redis-py reloads a script once on NOSCRIPT; a cache flushed again in between (restarts, failovers, SCRIPT FLUSH
+# in a row) raised to the caller. A NOSCRIPT reply means the script did not run: trying again is safe.
+NOSCRIPT_TRIES = 5
+T = TypeVar("T")
+
+
+class QueueFull(RuntimeError):
+    """Backpressure: a shard's stream holds more unfinished requests than the producer's limit.
+
+    Each batch is all or nothing, and a call stops at the first refused batch: ``accepted`` are the ids enqueued
+    before it (their results will come), ``refused`` the ids not enqueued (send them again later), in input order.
+    """
+
+    def __init__(self, detail: str, accepted: Sequence[str] = (), refused: Sequence[str] = ()) -> None:
+        self.detail, self.accepted, self.refused = detail, list(accepted), list(refused)
+        total = len(self.accepted) + len(self.refused)
+        super().__init__(detail + (f"; {len(self.accepted)} of {total} requests accepted" if total else ""))
+
+
+class InvalidRequest(ValueError):
+    """The request fails the wire schema; nothing was sent. ``index``: its position in a ``submit_many`` call."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message if index is None else f"request {index}: {message}")
+        self.index = index
+
+
+class ResultTimeout(TimeoutError):
+    """No result within the timeout for ``missing`` (they stay queued; fetch them later); ``results``: those that
+    did land, by id."""
+
+    def __init__(self, message: str, results: Mapping[str, Result] | None = None,
+                 missing: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.results, self.missing = dict(results or {}), list(missing)
+
+
+class Prepared(NamedTuple):
+    """A validated request, serialized: its id (given or generated) and the entry body."""
+
+    id: str
+    body: str
+
+
+Submittable = Request | Mapping[str, Any] | Prepared
+
+
+def prepare(request: Submittable, max_bytes: int = MAX_BODY_BYTES) -> Prepared:
+    """Validate, give an id if it has none, serialize. A ``Prepared`` passes through as it is."""
+    if isinstance(request, Prepared):
+        return request
+    try:
+        parsed = request if isinstance(request, Request) else Request.model_validate(request)
+    except ValidationError as error:
+        raise InvalidRequest(describe(error)) from None
+    if parsed.id is None:
+        parsed = parsed.model_copy(update={"id": uuid.uuid4().hex})
+    body = parsed.model_dump_json(exclude_none=True)
+    if len(body.encode()) > max_bytes:
+        raise InvalidRequest(f"request is {len(body.encode())} bytes, over the {max_bytes}-byte limit")
+    return Prepared(parsed.id, body)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One Redis command: the redis-py method and its arguments."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Commands sent in one round trip (no transaction); the reply is the list of their replies."""
+
+    calls: list[Call]
+
+
+@dataclass(frozen=True)
+class Script:
+    """The submit script (``SUBMIT``) on one shard's request stream."""
+
+    keys: list[str]
+    args: list[Any]
+
+
+Plan = Generator[Call | Pipeline | Script, Any, T]
+
+
+def parse_result(fields: Mapping[bytes, bytes]) -> Result:
+    return Result.model_validate_json(fields[Field.BODY.encode()])
+
+
+class Producer:
+    """The producer's logic without I/O: every operation returns a plan that a face runs."""
+
+    def __init__(self, keys: Keys, shards: int, max_unfinished: int, cluster: bool) -> None:
+        self.keys, self.shards, self.max_unfinished, self.cluster = keys, shards, max_unfinished, cluster
+
+    @property
+    def batch_size(self) -> int:
+        """Requests per submit call: at most ``BATCH``, and never more than the limit lets in at once."""
+        return min(BATCH, self.max_unfinished) if self.max_unfinished > 0 else BATCH
+
+    def submit_many(self, requests: Iterable[Submittable]) -> Plan[list[str]]:
+        """Validate every request first (InvalidRequest: nothing sent), then send each shard's in batches."""
+        prepared, given = [], list(requests)
+        for index, request in enumerate(given):
+            try:
+                prepared.append(prepare(request))
+            except InvalidRequest as error:
+                raise (InvalidRequest(str(error), index) if len(given) > 1 else error) from None
+        ids = [p.id for p in prepared]
+        sent = [False] * len(prepared)
+        by_shard: dict[int, list[int]] = {}
+        for index, item in enumerate(prepared):
+            by_shard.setdefault(shard_of(item.id, self.shards), []).append(index)
+        for shard, indexes in by_shard.items():
+            for start in range(0, len(indexes), self.batch_size):
+                batch = indexes[start: start + self.batch_size]
+                try:
+                    yield from self.send([prepared[i] for i in batch], shard)
+                except QueueFull as full:
+                    raise QueueFull(full.detail, [r for r, done in zip(ids, sent) if done],
+                                    [r for r, done in zip(ids, sent) if not done]) from None
+                for index in batch:
+                    sent[index] = True
+        return ids
+
+    def send(self, batch: Sequence[Prepared], shard: int = 0) -> Plan[None]:
+        """Enqueue prepared requests on one shard, all or none; raises QueueFull. Every request goes through here."""
+        stream = Keys(self.keys.namespace, shard).requests
+        for attempt in range(NOSCRIPT_TRIES):
+            try:
+                yield Script([stream], [self.max_unfinished, *(item.body for item in batch)])
+                return
+            except redis.exceptions.NoScriptError:  # not run: the cache was flushed again after redis-py reloaded it
+                if attempt == NOSCRIPT_TRIES - 1:
+                    raise
+            except redis.ResponseError as error:
+                if str(error).startswith("QUEUEFULL"):
+                    raise QueueFull(f"shard {shard}: {str(error)[len('QUEUEFULL '):]}") from None
+                raise
+
+    def fetch(self, request_id: str) -> Plan[Result | None]:
+        """The result if it is there (non-blocking)."""
+        reply = yield Call("xrange", (self.keys.result(request_id),), {"count": 1})
+        return parse_result(reply[0][1]) if reply else None
+
+    def wait_many(self, request_ids: Iterable[str], timeout: float | None) -> Plan[dict[str, Result]]:
+        """Results of all ``request_ids`` in their order; raises ResultTimeout naming how many are missing."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = list(dict.fromkeys(request_ids))
+        done = yield from self.present(waiting)
+        while len(done) < len(waiting):
+            missing = [r for r in waiting if r not in done]
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ResultTimeout(f"{len(missing)} of {len(waiting)} results not there yet", done, missing)
+            block = BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
+            window = {self.keys.result(r): r for r in missing[: 1 if self.cluster else WINDOW]}
+            reply = yield Call("xread", (dict.fromkeys(window, "0-0"),), {"count": 1, "block": block})
+            for key, entries in reply or []:
+                done[window[key.decode() if isinstance(key, bytes) else key]] = parse_result(entries[0][1])
+            if self.cluster and reply:  # one key per read there: when the oldest lands, look at the rest
+                done.update((yield from self.present(missing[1:])))
+        return {r: done[r] for r in waiting}
+
+    def present(self, request_ids: list[str]) -> Plan[dict[str, Result]]:
+        """The results already there, in one round trip (one key per command: fine on Redis Cluster too)."""
+        if not request_ids:
+            return {}
+        replies = yield Pipeline([Call("xrange", (self.keys.result(r),), {"count": 1}) for r in request_ids])
+        return {r: parse_result(reply[0][1]) for r, reply in zip(request_ids, replies) if reply}
+
+    def decide(self, request: Submittable, timeout: float | None) -> Plan[Result]:
+        [request_id] = yield from self.submit_many([request])
+        results = yield from self.wait_many([request_id], timeout)
+        return results[request_id]
+
+    def stats(self) -> Plan[dict[str, Any]]:
+        """Totals over every shard, then each shard: stream lengths, the worker group's pending, lag and consumers,
+        dead letters; and the live workers."""
+        shards = []
+        for shard in range(self.shards):
+            keys, entry = Keys(self.keys.namespace, shard), {"shard": shard}
+            for name, stream in (("requests", keys.requests), ("chunks", keys.chunks)):
+                stream_stats = {"length": (yield Call("xlen", (stream,)))}
+                try:
+                    groups = yield Call("xinfo_groups", (stream,))
+                except redis.ResponseError as error:
+                    if "no such key" not in str(error).lower():  # NOPERM and the like are the caller's to see
+                        raise
+                    groups = []
+                for group in groups:
+                    if group["name"] in (GROUP, GROUP.encode()):
+                        stream_stats.update(pending=group["pending"], lag=group.get("lag"),
+                                            consumers=group["consumers"])
+                entry[name] = stream_stats
+            entry["dead_letters"] = yield Call("xlen", (keys.dead,))
+            shards.append(entry)
+        totals: dict[str, Any] = {name: _sum([s[name] for s in shards]) for name in ("requests", "chunks")}
+        totals["dead_letters"] = sum(s["dead_letters"] for s in shards)
+        totals["workers"] = yield Call("hlen", (self.keys.workers(),))
+        return {**totals, "shards": shards}
+
+
+def _sum(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Field-wise sum of per-shard stream stats (a lag Redis could not tell stays None)."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for name, value in part.items():
+            out[name] = None if value is None or out.get(name, 0) is None else out.get(name, 0) + value
+    return out

@@ -1,0 +1,154 @@
+"""dq-producer through subprocess against a real redis-server (and a real worker where results are needed): one
+record or result per input line, the summary, exit codes, backpressure that never hangs, connection errors."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from producer.client import Client
+from producer.connection import SOCKET_TIMEOUT
+from producer.keys import Keys, shard_of
+from worker.redis_server import free_port
+
+pytestmark = pytest.mark.redis
+ROOT = Path(__file__).resolve().parents[2]
+QUESTIONS = {"refund": {"type": "noul", "instructions": "Is a refund requested?"},
+             "tone": {"type": "choice", "criteria": {"calm": None, "angry": None}}}
+
+
+def good(request_id: str | None = None, **extra) -> str:
+    request = {"state": f"Please refund me ({request_id}).", "questions": QUESTIONS, **extra}
+    return json.dumps({"id": request_id, **request} if request_id else request)
+
+
+def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None, timeout: float = 180):
+    return subprocess.run([sys.executable, "-m", "producer", *args], capture_output=True, text=True, input=stdin,
+                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def write(path: Path, *lines: str) -> str:
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.slow
+def test_submit_wait_writes_one_result_per_line_in_order_and_exits_1_on_errors(served, tmp_path):
+    source = write(tmp_path / "in.jsonl", good("w-1"), good(), good("w-late", deadline_ms=1), "{broken", "",
+                   json.dumps({"id": "w-noq", "state": "x"}), good("w-6"))
+    done = cli("submit", source, "--redis-url", served.url, "--wait", "--ordered", "--timeout", "120")
+    assert done.returncode == 1, done.stderr
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["id"] for r in results][:1] + [r["id"] for r in results][2:] == ["w-1", "w-late", "line-4", "w-noq",
+                                                                               "w-6"]
+    assert re.fullmatch(r"[0-9a-f]{32}", results[1]["id"])  # the generated id, in its line's place
+    assert [r["status"] for r in results] == ["ok", "ok", "error", "error", "error", "ok"]
+    assert set(results[0]["answers"]) == set(results[0]["logits"]) == set(results[0]["options"]) == set(QUESTIONS)
+    assert [r["error"]["code"] for r in results[2:5]] == ["deadline_exceeded", "invalid_json", "invalid_request"]
+    assert results[3]["error"]["message"].startswith("line 4: not JSON")
+    assert results[4]["error"]["message"] == "line 6: questions: Field required"
+    assert "line 4: not JSON" in done.stderr and "line 6: questions: Field required" in done.stderr
+    assert done.stderr.splitlines()[-1] == ("6 requests: 3 ok, 3 errors "
+                                            "(deadline_exceeded 1, invalid_json 1, invalid_request 1)")
+    everything_ok = cli("submit", write(tmp_path / "ok.jsonl", good("w-7"), good("w-8")), "--redis", served.url,
+                        "--wait", "--out", str(tmp_path / "out.jsonl"), "--quiet")
+    assert everything_ok.returncode == 0 and everything_ok.stdout == "", everything_ok.stderr
+    assert everything_ok.stderr.splitlines() == ["2 requests: 2 ok"]
+    assert {json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()} == {"w-7", "w-8"}
+    stats = json.loads(cli("stats", "--redis-url", served.url).stdout)
+    assert stats["requests"]["length"] == 0 and stats["workers"] == 1  # answered entries are deleted
+
+
+@pytest.mark.slow
+def test_submit_without_wait_reports_every_line_and_generated_ids_fetch_their_results(served, tmp_path):
+    done = cli("submit", "-", "--redis-url", served.url, stdin="\n".join([good("n-1"), good(), "[1, 2]"]) + "\n")
+    assert done.returncode == 1, done.stderr  # a line was refused
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert records[0] == {"line": 1, "id": "n-1"}
+    assert records[1]["line"] == 2 and re.fullmatch(r"[0-9a-f]{32}", records[1]["id"])
+    assert records[2] == {"line": 3, "id": "line-3", "error": {
+        "code": "invalid_json", "message": "line 3: a request is a JSON object, got list"}}
+    assert done.stderr.splitlines() == ["line 3: a request is a JSON object, got list",
+                                        "3 requests: 2 queued, 1 refused (invalid_json 1)"]
+    fetched = cli("result", records[1]["id"], "--wait", "60", "--redis-url", served.url)
+    assert fetched.returncode == 0 and json.loads(fetched.stdout)["id"] == records[1]["id"]
+    missing = cli("result", "never-sent", "--redis-url", served.url)
+    assert missing.returncode == 1 and missing.stderr == "dq-producer: no result for never-sent\n"
+    clean = cli("submit", write(tmp_path / "clean.jsonl", good("n-4")), "--redis-url", served.url)
+    assert clean.returncode == 0 and clean.stdout == '{"line": 1, "id": "n-4"}\n'
+
+
+@pytest.mark.slow
+def test_a_limit_below_the_batch_size_sends_in_windows_instead_of_hanging(served, tmp_path):
+    source = write(tmp_path / "in.jsonl", *(good(f"m-{i}") for i in range(12)))
+    done = cli("submit", source, "--redis-url", served.url, "--max-unfinished", "2", "--wait", "--timeout", "120",
+               timeout=150)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[-1] == "12 requests: 12 ok"
+    assert sorted(json.loads(line)["id"] for line in done.stdout.splitlines()) == sorted(f"m-{i}" for i in range(12))
+
+
+def test_a_queue_that_stays_full_ends_with_exit_3_and_names_what_was_not_sent(redis_server, tmp_path):
+    """No worker drains this queue: 3 fit under the limit, the other 2 are reported, within the queue timeout."""
+    source = write(tmp_path / "in.jsonl", *(good(f"f-{i}") for i in range(5)))
+    start = time.monotonic()
+    done = cli("submit", source, "--redis-url", redis_server.url, "--max-unfinished", "3", "--queue-timeout", "0.5")
+    assert done.returncode == 3, done.stderr
+    assert time.monotonic() - start < 10
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert records[:3] == [{"line": i + 1, "id": f"f-{i}"} for i in range(3)]
+    assert [r["error"]["code"] for r in records[3:]] == ["not_sent", "not_sent"]
+    assert "queue full for 0.5 s (shard 0: 3 unfinished entries, limit 3" in records[3]["error"]["message"]
+    assert done.stderr.splitlines()[-1] == "5 requests: 3 queued, 2 not sent"
+    assert Client(redis_server.url).redis.xlen(Keys().requests) == 3
+    waited = cli("submit", source, "--redis-url", redis_server.url, "--max-unfinished", "3", "--queue-timeout", "0",
+                 "--wait", "--timeout", "1")
+    assert waited.returncode == 3 and waited.stderr.splitlines()[-1] == "5 requests: 0 ok, 5 not sent"
+
+
+def test_results_that_do_not_come_time_out_with_exit_1(redis_server, tmp_path):
+    source = write(tmp_path / "in.jsonl", good("t-1"), good("t-2"))
+    start = time.monotonic()
+    done = cli("submit", source, "--redis-url", redis_server.url, "--wait", "--timeout", "1", "--ordered")
+    assert done.returncode == 1 and time.monotonic() - start < 15, done.stderr
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["id"], r["error"]["code"]) for r in results] == [("t-1", "timeout"), ("t-2", "timeout")]
+    assert "2 results missing after 1 s" in done.stderr
+    assert done.stderr.splitlines()[-1] == "2 requests: 0 ok, 2 timed out"
+
+
+def test_a_wrong_url_is_one_line_within_the_socket_timeout(tmp_path):
+    unused = f"redis://user:s3cret@127.0.0.1:{free_port()}/0"
+    for args in (["stats"], ["submit", write(tmp_path / "in.jsonl", good("u-1"))], ["result", "x"]):
+        start = time.monotonic()
+        done = cli(*args, "--redis-url", unused, timeout=30)
+        assert done.returncode == 4 and time.monotonic() - start < SOCKET_TIMEOUT, (args, done.stderr)
+        assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and "s3cret" not in done.stderr
+        assert done.stderr.startswith(f"dq-producer: Redis at redis://user:***@127.0.0.1:") and \
+            "Connection refused" in done.stderr
+    for args, message in ((["stats", "--redis-url", "localhost:6379"], "a Redis URL starts with redis://"),
+                          (["submit", str(tmp_path / "absent.jsonl")], "No such file or directory"),
+                          (["stats", "--shards", "0"], "shards must be at least 1")):
+        done = cli(*args, timeout=30)
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and message in done.stderr, done.stderr
+
+
+def test_the_workers_connection_vocabulary_and_shards(redis_server, tmp_path):
+    env = {"DQ_REDIS_URL": redis_server.url, "DQ_NAMESPACE": "shop", "DQ_SHARDS": "3"}
+    done = cli("submit", write(tmp_path / "in.jsonl", *(good(f"s-{i}") for i in range(12))), env=env)
+    assert done.returncode == 0, done.stderr
+    connection = Client(redis_server.url).redis
+    lengths = [connection.xlen(Keys("shop", shard).requests) for shard in range(3)]
+    assert lengths == [sum(shard_of(f"s-{i}", 3) == shard for i in range(12)) for shard in range(3)]
+    assert all(lengths)
+    stats = json.loads(cli("stats", env=env).stdout)
+    assert stats["requests"]["length"] == 12 and [s["requests"]["length"] for s in stats["shards"]] == lengths
+    # the flags win over the environment; --redis is kept as an alias of --redis-url
+    one = json.loads(cli("stats", "--redis", redis_server.url, "--shards", "1", "--namespace", "shop",
+                         env={"DQ_REDIS_URL": "redis://127.0.0.1:1/0"}).stdout)
+    assert [s["shard"] for s in one["shards"]] == [0] and one["requests"]["length"] == lengths[0]
