@@ -3,7 +3,7 @@
 Replays the exact Redis traffic of a request through the real code, without torch: producers send with
 ``AsyncClient.send`` (the submit script, batches of 500) and wait with ``wait_many`` (pipelined XRANGE + blocking
 XREAD); consumers are the worker's Redis faces, ``worker.intake.Consumer.read`` (XREADGROUP over chunks and
-requests, each entry parsed into a Delivery) and ``worker.results.Publisher.settle`` (the publish script, XACK,
+requests, each entry parsed into a Delivery) and ``worker.publisher.Publisher.settle`` (the publish script, XACK,
 XDEL) with a result shaped like a real one. Nothing is computed: the consumers answer at once.
 
     python ops/redis_bench.py                      # starts its own redis-server (AOF, appendfsync always)
@@ -33,7 +33,7 @@ import redis  # noqa: E402
 from producer.client import AsyncClient, aconnect, prepare  # noqa: E402
 from producer.keys import Keys  # noqa: E402
 from worker.intake import Consumer  # noqa: E402
-from worker.results import Outcome, Publisher, ok_result  # noqa: E402
+from worker.publisher import Outcome, Publisher, ok_result  # noqa: E402
 
 
 def request(number: int, state_bytes: int, questions: int) -> dict:

@@ -59,6 +59,8 @@ class Deployment:
         deployment = cls(**values)
         if urlsplit(deployment.url).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"a Redis URL starts with redis://, rediss:// or unix://, got {redact(deployment.url)}")
+        if problem := url_problem(deployment.url):
+            raise ValueError(f"the Redis URL is not usable: {problem}")
         if deployment.shards < 1:
             raise ValueError(f"shards must be at least 1, got {deployment.shards}")
         if deployment.tls_files() and not deployment.url.startswith("rediss://"):
@@ -89,6 +91,25 @@ def _convert(variable: str, raw: str, default: Any) -> Any:
     return raw
 
 
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not a Redis URL this client would use as written, or None. Never quotes the URL: a password
+    with an unencoded ``/``, ``?`` or ``#`` ends the host part early, and what follows it would be echoed."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError when what follows the user's ":" is not a port
+        from redis.connection import parse_url
+
+        parsed = parse_url(url)
+    except ValueError:
+        return ("it cannot be parsed (percent-encode the user and password: / as %2F, ? as %3F, # as %23, "
+                "@ as %40, : as %3A)")
+    if parts.scheme in ("redis", "rediss") and not parts.hostname:
+        return "it names no host"
+    if parts.scheme in ("redis", "rediss") and parts.path not in ("", "/") and "db" not in parsed:
+        return "its path is not a database number (/0)"
+    return None
+
+
 def redact(url: str) -> str:
     """``redis://user:***@host:6379/0`` for ``redis://user:secret@host:6379/0``."""
     try:
@@ -104,9 +125,12 @@ def redact(url: str) -> str:
 
 
 def _options(retry: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """Timeouts that suit blocking reads and a retry that rides out a Redis restart; the caller's options win."""
+    """Timeouts that suit blocking reads and a retry that rides out a Redis restart; the caller's options win.
+    No CLIENT SETINFO on connect: the ACL roles do not grant it (Redis 7.0 lacks it, so an aclfile naming it would
+    not load there), and on 7.2+ and Valkey each refusal would fill the ACL log."""
     return {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT, "health_check_interval": 30,
-            "retry": retry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES), **options}
+            "retry": retry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES), "lib_name": None,
+            "lib_version": None, **options}
 
 
 def connect(url: str, cluster: bool = False, **options: Any) -> Any:

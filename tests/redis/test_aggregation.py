@@ -1,4 +1,4 @@
-"""Property tests of result aggregation: the real Lua scripts (worker/results.py: PART, then PUBLISH) through the
+"""Property tests of result aggregation: the real Lua scripts (worker/scripts.py: PART, then PUBLISH) through the
 real Publisher, against a real redis-server, over random part orders, duplicates, batchings and two workers
 settling at the same time. Whatever the order: one publication, every question once, nothing left behind."""
 
@@ -18,7 +18,7 @@ from producer.keys import Keys
 from producer.schema import Result
 from worker.redis_server import RedisServer
 from worker.entries import CHUNKS, REQUESTS, Delivery
-from worker.results import Outcome, Publisher
+from worker.publisher import Outcome, Publisher
 
 pytestmark = pytest.mark.redis
 

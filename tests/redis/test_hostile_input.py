@@ -8,9 +8,9 @@ import json
 import time
 
 import pytest
-
 from faults import FANOUT, batch, long_request
 from keyspace import WrittenKeys
+
 from producer.client import Client
 from producer.invariant import settle
 from producer.keys import Keys
@@ -66,13 +66,13 @@ def error_of(report, request_id: str) -> tuple[str, str]:
 def test_bad_fields_are_answered_at_once_under_the_right_id(watched):
     """An extra field on a request entry (an enqueue time that is not a number made the worker exit 70), an id
     with a trailing newline (published under a key holding the newline), entry bytes over all fields."""
-    client, worker, written = watched.client, watched.worker, watched.written
+    client, written = watched.client, watched.written
     stream = client.keys.requests
     xadd = lambda **fields: client.redis.xadd(stream, fields).decode()  # noqa: E731
     xadd(body=request("extra-time"), enqueued_ms=b"soon")
     xadd(body=request("extra-any"), priority=b"9")
     newline = xadd(body=request("nl-1\n"))
-    padded = xadd(body=request("padded"), pad=b"x" * 250_000)  # the body is small; the entry is not
+    xadd(body=request("padded"), pad=b"x" * 250_000)  # the body is small; the entry is not
     late_id = xadd(body=json.dumps({"state": "x" * 250_000, "questions": NOUL, "id": "late-id"}).encode())
     no_body = xadd(other=b"field")
     good = client.submit_many(batch(3, "beside"))
@@ -94,7 +94,7 @@ def test_bad_fields_are_answered_at_once_under_the_right_id(watched):
 def test_ids_shaped_like_entry_ids_are_refused(watched):
     """A custom id shaped like a stream entry id could be a later request's (one sent without an id): that request
     would be answered with the first one's result."""
-    client, worker, written = watched.client, watched.worker, watched.written
+    client, written = watched.client, watched.written
     stream = client.keys.requests
     future = f"{int(time.time() * 1000) + 600_000}-0"
     squatter = client.redis.xadd(stream, {"body": request(future, questions={"squat": {"type": "noul"}})}).decode()
@@ -108,7 +108,7 @@ def test_ids_shaped_like_entry_ids_are_refused(watched):
 def test_reply_to_is_this_namespaces_reply_streams_only(watched):
     """Other namespaces, other requests' keys (an id containing ':reply:' was one), braces, newlines, lengths:
     refused with invalid_request, nothing written there."""
-    client, worker, written = watched.client, watched.worker, watched.written
+    client, written = watched.client, watched.written
     victim = client.submit({"id": "v:reply:1", "state": "mine", "questions": NOUL})
     hostile = {"other-ns": "other:v1:reply:x", "into-result": "dq:v1:result:{v:reply:1}",
                "braces": "dq:v1:reply:{v:reply:1}", "newline": "dq:v1:reply:x\n", "empty": "dq:v1:reply:",
@@ -131,7 +131,7 @@ def test_reply_to_is_this_namespaces_reply_streams_only(watched):
 def test_bad_part_entries_answer_their_request_or_are_dead_lettered(watched):
     """A part entry is the workers', but anyone who can write the chunk stream can forge one: a bad field answers
     its request at once; a part naming no usable request is dead-lettered, and no result is written anywhere."""
-    client, worker, written = watched.client, watched.worker, watched.written
+    client, written = watched.client, watched.written
     chunks = client.keys.chunks
     good = {"request_id": b"forged-1", "part": b"0", "parts": b"2", "questions": b'["q"]', "enqueued_ms": b"0"}
     client.redis.xadd(chunks, {**good, "part": b"7"})
@@ -150,7 +150,7 @@ def test_bad_part_entries_answer_their_request_or_are_dead_lettered(watched):
 
 def test_a_fanned_out_request_past_its_deadline_still_replies(watched):
     """Its parts find the deadline passed: the error result goes to the reply stream too (it went nowhere)."""
-    client, worker, written = watched.client, watched.worker, watched.written
+    client, written = watched.client, watched.written
     reply = KEYS.reply_prefix + "deadline"
     body = long_request("late-long", questions=4) | {"reply_to": reply, "deadline_ms": 1000}
     client.redis.set(client.keys.body("late-long"), json.dumps(body))  # as its fan-out stored it
@@ -166,7 +166,7 @@ def test_a_fanned_out_request_past_its_deadline_still_replies(watched):
 
 def test_error_results_are_bounded_whatever_the_request(watched):
     """Thousands of invalid questions (280k made a 33.5 MB error result, kept for a day)."""
-    client, worker, written = watched.client, watched.worker, watched.written
+    client = watched.client
     questions = {f"q{i}": {"type": "bogus"} for i in range(3000)}
     client.redis.xadd(client.keys.requests, {"body": request("many-bad", questions=questions)})
     report = settle(client.redis, client.keys, ["many-bad"], timeout=60).assert_ok()

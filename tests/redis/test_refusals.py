@@ -13,8 +13,8 @@ from collections import Counter
 
 import pytest
 import redis
-
 from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log
+
 from producer.client import Client
 from producer.invariant import settle
 from producer.keys import Keys
