@@ -42,7 +42,7 @@ ROLES = {
     ),
     "worker": (
         "{connect} +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|delconsumer "
-        "+xinfo|groups +xinfo|consumers +xlen +xadd "
+        "+xinfo|groups +xinfo|consumers +xlen +xadd +xrange +type "
         "+evalsha +script|load +script|exists +exists +hlen +hgetall +hset +hdel +get +set "
         "~{everything} "
         # scripts delete a published request's parts and body and expire results: nothing else may go away

@@ -129,14 +129,24 @@ def served(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def module_worker(tiny_dir, tmp_path_factory, request):
-    """(server, worker): one redis-server and one ready worker shared by a module's tests, the worker started with
-    the module's ``WORKER_SETTINGS``. The tests keep to ids of their own and compare metrics before and after."""
-    with RedisServer() as server:
+def module_servers():
+    """label -> (server, worker) started for a module's tests, one pair per server binary; stopped at its end."""
+    started: dict[str, tuple[RedisServer, WorkerProcess]] = {}
+    yield started
+    for server, worker in started.values():
+        worker.stop()
+        server.__exit__()
+
+
+@pytest.fixture
+def module_worker(server_binary, module_servers, tiny_dir, tmp_path_factory, request):
+    """(server, worker): one server of this run's binary and one ready worker, shared by a module's tests (the
+    worker started with the module's ``WORKER_SETTINGS``). The tests keep to ids of their own and compare metrics
+    before and after."""
+    if server_binary.label not in module_servers:
+        server = RedisServer().start()
         worker = WorkerProcess(tiny_dir, server.url, tmp_path_factory.mktemp("module") / "worker.log",
                                **getattr(request.module, "WORKER_SETTINGS", {}))
-        try:
-            worker.wait_ready()
-            yield server, worker
-        finally:
-            worker.stop()
+        module_servers[server_binary.label] = (server, worker)
+        worker.wait_ready()
+    return module_servers[server_binary.label]
