@@ -118,7 +118,7 @@ class Publisher:
                 outcome.refused = reply
                 continue
             settled.append((outcome, *self._who(outcome, reply)))
-            if isinstance(reply, list) and len(reply) > 3 and outcome.reply_to:  # replied in the publication
+            if self.inline_replies and isinstance(reply, list) and len(reply) > 3 and outcome.reply_to:  # replied in it
                 outcome.replied = True
                 if reply[3] != 1:
                     self.reply_refused(outcome, redis.ResponseError(_text(reply[3])))

@@ -10,6 +10,7 @@ import redis
 from redis.crc import key_slot
 
 from clusters import LocalCluster
+from faults import wait_for
 from producer.client import AsyncClient, Client
 from producer.keys import Keys, shard_of
 from test_e2e import QUESTIONS, requests
@@ -51,6 +52,13 @@ def test_end_to_end_on_a_three_node_cluster_with_two_shards(cluster, start_worke
     many = {f"q{i}": {"type": "choice", "instructions": f"Question {i}?", "criteria": {"yes": "so", "no": "not"}}
             for i in range(24)}
     batch += [{"id": f"long-{k}", "state": f"Long request {k}.", "questions": many} for k in range(4)]
+    # Reply streams live in their own slots: the reply follows the publication (at least once); one that is a
+    # string is refused, counted, left untouched, and its request answered all the same.
+    reply, blocked = Keys().reply_prefix + "svc", Keys().reply_prefix + "is-a-string"
+    client.redis.set(blocked, "not a stream")
+    for request in batch[:3] + batch[-1:]:
+        request["reply_to"] = reply
+    batch[3]["reply_to"] = blocked
     ids = client.submit_many(batch)
     # Bad input by plain XADD (the Python producer refuses it before sending).
     bad = json.dumps({"id": "bad", "state": "x", "questions": {"q": {"type": "maybe"}}})
@@ -64,12 +72,16 @@ def test_end_to_end_on_a_three_node_cluster_with_two_shards(cluster, start_worke
         assert result.ok, result.error
         assert list(result.answers) == list(request["questions"])
     assert all(results[f"long-{k}"].usage.parts > 1 for k in range(4))  # fanned out and merged by Lua per slot
+    wanted = {request["id"] for request in batch[:3] + batch[-1:]}  # replies follow results here: wait for them
+    wait_for(lambda: {f[b"id"].decode() for _, f in client.redis.xrange(reply)} == wanted, what="the replies")
+    wait_for(lambda: sum(w.metric("dq_redis_errors_total", op="reply") for w in workers) == 1, what="the refusal")
     # Each shard's worker took its shard's requests and parts; both did work.
     for shard, worker in zip(shards, workers):
         mine = [r for r in ids if shard_of(r, len(shards)) == shard]
         assert worker.metric("dq_entries_read_total", stream="requests") == len(mine)
         assert worker.metric("dq_entries_read_total", stream="chunks") > 0
-        assert worker.metric("dq_redis_errors_total") == 0
+        assert worker.metric("dq_redis_errors_total") == worker.metric("dq_redis_errors_total", op="reply")
+    assert client.redis.get(blocked) == b"not a stream" and client.redis.ttl(blocked) == -1
     # Exactly one result each, stored on the node that serves its slot: results spread over all three nodes.
     holders = set()
     for request_id in ids:

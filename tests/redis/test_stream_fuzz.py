@@ -66,7 +66,8 @@ reply_tos = st.one_of(
     st.integers(), st.none(),
 )
 QUESTIONS = {"q": {"type": "noul", "instructions": "Spam?"}}
-values = st.one_of(st.binary(max_size=40), st.text(max_size=20).map(str.encode), st.integers().map(lambda i: str(i).encode()))
+values = st.one_of(st.binary(max_size=40), st.text(max_size=20).map(str.encode),
+                   st.integers().map(lambda i: str(i).encode()))
 names = st.one_of(st.sampled_from([b"body", b"enqueued_ms", b"reply_to", b"id", b"part", b"request_id", b"\xff\xfe"]),
                   st.binary(min_size=1, max_size=12))
 
@@ -85,8 +86,9 @@ def bodies(draw) -> bytes | None:
         request["unknown"] = 1
     raw = json.dumps(request).encode()
     kind = draw(st.sampled_from(["json"] * 6 + ["truncated", "not-utf8", "array", "none"]))
-    return {"json": raw, "truncated": raw[: len(raw) // 2], "not-utf8": raw.replace(b'"state": "', b'"state": "\xff', 1),
-            "array": b"[" + raw + b"]", "none": None}[kind]
+    broken = raw.replace(b'"state": "', b'"state": "\xff', 1)
+    return {"json": raw, "truncated": raw[: len(raw) // 2], "not-utf8": broken, "array": b"[" + raw + b"]",
+            "none": None}[kind]
 
 
 @st.composite
