@@ -63,9 +63,9 @@ class Consumer:
         return [self._parse(_text(key), _text(entry_id), fields, 1)
                 for key, entries in reply or [] for entry_id, fields in entries]
 
-    async def own_pending(self, count: int, limit: int, skip: set[str]) -> tuple[list[Delivery], bool]:
+    async def own_pending(self, count: int, limit: int, skip: set[tuple[str, str]]) -> tuple[list[Delivery], bool]:
         """Entries delivered to this consumer and never acknowledged (a restart, or a reply lost in transit), but
-        those in ``skip`` (held already), at most ``limit``; and whether some are left for another turn."""
+        those in ``skip`` (stream key, entry id: held already), at most ``limit``; and whether some are left for another turn."""
         found: list[tuple[str, str, dict]] = []
         for key in self.streams:
             cursor = "0"
@@ -75,7 +75,7 @@ class Consumer:
                 if not entries:
                     break
                 found += [(key, _text(entry_id), fields) for entry_id, fields in entries
-                          if _text(entry_id) not in skip][: limit - len(found)]
+                          if (key, _text(entry_id)) not in skip][: limit - len(found)]
                 cursor = _text(entries[-1][0])
         return await self._counted(found), len(found) >= limit
 
@@ -152,7 +152,9 @@ class Intake:
         self.accept = accept
         self.stopping = stopping
         self.presence = presence  # the heartbeat, and forgetting the workers and consumers that are gone
-        self.held: dict[str, Delivery] = {}  # entry id -> delivery: read, planned, queued or computing
+        # (stream key, entry id) -> delivery: read, planned, queued or computing. Both: the two work streams give
+        # out the same entry ids (time-sequence), and an entry must not pass for another stream's.
+        self.held: dict[tuple[str, str], Delivery] = {}
         self.room = asyncio.Event()  # set when an entry is released
         self.lost: dict[tuple[str, str], None] = {}  # (stream key, entry id) counted as lost, recent ones
         self.settled_at: float | None = None  # when an entry was last released (health: is work progressing?)
@@ -211,7 +213,7 @@ class Intake:
                 reclaimed, gone = await self.consumer.reclaim(settings.claim_idle_ms, settings.read_count, room)
                 if lost := self.count_lost(gone):
                     log.error("%d pending entries had no payload any more (trimmed?)", lost)
-                fresh = [d for d in reclaimed if d.entry_id not in self.held]
+                fresh = [d for d in reclaimed if (d.key, d.entry_id) not in self.held]
                 if fresh:  # one line per reclaim, not one per entry (a dead worker may have held hundreds)
                     log.info("reclaimed %d entries from consumers idle over %d ms", len(fresh), settings.claim_idle_ms)
                 for delivery in fresh:
@@ -232,9 +234,9 @@ class Intake:
 
     def take(self, delivery: Delivery, how: str) -> None:
         """Hold an entry and hand it to ``accept``, once however many ways it arrived (read, recovered, ...)."""
-        if delivery.entry_id in self.held:
+        if (delivery.key, delivery.entry_id) in self.held:
             return
-        self.held[delivery.entry_id] = delivery
+        self.held[delivery.key, delivery.entry_id] = delivery
         metrics = self.metrics
         metrics.inflight.set(len(self.held))
         metrics.entries.labels(delivery.stream, how).inc()
@@ -245,7 +247,7 @@ class Intake:
         self.accept(delivery)
 
     def release(self, delivery: Delivery) -> None:
-        self.held.pop(delivery.entry_id, None)
+        self.held.pop((delivery.key, delivery.entry_id), None)
         self.settled_at = time.time()
         self.metrics.inflight.set(len(self.held))
         self.room.set()

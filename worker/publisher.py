@@ -97,8 +97,8 @@ class Publisher:
             else:
                 index, count, part = outcome.part
                 request_id = outcome.delivery.request_id
-                calls.append((self._part, [self.keys.result(request_id), self.keys.parts(request_id)],
-                              [index, count, json.dumps(part), self.ttl]))
+                calls.append((self._part, [self.keys.result(request_id), self.keys.parts(request_id),
+                                           self.keys.body(request_id)], [index, count, json.dumps(part), self.ttl]))
         decided: list[tuple[Outcome, Any]] = []
         merged: list[Outcome] = []
         for outcome, reply in zip(outcomes, await self._scripts(calls)):

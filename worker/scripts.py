@@ -28,7 +28,10 @@ end
 _STORED = f"""
 {_FIELD}
 local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
-if first then return {{'published', field(first[2], '{Field.PUBLISHER}'), field(first[2], '{Field.BODY}')}} end
+if first then
+  redis.call('DEL', KEYS[2], KEYS[3])  -- a part or a stored body of a request that reused a published id: garbage
+  return {{'published', field(first[2], '{Field.PUBLISHER}'), field(first[2], '{Field.BODY}')}}
+end
 """
 # KEYS: result stream, parts hash, body key[, reply stream]. ARGV: result JSON, TTL seconds, publisher[, request id].
 # With a reply stream (one Redis, not Cluster: its slot is not the request's), the reply is added in the same
@@ -41,7 +44,7 @@ local replied = 0
 if KEYS[4] then replied = reply(KEYS[4], ARGV[4], ARGV[1], ARGV[2]) end
 return {{'published', ARGV[3], '', replied}}
 """
-# KEYS: result stream, parts hash. ARGV: part index, part count, part JSON, TTL seconds.
+# KEYS: result stream, parts hash, body key. ARGV: part index, part count, part JSON, TTL seconds.
 # As PUBLISH once the request has its result; 0: parts still missing; else every part, as HGETALL gives them.
 PART = _STORED + """
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])

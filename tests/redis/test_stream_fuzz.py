@@ -114,7 +114,7 @@ def chunk_entries(draw) -> dict[bytes, bytes]:
 
 
 entries = st.lists(st.one_of(request_entries().map(lambda f: ("requests", f)),
-                             chunk_entries().map(lambda f: ("chunks", f))), min_size=10, max_size=24)
+                             chunk_entries().map(lambda f: ("chunks", f))), min_size=10, max_size=30)
 
 
 def expected_id(fields: dict[bytes, bytes], entry_id: str) -> str:
@@ -134,7 +134,7 @@ def named_reply(fields: dict[bytes, bytes]) -> str | None:
     return body.get("reply_to") if isinstance(body, dict) and own_reply_stream(body.get("reply_to")) else None
 
 
-@settings(max_examples=3, deadline=None, phases=[Phase.generate],
+@settings(max_examples=50, deadline=None, phases=[Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(entries)
