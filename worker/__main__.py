@@ -1,4 +1,5 @@
-"""dq-worker (or python -m worker): serve, write a tiny checkpoint, or check a running worker's health."""
+"""dq-worker (or python -m worker): serve, write a tiny checkpoint, check a running worker's health, or load the
+queue's function library onto a Redis server."""
 
 from __future__ import annotations
 
@@ -17,6 +18,23 @@ def _tiny(args: argparse.Namespace) -> int:
 
     path = tiny.write(args.directory, seed=args.seed, fmt=args.format, multimodal=not args.text_only)
     print(f"wrote a tiny {args.format} decision checkpoint to {path}")
+    return 0
+
+
+def _load_functions(args: argparse.Namespace) -> int:
+    from producer import library
+    from producer.connection import Deployment, connect
+
+    deployment = Deployment.resolve(url=args.redis_url, cluster=args.redis_cluster or None)
+    client = connect(deployment.url, deployment.cluster, **deployment.tls_files())
+    try:
+        loaded = library.ensure(client)
+    except library.LibraryUnavailable as error:
+        print(error, file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(f"{library.LIBRARY} revision {loaded.revision} {loaded.action} on {deployment.safe_url}")
     return 0
 
 
@@ -48,6 +66,16 @@ def parser() -> argparse.ArgumentParser:
                            help="liveness (/healthz) instead of readiness (/readyz) [default off]")
     check_cmd.set_defaults(run=lambda a: __import__("worker.health", fromlist=["check"]).check(
         a.url, "/healthz" if a.live else "/readyz"))
+
+    load_cmd = commands.add_parser(
+        "load-functions", help="load the function library producers and workers call (an admin's Redis URL)")
+    load_cmd.add_argument("--redis-url", default=None,
+                          help="a Redis URL whose user may FUNCTION LOAD [env DQ_REDIS_URL, default "
+                               "'redis://127.0.0.1:6379/0']; TLS files from DQ_REDIS_TLS_*")
+    load_cmd.add_argument("--redis-cluster", action="store_true",
+                          help="the URL is a node of a Redis Cluster: load on every primary [env DQ_REDIS_CLUSTER, "
+                               "default off]")
+    load_cmd.set_defaults(run=_load_functions)
     return top
 
 
