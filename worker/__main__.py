@@ -43,7 +43,8 @@ def parser() -> argparse.ArgumentParser:
     check_cmd = commands.add_parser("check", help="exit 0 if a worker's health endpoint answers 200")
     default_url = f"http://127.0.0.1:{os.environ.get('DQ_METRICS_PORT', '9400')}"
     check_cmd.add_argument("--url", default=default_url,
-                           help=f"the worker's health endpoint [port from env DQ_METRICS_PORT, default {default_url!r}]")
+                           help=f"the worker's health endpoint [port from env DQ_METRICS_PORT, "
+                                f"default {default_url!r}]")
     check_cmd.add_argument("--live", action="store_true",
                            help="liveness (/healthz) instead of readiness (/readyz) [default off]")
     check_cmd.set_defaults(run=lambda a: __import__("worker.health", fromlist=["check"]).check(
