@@ -24,8 +24,9 @@ from typing import Any, NamedTuple, TypeVar
 import redis
 from pydantic import ValidationError
 
-from .keys import GROUP, Field, Keys, shard_of
+from .keys import GONE_S, GROUP, Field, Keys, beat_age, shard_of
 from .schema import Request, Result, describe
+from .servers import lag_of
 
 # KEYS[1] request stream; ARGV[1] limit (0: none); ARGV[2..] request bodies. All or nothing.
 SUBMIT = """
@@ -224,8 +225,11 @@ class Producer:
         return results[request_id]
 
     def stats(self) -> Plan[dict[str, Any]]:
-        """Totals over every shard, then each shard: stream lengths, the worker group's pending, lag and consumers,
-        dead letters; and the live workers."""
+        """Totals over every shard, then each shard: stream lengths, the worker group's pending, lag and live
+        consumers, dead letters; and the live workers. Live: a consumer seen in the last ``GONE_S`` seconds or
+        holding entries, a worker whose heartbeat is younger than that (the gone are not counted, and the workers
+        delete them: worker/presence.py). The lag is the server's, or the length less pending when the server
+        cannot count it (``servers.lag_of``)."""
         shards = []
         for shard in range(self.shards):
             keys, entry = Keys(self.keys.namespace, shard), {"shard": shard}
@@ -239,19 +243,24 @@ class Producer:
                     groups = []
                 for group in groups:
                     if group["name"] in (GROUP, GROUP.encode()):
-                        stream_stats.update(pending=group["pending"], lag=group.get("lag"),
-                                            consumers=group["consumers"])
+                        consumers = yield Call("xinfo_consumers", (stream, GROUP))
+                        stream_stats.update(pending=group["pending"],
+                                            lag=lag_of(stream_stats["length"], group["pending"], group.get("lag")),
+                                            consumers=sum(1 for c in consumers
+                                                          if c["pending"] or c["idle"] < GONE_S * 1000))
                 entry[name] = stream_stats
             entry["dead_letters"] = yield Call("xlen", (keys.dead,))
             shards.append(entry)
         totals: dict[str, Any] = {name: _sum([s[name] for s in shards]) for name in ("requests", "chunks")}
         totals["dead_letters"] = sum(s["dead_letters"] for s in shards)
-        totals["workers"] = yield Call("hlen", (self.keys.workers(),))
+        beats = yield Call("hgetall", (self.keys.workers(),))
+        now = time.time()
+        totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
         return {**totals, "shards": shards}
 
 
 def _sum(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Field-wise sum of per-shard stream stats (a lag Redis could not tell stays None)."""
+    """Field-wise sum of per-shard stream stats."""
     out: dict[str, Any] = {}
     for part in parts:
         for name, value in part.items():

@@ -317,7 +317,8 @@ class Results:
                 if result is not None and published:
                     code = result.error.code.value if result.error else ""
                     self.metrics.results.labels(result.status, code).inc()
-                    self.metrics.latency.observe(max(0.0, now - outcome.delivery.enqueued_ms / 1000))
+                    self.metrics.latency.labels(result.status).observe(
+                        max(0.0, now - outcome.delivery.enqueued_ms / 1000))
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("published %s: %s", result.id, code or result.status,
                                   extra=outcome.delivery.log_fields)
