@@ -26,6 +26,7 @@ REPLY_SUFFIX = re.compile(r"\A[A-Za-z0-9._:\-]{1,128}\Z")
 # Its shape whatever the namespace (the wire schema's check; a worker also wants its own namespace's prefix).
 REPLY_STREAM = re.compile(r"\A[A-Za-z0-9._:\-]{1,64}:v" + PROTOCOL + r":reply:[A-Za-z0-9._:\-]{1,128}\Z")
 ANY = "*"  # as a shard or a request id, makes a Keys name a glob pattern (ACL rules); never a valid id
+MAX_BODY_BYTES = 8 << 20  # a request body's largest size: the submit function's cap, the worker's default one
 # A worker whose heartbeat (Keys.workers) is this old, or a group consumer idle this long with nothing pending, is
 # gone: stats do not count it. Workers beat every 5 s; clocks are assumed in sync (NTP).
 GONE_S = 30
@@ -43,6 +44,7 @@ class Field:
     PARTS = "parts"  # how many parts the request has
     QUESTIONS = "questions"  # JSON list of this part's question names
     ENQUEUED_MS = "enqueued_ms"  # when the request was enqueued (ms): its entry id's time
+    TRACEPARENT = "traceparent"  # the request's W3C trace context, when it has one (for the worker's logs)
     # Dead-letter entries: where the entry was and why it was given up, then the entry's own fields
     STREAM = "stream"  # requests or chunks
     ENTRY_ID = "entry_id"

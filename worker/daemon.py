@@ -9,7 +9,7 @@ One request, from its XADD to its result stream:
     packer.py    chunks -> packs within the token budget                           ─┐ main (GPU) thread
     compute.py   packs -> engine -> read-out -> answers, to results' sink          ─┘
     results.py   answers gathered per task; publisher.py: result published once    ── asyncio thread
-                 (Lua, scripts.py) with its reply, XACK, XDEL; intake lets it go
+                 (FCALL) with its reply, XACK, XDEL; intake lets the entry go
 
 Failures take one path (``_failed``): retried until ``--max-deliveries``, then dead-lettered with an error result.
 Queue state lives on the asyncio thread only. SIGTERM stops reading, finishes and acknowledges what is in flight,
@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any
 
+from producer import __version__
 from producer.keys import Keys
 from producer.schema import ErrorCode, RequestError
 from producer.servers import UnsupportedServer
@@ -50,7 +51,6 @@ from .results import Publisher, Results, error_outcome
 from .tasks import Item
 
 log = logging.getLogger("worker")
-VERSION = "0.1.0"
 
 
 def create_engine(model: checkpoint.DecisionModel, settings: Settings) -> Engine:
@@ -95,7 +95,7 @@ class Daemon:
         self.work: queue.Queue[Item] = queue.Queue()
         self.packer = Packer(self.work, self.engine.max_pack_tokens, settings.max_wait_ms / 1000)
         self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.results)
-        self.metrics.built(VERSION, self.model.name, self.engine.name, str(self.model.device))
+        self.metrics.built(__version__, self.model.name, self.engine.name, str(self.model.device))
 
     # ---------------------------------------------------------------- lifecycle (main thread)
 
@@ -155,7 +155,8 @@ class Daemon:
         beats = {"reader": self.intake.read_turn, "gpu": self.compute.turned_at}
         return Snapshot(beats={name: beat for name, beat in beats.items() if beat is not None},
                         reading_since=self.intake.reading_since, loop_running=self.loop.is_running(),
-                        redis_ok=self.link.reachable, ready=self.ready.is_set(), inflight=len(self.intake.held),
+                        redis_ok=self.link.reachable, library_ok=self.publisher.library_ok,
+                        ready=self.ready.is_set(), inflight=len(self.intake.held),
                         stopping=self.stopping.is_set(), block_ms=self.settings.block_ms,
                         refusing=self.link.refusing, oldest_taken=self.intake.oldest_taken(),
                         settled_at=self.intake.settled_at, stall_s=self.settings.stall_timeout_s)
@@ -197,7 +198,8 @@ class Daemon:
             await self.intake.start()
         except REDIS_ERRORS:  # stopped before Redis ever answered: nothing was taken, nothing to settle
             return
-        loops = [asyncio.create_task(self.results.run()), asyncio.create_task(self.intake.run_maintenance())]
+        loops = [asyncio.create_task(self.results.run()), asyncio.create_task(self.intake.run_maintenance()),
+                 asyncio.create_task(self.results.watch_library())]
         reader = asyncio.create_task(self.intake.run_reader())  # until stopping
         while not (self.stopping.is_set() or reader.done()):
             await asyncio.sleep(0.1)
@@ -222,7 +224,7 @@ class Daemon:
         """Every entry taken (read, recovered, reclaimed, retried) comes here once."""
         if delivery.payload_gone:  # pending, but trimmed away: nothing to answer with
             log.error("entry %s of %s has no payload any more (trimmed?): acknowledged", delivery.entry_id,
-                      delivery.key)
+                      delivery.key, extra=delivery.log_fields)
             self.intake.count_lost([(delivery.key, delivery.entry_id)])
             asyncio.ensure_future(self.results.ack_only(delivery))
         elif not delivery.answerable:  # a part that names no request: its result could go nowhere
@@ -246,10 +248,11 @@ class Daemon:
             task = await asyncio.wrap_future(self.planner.submit(delivery, body))
         except RequestError as error:
             reply_to = delivery.reply_to if delivery.stream != CHUNKS else reply_stream(self.keys, body)
-            self.results.settle(error_outcome(delivery, error.code, error.message, self.model.name, reply_to))
+            self.results.settle(error_outcome(delivery, error.code, error.message, self.model.name,
+                                              reply_to=reply_to))
             return
         except Exception as error:  # noqa: BLE001 - a planner bug must not take the daemon down
-            log.exception("planning %s failed", delivery.entry_id)
+            log.exception("planning %s failed", delivery.entry_id, extra=delivery.log_fields)
             self._failed(delivery, f"{type(error).__name__}: {error}")
             return
         finally:
@@ -257,6 +260,7 @@ class Daemon:
         if task.fan_out:
             await self.link.until(lambda: self.publisher.fan_out(task), "fan out")
             self.metrics.fanouts.inc()
+            log.debug("fanned %s out in %d parts", delivery.request_id, len(task.fan_out), extra=delivery.log_fields)
             self.intake.release(delivery)
             return
         for index, chunk in enumerate(task.chunks):

@@ -16,10 +16,10 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from producer.keys import ID_PATTERN, Field, Keys, valid_id
-from producer.schema import MAX_NAME_CHARS, MAX_QUESTIONS, ErrorCode
+from producer.schema import MAX_NAME_CHARS, MAX_QUESTIONS, ErrorCode, valid_metadata, valid_traceparent
 
 
 class Stream(enum.StrEnum):
@@ -32,7 +32,7 @@ class Stream(enum.StrEnum):
 REQUESTS, CHUNKS = Stream.REQUESTS, Stream.CHUNKS
 FIELDS = {
     REQUESTS: {Field.BODY},
-    CHUNKS: {Field.REQUEST_ID, Field.PART, Field.PARTS, Field.QUESTIONS, Field.ENQUEUED_MS},
+    CHUNKS: {Field.REQUEST_ID, Field.PART, Field.PARTS, Field.QUESTIONS, Field.ENQUEUED_MS, Field.TRACEPARENT},
 }
 NUMBER = re.compile(rb"\A[0-9]{1,15}\Z")  # non-negative, no sign, no spaces or underscores, below 2**53
 # The request id of an entry too large to parse: only where the Python client writes it, first (exact, no scan).
@@ -68,6 +68,11 @@ class Delivery:
     invalid_code: ErrorCode = ErrorCode.INVALID_REQUEST  # the error result's code when it cannot
     answerable: bool = True  # False: a part naming no usable request (no result can go anywhere)
     size: int = 0  # bytes of every field name and value
+    # The caller's context, when valid (a bad one fails the request with invalid_request in the planner): echoed in
+    # its result, even an error result, and the traceparent in this worker's log lines about the request. A part's
+    # metadata is in its request's stored body; its traceparent is a field of its entry (optional).
+    metadata: dict[str, Any] | None = None
+    traceparent: str | None = None
 
     @classmethod
     def parse(cls, keys: Keys, stream: Stream, key: str, entry_id: str, fields: Mapping[bytes, bytes],
@@ -85,7 +90,7 @@ class Delivery:
             problems.append(f"field {unknown[0][:40]!r} is not a field of {stream} entries "
                             f"({', '.join(sorted(FIELDS[stream]))})")
         enqueued_ms = int(entry_id.split("-")[0])  # a Redis entry id starts with its time in ms
-        part, parts, questions, answerable = 0, 1, None, True
+        part, parts, questions, answerable, metadata, traceparent = 0, 1, None, True, None, None
         if stream == CHUNKS:
             request_id = _checked(problems, lambda: _request_id(fields), None)
             answerable = request_id is not None
@@ -94,21 +99,29 @@ class Delivery:
             parts = _checked(problems, lambda: _integer(fields, Field.PARTS, 1, MAX_QUESTIONS), 1)
             part = _checked(problems, lambda: _integer(fields, Field.PART, 0, parts - 1), 0)
             questions = _checked(problems, lambda: _names(fields, Field.QUESTIONS), [])
+            raw_trace = fields.get(Field.TRACEPARENT.encode())  # only for logs: a bad one is left out, not fatal
+            traceparent = valid_traceparent(raw_trace.decode(errors="replace")) if raw_trace else None
         elif too_large:
             request_id, reply_to = _leading_id(fields.get(Field.BODY.encode())) or entry_id, None
         else:
             body = fields.get(Field.BODY.encode())
             if body is None:
                 problems.append(f"field {Field.BODY!r} is missing")
-            request_id, reply_to = _identity(keys, body, entry_id)
+            request_id, reply_to, metadata, traceparent = _identity(keys, body, entry_id)
         return cls(stream, key, entry_id, fields, deliveries, time.time(), request_id or entry_id, reply_to,
                    enqueued_ms, part, parts, questions, problems[0] if problems else None,
-                   ErrorCode.TOO_LARGE if too_large else ErrorCode.INVALID_REQUEST, answerable, size)
+                   ErrorCode.TOO_LARGE if too_large else ErrorCode.INVALID_REQUEST, answerable, size, metadata,
+                   traceparent)
 
     @property
     def body(self) -> bytes | None:
         """A request entry's request JSON (chunk entries have none: their request's is stored apart)."""
         return self.fields.get(Field.BODY.encode())
+
+    @property
+    def log_fields(self) -> dict[str, str]:
+        """What log lines about this entry's request carry (``log.error(..., extra=delivery.log_fields)``)."""
+        return {"request_id": self.request_id, **({"traceparent": self.traceparent} if self.traceparent else {})}
 
     @property
     def payload_gone(self) -> bool:
@@ -168,17 +181,20 @@ def _leading_id(body: bytes | None) -> str | None:
     return found.group(1).decode() if found and valid_id(found.group(1).decode()) else None
 
 
-def _identity(keys: Keys, body: bytes | None, entry_id: str) -> tuple[str, str | None]:
-    """A request's result id (the body's valid ``id``, else the entry id) and its reply stream (``reply_to`` when
-    it is one of this deployment's). Any body at all: these decide where even an error result goes."""
+def _identity(keys: Keys, body: bytes | None, entry_id: str
+              ) -> tuple[str, str | None, dict[str, Any] | None, str | None]:
+    """A request's result id (the body's valid ``id``, else the entry id), its reply stream (``reply_to`` when it
+    is one of this deployment's), and its valid metadata and traceparent. Any body at all: these decide where even
+    an error result goes, and what it echoes."""
     try:
         value = json.loads(body.decode() if body is not None else "")  # UTF-8 only, as the planner reads it
     except (ValueError, RecursionError):
         value = None
     if not isinstance(value, dict):
-        return entry_id, None
+        return entry_id, None, None, None
     candidate, reply_to = value.get("id"), value.get("reply_to")
-    return candidate if valid_id(candidate) else entry_id, reply_to if keys.is_reply_stream(reply_to) else None
+    return (candidate if valid_id(candidate) else entry_id, reply_to if keys.is_reply_stream(reply_to) else None,
+            valid_metadata(value.get("metadata")), valid_traceparent(value.get("traceparent")))
 
 
 def reply_stream(keys: Keys, body: bytes | None) -> str | None:

@@ -1,10 +1,11 @@
 """HTTP endpoints of a worker: ``/metrics`` (Prometheus), ``/healthz`` (liveness), ``/readyz`` (readiness).
 
 Liveness comes from the loops' own heartbeats, not from Redis: a Redis outage makes a worker unready, never
-restarts it. Readiness: model loaded, graphs captured (warm-up done), Redis reachable and not refusing the writes
-the work waits on (``REFUSED_READY_S`` after the last refusal), and the work in flight progressing: a worker that
-holds entries and has settled none for ``--stall-timeout-s`` is unready until one is settled. Both are decided
-from a ``Snapshot``, a plain copy of the worker's state that the daemon fills on each request.
+restarts it. Readiness: model loaded, graphs captured (warm-up done), Redis reachable, its function library
+loaded, and not refusing the writes the work waits on (``REFUSED_READY_S`` after the last refusal), and the work in
+flight progressing: a worker that holds entries and has settled none for ``--stall-timeout-s`` is unready until
+one is settled. Both are decided from a ``Snapshot``, a plain copy of the worker's state that the daemon fills on
+each request.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Snapshot:
     reading_since: float | None  # the reader has waited on Redis since then (None: not reading)
     loop_running: bool  # the asyncio (Redis) thread still runs
     redis_ok: bool  # the last Redis call went through
+    library_ok: bool  # the server has the function library (producer/library.py): results can be published
     ready: bool  # the engine is warm
     inflight: int
     stopping: bool
@@ -66,9 +68,10 @@ def status(state: Snapshot) -> dict[str, Any]:
     # held entry was taken, or since the last settlement, whichever is later, for longer than the bound.
     waiting = now - max(state.oldest_taken, state.settled_at or 0.0) if state.oldest_taken is not None else 0.0
     stalled = waiting > state.stall_s
-    return {"live": not stuck, "stuck": stuck, "ready": state.ready and redis_ok and not stuck and not stalled and
-            not state.refusing, "model_loaded": True, "warm": state.ready, "redis": redis_ok,
-            "refusing": state.refusing, "stalled": stalled, "inflight": state.inflight, "stopping": state.stopping}
+    ready = state.ready and redis_ok and state.library_ok and not stuck and not stalled and not state.refusing
+    return {"live": not stuck, "stuck": stuck, "ready": ready, "model_loaded": True, "warm": state.ready,
+            "redis": redis_ok, "library": state.library_ok, "refusing": state.refusing, "stalled": stalled,
+            "inflight": state.inflight, "stopping": state.stopping}
 
 
 def serve_http(daemon: Watched, port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:

@@ -98,9 +98,6 @@ class Link:
         while True:
             try:
                 result = await call()
-            except redis.exceptions.NoScriptError:  # the script cache was flushed: the call reloads it
-                await asyncio.sleep(0.01)
-                continue
             except redis.ResponseError as error:  # e.g. OOM under noeviction, NOPERM: retried, never dropped
                 self.refused(what, error)
                 failure: BaseException = error

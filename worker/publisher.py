@@ -1,11 +1,12 @@
-"""Publication, the Redis side of results: an outcome's result stored exactly once (Lua, scripts.py), its reply,
+"""Publication, the Redis side of results: an outcome's result stored exactly once (the function library,
+producer/library.py: ``publish_as``, ``part_as``, ``reply``), its reply,
 the entry acknowledged and deleted; fan-out and dead letters. Torch-free: ops/redis_bench.py measures it alone.
 
-Order, for at-least-once processing with exactly one result: the publish script makes the result durable (the
+Order, for at-least-once processing with exactly one result: the publish function makes the result durable (the
 first publication wins; later ones change nothing, and learn who made it), then the entry is acknowledged and
-deleted. A crash between the two redelivers the entry; its second result is refused by the script. Parts of a
+deleted. A crash between the two redelivers the entry; its second result is refused by the function. Parts of a
 fanned-out request are kept in a hash keyed by part index (a set of finished parts, not a counter), so a part
-processed twice counts once. A reply is added by the publish script itself on one Redis (exactly once with the
+processed twice counts once. A reply is added by the publish function itself on one Redis (exactly once with the
 publication); on Redis Cluster, where a reply stream has another slot, right after it (at least once).
 """
 
@@ -13,23 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 from redis.asyncio import RedisCluster
 
+from producer import library
 from producer.keys import Field, Keys
 from producer.schema import Result, Timings, Usage
 
 from .entries import Delivery
-from .scripts import PART, PUBLISH, REPLY
 from .tasks import Task
 
+log = logging.getLogger("worker")
 PUBLISHED = b"published"
-CLUSTER_CONCURRENCY = 64  # script calls in flight at once on Redis Cluster (connections per node stay bounded)
+CLUSTER_CONCURRENCY = 64  # function calls in flight at once on Redis Cluster (connections per node stay bounded)
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Outcome:
     order: list[str] | None = None  # question order of the request, for merging parts
     replied: bool = False  # its reply was written or refused: settling it again does not reply again
     refused: redis.ResponseError | None = None  # Redis refused its publication this time: settle it again later
+    echo: dict[str, Any] = field(default_factory=dict)  # the caller's context its request's result echoes
 
     @property
     def publisher(self) -> str:
@@ -51,14 +55,14 @@ class Outcome:
         return f"{entry.stream} {entry.entry_id} {entry.deliveries}"
 
 def ok_result(request_id: str, shares: list[dict[str, Any]], order: list[str], enqueued_ms: int,
-              model: str) -> Result:
+              model: str, context: dict[str, Any] | None = None) -> Result:
     merged: dict[str, dict[str, Any]] = {key: {} for key in ("answers", "logits", "probabilities", "options")}
     for part in shares:
         for key in merged:
             merged[key].update(part[key])
     ordered = {key: {n: merged[key][n] for n in order} for key in merged}
     return Result(
-        id=request_id, status="ok", model=model, **ordered,
+        id=request_id, status="ok", model=model, **ordered, **(context or {}),
         usage=Usage(tokens=sum(p["tokens"] for p in shares), prompts=sum(p["prompts"] for p in shares),
                     parts=len(shares)),
         timings=Timings(enqueued_ms=enqueued_ms, started_ms=min(p["started_ms"] for p in shares),
@@ -79,10 +83,8 @@ class Publisher:
         self.ttl = ttl_seconds
         self.model = model
         self.reply_refused = reply_refused or (lambda outcome, error: None)  # counted and logged by the caller
-        self._publish = redis_client.register_script(PUBLISH)
-        self._part = redis_client.register_script(PART)
-        self._reply = redis_client.register_script(REPLY)
-        self.inline_replies = not isinstance(redis_client, RedisCluster)  # in the publication script (see PUBLISH)
+        self.inline_replies = not isinstance(redis_client, RedisCluster)  # in the publish call (library.PUBLISH_AS)
+        self.library_ok = False  # the function library is on the server (readiness); checked by Results
 
     async def settle(self, outcomes: list[Outcome]) -> list[tuple[Outcome, Result | None, bool]]:
         """Publish, reply, acknowledge; returns (outcome, its request's result or None, published by this
@@ -97,21 +99,21 @@ class Publisher:
             else:
                 index, count, part = outcome.part
                 request_id = outcome.delivery.request_id
-                calls.append((self._part, [self.keys.result(request_id), self.keys.parts(request_id),
-                                           self.keys.body(request_id)], [index, count, json.dumps(part), self.ttl]))
+                calls.append((library.PART_AS, [self.keys.result(request_id), self.keys.parts(request_id),
+                                                self.keys.body(request_id)], [index, count, json.dumps(part), self.ttl]))
         decided: list[tuple[Outcome, Any]] = []
         merged: list[Outcome] = []
-        for outcome, reply in zip(outcomes, await self._scripts(calls)):
+        for outcome, reply in zip(outcomes, await self._functions(calls)):
             if outcome.part is not None and isinstance(reply, list) and reply[:1] != [PUBLISHED]:
                 indexes = sorted(range(0, len(reply), 2), key=lambda at: int(reply[at]))  # HGETALL: index, share, ...
                 outcome.result = ok_result(outcome.delivery.request_id, [json.loads(reply[at + 1]) for at in indexes],
-                                           outcome.order or [], outcome.delivery.enqueued_ms, self.model)
+                                           outcome.order or [], outcome.delivery.enqueued_ms, self.model, outcome.echo)
                 outcome.part = None  # the last part: from now on, the request's whole result to publish
                 merged.append(outcome)
             else:
                 decided.append((outcome, reply))
         if merged:
-            decided += zip(merged, await self._scripts([self._publication(outcome) for outcome in merged]))
+            decided += zip(merged, await self._functions([self._publication(outcome) for outcome in merged]))
         settled = []
         for outcome, reply in decided:
             if isinstance(reply, redis.ResponseError):
@@ -125,7 +127,7 @@ class Publisher:
         replies = [(outcome, result) for outcome, result, _, reply in settled
                    if reply and outcome.reply_to and not outcome.replied and not self.inline_replies]
         if replies:  # before the ack: a crash in between replies again on redelivery rather than never
-            answers = await self._scripts([(self._reply, [outcome.reply_to], [
+            answers = await self._functions([(library.REPLY, [outcome.reply_to], [
                 outcome.delivery.request_id, result.model_dump_json(exclude_none=True), self.ttl])
                 for outcome, result in replies])
             for (outcome, _), answer in zip(replies, answers):
@@ -158,37 +160,49 @@ class Publisher:
         if self.inline_replies and outcome.reply_to and not outcome.replied:
             keys.append(outcome.reply_to)
             args.append(request_id)
-        return self._publish, keys, args
+        return library.PUBLISH_AS, keys, args
 
-    async def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
-        """Script calls in one pipelined round trip; on Redis Cluster, whose pipelines refuse scripts, as concurrent
-        calls, each sent to the node of its keys' one slot. A call Redis refuses answers its ResponseError; a
-        connection error raises."""
+    async def _functions(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        """Function calls in one pipelined round trip; on Redis Cluster as concurrent calls, each sent to the node
+        of its keys' one slot. A call Redis refuses answers its ResponseError; a connection error raises."""
         if isinstance(self.redis, RedisCluster):
             replies: list[Any] = []
             for start in range(0, len(calls), CLUSTER_CONCURRENCY):
-                replies += await asyncio.gather(*(script(keys=keys, args=args) for script, keys, args
+                replies += await asyncio.gather(*(self.redis.fcall(name, len(keys), *keys, *args) for name, keys, args
                                                   in calls[start: start + CLUSTER_CONCURRENCY]), return_exceptions=True)
         else:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for script, keys, args in calls:
-                    await script(keys=keys, args=args, client=pipe)
+                for name, keys, args in calls:
+                    pipe.fcall(name, len(keys), *keys, *args)
                 replies = await pipe.execute(raise_on_error=False)
         for reply in replies:
             if isinstance(reply, BaseException) and not isinstance(reply, redis.ResponseError):
                 raise reply
         return replies
 
+    async def ensure_library(self) -> None:
+        """Load the function library if the server lacks it or has an older revision (when this worker's user may:
+        ``library.LibraryUnavailable`` if not); ``library_ok`` says whether it is there."""
+        try:
+            loaded = await library.aensure(self.redis)
+        except (library.LibraryUnavailable, redis.ResponseError):  # or NOPERM on the check itself
+            self.library_ok = False
+            raise
+        if loaded.action != "present":
+            log.info("function library %s revision %d %s", library.LIBRARY, loaded.revision, loaded.action)
+        self.library_ok = True
+
     async def fan_out(self, task: Task) -> None:
         """Store the request once, add one chunk-stream entry per part (``task.fan_out``), then acknowledge the
         request entry."""
         entry, groups = task.delivery, task.fan_out
+        trace = {Field.TRACEPARENT: task.request.traceparent} if task.request.traceparent else {}
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.body(entry.request_id), entry.body, ex=self.ttl)
             for index, names in enumerate(groups):
                 pipe.xadd(self.keys.chunks, {Field.REQUEST_ID: entry.request_id, Field.PART: index,
                                              Field.PARTS: len(groups), Field.QUESTIONS: json.dumps(names),
-                                             Field.ENQUEUED_MS: entry.enqueued_ms})
+                                             Field.ENQUEUED_MS: entry.enqueued_ms, **trace})
             await pipe.execute()
         await self.ack([entry])
 

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from producer.schema import ErrorCode, Result, Timings
+from producer import library
+from producer.schema import ErrorCode, Request, Result, Timings
 
 from .entries import Delivery
-from .link import Link
+from .link import REDIS_ERRORS, Link
 from .metrics import Metrics
 from .publisher import Outcome, Publisher, ok_result
 from .tasks import Item, Task
@@ -41,22 +42,33 @@ def share(task: Task) -> dict[str, Any]:
     }
 
 
+def echo(delivery: Delivery, request: Request | None = None) -> dict[str, Any]:
+    """The caller's context a result echoes (metadata, traceparent): the parsed request's, else what was read of it
+    when the entry was taken (so the error result of a bad request echoes what was valid in it)."""
+    source: Request | Delivery = request if request is not None else delivery
+    return {"metadata": source.metadata, "traceparent": source.traceparent}
+
+
 def task_outcome(task: Task, model: str) -> Outcome:
-    order = list(task.request.questions)
+    order, context = list(task.request.questions), echo(task.delivery, task.request)
     if task.parts > 1:
-        return Outcome(task.delivery, task.request.reply_to, part=(task.part, task.parts, share(task)), order=order)
+        return Outcome(task.delivery, task.request.reply_to, part=(task.part, task.parts, share(task)), order=order,
+                       echo=context)
     names = [q.name for chunk in task.chunks for q in chunk.questions]
-    result = ok_result(task.request_id, [share(task)], names, task.delivery.enqueued_ms, model)
+    result = ok_result(task.request_id, [share(task)], names, task.delivery.enqueued_ms, model, context)
     return Outcome(task.delivery, task.request.reply_to, result=result)
 
 
-def error_outcome(delivery: Delivery, code: ErrorCode, message: str, model: str,
+def error_outcome(delivery: Delivery, code: ErrorCode, message: str, model: str, request: Request | None = None,
                   reply_to: str | None = None) -> Outcome:
-    """An error result for the entry's request; its reply stream is the delivery's unless given."""
+    """An error result for the entry's request; its reply stream (unless given) and echoed context are the parsed
+    request's when there is one, else the delivery's."""
     timings = Timings(enqueued_ms=delivery.enqueued_ms, started_ms=int(delivery.taken * 1000),
                       finished_ms=int(time.time() * 1000))
-    return Outcome(delivery, reply_to if reply_to is not None else delivery.reply_to,
-                   result=Result.failure(delivery.request_id, code, message, timings=timings, model=model))
+    if reply_to is None:
+        reply_to = request.reply_to if request is not None else delivery.reply_to
+    return Outcome(delivery, reply_to, result=Result.failure(delivery.request_id, code, message, timings=timings,
+                                                             model=model, **echo(delivery, request)))
 
 
 class Results:
@@ -70,6 +82,8 @@ class Results:
         self.release = release  # the entry is settled: intake lets it go
         self.fail = fail  # the daemon's failure policy (retry, or dead-letter)
         self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
+        self.library_logged = float("-inf")
+        self._checking: asyncio.Future[bool] | None = None
         publisher.reply_refused = self.reply_refused
 
     # ---- compute's sink (GPU thread)
@@ -105,7 +119,7 @@ class Results:
             return
         task.cancelled = True
         self.settle(error_outcome(task.delivery, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before compute",
-                                  self.model, task.request.reply_to))
+                                  self.model, task.request))
 
     def settle(self, outcome: Outcome) -> None:
         self.outcomes.put_nowait(outcome)
@@ -117,7 +131,7 @@ class Results:
     async def dead_letter(self, delivery: Delivery, reason: str, answer: bool = True) -> None:
         """Copy the entry to the dead-letter stream, then answer its request (``answer``) or only acknowledge it."""
         log.error("dead-lettering %s of %s after %d deliveries: %s", delivery.entry_id, delivery.key,
-                  delivery.deliveries, reason)
+                  delivery.deliveries, reason, extra=delivery.log_fields)
         await self.link.until(lambda: self.publisher.dead_letter(delivery, reason), "dead letter")
         self.metrics.dead_letters.inc()
         if not answer:
@@ -125,6 +139,26 @@ class Results:
             return
         self.settle(error_outcome(delivery, ErrorCode.DEAD_LETTERED,
                                   f"gave up after {delivery.deliveries} deliveries: {reason}", self.model))
+
+    async def check_library(self) -> bool:
+        """Whether the function library is loaded (loading it if missing or older, when this worker may); says so
+        loudly while it is not: nothing can be published."""
+        try:
+            await self.publisher.ensure_library()
+        except REDIS_ERRORS:  # Redis down: the link reports that
+            return False
+        except (library.LibraryUnavailable, redis.ResponseError) as error:  # e.g. NOPERM on the check itself
+            if time.monotonic() - self.library_logged > 30:
+                self.library_logged = time.monotonic()
+                log.error("%s; unready: nothing can be published until the library is loaded", error)
+            return False
+        return True
+
+    async def watch_library(self) -> None:
+        """Until cancelled: look for the library every 5 s while it is missing, every 30 s while it is there (a
+        server restarted empty has none: the worker turns unready within that time, not at its next result)."""
+        while True:
+            await asyncio.sleep(30.0 if await self.check_library() else 5.0)
 
     async def run(self) -> None:
         """Until cancelled: settle what is queued, up to BATCH outcomes at a time; never drop one."""
@@ -150,15 +184,26 @@ class Results:
                     self.metrics.results.labels(result.status, code).inc()
                     self.metrics.latency.labels(result.status).observe(
                         max(0.0, now - outcome.delivery.enqueued_ms / 1000))
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("published %s: %s", result.id, code or result.status,
+                                  extra=outcome.delivery.log_fields)
 
     def _again(self, outcome: Outcome, error: redis.ResponseError) -> None:
-        """Settle a refused outcome again later: at once after a script cache flush (routine after a restart),
-        else in a second, counted, logged once per interval, and the worker unready meanwhile."""
+        """Settle a refused outcome again later: soon once the function library is loaded again (a server restarted
+        empty, FUNCTION FLUSH: loaded by this worker where its user may, else unready until an admin does), else in
+        a second, counted, logged once per interval, and the worker unready meanwhile."""
         outcome.refused = None
-        if not isinstance(error, redis.exceptions.NoScriptError):
-            self.link.refused("publish", error)
-        self.loop.call_later(0.01 if isinstance(error, redis.exceptions.NoScriptError) else 1.0,
-                             self.outcomes.put_nowait, outcome)
+        if library.missing(error):
+            asyncio.ensure_future(self._after_library(outcome))
+            return
+        self.link.refused("publish", error)
+        self.loop.call_later(1.0, self.outcomes.put_nowait, outcome)
+
+    async def _after_library(self, outcome: Outcome) -> None:
+        if self._checking is None or self._checking.done():  # one check for every outcome refused meanwhile
+            self._checking = asyncio.ensure_future(self.check_library())
+        await asyncio.sleep(0.01 if await asyncio.shield(self._checking) else 1.0)
+        self.outcomes.put_nowait(outcome)
 
     def reply_refused(self, outcome: Outcome, error: Exception) -> None:
         """A reply Redis refused (its stream is a key of another type, an ACL, memory): counted, logged once per
