@@ -50,6 +50,7 @@ def test_a_reader_whose_loop_died_mid_read_is_dead():
 def test_held_work_that_settles_nothing_for_the_bound_is_unready_until_it_does():
     now = time.time()
     base = dict(beats={"reader": now, "gpu": now}, reading_since=None, loop_running=True, redis_ok=True, ready=True,
+                library_ok=True,
                 inflight=3, stopping=False, block_ms=1000, stall_s=10.0)
     waiting = status(Snapshot(**base, oldest_taken=now - 11, settled_at=now - 30))
     assert waiting["stalled"] and not waiting["ready"] and waiting["live"]  # unready, not restarted
@@ -61,5 +62,6 @@ def test_held_work_that_settles_nothing_for_the_bound_is_unready_until_it_does()
 def test_redis_refusing_the_works_writes_makes_it_unready():
     now = time.time()
     state = status(Snapshot(beats={"reader": now, "gpu": now}, reading_since=None, loop_running=True, redis_ok=True,
+                            library_ok=True,
                             ready=True, inflight=1, stopping=False, block_ms=1000, refusing=True))
     assert state["live"] and state["redis"] and state["refusing"] and not state["ready"]
