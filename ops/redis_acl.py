@@ -4,7 +4,7 @@
     python ops/redis_acl.py --development > ops/redis/users.acl   # the compose file's well-known passwords
 
 Roles:
-- producer: enqueue (plain XADD or the submit script) and read results and reply streams. No consumer-group
+- producer: enqueue in either lane (plain XADD or the submit script) and read results and reply streams. No consumer-group
   commands, no deletes, no writes to results (it cannot forge an answer).
 - worker: what the daemon does (read the group, claim, acknowledge, publish through its scripts, fan out, dead
   letters, heartbeat), inside the namespace only. DEL and EXPIRE only on per-request keys and reply streams
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from producer.keys import ANY, Keys  # noqa: E402
+from producer.keys import ANY, HIGH, Keys  # noqa: E402
 
 # Connection set-up and the cluster topology a cluster client reads. (No CLIENT SETINFO: 7.0 lacks it, and
 # redis-py ignores its refusal on 7.2+.)
@@ -38,7 +38,7 @@ CONNECT = "+ping +hello +client|setname +client|id +command +cluster|slots +clus
 ROLES = {
     "producer": (
         "{connect} +xadd +xlen +xread +xrange +evalsha +script|load "
-        "~{requests} %R~{results} %R~{replies}"
+        "~{requests} ~{high_requests} %R~{results} %R~{replies}"
     ),
     "worker": (
         "{connect} +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xinfo|groups +xlen +xadd "
@@ -60,9 +60,11 @@ DEVELOPMENT_PASSWORDS = {role: f"dev-{role}-password" for role in ROLES}
 
 
 def patterns(namespace: str) -> dict[str, str]:
-    """The key patterns the roles name: every shard's request stream, every request's keys, the reply streams."""
+    """The key patterns the roles name: every shard's request streams (both lanes), every request's keys, the reply
+    streams."""
     every = Keys(namespace, ANY)
-    return {"everything": every.everything, "requests": every.requests, "results": every.result(ANY),
+    return {"everything": every.everything, "requests": every.requests, "high_requests": every.requests_in(HIGH),
+            "results": every.result(ANY),
             "parts": every.parts(ANY), "bodies": every.body(ANY), "replies": every.reply_prefix + ANY}
 
 

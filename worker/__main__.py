@@ -60,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .daemon import serve
 
-    return serve(Settings.from_args(args))
+    try:
+        settings = Settings.from_args(args)
+    except ValueError as error:  # a setting out of range: named, before the model loads
+        print(f"worker: {error}", file=sys.stderr)
+        return 2
+    return serve(settings)
 
 
 if __name__ == "__main__":

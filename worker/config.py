@@ -27,6 +27,11 @@ class Settings:
     # Packing and the fast path
     pack_tokens: int = _opt(16384, "token budget of one forward pass")
     max_wait_ms: float = _opt(5.0, "longest a partly filled pack waits for more work before it runs")
+    normal_share: float = _opt(0.1, "share of each pack's tokens kept for normal-priority work while some waits "
+                                    "(high work never starves it)", low=0.01, high=0.9)
+    high_pack_tokens: int = _opt(4096, "token budget of packs while high-priority work flows (queued in the last "
+                                       "second): a high request waits behind less work on the GPU (0: pack_tokens)",
+                                 low=0)
     buckets: str = _opt("2048,4096,8192,16384", "static pack sizes captured as CUDA graphs (fast path)")
     cuda_graphs: bool = _opt(True, "replay packs through CUDA graphs (fast path)")
     compile: str = _opt("layer", "torch.compile mode of the fast path: none, sub or layer")
@@ -46,7 +51,8 @@ class Settings:
     consumer: str = _opt("", "consumer name in the group (default: host-pid)")
     block_ms: int = _opt(1000, "blocking read timeout; kept below the socket timeout")
     read_count: int = _opt(64, "entries fetched per read")
-    max_inflight: int = _opt(512, "entries held at once (read, planned, queued or computing); reading pauses above")
+    max_inflight: int = _opt(512, "entries of each lane held at once (read, planned, queued or computing); reading "
+                                  "that lane pauses above")
     claim_idle_ms: int = _opt(60000, "reclaim entries pending longer than this from dead consumers")
     max_deliveries: int = _opt(5, "dead-letter an entry delivered more often than this")
     result_ttl_s: int = _opt(86400, "how long results stay readable")
@@ -57,6 +63,16 @@ class Settings:
     metrics_port: int = _opt(0, "serve /metrics, /healthz and /readyz on this port (0: off)")
     log_format: str = _opt("text", "text or json")
     log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR")
+
+    def __post_init__(self) -> None:
+        """Ranges (``low``, ``high``: inclusive) checked when made: a bad value names its flag and variable."""
+        for f in fields(self):
+            low, high, value = f.metadata.get("low"), f.metadata.get("high"), getattr(self, f.name)
+            if (low is not None and value < low) or (high is not None and value > high):
+                allowed = " and ".join(f"{word} {bound:g}" for word, bound in (("at least", low), ("at most", high))
+                                       if bound is not None)
+                raise ValueError(f"--{f.name.replace('_', '-')} ({self.env_name(f.name)}) must be {allowed}, "
+                                 f"got {value!r}")
 
     @property
     def consumer_name(self) -> str:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from producer.keys import ID_PATTERN, Field, Keys
+from producer.keys import ID_PATTERN, NORMAL, Field, Keys, Priority
 
 
 class Stream(enum.StrEnum):
@@ -54,10 +54,11 @@ class Delivery:
     parts: int = 1
     questions: list[str] | None = None
     invalid: str | None = None  # why the entry cannot be processed (its first bad field); None when it can
+    lane: Priority = NORMAL  # the lane of the stream it is in, which is its priority
 
     @classmethod
     def parse(cls, keys: Keys, stream: Stream, key: str, entry_id: str, fields: Mapping[bytes, bytes],
-              deliveries: int) -> Delivery:
+              deliveries: int, lane: Priority = NORMAL) -> Delivery:
         """Every field parsed here, once; a bad one leaves a usable fallback and its reason in ``invalid``."""
         problems: list[str] = []
         arrival_ms = int(entry_id.split("-")[0])  # a Redis entry id starts with its time in ms
@@ -74,7 +75,7 @@ class Delivery:
         else:
             request_id, reply_to = _identity(keys, fields.get(Field.BODY.encode()), entry_id)
         return cls(stream, key, entry_id, fields, deliveries, time.time(), request_id, reply_to, enqueued_ms,
-                   part, parts, questions, problems[0] if problems else None)
+                   part, parts, questions, problems[0] if problems else None, lane)
 
     @property
     def body(self) -> bytes | None:

@@ -2,9 +2,10 @@
 
 ``Consumer`` is this worker's Redis calls on the group (read, recover own pending entries, reclaim dead consumers'
 entries, keep long work from being reclaimed, claim again for a retry); every entry comes back as a parsed
-``Delivery``. ``Intake`` is the stage on the asyncio thread: its reader takes entries while fewer than
-``--max-inflight`` are held, its maintenance loop reclaims, keeps alive, and reports stream stats and the worker's
-heartbeat. Each entry taken goes once to ``accept`` (the daemon's route); ``release`` lets it go.
+``Delivery``. ``Intake`` is the stage on the asyncio thread: one reader per lane (high, normal) takes that lane's
+entries while it holds fewer than ``--max-inflight`` of them, so a worker full of normal work still reads a high
+request at once; the maintenance loop reclaims, keeps alive, and reports stream stats and the worker's heartbeat.
+Each entry taken goes once to ``accept`` (the daemon's route); ``release`` lets it go.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import redis
 
-from producer.keys import Keys
+from producer.keys import LANES, Keys, Priority
 
 from .config import Settings
 from .entries import CHUNKS, REQUESTS, Delivery, Stream
@@ -35,16 +36,23 @@ def _text(value: Any) -> str:
 
 
 class Consumer:
-    """One consumer of the worker group, on the shard's two work streams."""
+    """One consumer of the worker group, on the shard's work streams: each lane's chunk and request streams."""
 
     def __init__(self, redis_client: Any, keys: Keys, name: str) -> None:
         self.redis = redis_client
         self.keys = keys
         self.name = name
-        self.streams = {keys.chunks: CHUNKS, keys.requests: REQUESTS}  # parts first: finish started requests
+        # stream key -> (kind, lane); high lane first, and in a lane parts first: finish started requests
+        self.streams: dict[str, tuple[Stream, Priority]] = {}
+        for lane in LANES:
+            self.streams[keys.chunks_in(lane)] = (CHUNKS, lane)
+            self.streams[keys.requests_in(lane)] = (REQUESTS, lane)
+
+    def lane_keys(self, lane: Priority) -> list[str]:
+        return [key for key, (_, of) in self.streams.items() if of == lane]
 
     async def ensure_groups(self) -> bool:
-        """Create the group on both streams (and the streams); True if one had to be created."""
+        """Create the group on every work stream (and the streams); True if one had to be created."""
         created = False
         for key in self.streams:
             try:
@@ -55,17 +63,18 @@ class Consumer:
                     raise
         return created
 
-    async def read(self, count: int, block_ms: int) -> list[Delivery]:
-        """New entries (``>``), parts before requests."""
-        reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: ">" for key in self.streams},
+    async def read(self, lane: Priority, count: int, block_ms: int) -> list[Delivery]:
+        """New entries (``>``) of one lane, parts before requests."""
+        reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: ">" for key in self.lane_keys(lane)},
                                             count=count, block=block_ms)
         return [self._parse(_text(key), _text(entry_id), fields, 1)
                 for key, entries in reply or [] for entry_id, fields in entries]
 
-    async def own_pending(self, count: int) -> list[Delivery]:
-        """Entries delivered to this consumer and never acknowledged (a restart, or a reply lost in transit)."""
+    async def own_pending(self, lane: Priority, count: int) -> list[Delivery]:
+        """A lane's entries delivered to this consumer and never acknowledged (a restart, or a reply lost in
+        transit)."""
         found: list[tuple[str, str, dict]] = []
-        for key in self.streams:
+        for key in self.lane_keys(lane):
             cursor = "0"
             while True:
                 reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: cursor}, count=count)
@@ -113,7 +122,7 @@ class Consumer:
         """A part's request body, stored when its request fanned out (None: gone)."""
         return await self.redis.get(self.keys.body(delivery.request_id))
 
-    async def group_stats(self) -> dict[Stream, dict[str, Any]]:
+    async def group_stats(self) -> dict[tuple[Stream, Priority], dict[str, Any]]:
         out = {}
         for key, stream in self.streams.items():
             entry: dict[str, Any] = {"length": await self.redis.xlen(key), "pending": 0, "lag": None}
@@ -135,7 +144,18 @@ class Consumer:
                 for (key, entry_id, fields), reply in zip(found, replies)]
 
     def _parse(self, key: str, entry_id: str, fields: dict | None, deliveries: int) -> Delivery:
-        return Delivery.parse(self.keys, self.streams[key], key, entry_id, fields or {}, deliveries)
+        kind, lane = self.streams[key]
+        return Delivery.parse(self.keys, kind, key, entry_id, fields or {}, deliveries, lane)
+
+
+class Reader:
+    """One lane's reader state (loop thread only)."""
+
+    def __init__(self) -> None:
+        self.held = 0  # entries of this lane held
+        self.room = asyncio.Event()  # set when one of them is released
+        self.turn: float | None = None  # its last turn (liveness)
+        self.reading_since: float | None = None  # it has waited on Redis since (health: Redis' fault)
 
 
 class Intake:
@@ -147,34 +167,58 @@ class Intake:
         self.accept = accept
         self.stopping = stopping
         self.identity = identity  # model and engine, for the heartbeat in Keys.workers
-        self.held: dict[str, Delivery] = {}  # entry id -> delivery: read, planned, queued or computing
-        self.room = asyncio.Event()  # set when an entry is released
+        # (stream key, entry id) -> delivery: read, planned, queued or computing (ids are unique per stream only)
+        self.held: dict[tuple[str, str], Delivery] = {}
+        self.readers = {lane: Reader() for lane in LANES}
         self.lost: dict[tuple[str, str], None] = {}  # (stream key, entry id) counted as lost, recent ones
-        self.read_turn: float | None = None  # the reader's last turn (liveness)
-        self.reading_since: float | None = None  # the reader has waited on Redis since (health: Redis' fault)
+
+    @property
+    def read_turn(self) -> float | None:
+        """The readers' beat for liveness: the oldest turn of a reader not waiting on Redis (None before all have
+        turned); a reader in a Redis read counts as turning now."""
+        if any(reader.turn is None for reader in self.readers.values()):
+            return None
+        now = time.time()
+        return min(now if reader.reading_since is not None else reader.turn for reader in self.readers.values())
+
+    @property
+    def reading_since(self) -> float | None:
+        """Since when the readers have waited on Redis, for health: the latest start of a read in progress (one
+        answered read means Redis answers); None when none reads, or when a reader that is not reading turned
+        before that (it may be stuck: liveness must see it)."""
+        reading = [reader.reading_since for reader in self.readers.values() if reader.reading_since is not None]
+        idle = [reader.turn or 0.0 for reader in self.readers.values() if reader.reading_since is None]
+        if not reading or (idle and min(idle) < max(reading)):
+            return None
+        return max(reading)
 
     async def run_reader(self) -> None:
-        """Until stopping: own pending entries first (at start, and after a reply may have been lost), then new."""
-        settings = self.settings
+        """Until stopping: one reader per lane."""
+        await asyncio.gather(*(self._read(lane) for lane in LANES))
+
+    async def _read(self, lane: Priority) -> None:
+        """One lane: own pending entries first (at start, and after a reply may have been lost), then new ones,
+        while the lane holds fewer than ``--max-inflight``."""
+        settings, reader = self.settings, self.readers[lane]
         recover = True
         while not self.stopping.is_set():
-            self.read_turn = time.time()
-            self.metrics.heartbeat.labels("reader").set(self.read_turn)
-            self.reading_since = None
-            if len(self.held) >= settings.max_inflight:
-                self.room.clear()
+            reader.turn = time.time()
+            self.metrics.heartbeat.labels("reader").set(self.read_turn or reader.turn)
+            reader.reading_since = None
+            if reader.held >= settings.max_inflight:
+                reader.room.clear()
                 try:
-                    await asyncio.wait_for(self.room.wait(), timeout=0.5)
+                    await asyncio.wait_for(reader.room.wait(), timeout=0.5)
                 except asyncio.TimeoutError:
                     pass
                 continue
-            self.reading_since = time.time()
+            reader.reading_since = time.time()
             try:
                 if recover:
-                    deliveries = await self.consumer.own_pending(settings.read_count)
+                    deliveries = await self.consumer.own_pending(lane, settings.read_count)
                     how, recover = "recovered", False
                 else:
-                    deliveries = await self.consumer.read(settings.read_count, settings.block_ms)
+                    deliveries = await self.consumer.read(lane, settings.read_count, settings.block_ms)
                     how = "read"
                 self.link.answered()
             except redis.ResponseError as error:
@@ -202,7 +246,7 @@ class Intake:
                 reclaimed, gone = await self.consumer.reclaim(settings.claim_idle_ms, settings.read_count)
                 if lost := self.count_lost(gone):
                     log.error("%d pending entries had no payload any more (trimmed?)", lost)
-                fresh = [d for d in reclaimed if d.entry_id not in self.held]
+                fresh = [d for d in reclaimed if (d.key, d.entry_id) not in self.held]
                 if fresh:  # one line per reclaim, not one per entry (a dead worker may have held hundreds)
                     log.info("reclaimed %d entries from consumers idle over %d ms", len(fresh), settings.claim_idle_ms)
                 for delivery in fresh:
@@ -223,22 +267,25 @@ class Intake:
 
     def take(self, delivery: Delivery, how: str) -> None:
         """Hold an entry and hand it to ``accept``, once however many ways it arrived (read, recovered, ...)."""
-        if delivery.entry_id in self.held:
+        if (delivery.key, delivery.entry_id) in self.held:
             return
-        self.held[delivery.entry_id] = delivery
+        self.held[delivery.key, delivery.entry_id] = delivery
+        self.readers[delivery.lane].held += 1
         metrics = self.metrics
         metrics.inflight.set(len(self.held))
         metrics.entries.labels(delivery.stream, how).inc()
         if delivery.deliveries > 1:
             metrics.redeliveries.labels(delivery.stream).inc()
         else:
-            metrics.queue_wait.observe(max(0.0, delivery.taken - delivery.enqueued_ms / 1000))
+            metrics.queue_wait.labels(delivery.lane).observe(max(0.0, delivery.taken - delivery.enqueued_ms / 1000))
         self.accept(delivery)
 
     def release(self, delivery: Delivery) -> None:
-        self.held.pop(delivery.entry_id, None)
+        if self.held.pop((delivery.key, delivery.entry_id), None) is not None:
+            reader = self.readers[delivery.lane]
+            reader.held -= 1
+            reader.room.set()
         self.metrics.inflight.set(len(self.held))
-        self.room.set()
 
     async def retry(self, delivery: Delivery) -> None:
         """Take an own entry again (its delivery counter goes up) and hand it to ``accept`` as a new delivery."""
@@ -258,7 +305,7 @@ class Intake:
         return len(fresh)
 
     async def start(self) -> None:
-        """Create the group on both streams unless it is there (waits for Redis)."""
+        """Create the group on every work stream unless it is there (waits for Redis)."""
         await self.link.until(self.consumer.ensure_groups, "create groups")
 
     async def stored_body(self, delivery: Delivery) -> bytes | None:
@@ -277,10 +324,10 @@ class Intake:
 
     async def _report(self) -> None:
         """Stream lengths, pending and lag as metrics; this worker's heartbeat in Keys.workers."""
-        for stream, stats in (await self.consumer.group_stats()).items():
-            self.metrics.stream_length.labels(stream).set(stats["length"])
-            self.metrics.stream_pending.labels(stream).set(stats["pending"])
+        for (stream, lane), stats in (await self.consumer.group_stats()).items():
+            self.metrics.stream_length.labels(stream, lane).set(stats["length"])
+            self.metrics.stream_pending.labels(stream, lane).set(stats["pending"])
             if stats["lag"] is not None:
-                self.metrics.stream_lag.labels(stream).set(stats["lag"])
+                self.metrics.stream_lag.labels(stream, lane).set(stats["lag"])
         beat = {"ts": time.time(), "inflight": len(self.held), **self.identity}
         await self.consumer.redis.hset(self.consumer.keys.workers(), self.consumer.name, json.dumps(beat))

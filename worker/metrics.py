@@ -1,4 +1,7 @@
-"""Prometheus metrics of one worker process, defined once: prefix ``dq_``, base units, few labels, no ids."""
+"""Prometheus metrics of one worker process, defined once: prefix ``dq_``, base units, few labels, no ids.
+
+``priority`` is the lane (high, normal) of the stream an entry came from: latency, queue wait and the stream gauges
+carry it."""
 
 from __future__ import annotations
 
@@ -26,10 +29,10 @@ class Metrics:
         self.groups_recreated = Counter("dq_groups_recreated_total",
                                         "Consumer groups recreated because Redis lost them", registry=r)
         self.redis_errors = Counter("dq_redis_errors_total", "Failed Redis calls, by operation", ["op"], registry=r)
-        self.latency = Histogram("dq_request_latency_seconds", "Enqueue (stream entry id) to result published",
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("dq_queue_wait_seconds", "Enqueue to first taken by a worker",
-                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("dq_request_latency_seconds", "Enqueue (stream entry id) to result published, by lane",
+                                 ["priority"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("dq_queue_wait_seconds", "Enqueue to first taken by a worker, by lane",
+                                    ["priority"], buckets=LATENCY_BUCKETS, registry=r)
         self.planning = Histogram("dq_planning_seconds", "Validate, render and tokenize one entry",
                                   buckets=FORWARD_BUCKETS, registry=r)
         self.forward = Histogram("dq_forward_seconds", "One forward pass, launch to scores on the host", ["bucket"],
@@ -39,11 +42,12 @@ class Metrics:
         self.tokens = Counter("dq_tokens_total", "Prompt tokens through the model", registry=r)
         self.packs = Counter("dq_packs_total", "Forward passes, replayed CUDA graphs or eager", ["mode"], registry=r)
         self.gpu_memory = Gauge("dq_gpu_memory_bytes", "GPU memory of this process", ["kind"], registry=r)
-        self.stream_length = Gauge("dq_stream_length", "Entries in the stream (unfinished work)", ["stream"],
-                                   registry=r)
-        self.stream_pending = Gauge("dq_stream_pending", "Entries delivered and not acknowledged", ["stream"],
-                                    registry=r)
-        self.stream_lag = Gauge("dq_stream_lag", "Entries not yet delivered to any worker", ["stream"], registry=r)
+        self.stream_length = Gauge("dq_stream_length", "Entries in the stream (unfinished work)",
+                                   ["stream", "priority"], registry=r)
+        self.stream_pending = Gauge("dq_stream_pending", "Entries delivered and not acknowledged",
+                                    ["stream", "priority"], registry=r)
+        self.stream_lag = Gauge("dq_stream_lag", "Entries not yet delivered to any worker", ["stream", "priority"],
+                                registry=r)
         self.inflight = Gauge("dq_inflight_entries", "Entries this worker holds", registry=r)
         self.heartbeat = Gauge("dq_loop_heartbeat_timestamp_seconds", "Last turn of each loop", ["loop"], registry=r)
         self.ready = Gauge("dq_ready", "1 once the model is loaded, graphs captured and Redis reached", registry=r)

@@ -183,13 +183,13 @@ class Publisher:
             return await pipe.execute()
 
     async def fan_out(self, task: Task) -> None:
-        """Store the request once, add one chunk-stream entry per part (``task.fan_out``), then acknowledge the
-        request entry."""
+        """Store the request once, add one entry per part (``task.fan_out``) to its lane's chunk stream (the parts
+        of a high request stay high), then acknowledge the request entry."""
         entry, groups = task.delivery, task.fan_out
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.body(entry.request_id), entry.body, ex=self.ttl)
             for index, names in enumerate(groups):
-                pipe.xadd(self.keys.chunks, {Field.REQUEST_ID: entry.request_id, Field.PART: index,
+                pipe.xadd(self.keys.chunks_in(entry.lane), {Field.REQUEST_ID: entry.request_id, Field.PART: index,
                                              Field.PARTS: len(groups), Field.QUESTIONS: json.dumps(names),
                                              Field.ENQUEUED_MS: entry.enqueued_ms})
             await pipe.execute()
@@ -204,7 +204,7 @@ class Publisher:
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Copy the entry to the dead-letter stream first: a crash afterwards leaves a duplicate, never a loss."""
-        fields = {Field.STREAM: delivery.stream, Field.ENTRY_ID: delivery.entry_id,
+        fields = {Field.STREAM: delivery.stream, Field.LANE: delivery.lane, Field.ENTRY_ID: delivery.entry_id,
                   Field.DELIVERIES: delivery.deliveries, Field.REASON: reason[:2000],
                   **{name.decode(): value for name, value in delivery.fields.items()}}
         await self.redis.xadd(self.keys.dead, fields)
@@ -305,4 +305,5 @@ class Results:
                 if result is not None and published:
                     code = result.error.code.value if result.error else ""
                     self.metrics.results.labels(result.status, code).inc()
-                    self.metrics.latency.observe(max(0.0, now - outcome.delivery.enqueued_ms / 1000))
+                    self.metrics.latency.labels(outcome.delivery.lane).observe(
+                        max(0.0, now - outcome.delivery.enqueued_ms / 1000))

@@ -3,7 +3,7 @@
     python ops/grafana/dashboard.py        # after changing a panel here; a test keeps the JSON equal to this output
 
 Panels sum over the selected workers (``$instance``). Queue gauges are reported by every worker for the same
-streams, so they are aggregated with ``max``, never summed.
+streams, so they are aggregated with ``max`` per stream and lane (``priority``), never summed across workers.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def build() -> dict:
     b.panel(title="Results / s", targets=[(f"sum(rate(dq_results_total{W}[{RATE}]))", "results/s")], unit="reqps",
             **stat)
     b.panel(title="Latency p95", targets=quantiles("dq_request_latency_seconds", qs=(0.95,)), unit="s", **stat)
-    b.panel(title="Waiting (lag)", targets=[(f'max(dq_stream_lag{REQUESTS})',
+    b.panel(title="Waiting (lag)", targets=[(f'sum(max by (priority) (dq_stream_lag{REQUESTS}))',
                                             "lag")], **stat)
     b.panel(title="Pack fill", targets=[(f"sum(rate(dq_pack_fill_ratio_sum{W}[{RATE}])) / "
                                          f"sum(rate(dq_pack_fill_ratio_count{W}[{RATE}]))", "fill")],
@@ -114,14 +114,25 @@ def build() -> dict:
         *quantiles("dq_pack_fill_ratio", qs=(0.5,))], unit="percentunit", w=12,
         description="Real tokens over tokens computed per pass: low fill wastes the GPU on padding.")
 
+    b.row("Priority lanes")
+    b.panel("timeseries", "End to end by lane", quantiles("dq_request_latency_seconds", by="priority", qs=(0.5, 0.99)),
+            unit="s", description="Enqueue to result per lane: high requests are read, planned and packed first.")
+    b.panel("timeseries", "Queue wait by lane", quantiles("dq_queue_wait_seconds", by="priority", qs=(0.5, 0.99)),
+            unit="s", description="Enqueue to taken by a worker, per lane: each lane has its own reader.")
+    b.panel("timeseries", "Results by lane", [(f"sum by (priority) (rate(dq_request_latency_seconds_count{W}"
+                                               f"[{RATE}]))", "{{priority}}")], unit="reqps", stack=True,
+            description="Results published per second per lane: normal work keeps --normal-share of each pack "
+                        "while it waits.")
+
     b.row("Queue")
     b.panel("timeseries", "Stream length (unfinished work)",
-            [(f"max by (stream) (dq_stream_length{W})", "{{stream}}")], unit="short",
+            [(f"max by (stream, priority) (dq_stream_length{W})", "{{priority}} {{stream}}")], unit="short",
             description="Workers delete entries once answered: the length is what is left to do.")
-    b.panel("timeseries", "Lag (not yet delivered)", [(f"max by (stream) (dq_stream_lag{W})", "{{stream}}")],
-            unit="short", description="The autoscaler's signal (KEDA lagCount).")
+    b.panel("timeseries", "Lag (not yet delivered)",
+            [(f"max by (stream, priority) (dq_stream_lag{W})", "{{priority}} {{stream}}")],
+            unit="short", description="The autoscaler's signal (KEDA lagCount), each lane's streams.")
     b.panel("timeseries", "Pending (delivered, not acknowledged)",
-            [(f"max by (stream) (dq_stream_pending{W})", "{{stream}}")], unit="short")
+            [(f"max by (stream, priority) (dq_stream_pending{W})", "{{priority}} {{stream}}")], unit="short")
     b.panel("timeseries", "In flight per worker", [(f"dq_inflight_entries{W}", "{{instance}}")], unit="short")
 
     b.row("Errors and recovery")

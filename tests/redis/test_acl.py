@@ -13,7 +13,7 @@ import redis
 
 from ops.redis_acl import ROLES, render
 from producer.client import Client
-from producer.keys import Keys
+from producer.keys import HIGH, Keys
 from test_e2e import QUESTIONS, requests
 from worker.redis_server import RedisServer, free_port
 
@@ -58,6 +58,8 @@ def test_each_role_is_refused_what_it_must_not_do(acl_server):
     producer = connect(acl_server, "producer")
     Client(url(acl_server, "producer")).submit({"id": "p-1", "state": "x", "questions": QUESTIONS})  # EVALSHA
     producer.xadd(KEYS.requests, {"body": "{}"})  # a plain XADD, as any language does
+    Client(url(acl_server, "producer")).submit({"id": "p-2", "state": "x", "questions": QUESTIONS, "priority": "high"})
+    producer.xadd(KEYS.requests_in(HIGH), {"body": "{}"})  # and into the high lane
     assert producer.xrange(KEYS.result("done")) and producer.xread({KEYS.result("done"): "0-0"})
     for call, args in [(producer.xreadgroup, (KEYS.group, "me", {KEYS.requests: ">"})),
                        (producer.xack, (KEYS.requests, KEYS.group, "1-0")), (producer.xdel, (KEYS.requests, "1-0")),
@@ -90,7 +92,8 @@ def test_each_role_is_refused_what_it_must_not_do(acl_server):
     anonymous = connect(acl_server, None)
     assert anonymous.ping()  # container health checks need no credentials
     assert refused(anonymous.xlen, KEYS.requests) and refused(anonymous.get, "x")
-    assert admin.xlen(KEYS.requests) == 2 and not admin.exists(KEYS.result("forged"))
+    assert admin.xlen(KEYS.requests) == 2 and admin.xlen(KEYS.requests_in(HIGH)) == 2
+    assert not admin.exists(KEYS.result("forged"))
 
 
 @pytest.mark.slow

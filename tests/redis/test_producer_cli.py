@@ -103,7 +103,7 @@ def test_a_queue_that_stays_full_ends_with_exit_3_and_names_what_was_not_sent(re
     records = [json.loads(line) for line in done.stdout.splitlines()]
     assert records[:3] == [{"line": i + 1, "id": f"f-{i}"} for i in range(3)]
     assert [r["error"]["code"] for r in records[3:]] == ["not_sent", "not_sent"]
-    assert "queue full for 0.5 s (shard 0: 3 unfinished entries, limit 3" in records[3]["error"]["message"]
+    assert "queue full for 0.5 s (shard 0, normal lane: 3 unfinished entries, limit 3" in records[3]["error"]["message"]
     assert done.stderr.splitlines()[-1] == "5 requests: 3 queued, 2 not sent"
     assert Client(redis_server.url).redis.xlen(Keys().requests) == 3
     waited = cli("submit", source, "--redis-url", redis_server.url, "--max-unfinished", "3", "--queue-timeout", "0",
