@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from producer.client import Client, QueueFull  # noqa: E402
 from producer.invariant import Report, settle  # noqa: E402
-from producer.keys import Keys, shard_of  # noqa: E402
+from producer.keys import Field, Keys, shard_of  # noqa: E402
 
 QUESTIONS = [
     {"type": "noul", "instructions": "Does the customer ask for a refund?"},
@@ -114,7 +114,7 @@ def produce(client: Client, soak: Soak, lock: threading.Lock, prefix: str, until
         for request_id in bad:  # a plain XADD, as a producer in another language would send it
             body = {"id": request_id, "state": "x", "questions": {"q": {"type": "no-such-type"}}}
             keys = Keys(client.keys.namespace, shard_of(request_id, client.shards))
-            client.redis.xadd(keys.requests, {"body": json.dumps(body)})
+            client.redis.xadd(keys.requests, {Field.BODY: json.dumps(body)})
         with lock:
             soak.good += good
             soak.bad += bad

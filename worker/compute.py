@@ -98,6 +98,10 @@ class Compute:
     def _record(self, run: PackRun) -> None:
         metrics = self.metrics
         metrics.forward.labels(str(run.bucket) if run.bucket else "eager").observe(run.seconds)
+        if run.gpu_seconds is not None:
+            metrics.pack_gpu.observe(run.gpu_seconds)
+        if run.idle_seconds is not None:
+            metrics.gpu_idle.observe(run.idle_seconds)
         metrics.fill.observe(run.tokens / max(run.capacity, 1))
         metrics.tokens.inc(run.tokens)
         metrics.packs.labels("graph" if run.graph else "eager").inc()

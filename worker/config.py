@@ -37,6 +37,9 @@ class Settings:
     compile: str = _opt("layer", "torch.compile mode of the fast path: none, sub or layer")
     prune_last: bool = _opt(True, "last layer computes only the marker rows (fast path)")
     fp8: bool = _opt(False, "FP8 rowwise matmuls (fast path, Hopper)")
+    fp8_layers: str = _opt("all", "layers fp8 converts: all, full (full-attention), linear, or indices like 0-5,18")
+    fused_kernels: bool = _opt(True, "the fast path's own Triton kernels (convolution, SwiGLU and norm + FP8)")
+    compile_cache: str = _opt("", "directory for compiled kernels (Inductor, Triton, TileLang); empty: their defaults")
     planner_threads: int = _opt(2, "threads that validate, render and tokenize requests")
     planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU)")
     # Queue

@@ -37,6 +37,10 @@ class Metrics:
                                   buckets=FORWARD_BUCKETS, registry=r)
         self.forward = Histogram("dq_forward_seconds", "One forward pass, launch to scores on the host", ["bucket"],
                                  buckets=FORWARD_BUCKETS, registry=r)
+        self.pack_gpu = Histogram("dq_pack_gpu_seconds", "One pack's own time on the GPU", buckets=FORWARD_BUCKETS,
+                                  registry=r)
+        self.gpu_idle = Histogram("dq_gpu_idle_seconds", "GPU idle between the previous pack's end and a pack's start",
+                                  buckets=FORWARD_BUCKETS, registry=r)
         self.fill = Histogram("dq_pack_fill_ratio", "Real tokens / tokens computed, per pack", buckets=FILL_BUCKETS,
                               registry=r)
         self.tokens = Counter("dq_tokens_total", "Prompt tokens through the model", registry=r)

@@ -60,7 +60,7 @@ def settings_for(args: argparse.Namespace, **extra):
 
     gpu = args.shape != "tiny"
     return Settings(checkpoint="(random)", device="cuda" if gpu else "cpu", engine="fast" if gpu else "reference",
-                    fp8=args.fp8, compile=args.compile,
+                    fp8=args.fp8, compile=args.compile, compile_cache=args.compile_cache,
                     cuda_graphs=not args.no_graphs, buckets=args.buckets, planner_processes=args.planner_processes,
                     max_inflight=args.max_inflight, read_count=128, claim_idle_ms=600_000, **extra)
 
@@ -89,6 +89,7 @@ def self_time(daemon, args: argparse.Namespace) -> None:
     from worker.model.encoder import Encoder
     from worker.model.reference import ReferenceEngine
 
+    began = time.perf_counter()
     encoder = Encoder(daemon.model)
     chunks = [c for r in make_requests(args.requests, 1, encoder) for c in encoder.plan(Request.model_validate(r))]
     groups = packs(chunks, daemon.engine.max_pack_tokens)
@@ -99,22 +100,27 @@ def self_time(daemon, args: argparse.Namespace) -> None:
               "seconds": round(seconds, 2), "packs": len(groups)}
     cuda = torch.cuda.is_available()
     if cuda:
+        from fast_path import profile
+
+        report["profile"] = profile(daemon.engine, groups[:8])  # kernel families, ms per 16k-token pack
         report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         report["reserved_bytes"] = torch.cuda.memory_reserved()
-    sample = chunks[:256]
-    reference = ReferenceEngine(daemon.model)
-    batches = padded_batches(sample)
-    for batch in warmup_batches(batches):  # kernel compilation outside the timing
-        reference.forward(batch)
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for batch in batches:
-        reference.forward(batch)
-    if cuda:
-        torch.cuda.synchronize()
-    ref_seconds = time.perf_counter() - start
-    report["reference_tokens_per_s"] = round(sum(c.length for c in sample) / ref_seconds)
+    if not args.no_reference:
+        sample = chunks[:256]
+        reference = ReferenceEngine(daemon.model)
+        batches = padded_batches(sample)
+        for batch in warmup_batches(batches):  # kernel compilation outside the timing
+            reference.forward(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for batch in batches:
+            reference.forward(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        ref_seconds = time.perf_counter() - start
+        report["reference_tokens_per_s"] = round(sum(c.length for c in sample) / ref_seconds)
+    report["self_time_seconds"] = round(time.perf_counter() - began, 1)  # the benchmark's own work before ready
     Path(args.self_time_file).write_text(json.dumps(report))
 
 
@@ -153,6 +159,32 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
+def gpu_time(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """The packs' own GPU time and the GPU's idle time between packs over a phase (engine-measured, CUDA events)."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    busy, idle = delta("dq_pack_gpu_seconds_sum"), delta("dq_gpu_idle_seconds_sum")
+    return {"gpu_busy_fraction": round(busy / seconds, 3), "gpu_idle_between_packs_s": round(idle, 2),
+            "packs": int(delta("dq_pack_gpu_seconds_count"))}
+
+
+def slowest_pack_ms(before: dict[str, float], after: dict[str, float]) -> str:
+    """The histogram bucket of the slowest pack (GPU time) in a phase: a stall shows here."""
+    edges = sorted((float(key.split("{le=")[1].rstrip("}")), after[key] - before.get(key, 0.0))
+                   for key in after if key.startswith("dq_pack_gpu_seconds_bucket"))
+    total = edges[-1][1] if edges else 0
+    below = [le for le, count in edges if count >= total]
+    return f"<= {below[0] * 1000:g}" if below and total else "-"
+
+
+def redis_fsync_stalls(url: str) -> int:
+    """Writes Redis delayed because the AOF's fsync of the second before had not finished (a slow disk)."""
+    import redis
+
+    return int(redis.Redis.from_url(url).info("persistence").get("aof_delayed_fsync", 0))
+
+
 def run_bench(args: argparse.Namespace) -> int:
     import signal
 
@@ -183,6 +215,8 @@ def run_bench(args: argparse.Namespace) -> int:
                "--planner-processes", str(args.planner_processes), "--max-inflight", str(args.max_inflight),
                "--requests", str(args.requests), "--self-time-file", str(self_time_file)]
         cmd += ["--fp8"] if args.fp8 else []
+        cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
+        cmd += ["--no-reference"] if args.no_reference else []
         cmd += ["--no-graphs"] if args.no_graphs else []
         started = time.monotonic()
         worker = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -203,6 +237,7 @@ def run_bench(args: argparse.Namespace) -> int:
             # Warm the whole path (planner processes, graphs, publication) before timing.
             client.wait_many(client.submit_many(make_requests(256, 2, encoder)), timeout=300)
             before = scrape(port)
+            fsync = redis_fsync_stalls(server.url)
             ids = client.submit_many(backlog)
             results = client.wait_many(ids, timeout=args.timeout)
             after = scrape(port)
@@ -218,7 +253,9 @@ def run_bench(args: argparse.Namespace) -> int:
                               "tokens_per_s": round(tokens / seconds), "requests_per_s": round(len(ok) / seconds, 1),
                               "pack_fill": round(fills, 3),
                               "gpu_peak_bytes": after.get("dq_gpu_memory_bytes{kind=peak}"),
-                              "gpu_reserved_bytes": after.get("dq_gpu_memory_bytes{kind=reserved}")}
+                              "gpu_reserved_bytes": after.get("dq_gpu_memory_bytes{kind=reserved}"),
+                              **gpu_time(before, after, seconds), "redis_delayed_fsyncs":
+                                  redis_fsync_stalls(server.url) - fsync}
             print("peak", report["peak"], flush=True)
 
             rate = args.load * len(ok) / seconds
@@ -231,10 +268,14 @@ def run_bench(args: argparse.Namespace) -> int:
                     time.sleep(delay)
                 latencies_ids.append(client.submit(request))
             paced_results = client.wait_many(latencies_ids, timeout=args.timeout)
+            paced_seconds = time.monotonic() - t0
+            final = scrape(port)
             latency = [r.timings.finished_ms - r.timings.enqueued_ms for r in paced_results.values() if r.ok]
             report["latency"] = {"offered_requests_per_s": round(rate, 1), "requests": len(latency),
                                  "p50_ms": percentile(latency, 0.5), "p99_ms": percentile(latency, 0.99),
-                                 "max_ms": max(latency)}
+                                 "max_ms": max(latency), "slowest_pack_ms": slowest_pack_ms(after, final),
+                                 **gpu_time(after, final, paced_seconds),
+                                 "redis_delayed_fsyncs": redis_fsync_stalls(server.url) - fsync}
             print("latency", report["latency"], flush=True)
         finally:
             worker.terminate()
@@ -242,10 +283,22 @@ def run_bench(args: argparse.Namespace) -> int:
             log.close()
 
     report["in_process"] = json.loads(self_time_file.read_text())
+    report["worker_ready_without_self_time_seconds"] = round(
+        report["worker_start_seconds"] - report["in_process"]["self_time_seconds"], 1)
+    report["worker_log"] = [line.strip() for line in (out_dir / "worker.log").read_text().splitlines()
+                            if "fast engine ready" in line or "objects frozen" in line]
     report["end_to_end_over_in_process"] = round(
         report["peak"]["tokens_per_s"] / report["in_process"]["tokens_per_s"], 3)
-    print(json.dumps(report, indent=2), flush=True)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    ours = report["in_process"]
+    print("SUMMARY", json.dumps({
+        "dtype": report["dtype"], "end_to_end_tokens_per_s": report["peak"]["tokens_per_s"],
+        "in_process_tokens_per_s": ours["tokens_per_s"], "ratio": report["end_to_end_over_in_process"],
+        "reference_tokens_per_s": ours.get("reference_tokens_per_s"), "latency": report["latency"],
+        "peak_gpu_busy": report["peak"]["gpu_busy_fraction"], "start_s": report["worker_start_seconds"],
+        "start_without_self_time_s": report["worker_ready_without_self_time_seconds"],
+        "profile_ms_per_16k": {k: round(v, 2) for k, v in ours.get("profile", {}).get("per_16k_tokens_ms", {}).items()},
+        "worker_log": report["worker_log"]}), flush=True)
     return 0
 
 
@@ -259,6 +312,8 @@ def main() -> int:
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--compile", default="layer", choices=("none", "sub", "layer"))
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--compile-cache", default="", help="the worker's compile_cache (empty: the defaults)")
+    parser.add_argument("--no-reference", action="store_true", help="skip timing the reference engine")
     parser.add_argument("--buckets", default="2048,4096,8192,16384")
     parser.add_argument("--planner-processes", type=int, default=4)
     parser.add_argument("--max-inflight", type=int, default=1024)

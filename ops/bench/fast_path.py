@@ -77,6 +77,8 @@ def categorize(name: str) -> str:
     # Order matters: inductor's kernel names list the fused ops ("_scaled_mm" for a fused quantisation),
     # FlashQLA's contain "flash", FlashAttention's mention cutlass types.
     lowered = name.lower()
+    if lowered.startswith(("_short_conv", "_swiglu_quant", "_gated_rms_norm_quant")):
+        return "fused (the project's Triton kernels)"
     if lowered.startswith("triton_"):
         return "fused element-wise (inductor Triton)"
     if any(k in lowered for k in ("flash_qla", "fused_gdr", "kkt", "tilelang", "chunk_", "gated_delta",
@@ -155,7 +157,7 @@ def run_one(spec: str, args: argparse.Namespace, cache: dict) -> dict:
         result["fp8_vs_bf16_questions"] = len(pairs)
     if dtype == "bf16" and variant == "default":
         cache.setdefault("bf16_probs", {})[(shape, workload)] = probs
-    if args.profile and spec == args.profile:
+    if spec in args.profile.split(","):
         result["profile"] = profile(engine, groups[:8])
     del engine
     gc.collect()
@@ -200,7 +202,7 @@ def main() -> None:
                         help="comma-separated shape:workload:dtype[:variant] (variant: default, nograph, eager)")
     parser.add_argument("--buckets", default="2048,4096,8192,16384")
     parser.add_argument("--pack-tokens", type=int, default=16384)
-    parser.add_argument("--profile", default="", help="the run to profile")
+    parser.add_argument("--profile", default="", help="the runs to profile (comma-separated)")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--quick", action="store_true", help="64 requests per run (smoke test)")
     parser.add_argument("--deadline-s", type=float, default=0.0, help="skip the remaining runs after this long")

@@ -70,3 +70,30 @@ def test_direct_flash_qla_equals_fla_and_does_not_synchronise(name):
     assert first.shape == v.shape and torch.isfinite(first).all()
     assert diff == 0.0, f"the direct call differs from fla's dispatch of the same kernels by {diff}"
     assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("heads", [16, 32])  # the 2B and 4B shapes' value heads
+def test_the_warm_up_packs_reach_every_variant_that_traffic_reaches(heads):
+    """FlashQLA compiles a kernel variant per (split across the card or not, tile width) on first use: the packs
+    the engine runs before it reports ready (CudaMixers.variant_packs) reach every variant that packs of standard
+    and long-tail chunks, up to 16k tokens, reach."""
+    import math
+    import random
+
+    mixers = CudaMixers()
+    warm = mixers.variant_packs(heads, 16384)
+    assert all(sum(lengths) <= 16384 for lengths in warm)
+    warmed = {mixers.flash_qla.variant(lengths, heads) for lengths in warm}
+    rng = random.Random(0)
+    reached = set()
+    for _ in range(2000):
+        lengths: list[int] = []
+        stop = rng.randint(1, 40)
+        while len(lengths) < stop:
+            n = rng.randint(256, 768) if rng.random() < 0.5 else int(
+                min(8192, max(32, math.exp(rng.gauss(math.log(224), 1.82)))))
+            if sum(lengths) + n > 16384:
+                break
+            lengths.append(n)
+        reached.add(mixers.flash_qla.variant(lengths or [16384], heads))
+    assert reached <= warmed, reached - warmed

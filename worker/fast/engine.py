@@ -13,6 +13,7 @@ worker/fast/mixers.py) except a slot's reuse, which waits for the pack launched 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,12 +27,22 @@ from ..model.checkpoint import DecisionModel
 from ..model.engine import Chunk, PackRun, Pending
 from .errors import ALTERNATIVE, FastPathUnavailable
 from .forward import COMPILE_MODES, PackedForward
+from .layers import LINEAR
 from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warmer
 from .layout import Layout, Regions, chunk_positions, plan, row_capacity
 from .mixers import Boundaries, CudaMixers, Mixers
 
 log = logging.getLogger(__name__)
 SLOTS = 2
+CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "TILELANG_CACHE_DIR": "tilelang"}
+
+
+def use_compile_cache(path: str) -> None:
+    """Inductor's, Triton's and TileLang's caches under one directory (``compile_cache``): a worker that finds them
+    there from an earlier start skips compiling. Set before the first compilation (they read these at use)."""
+    for variable, name in CACHES.items():
+        os.environ[variable] = os.path.join(os.path.abspath(path), name)
+        os.makedirs(os.environ[variable], exist_ok=True)
 
 
 @dataclass
@@ -53,6 +64,8 @@ class FastEngine:
         (which runs the bucketed path's static buffers on any device)."""
         if settings.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {settings.compile!r}")
+        if settings.compile_cache:
+            use_compile_cache(settings.compile_cache)  # before anything compiles or imports TileLang
         if mixers is None:
             if model.device.type != "cuda":
                 raise FastPathUnavailable(f"the fast engine runs on CUDA; this model is on {model.device}: "
@@ -73,8 +86,11 @@ class FastEngine:
             raise ValueError("the pack budget must be positive")
         self.model, self.settings = model, settings
         self.pad_id = model.pad_id
+        fused = settings.fused_kernels and self.device.type == "cuda" and model.dtype in (torch.bfloat16,
+                                                                                         torch.float16)
         self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last, fp8=settings.fp8,
-                                 compile=settings.compile, compile_pieces=not self.graphs_on)
+                                 fp8_layers=settings.fp8_layers, compile=settings.compile,
+                                 compile_pieces=not self.graphs_on, fused=fused)
         self.rope_index = getattr(model.backbone, "get_rope_index", None) if model.multimodal else None
         self.verbalizers = int(model.model.proj.out_features)
         # Host and device layout buffers: large enough for a full pack or the longest chunk the encoder makes.
@@ -85,6 +101,7 @@ class FastEngine:
                                         pin_memory=pin)) for _ in range(SLOTS)]
         self.device_layout = torch.zeros(self.regions.size, dtype=torch.int64, device=self.device)
         self._next = 0
+        self._last_done: torch.cuda.Event | None = None  # the previous pack's end on the GPU (idle time)
         self.graphed: GraphedForward | None = None
         self.compile_seconds = self.capture_seconds = 0.0
 
@@ -102,21 +119,23 @@ class FastEngine:
             self._capture()
         self.capture_seconds = time.perf_counter() - start
         sizes = self.buckets or (min(512, self._budget), self._budget)
-        for size in sizes:
-            self.launch(self._dummy_pack(size, 2)).wait()
-        # FlashQLA picks a kernel variant by the number of sequences in a pack and JIT-compiles each on first use
-        # (15-20 s on an H200): packs of 1, 2, 4 ... 128 sequences reach every variant now, not under traffic.
-        count = 1
-        while count <= min(128, sizes[0], row_capacity(sizes[0])):
-            self.launch(self._dummy_pack(sizes[0], count)).wait()
-            count *= 2
+        for size in sizes:  # every bucket's graphs replayed once (their first launch uploads them)
+            self.launch(self._dummy_pack([size // 2, size - size // 2])).wait()
+        # The delta rule's kernels come in variants (FlashQLA: split across the card or not, and the tile width its
+        # grid size picks), each JIT-compiled on first use (15-25 s on an H200): one pack for each variant that
+        # any pack of at most the budget can reach, now rather than under traffic (worker/fast/mixers.py).
+        heads = next((stage.dims.v_heads for stage in self.fwd.stages if stage.kind == LINEAR), 0)
+        variants = self.fwd.mixers.variant_packs(heads, self._budget) if heads else []
+        for lengths in variants:
+            self.launch(self._dummy_pack(lengths)).wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.compile_seconds = time.perf_counter() - start - self.capture_seconds
-        log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices); "
-                 "capture %.1fs, first packs %.1fs", self.buckets or "-", self.settings.compile, self.graphs_on,
-                 self.fwd.pruned, self.settings.fp8, self.fwd.fp8_matrices, self.capture_seconds,
-                 self.compile_seconds)
+        log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices, layers %s), "
+                 "fused kernels %s; capture %.1fs, first packs %.1fs (%d delta-rule variants)", self.buckets or "-",
+                 self.settings.compile, self.graphs_on, self.fwd.pruned, self.settings.fp8, self.fwd.fp8_matrices,
+                 self.settings.fp8_layers, self.fwd.fused, self.capture_seconds, self.compile_seconds,
+                 len(variants))
 
     def _capture(self) -> None:
         if self.graphs_on:
@@ -133,14 +152,12 @@ class FastEngine:
         return (self.device_layout[regions.seqpos: regions.seqpos + bucket],
                 self.device_layout[regions.rows: regions.rows + row_capacity(bucket)])
 
-    def _dummy_pack(self, tokens: int, count: int) -> list[Chunk]:
-        """``count`` chunks (fewer if ``tokens`` is smaller) of padding filling ``tokens``, one marker each."""
+    def _dummy_pack(self, lengths: Sequence[int]) -> list[Chunk]:
+        """Chunks of padding of these lengths, one marker each."""
         question = Question(name="warmup", type="noul", instructions=None, options=["false", "true"],
                             labels=["A", "B"], descriptions=[None, None])
-        count = max(1, min(count, tokens))
-        sizes = [tokens // count + (i < tokens % count) for i in range(count)]
         return [Chunk(input_ids=torch.full((n,), self.pad_id, dtype=torch.long), rows=torch.tensor([n - 1]),
-                      questions=(question,)) for n in sizes]
+                      questions=(question,)) for n in lengths if n > 0]
 
     # ---- packs ----
 
@@ -166,21 +183,30 @@ class FastEngine:
         positions = [chunk_positions(chunk, self.rope_index) for chunk in chunks]
         regions.fill(host.numpy(), layout, chunks, positions, self.pad_id)
         device_layout.copy_(host, non_blocking=True)
+        cuda = self.device.type == "cuda"
+        began = torch.cuda.Event(enable_timing=True) if cuda else None
+        if began is not None:
+            began.record()
         scores = self._forward(layout, chunks, regions, device_layout)
         out = scores_host[: layout.rows]
         out.copy_(scores[: layout.rows], non_blocking=True)
-        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        done = torch.cuda.Event(enable_timing=True) if cuda else None
         if done is not None:
             done.record()
+        before, self._last_done = self._last_done, done
         graph = layout.bucket is not None and self.graphed is not None
 
         def finish() -> PackRun:
-            if done is not None:
+            gpu = idle = None
+            if began is not None and done is not None:
                 done.synchronize()
+                gpu = began.elapsed_time(done) / 1000
+                # The GPU's wait between the previous pack's end and this one's start: time lost to host work.
+                idle = max(0.0, before.elapsed_time(began) / 1000) if before is not None else None
             rows = out.clone()
             per_chunk = list(rows.split(list(layout.questions)))
             return PackRun(per_chunk, layout.tokens, layout.capacity, layout.bucket, graph,
-                           time.perf_counter() - start)
+                           time.perf_counter() - start, gpu, idle)
 
         pending = Pending(finish)
         if slot is not None:
@@ -204,7 +230,7 @@ class FastEngine:
         rows = flat[regions.rows: regions.rows + layout.rows_capacity]
         hidden = self.fwd.embed(ids, *self._images(chunks, layout))
         if layout.bucket is not None and self.graphed is not None:
-            self.graphed.prologue(layout.bucket, hidden, positions)
+            self.graphed.prologue(layout.bucket, hidden, positions, layout.rows)
             return self.graphed.replay(layout.bucket, tokens, layout.rows, bounds)
         cos, sin = self.fwd.rope_tables(positions, hidden)
         return self.fwd.run(hidden, cos, sin, seqpos, rows, bounds)

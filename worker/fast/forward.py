@@ -78,9 +78,12 @@ def configure_compile() -> None:
 
 class PackedForward:
     def __init__(self, model: DecisionModel, mixers: Mixers, *, prune_last: bool = True, fp8: bool = False,
-                 compile: str = "none", compile_pieces: bool = True) -> None:
-        """``compile_pieces``: with ``compile="layer"``, also compile the eager pieces (off when the pieces run
-        from CUDA graphs, which compile their own variants)."""
+                 fp8_layers: str = "all", compile: str = "none", compile_pieces: bool = True,
+                 fused: bool = False) -> None:
+        """``fp8_layers``: which layers ``fp8`` converts (worker/fast/fp8.py: chosen_layers). ``compile_pieces``:
+        with ``compile="layer"``, also compile the eager pieces (off when the pieces run from CUDA graphs, which
+        compile their own variants). ``fused``: the project's Triton kernels (worker/fast/fused.py) where they
+        apply."""
         assert compile in COMPILE_MODES, f"compile must be one of {COMPILE_MODES}, got {compile!r}"
         self.model, self.mixers = model, mixers
         lm = model.language_model
@@ -89,9 +92,10 @@ class PackedForward:
         config = model.text_config
         assert getattr(config, "hidden_act", "silu") in ("silu", "swish"), "Qwen3.5's MLP is SwiGLU"
         self.stages: list[Stage] = []
-        for layer in lm.layers:
+        chosen = fp8_weights.chosen_layers(fp8_layers, [layer.block_type for layer in lm.layers]) if fp8 else set()
+        for index, layer in enumerate(lm.layers):
             weights, dims = (layers.linear_layer(layer) if layer.block_type == LINEAR else layers.full_layer(layer))
-            if fp8:
+            if index in chosen:
                 weights = fp8_weights.convert(weights)
             self.stages.append(Stage(layer.block_type, weights, dims))
         # Pruning the last layer is exact only when a marker row sees all keys of its chunk (noncausal).
@@ -104,6 +108,11 @@ class PackedForward:
         if compile != "none":
             configure_compile()
         self.ops = Ops().compiled() if compile == "sub" else Ops()
+        self.fused = fused
+        if fused:
+            from .fused import fused_ops  # Triton: imported only where it runs
+
+            self.ops = fused_ops(self.ops)
         self.pieces = PLAIN
         if compile == "layer" and compile_pieces:
             self.pieces = Pieces(*(compile_piece(fn, inline=fn is layers.pre_linear) for fn in PLAIN))

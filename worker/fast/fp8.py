@@ -1,18 +1,25 @@
 """FP8 rowwise weights for the fast path (Hopper and Ada): float8_e4m3fn with one scale per output channel.
 
-Activations get one scale per token at run time (ops.fp8_linear); ``torch._scaled_mm`` multiplies in FP8 and
-accumulates in fp32. Only the fast path's own fused copies are converted: the checkpoint's modules keep their
-bf16 weights, so the reference engine of the same model is unchanged.
+Activations get one scale per token at run time (ops.fp8_linear); ``torch._scaled_mm`` multiplies in FP8. Only the
+fast path's own fused copies are converted: the checkpoint's modules keep their bf16 weights, so the reference
+engine of the same model is unchanged.
+
+What stays in bf16: the linear layers' gate projections (in_proj_b and in_proj_a, which set the delta rule's write
+strength and decay, whose error would compound along each chunk; published FP8 recipes for Qwen3.5 and Qwen3-Next
+leave them unquantised too), the decision head, the embeddings, and every layer that ``layers`` leaves out: FP8 is
+opt-in per layer, because at the 2B shape its rounding moves the answers about ten times as much as bf16's own
+(docs/BENCHMARKS.md, FP8 fidelity).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .errors import ALTERNATIVE, FastPathUnavailable
-from .layers import FullAttn
+from .layers import FULL, LINEAR, FullAttn, LinearAttn
 from .ops import FP8_MAX, Dense, Fp8
 
 
@@ -41,8 +48,37 @@ def rows(matrix: Fp8, start: int, stop: int) -> Fp8:
                None if matrix.bias is None else matrix.bias[start:stop])
 
 
+def chosen_layers(spec: str, kinds: Sequence[str]) -> set[int]:
+    """The layers an ``fp8_layers`` setting names: "all", "full" (the full-attention layers), "linear" (the
+    linear-attention ones), or comma-separated layer indices and ranges ("0-5,18")."""
+    spec = spec.strip().lower()
+    named = {"all": None, "full": FULL, "linear": LINEAR}
+    if spec in named:
+        return {i for i, kind in enumerate(kinds) if named[spec] in (None, kind)}
+    chosen: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        first, dash, last = part.partition("-")
+        if not (first.isdigit() and (last.isdigit() or not dash) and int(last or first) >= int(first)):
+            raise ValueError(f"fp8_layers must be all, full, linear or layer indices like 0-5,18; got {spec!r}")
+        chosen.update(range(int(first), int(last or first) + 1))
+    if not chosen or max(chosen) >= len(kinds):
+        raise ValueError(f"fp8_layers {spec!r} names no layer of this model's {len(kinds)} (0-{len(kinds) - 1})")
+    return chosen
+
+
 def convert(weights: Any) -> Any:
-    """The same weights tuple with every eligible ``Dense`` quantized (nested tuples included)."""
+    """The same weights tuple with every eligible ``Dense`` quantized (nested tuples included); a linear layer's
+    gate rows stay bf16, apart."""
+    if isinstance(weights, LinearAttn) and weights.gates is None:
+        split = weights.in_proj.weight.shape[0] - 2 * weights.a_log.shape[0]  # b and a: a row per value head
+        weight, bias = weights.in_proj
+        main = Dense(weight[:split], None if bias is None else bias[:split])
+        rest = {name: convert(getattr(weights, name)) for name in ("out_proj", "mlp")}
+        if not eligible(main):
+            return weights._replace(**rest)
+        # Contiguous copies of the gate rows, so that the full bf16 matrix is freed.
+        gates = Dense(weight[split:].contiguous(), None if bias is None else bias[split:].contiguous())
+        return weights._replace(in_proj=quantize(main), gates=gates, **rest)
     if isinstance(weights, FullAttn):
         # q and kv are row ranges of qkv: slice the quantized matrix instead of keeping bf16 copies alive.
         qkv = quantize(weights.qkv) if eligible(weights.qkv) else weights.qkv

@@ -7,8 +7,13 @@ writing its output back into a static buffer; a last graph applies the final pie
 
 All buffers are allocated once at the largest bucket; a bucket's graphs use their leading rows, so every bucket
 shares them. Graphs are captured largest bucket first into one memory pool: each piece's temporaries are dead
-when it ends, so the pool holds only the largest piece's working set. Rows past the pack's tokens are inert: the
-prologue zeroes their hidden state, they read position 0, and the mixers never see them.
+when it ends, so the pool holds only the largest piece's working set.
+
+Rows past the pack's tokens (and marker rows past its rows) are inert. No real row reads them: every operation of
+the pieces is row-local (GEMMs, norms, gates, per-token FP8 scales), the convolution reads only earlier rows of the
+same chunk, the mixers see the real tokens only and the head reads marker rows only. And they hold no stale
+values: the prologue zeroes their hidden state and, once per pack, the mixers' output buffers past the real rows
+(the mixers write only those), so the tail computes the same values for every pack, from zeros at position 0.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def _write(outs: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None
 # that produce them).
 def pre_linear_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, seqpos: torch.Tensor,
                     *outs: torch.Tensor) -> None:
-    _write(outs, layers.pre_linear(ops, dims, weights, hidden, seqpos))
+    layers.pre_linear(ops, dims, weights, hidden, seqpos, outs)  # the short convolution writes into outs
 
 
 def post_linear_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, mixed: torch.Tensor,
@@ -178,12 +183,17 @@ class GraphedForward:
                 warm(piece)
             self.graphs[bucket] = [capture(piece) for piece in pieces]
 
-    def prologue(self, bucket: int, hidden: torch.Tensor, positions: torch.Tensor) -> None:
-        """Embeddings of the real tokens into the static hidden state (inert rows zeroed) and RoPE tables for the
-        bucket's rows. ``positions``: (3, bucket), the tail at 0."""
+    def prologue(self, bucket: int, hidden: torch.Tensor, positions: torch.Tensor, rows: int) -> None:
+        """Embeddings of the real tokens into the static hidden state and RoPE tables for the bucket's rows; inert
+        rows zeroed (see above). ``positions``: (3, bucket), the tail at 0; ``rows``: the real marker rows."""
         ws, tokens = self.ws, hidden.shape[0]
         ws.h[:tokens].copy_(hidden)
         ws.h[tokens:bucket].zero_()
+        for out in (getattr(ws, "lo", None), getattr(ws, "fo", None)):
+            if out is not None:
+                out[tokens:bucket].zero_()
+        if getattr(ws, "ro", None) is not None:
+            ws.ro[rows: row_capacity(bucket)].zero_()
         if ws.cos is not None:
             cos, sin = self.fwd.rope_tables(positions, hidden)
             ws.cos[:bucket].copy_(cos)

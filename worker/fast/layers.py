@@ -10,6 +10,7 @@ three or four).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -27,13 +28,14 @@ class Mlp(NamedTuple):
 
 class LinearAttn(NamedTuple):
     norm: torch.Tensor  # input_layernorm
-    in_proj: Linear  # [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a]
+    in_proj: Linear  # [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a], or without b and a where ``gates`` holds them
     conv: torch.Tensor  # (conv_dim, taps)
     a_log: torch.Tensor
     dt_bias: torch.Tensor
     out_norm: torch.Tensor  # the gated RMSNorm's weight
     out_proj: Linear
     mlp: Mlp
+    gates: Dense | None = None  # [in_proj_b; in_proj_a] apart, in bf16, when in_proj is FP8 (worker/fast/fp8.py)
 
 
 class FullAttn(NamedTuple):
@@ -126,34 +128,29 @@ def head_weights(language_model: Any, proj: torch.nn.Linear, softcap: float | No
 
 def mlp_block(ops: Ops, mlp: Mlp, hidden: torch.Tensor, eps: float) -> torch.Tensor:
     normed = ops.rms_norm(hidden, mlp.norm, eps)
-    return hidden + ops.linear(ops.swiglu(ops.linear(normed, mlp.gate_up)), mlp.down)
+    return hidden + ops.linear(ops.swiglu(ops.linear(normed, mlp.gate_up), mlp.down), mlp.down)
 
 
-def pre_linear(ops: Ops, dims: LinearDims, weights: LinearAttn, hidden: torch.Tensor, seqpos: torch.Tensor
-               ) -> tuple[torch.Tensor, ...]:
+def pre_linear(ops: Ops, dims: LinearDims, weights: LinearAttn, hidden: torch.Tensor, seqpos: torch.Tensor,
+               outs: Sequence[torch.Tensor] | None = None) -> Sequence[torch.Tensor]:
     """-> query (T, Hk, Dk), key (T, Hk, Dk) both of unit length per head, value (T, Hv, Dv), decay (T, Hv) fp32,
-    beta (T, Hv), out_gate (T, value_dim)."""
-    tokens = hidden.shape[0]
+    beta (T, Hv), out_gate (T, value_dim); written into ``outs`` where given (the graphed path's static buffers)."""
     normed = ops.rms_norm(hidden, weights.norm, dims.eps)
-    widths = [dims.key_dim, dims.key_dim, dims.value_dim]
-    query, key, value, out_gate, beta_in, decay_in = ops.linear(normed, weights.in_proj).split(
-        [*widths, dims.value_dim, dims.v_heads, dims.v_heads], dim=-1)
-    # The convolution is depthwise: one call per output, so that a compiled piece computes each output in the
-    # kernel that stores it (one shared result would be materialised in fp32 and read three times).
-    query, key, value = (ops.conv_silu(part, weight, seqpos)
-                         for part, weight in zip((query, key, value), weights.conv.split(widths)))
-    decay, beta = ops.gdn_gates(decay_in, beta_in, weights.a_log, weights.dt_bias)
-    query, key = (ops.l2_normalize(part.view(tokens, dims.k_heads, dims.head_k)) for part in (query, key))
-    return query, key, value.view(tokens, dims.v_heads, dims.head_v), decay, beta, out_gate
+    projected = ops.linear(normed, weights.in_proj)
+    off_gate = 2 * dims.key_dim + dims.value_dim
+    if weights.gates is None:  # b and a are the projection's last columns
+        gates, off_beta = projected, off_gate + dims.value_dim
+    else:
+        gates, off_beta = ops.linear(normed, weights.gates), 0
+    return ops.short_conv(projected, gates, (off_gate, off_beta, off_beta + dims.v_heads), weights.conv,
+                          weights.a_log, weights.dt_bias, dims, seqpos, outs)
 
 
 def post_linear(ops: Ops, dims: LinearDims, weights: LinearAttn, hidden: torch.Tensor, mixed: torch.Tensor,
                 out_gate: torch.Tensor) -> torch.Tensor:
     """mixed: the delta rule's output (T, Hv, Dv)."""
-    tokens = hidden.shape[0]
-    core = ops.gated_rms_norm(mixed.reshape(-1, dims.head_v), out_gate.reshape(-1, dims.head_v), weights.out_norm,
-                              dims.eps)
-    hidden = hidden + ops.linear(core.reshape(tokens, dims.value_dim), weights.out_proj)
+    core = ops.gated_norm(mixed, out_gate, weights.out_norm, dims.eps, weights.out_proj)
+    hidden = hidden + ops.linear(core, weights.out_proj)
     return mlp_block(ops, weights.mlp, hidden, dims.eps)
 
 

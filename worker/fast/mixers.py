@@ -58,6 +58,10 @@ class Mixers(Protocol):
                   bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
         """(Tq, H, D), (T, Hkv, D) x2 -> (Tq, H, D) within each chunk; ``rows_only``: queries are marker rows."""
 
+    def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
+        """Chunk lengths of packs (at most ``budget`` tokens) that together reach every kernel variant the mixers
+        compile on first use: the engine runs them before it reports ready."""
+
 
 def _varlen_attn() -> Any:
     try:
@@ -120,6 +124,43 @@ class FlashQLA:
         self._pack, self._context = bounds, context
         return context
 
+    def variant(self, lengths: Sequence[int], heads: int) -> tuple[bool, int]:
+        """The compiled kernels a pack of these chunk lengths runs: split across the card or not (the split adds
+        kernels of its own), and the tile width the main kernel picks from its grid (sequences or split parts x
+        heads against the card's size), read through FlashQLA's own cost model of that rule."""
+        cu = torch.tensor([0, *itertools.accumulate(lengths)])
+        host = self._build(cu, enable_intra=True, num_v_heads=heads, chunk_size=self._chunk, is_train=False)
+        parts = len(host.intra_cp_cu_seqlens) - 1 if host.is_intra else len(lengths)
+        return bool(host.is_intra), self._tile(parts, heads)
+
+    @staticmethod
+    def _tile(parts: int, heads: int) -> int:
+        units = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        try:
+            from flash_qla.ops.gated_delta_rule.chunk.cp.autocp import launch
+
+            return launch.launch_config(launch.BACKEND_OF[launch.current_arch()], "fused_fwd",
+                                        launch.LaunchShape(heads, parts, units)).block_DV
+        except (ImportError, AttributeError, KeyError, ValueError):  # another version: every count below a full card
+            return min(parts, -(-units // heads))
+
+    def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
+        """One pack (chunk lengths, at most ``budget`` tokens) per variant a pack can reach: one chunk of every
+        length (the long ones split), each split chunk beside 1, 2, 3 ... short ones, and 1, 2, 3 ... short
+        chunks, up to the count whose grid fills the card (more run the same kernels)."""
+        step = self._chunk
+        most = -(-torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count // heads) + 1
+        candidates = [[step] * count for count in range(1, most + 1)]
+        for n in range(1, budget // step + 1):
+            candidates.append([step * n])
+            if self.variant([step * n], heads)[0]:
+                candidates += [[step * n] + [step] * extra for extra in range(1, most + 1)
+                               if step * (n + extra) <= budget]
+        found: dict[tuple[bool, int], list[int]] = {}
+        for lengths in candidates:
+            found.setdefault(self.variant(lengths, heads), lengths)
+        return list(found.values())
+
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
                  beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:
         context = self.context(bounds, value.shape[1])
@@ -154,6 +195,14 @@ class CudaMixers:
         # torch < 2.13 has no enable_gqa: the key/value heads are then repeated to the query heads.
         self._native_gqa = "enable_gqa" in inspect.signature(self._varlen).parameters
 
+    def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
+        """Packs (chunk lengths) that reach every delta-rule kernel variant: FlashQLA's (see there); through fla,
+        packs of 1, 2, 4 ... 128 chunks."""
+        if self.flash_qla is not None:
+            return self.flash_qla.variant_packs(heads, budget)
+        counts = [count for count in (2 ** i for i in range(8)) if count <= budget]
+        return [[budget // count] * count for count in counts]
+
     def gated_delta(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
                     beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:
         if self.flash_qla is not None and self.flash_qla.supports(query, value):
@@ -181,6 +230,9 @@ class CudaMixers:
 class TorchMixers:
     """The same two mixers one chunk at a time in plain torch (transformers' own delta rule, SDPA): the CPU
     stand-in the unit tests run the packed forward with."""
+
+    def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
+        return []  # nothing compiled per pack shape
 
     def gated_delta(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
                     beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:

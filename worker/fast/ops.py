@@ -3,13 +3,18 @@
 Each function reproduces one step of transformers' Qwen3.5 modules with the same dtype rules (fp32 norms, bf16
 residual stream), so that the fast path stays within rounding of the reference. They take tensors only, which lets
 torch.compile reuse one compiled graph for every layer. ``Ops`` bundles them so that ``compile="sub"`` can swap in
-compiled versions without touching the layer code.
+compiled versions, and worker/fast/fused.py its one-pass Triton kernels, without touching the layer code.
+
+A function that feeds a GEMM takes that GEMM's weights as ``target``: the fused kernels then hand over the
+activation already quantised (``Quantized``) when the GEMM is FP8; the plain functions ignore it and the GEMM
+quantises (the same rowwise rounding).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,24 +35,43 @@ class Fp8(NamedTuple):
     bias: torch.Tensor | None = None
 
 
+class Quantized(NamedTuple):
+    """An activation (tokens, features) already in FP8 for its GEMM, one fp32 scale per token."""
+
+    values: torch.Tensor  # (T, K) float8_e4m3fn
+    scale: torch.Tensor  # (T, 1) float32
+    dtype: torch.dtype  # of the activation it stands for, and of the GEMM's output
+
+
 Linear = Dense | Fp8
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def linear(inputs: torch.Tensor, weights: Linear) -> torch.Tensor:
+def linear(inputs: torch.Tensor | Quantized, weights: Linear) -> torch.Tensor:
     if isinstance(weights, Fp8):
         return fp8_linear(inputs, weights)
+    assert not isinstance(inputs, Quantized), "only an FP8 GEMM takes a quantised activation"
     return F.linear(inputs, weights.weight, weights.bias)
 
 
-def fp8_linear(inputs: torch.Tensor, weights: Fp8) -> torch.Tensor:
-    """Rowwise FP8 matmul: one scale per token (computed here) and one per output channel (precomputed)."""
-    flat = inputs.reshape(-1, inputs.shape[-1])
-    scale = flat.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    quantized = (flat.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    out = torch._scaled_mm(quantized, weights.qweight.t(), scale_a=scale, scale_b=weights.scale,
-                           bias=weights.bias, out_dtype=inputs.dtype)
-    return out.reshape(*inputs.shape[:-1], out.shape[-1])
+def quantize(inputs: torch.Tensor) -> Quantized:
+    """Rowwise FP8: scale = amax / 448 per row, values rounded to nearest."""
+    scale = inputs.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    values = (inputs.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Quantized(values, scale, inputs.dtype)
+
+
+def fp8_linear(inputs: torch.Tensor | Quantized, weights: Fp8) -> torch.Tensor:
+    """Rowwise FP8 matmul: one scale per token and one per output channel (precomputed). Fast accumulation (as
+    torchao's FP8 inference default): 36.0 -> 30.8 ms of GEMMs per 16k-token 2B pack on an H200, and no change in
+    the answers beyond FP8's own rounding (docs/BENCHMARKS.md, FP8 fidelity)."""
+    if isinstance(inputs, Quantized):
+        quantized, lead = inputs, inputs.values.shape[:-1]
+    else:
+        quantized, lead = quantize(inputs.reshape(-1, inputs.shape[-1])), inputs.shape[:-1]
+    out = torch._scaled_mm(quantized.values, weights.qweight.t(), scale_a=quantized.scale, scale_b=weights.scale,
+                           bias=weights.bias, out_dtype=quantized.dtype, use_fast_accum=True)
+    return out.reshape(*lead, out.shape[-1])
 
 
 def rms_norm(inputs: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,9 +125,45 @@ def gdn_gates(decay_in: torch.Tensor, beta_in: torch.Tensor, a_log: torch.Tensor
     return decay, beta_in.sigmoid()
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor, target: Linear | None = None) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gated_norm(attended: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+               target: Linear | None = None) -> torch.Tensor:
+    """The linear layers' output norm on the delta rule's output (T, H, D) and the gate z (T, H * D), per head
+    -> (T, H * D)."""
+    tokens, heads, dim = attended.shape
+    normed = gated_rms_norm(attended.reshape(-1, dim), gate.reshape(-1, dim), weight, eps)
+    return normed.reshape(tokens, heads * dim)
+
+
+def short_conv(mixed: torch.Tensor, gates: torch.Tensor, offsets: tuple[int, int, int], weight: torch.Tensor,
+               a_log: torch.Tensor, dt_bias: torch.Tensor, dims: Any, seqpos: torch.Tensor,
+               outs: Sequence[torch.Tensor] | None = None) -> Sequence[torch.Tensor]:
+    """Everything a linear layer's delta rule reads, from its in-projection ``mixed`` = [q | k | v | z ...] and
+    ``gates`` (holding b and a at ``offsets[1:]``; z starts at ``offsets[0]``): query, key (T, Hk, Dk) convolved,
+    SiLU, unit length per head; value (T, Hv, Dv); decay (T, Hv) fp32; beta (T, Hv); z (T, Hv * Dv). ``dims``:
+    the layer's LinearDims. ``outs``: static buffers to write them into (returned), else new tensors."""
+    tokens = mixed.shape[0]
+    off_z, off_b, off_a = offsets
+    widths = [dims.key_dim, dims.key_dim, dims.value_dim]
+    query, key, value = mixed[:, :off_z].split(widths, dim=-1)
+    # The convolution is depthwise: one call per output, so that a compiled piece computes each output in the
+    # kernel that stores it (one shared result would be materialised in fp32 and read three times).
+    query, key, value = (conv_silu(part, taps, seqpos)
+                         for part, taps in zip((query, key, value), weight.split(widths)))
+    decay, beta = gdn_gates(gates[:, off_a: off_a + dims.v_heads], gates[:, off_b: off_b + dims.v_heads], a_log,
+                            dt_bias)
+    query, key = (l2_normalize(part.view(tokens, dims.k_heads, dims.head_k)) for part in (query, key))
+    result = (query, key, value.view(tokens, dims.v_heads, dims.head_v), decay, beta,
+              mixed[:, off_z: off_z + dims.value_dim])
+    if outs is None:
+        return result
+    for out, computed in zip(outs, result, strict=True):
+        out.copy_(computed)
+    return outs
 
 
 def rotate_half(inputs: torch.Tensor) -> torch.Tensor:
@@ -132,11 +192,9 @@ class Ops:
     """The element-wise building blocks the layers call; ``compiled`` wraps each in torch.compile (``sub``)."""
 
     rms_norm: Callable[..., torch.Tensor] = rms_norm
-    gated_rms_norm: Callable[..., torch.Tensor] = gated_rms_norm
-    conv_silu: Callable[..., torch.Tensor] = conv_silu
-    gdn_gates: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_gates
-    l2_normalize: Callable[..., torch.Tensor] = l2_normalize
-    swiglu: Callable[..., torch.Tensor] = swiglu
+    gated_norm: Callable[..., torch.Tensor | Quantized] = gated_norm
+    short_conv: Callable[..., Sequence[torch.Tensor]] = short_conv
+    swiglu: Callable[..., torch.Tensor | Quantized] = swiglu
     rope: Callable[..., torch.Tensor] = rope
     linear: Callable[..., torch.Tensor] = linear
 

@@ -47,6 +47,8 @@ class PackRun:
     bucket: int | None  # the static bucket it ran in, None when eager
     graph: bool  # replayed through a captured CUDA graph
     seconds: float  # launch to scores on the host
+    gpu_seconds: float | None = None  # the pack's own time on the GPU (engines that measure it)
+    idle_seconds: float | None = None  # the GPU's wait between the previous pack's end and this one's start
 
 
 class Pending:

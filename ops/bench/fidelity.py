@@ -1,0 +1,131 @@
+"""How far the fast path's answers move from an fp32 reference at a real shape, in bf16 and FP8 (random weights).
+
+    python3 ops/bench/fidelity.py --shape 2b --requests 200 --out OUTDIR
+
+The floor is the model's own sensitivity to rounding: the bf16 reference engine (transformers' forward) against
+the fp32 reference (the same weights in fp32, with transformers' torch delta rule, fp32 throughout). Each fast-path
+configuration runs eagerly (compile none, no graphs: the same kernels as served, without Inductor's fusion of the
+rest) on the same questions. Per configuration: the largest and the mean per-question probability difference (the
+largest over the question's options) and the argmax flip rate, against the fp32 reference and against bf16 fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from synthetic import WORKLOADS, packs, padded_batches, probabilities, random_model
+
+from worker.config import Settings
+from worker.fast import FastEngine
+from worker.model.reference import ReferenceEngine
+
+CONFIGS = {  # name -> Settings fields of the fast engine
+    "bf16": {},
+    "fp8": {"fp8": True},
+    "fp8-full": {"fp8": True, "fp8_layers": "full"},
+    "fp8-linear": {"fp8": True, "fp8_layers": "linear"},
+}
+
+
+def compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict:
+    diffs = [float((a - b).abs().max()) for a, b in zip(got, want, strict=True)]
+    flips = sum(int(a.argmax() != b.argmax()) for a, b in zip(got, want)) / len(got)
+    return {"max": round(max(diffs), 4), "mean": round(sum(diffs) / len(diffs), 4), "flips": round(flips, 4),
+            "questions": len(got)}
+
+
+def reference(model, chunks) -> list[torch.Tensor]:
+    engine, scores = ReferenceEngine(model), []
+    for batch in padded_batches(chunks, size=32):
+        scores += engine.forward(batch)
+    return probabilities(chunks, scores)
+
+
+def fp32_reference(model, chunks) -> list[torch.Tensor]:
+    """The same weights in fp32, transformers' own torch delta rule (fla's kernels compute in lower precision)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    dispatched = qwen.torch_chunk_gated_delta_rule
+    full = dataclasses.replace(model, model=copy.deepcopy(model.model).float())
+    qwen.torch_chunk_gated_delta_rule = getattr(dispatched, "__wrapped__", dispatched)
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        return reference(full, chunks)
+    finally:
+        qwen.torch_chunk_gated_delta_rule = dispatched
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        del full
+        torch.cuda.empty_cache()
+
+
+def fast(model, chunks, **fields) -> list[torch.Tensor]:
+    engine = FastEngine(model, Settings(compile="none", cuda_graphs=False, prune_last=True, **fields))
+    engine.warmup()
+    scores = []
+    for group in packs(chunks, engine.max_pack_tokens):
+        scores += engine.launch(group).wait().scores
+    return probabilities(chunks, scores)
+
+
+@torch.inference_mode()
+def measure(shape: str = "2b", requests: int = 200, configs: tuple[str, ...] = tuple(CONFIGS), seed: int = 0,
+            log=print) -> dict:
+    """-> {"floor": bf16 reference vs fp32, config: {"vs_fp32": ..., "vs_bf16": ...}}"""
+    torch.manual_seed(seed)
+    model = random_model(shape)
+    chunks = [c for r in WORKLOADS["standard"](np.random.default_rng(seed), requests) for c in r.chunks]
+    start = time.perf_counter()
+    exact = fp32_reference(model, chunks)
+    result = {"shape": shape, "questions": len(exact), "floor": compare(reference(model, chunks), exact)}
+    log(f"fp32 and bf16 references: {time.perf_counter() - start:.1f}s; floor {result['floor']}")
+    answers = {}
+    for name in configs:
+        start = time.perf_counter()
+        answers[name] = fast(model, chunks, **CONFIGS[name])
+        result[name] = {"vs_fp32": compare(answers[name], exact)}
+        if name != "bf16" and "bf16" in answers:
+            result[name]["vs_bf16"] = compare(answers[name], answers["bf16"])
+        log(f"{name}: {time.perf_counter() - start:.1f}s {result[name]}")
+    return result
+
+
+def table(result: dict) -> str:
+    lines = ["| configuration (vs the fp32 reference) | max | mean | flips |", "|---|---|---|---|"]
+    rows = [("bf16 reference (the floor)", result["floor"])]
+    rows += [(f"fast path, {name}", result[name]["vs_fp32"]) for name in CONFIGS if name in result]
+    for label, figures in rows:
+        lines.append(f"| {label} | {figures['max']:.3f} | {figures['mean']:.4f} | {figures['flips']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="2b", choices=("0.8b", "2b", "4b"))
+    parser.add_argument("--requests", type=int, default=200, help="standard requests (three questions each)")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--out", default="fidelity-results")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = measure(args.shape, args.requests, tuple(c for c in args.configs.split(",") if c))
+    (out / "fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "fidelity.md").write_text(table(result))
+    print(table(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
