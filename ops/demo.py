@@ -48,7 +48,8 @@ def main() -> int:
     checkpoint = work / "tiny-checkpoint"
     subprocess.run([sys.executable, "-m", "worker", "tiny-checkpoint", str(checkpoint)], check=True, cwd=ROOT)
     with RedisServer() as redis_server:
-        print(f"redis-server {'.'.join(map(str, redis_server.version))} on {redis_server.url}")
+        where = "embedded" if redis_server.found.embedded else redis_server.binary
+        print(f"{redis_server.server} ({where}) on {redis_server.url}")
         port = free_port()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         worker = subprocess.Popen([sys.executable, "-m", "worker", "serve", "--checkpoint", str(checkpoint),

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from producer.keys import ANY, HIGH, Keys  # noqa: E402
 
-# Connection set-up and the cluster topology a cluster client reads. (No CLIENT SETINFO: 7.0 lacks it, and
-# redis-py ignores its refusal on 7.2+.)
+# Connection set-up and the cluster topology a cluster client reads. (No CLIENT SETINFO: 7.0 lacks it, so the
+# project's clients do not send it.)
 CONNECT = "+ping +hello +client|setname +client|id +command +cluster|slots +cluster|shards +cluster|nodes"
 
 # Key patterns (the placeholders) are the deployment's own names, from producer/keys.py; see ``patterns``.
@@ -41,7 +41,8 @@ ROLES = {
         "~{requests} ~{high_requests} %R~{results} %R~{replies}"
     ),
     "worker": (
-        "{connect} +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xinfo|groups +xlen +xadd "
+        "{connect} +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|delconsumer "
+        "+xinfo|groups +xinfo|consumers +xlen +xadd "
         "+evalsha +script|load +script|exists +exists +hlen +hgetall +hset +hdel +get +set "
         "~{everything} "
         # scripts delete a published request's parts and body and expire results: nothing else may go away

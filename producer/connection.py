@@ -104,9 +104,12 @@ def redact(url: str) -> str:
 
 
 def _options(retry: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """Timeouts that suit blocking reads and a retry that rides out a Redis restart; the caller's options win."""
+    """Timeouts that suit blocking reads and a retry that rides out a Redis restart; the caller's options win.
+    No CLIENT SETINFO on connect: the ACL roles do not grant it (Redis 7.0 lacks it, so an aclfile naming it would
+    not load there), and on 7.2+ and Valkey each refusal would fill the ACL log."""
     return {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT, "health_check_interval": 30,
-            "retry": retry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES), **options}
+            "retry": retry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES), "lib_name": None,
+            "lib_version": None, **options}
 
 
 def connect(url: str, cluster: bool = False, **options: Any) -> Any:

@@ -26,8 +26,9 @@ from typing import Any, NamedTuple, TypeVar
 import redis
 from pydantic import ValidationError
 
-from .keys import GROUP, LANES, NORMAL, Field, Keys, Priority, shard_of
+from .keys import GONE_S, GROUP, LANES, NORMAL, Field, Keys, Priority, beat_age, shard_of
 from .schema import Request, Result, describe
+from .servers import lag_of
 
 # KEYS[1] request stream; ARGV[1] limit (0: none); ARGV[2..] request bodies. All or nothing.
 SUBMIT = """
@@ -230,8 +231,11 @@ class Producer:
 
     def stats(self) -> Plan[dict[str, Any]]:
         """Totals over every shard, then each shard: for each lane (``lanes``: high, normal) the request and chunk
-        streams' lengths and the worker group's pending, lag and consumers; ``requests`` and ``chunks``: both lanes
-        together; dead letters; and the live workers."""
+        streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``chunks``: both
+        lanes together; dead letters; and the live workers. Live: a consumer seen in the last ``GONE_S`` seconds or
+        holding entries, a worker whose heartbeat is younger than that (the gone are not counted, and the workers
+        delete them: worker/presence.py). The lag is the server's, or the length less pending when the server
+        cannot count it (``servers.lag_of``)."""
         shards = []
         for shard in range(self.shards):
             keys, entry = Keys(self.keys.namespace, shard), {"shard": shard}
@@ -249,7 +253,9 @@ class Producer:
         totals["lanes"] = {lane: {name: _combine([s["lanes"][lane][name] for s in shards])
                                   for name in ("requests", "chunks")} for lane in LANES}
         totals["dead_letters"] = sum(s["dead_letters"] for s in shards)
-        totals["workers"] = yield Call("hlen", (self.keys.workers(),))
+        beats = yield Call("hgetall", (self.keys.workers(),))
+        now = time.time()
+        totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
         return {**totals, "shards": shards}
 
     def _stream_stats(self, stream: str) -> Plan[dict[str, Any]]:
@@ -263,13 +269,16 @@ class Producer:
             groups = []
         for group in groups:
             if group["name"] in (GROUP, GROUP.encode()):
-                stream_stats.update(pending=group["pending"], lag=group.get("lag"), consumers=group["consumers"])
+                consumers = yield Call("xinfo_consumers", (stream, GROUP))
+                stream_stats.update(pending=group["pending"],
+                                    lag=lag_of(stream_stats["length"], group["pending"], group.get("lag")),
+                                    consumers=sum(1 for c in consumers if c["pending"] or c["idle"] < GONE_S * 1000))
         return stream_stats
 
 
 def _combine(parts: list[dict[str, Any]], consumers: Any = sum) -> dict[str, Any]:
-    """Field-wise sum of stream stats (a lag Redis could not tell stays None). ``consumers``: how consumer counts
-    combine (``max`` over the lanes of one shard, whose streams the same workers read)."""
+    """Field-wise sum of stream stats. ``consumers``: how consumer counts combine (``max`` over the lanes of one
+    shard, whose streams the same workers read)."""
     out: dict[str, Any] = {}
     for part in parts:
         for name, value in part.items():

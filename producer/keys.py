@@ -13,14 +13,19 @@ scripts that aggregate and publish a request's result touch one slot whatever th
 from __future__ import annotations
 
 import enum
+import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 PROTOCOL = "1"
 GROUP = "workers"
 # Request ids become hash tags and key suffixes: no braces, no spaces, bounded length.
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 ANY = "*"  # as a shard or a request id, makes a Keys name a glob pattern (ACL rules); never a valid id
+# A worker whose heartbeat (Keys.workers) is this old, or a group consumer idle this long with nothing pending, is
+# gone: stats do not count it. Workers beat every 5 s; clocks are assumed in sync (NTP).
+GONE_S = 30
 
 
 class Priority(enum.StrEnum):
@@ -110,7 +115,8 @@ class Keys:
         return f"{self.base}:body:{{{request_id}}}"
 
     def workers(self) -> str:
-        """Hash of live workers: consumer name -> JSON heartbeat (for stats and dashboards)."""
+        """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, engine}``, written every 5 s
+        (worker/presence.py); beats older than GONE_S are gone and deleted by the live workers."""
         return f"{self.base}:workers"
 
     @property
@@ -127,3 +133,11 @@ def shard_of(request_id: str, shards: int) -> int:
     for byte in request_id.encode():
         value = (value * 31 + byte) & 0xFFFFFFFF
     return value % shards
+
+
+def beat_age(raw: Any, now: float) -> float:
+    """Seconds since a worker wrote a heartbeat of ``Keys.workers`` (``{"ts": ...}``; unreadable: infinitely old)."""
+    try:
+        return now - float(json.loads(raw)["ts"])
+    except (ValueError, TypeError, KeyError):
+        return float("inf")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 from producer import __version__
 from producer.keys import PROTOCOL
@@ -41,13 +42,12 @@ def parser() -> argparse.ArgumentParser:
     serve_cmd.set_defaults(run=_serve)
 
     check_cmd = commands.add_parser("check", help="exit 0 if a worker's health endpoint answers 200")
-    default_url = f"http://127.0.0.1:{os.environ.get('DQ_METRICS_PORT', '9400')}"
-    check_cmd.add_argument("--url", default=default_url,
-                           help=f"the worker's health endpoint [port from env DQ_METRICS_PORT, default {default_url!r}]")
+    check_cmd.add_argument("--metrics-port", dest="metrics_port", type=int, default=None,
+                           help="the worker's --metrics-port [env DQ_METRICS_PORT, default 0: none served]")
+    check_cmd.add_argument("--url", help="the health endpoint's base URL instead (default http://127.0.0.1:PORT)")
     check_cmd.add_argument("--live", action="store_true",
                            help="liveness (/healthz) instead of readiness (/readyz) [default off]")
-    check_cmd.set_defaults(run=lambda a: __import__("worker.health", fromlist=["check"]).check(
-        a.url, "/healthz" if a.live else "/readyz"))
+    check_cmd.set_defaults(run=_check)
     return top
 
 
@@ -57,15 +57,39 @@ def main(argv: list[str] | None = None) -> int:
     return args.run(args)
 
 
+def _settings(command: str, make: Callable[[], Settings]) -> Settings | None:
+    """The settings, or None after printing why they are refused (the caller exits 2, as argparse does)."""
+    try:
+        return make()
+    except ValueError as error:
+        print(f"dq-worker {command}: error: {error}", file=sys.stderr)
+        return None
+
+
 def _serve(args: argparse.Namespace) -> int:
+    settings = _settings("serve", lambda: Settings.from_args(args))  # before torch is imported or a model loaded
+    if settings is None:
+        return 2
     from .daemon import serve
 
-    try:
-        settings = Settings.from_args(args)
-    except ValueError as error:  # a setting out of range: named, before the model loads
-        print(f"worker: {error}", file=sys.stderr)
-        return 2
     return serve(settings)
+
+
+def _check(args: argparse.Namespace) -> int:
+    """The same port setting as ``serve``: the same flag, variable and default."""
+    from .health import check
+
+    url = args.url
+    if url is None:
+        settings = _settings("check", lambda: Settings.from_env(metrics_port=args.metrics_port))
+        if settings is None:
+            return 2
+        if not settings.metrics_port:
+            print("dq-worker check: error: no health endpoint to ask: --metrics-port (DQ_METRICS_PORT) is 0, "
+                  "so serve runs none; set it for both, or pass --url", file=sys.stderr)
+            return 2
+        url = f"http://127.0.0.1:{settings.metrics_port}"
+    return check(url, "/healthz" if args.live else "/readyz")
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ class Compute:
         if device.type == "cuda":
             metrics.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(device))
             metrics.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved(device))
-            metrics.gpu_memory.labels("peak").set(torch.cuda.max_memory_allocated(device))
+            metrics.gpu_memory_peak.set(torch.cuda.max_memory_allocated(device))
 
     def _isolate(self, pack: list[Item], error: BaseException) -> None:
         """A failed pack: run halves again until the failing chunk is alone; the others are answered."""

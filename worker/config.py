@@ -1,18 +1,35 @@
 """The worker's one settings object: every field is a CLI flag (``--claim-idle-ms``) and an environment variable
-(``DQ_CLAIM_IDLE_MS``); flags win over the environment, the environment over the defaults written here."""
+(``DQ_CLAIM_IDLE_MS``); flags win over the environment, the environment over the defaults written here.
+
+Every field is checked when the object is made (ranges, choices, the engine name): a bad value is a SettingsError
+naming the flag, the variable and what is allowed, and ``python -m worker serve`` exits 2 on it before the model
+loads."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import re
 import socket
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from producer.connection import SOCKET_TIMEOUT, redact
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
+NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a prefix of every key: no braces (hash tags), no colons
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+class SettingsError(ValueError):
+    """A setting out of its range or choices, named by its flag and variable."""
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] = (), low: float | None = None,
+         high: float | None = None) -> Any:
+    """A field; ``choices`` (matched ignoring case), ``low`` and ``high`` (inclusive) are checked on creation."""
+    return field(default=default, metadata={"help": help, "choices": choices, "low": low, "high": high})
 
 
 @dataclass(frozen=True)
@@ -20,13 +37,17 @@ class Settings:
     # Model
     checkpoint: str = _opt("", "decision checkpoint directory (any format transformers.decision loads)")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
-    dtype: str = _opt("auto", "auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16 or float32")
-    engine: str = _opt("auto", "auto (fast on cuda, reference on cpu), fast or reference")
-    max_chunk_tokens: int = _opt(8192, "longest prompt one chunk may have; longer requests are split by question")
-    fanout_tokens: int = _opt(8192, "requests with more tokens than this (over several prompts) fan out to all workers")
+    dtype: str = _opt("auto", "auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16 or float32",
+                      choices=("auto", "bfloat16", "float16", "float32"))
+    engine: str = _opt("auto", "auto (fast on cuda, reference on cpu), fast or reference",
+                       choices=("auto", "fast", "reference"))
+    max_chunk_tokens: int = _opt(8192, "longest prompt one chunk may have; longer requests are split by question",
+                                 low=1)
+    fanout_tokens: int = _opt(8192, "requests with more tokens than this (over several prompts) fan out to all workers",
+                              low=1)
     # Packing and the fast path
-    pack_tokens: int = _opt(16384, "token budget of one forward pass")
-    max_wait_ms: float = _opt(5.0, "longest a partly filled pack waits for more work before it runs")
+    pack_tokens: int = _opt(16384, "token budget of one forward pass", low=1)
+    max_wait_ms: float = _opt(5.0, "longest a partly filled pack waits for more work before it runs", low=0)
     normal_share: float = _opt(0.1, "share of each pack's tokens kept for normal-priority work while some waits "
                                     "(high work never starves it)", low=0.01, high=0.9)
     high_pack_tokens: int = _opt(4096, "token budget of packs while high-priority work flows (queued in the last "
@@ -34,14 +55,16 @@ class Settings:
                                  low=0)
     buckets: str = _opt("2048,4096,8192,16384", "static pack sizes captured as CUDA graphs (fast path)")
     cuda_graphs: bool = _opt(True, "replay packs through CUDA graphs (fast path)")
-    compile: str = _opt("layer", "torch.compile mode of the fast path: none, sub or layer")
+    compile: str = _opt("layer", "torch.compile mode of the fast path: none, sub or layer",
+                        choices=("none", "sub", "layer"))
     prune_last: bool = _opt(True, "last layer computes only the marker rows (fast path)")
     fp8: bool = _opt(False, "FP8 rowwise matmuls (fast path, Hopper)")
     fp8_layers: str = _opt("all", "layers fp8 converts: all, full (full-attention), linear, or indices like 0-5,18")
     fused_kernels: bool = _opt(True, "the fast path's own Triton kernels (convolution, SwiGLU and norm + FP8)")
     compile_cache: str = _opt("", "directory for compiled kernels (Inductor, Triton, TileLang); empty: their defaults")
-    planner_threads: int = _opt(2, "threads that validate, render and tokenize requests")
-    planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU)")
+    planner_threads: int = _opt(2, "threads that validate, render and tokenize requests", low=1)
+    planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU)",
+                                  low=0)
     # Queue
     redis_url: str = _opt("redis://127.0.0.1:6379/0",
                           "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user)")
@@ -50,36 +73,64 @@ class Settings:
     redis_tls_cert: str = _opt("", "client certificate file, when Redis requires client certificates (rediss://)")
     redis_tls_key: str = _opt("", "the client certificate's private key file (rediss://)")
     namespace: str = _opt("dq", "prefix of every Redis name of this deployment")
-    shard: int = _opt(0, "stream shard this worker reads")
+    shard: int = _opt(0, "stream shard this worker reads", low=0)
     consumer: str = _opt("", "consumer name in the group (default: host-pid)")
-    block_ms: int = _opt(1000, "blocking read timeout; kept below the socket timeout")
-    read_count: int = _opt(64, "entries fetched per read")
+    block_ms: int = _opt(1000, "blocking read timeout; kept below the socket timeout", low=1,
+                        high=SOCKET_TIMEOUT * 1000 - 1000)
+    read_count: int = _opt(64, "entries fetched per read", low=1)
     max_inflight: int = _opt(512, "entries of each lane held at once (read, planned, queued or computing); reading "
-                                  "that lane pauses above")
-    claim_idle_ms: int = _opt(60000, "reclaim entries pending longer than this from dead consumers")
-    max_deliveries: int = _opt(5, "dead-letter an entry delivered more often than this")
-    result_ttl_s: int = _opt(86400, "how long results stay readable")
-    max_entry_bytes: int = _opt(8 << 20, "larger request entries are refused with too_large")
-    max_image_pixels: int = _opt(4096 * 4096, "larger images are refused (decompression bombs)")
-    drain_timeout_s: float = _opt(60.0, "on SIGTERM, longest wait for in-flight work before exiting")
+                                  "that lane pauses above", low=1)
+    claim_idle_ms: int = _opt(60000, "reclaim entries pending longer than this from dead consumers", low=1)
+    consumer_gone_ms: int = _opt(300000, "delete a group consumer that has nothing pending and has been idle longer "
+                                         "than this (its worker is gone)", low=1000)
+    max_deliveries: int = _opt(5, "dead-letter an entry delivered more often than this", low=1)
+    result_ttl_s: int = _opt(86400, "how long results stay readable", low=1)
+    max_entry_bytes: int = _opt(8 << 20, "larger request entries are refused with too_large", low=1)
+    max_image_pixels: int = _opt(4096 * 4096, "larger images are refused (decompression bombs)", low=1)
+    drain_timeout_s: float = _opt(60.0, "on SIGTERM, longest wait for in-flight work before exiting", low=0)
     # Operations
-    metrics_port: int = _opt(0, "serve /metrics, /healthz and /readyz on this port (0: off)")
-    log_format: str = _opt("text", "text or json")
-    log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR")
+    metrics_port: int = _opt(0, "serve /metrics, /healthz and /readyz on this port (0: off)", low=0, high=65535)
+    log_format: str = _opt("text", "text or json", choices=("text", "json"))
+    log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self) -> None:
-        """Ranges (``low``, ``high``: inclusive) checked when made: a bad value names its flag and variable."""
+        problems = []
         for f in fields(self):
-            low, high, value = f.metadata.get("low"), f.metadata.get("high"), getattr(self, f.name)
-            if (low is not None and value < low) or (high is not None and value > high):
-                allowed = " and ".join(f"{word} {bound:g}" for word, bound in (("at least", low), ("at most", high))
-                                       if bound is not None)
-                raise ValueError(f"--{f.name.replace('_', '-')} ({self.env_name(f.name)}) must be {allowed}, "
-                                 f"got {value!r}")
+            value, meta = getattr(self, f.name), f.metadata
+            if meta["choices"]:
+                canonical = {c.lower(): c for c in meta["choices"]}.get(str(value).lower())
+                if canonical is None:
+                    problems.append((f.name, f"one of {', '.join(meta['choices'])}", value))
+                else:  # frozen: set through object, once, to the spelling the code compares with
+                    object.__setattr__(self, f.name, canonical)
+            elif meta["low"] is not None and value < meta["low"]:
+                problems.append((f.name, f"at least {meta['low']:g}", value))
+            elif meta["high"] is not None and value > meta["high"]:
+                problems.append((f.name, f"at most {meta['high']:g}", value))
+        if not DEVICE.fullmatch(self.device):
+            problems.append(("device", "auto, cpu, cuda or cuda:N", self.device))
+        if not NAMESPACE.fullmatch(self.namespace):
+            problems.append(("namespace", "1 to 64 of A-Z a-z 0-9 . _ -", self.namespace))
+        if not self.redis_url.startswith(REDIS_SCHEMES):
+            problems.append(("redis_url", "a redis://, rediss:// or unix:// URL",  # never echo a password
+                             self.redis_url.split(":", 1)[0] + ":..."))
+        try:
+            if not self.bucket_sizes or min(self.bucket_sizes) < 1:
+                raise ValueError
+        except ValueError:
+            problems.append(("buckets", "comma-separated token counts of at least 1", self.buckets))
+        if problems:
+            raise SettingsError("; ".join(f"{_names(name)} must be {need}, got {value!r}"
+                                          for name, need, value in problems))
 
     @property
     def consumer_name(self) -> str:
         return self.consumer or f"{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def redis_where(self) -> str:
+        """The Redis URL without its password, for logs and errors."""
+        return redact(self.redis_url)
 
     @property
     def bucket_sizes(self) -> tuple[int, ...]:
@@ -127,6 +178,10 @@ class Settings:
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
         return cls.from_env(environ, **{f.name: getattr(args, f.name, None) for f in fields(cls)})
+
+
+def _names(name: str) -> str:
+    return f"--{name.replace('_', '-')} ({Settings.env_name(name)})"
 
 
 def _parser(type_name: str) -> Any:

@@ -27,22 +27,24 @@ import threading
 import time
 from typing import Any
 
-from producer.client import aconnect
 from producer.keys import Keys
 from producer.schema import ErrorCode, RequestError
+from producer.servers import UnsupportedServer
 
 from .compute import Compute
 from .config import Settings
 from .entries import CHUNKS, Delivery
 from .health import Snapshot
 from .intake import Consumer, Intake
-from .link import REDIS_ERRORS, Link
+from .link import REDIS_ERRORS, Link, first_contact
+from .link import client as redis_client
 from .metrics import Metrics
 from .model import checkpoint
 from .model.engine import Engine
 from .model.reference import ReferenceAdapter
 from .packer import Packer
 from .planner import Planner
+from .presence import Presence
 from .results import Publisher, Results, error_outcome
 from .tasks import Item
 
@@ -68,7 +70,7 @@ class Daemon:
     def __init__(self, settings: Settings, model: checkpoint.DecisionModel | None = None) -> None:
         self.settings = settings
         self.keys = Keys(settings.namespace, settings.shard)
-        self.metrics = Metrics()
+        self.metrics = Metrics(shard=settings.shard)
         self.model = model or checkpoint.load(settings.checkpoint, settings.device, settings.dtype,
                                               settings.max_chunk_tokens)
         self.engine = create_engine(self.model, settings)
@@ -76,11 +78,15 @@ class Daemon:
         self.stopping = threading.Event()
         self.stop_deadline = float("inf")
         self.loop = asyncio.new_event_loop()  # runs on the "redis" thread
-        client = aconnect(settings.redis_url, settings.redis_cluster, **settings.redis_options())
-        self.link = Link(client, self.metrics, give_up=lambda: self.stopping.is_set() and self._past_deadline())
-        self.intake = Intake(Consumer(client, self.keys, settings.consumer_name), self.link, settings, self.metrics,
-                             accept=self._accept, stopping=self.stopping,
-                             identity={"model": self.model.name, "engine": self.engine.name})
+        client = redis_client(settings)
+        # A call that cannot reach Redis stops retrying once stopping with nothing left to save, or past the drain.
+        self.link = Link(client, self.metrics, where=settings.redis_where, give_up=lambda: self.stopping.is_set() and (
+            not self.intake.held or self._past_deadline()))
+        consumer = Consumer(client, self.keys, settings.consumer_name)
+        presence = Presence(client, self.keys, settings.consumer_name, list(consumer.streams),
+                            settings.consumer_gone_ms, {"model": self.model.name, "engine": self.engine.name})
+        self.intake = Intake(consumer, self.link, settings, self.metrics, accept=self._accept, stopping=self.stopping,
+                             presence=presence)
         self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name)
         self.results = Results(self.publisher, self.link, self.loop, self.metrics, release=self.intake.release,
                                fail=self._failed)
@@ -88,7 +94,7 @@ class Daemon:
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
                              settings.high_pack_tokens)
         self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.results)
-        self.metrics.info.labels(VERSION, self.model.name, self.engine.name, str(self.model.device)).set(1)
+        self.metrics.built(VERSION, self.model.name, self.engine.name, str(self.model.device))
 
     # ---------------------------------------------------------------- lifecycle (main thread)
 
@@ -110,13 +116,33 @@ class Daemon:
         log.info("start-up objects frozen: %d (collection %.2fs)", gc.get_freeze_count(),
                  time.perf_counter() - collect)
         self.ready.set()
-        log.info("ready: model %s, engine %s on %s, consumer %s", self.model.name, self.engine.name,
+        deadline = time.monotonic() + 2.0  # first contact runs beside the warm-up: normally done by now
+        while not self.link.reachable and time.monotonic() < deadline:
+            time.sleep(0.05)
+        log.info("%s: model %s, engine %s on %s, consumer %s", "ready" if self.link.reachable else
+                 f"warm, ready once Redis at {self.link.where} answers", self.model.name, self.engine.name,
                  self.model.device, self.settings.consumer_name)
         self.compute.run(lambda: self.stopping.is_set() and self._drained())
         redis_thread.join(timeout=max(5.0, self.settings.drain_timeout_s))
         self.planner.shutdown()
-        log.info("stopped: %d entries left pending for other workers", len(self.intake.held))
+        self._last_word(len(self.intake.held))
         return 0
+
+    def _last_word(self, held: int) -> None:
+        """What the stop left behind, saying only what this worker knows."""
+        where, consumer, claim = self.link.where, self.settings.consumer_name, self.settings.claim_idle_ms
+        if not self.link.reached:
+            log.warning("stopped without ever reaching Redis at %s: this worker took no entry; what an earlier run "
+                        "of consumer %s left pending there stays pending", where, consumer)
+        elif held and not self.link.reachable:
+            log.warning("stopped with Redis unreachable at %s: %d entries taken were not acknowledged; they stay "
+                        "pending for consumer %s, and other workers reclaim them after %d ms", where, held, consumer,
+                        claim)
+        elif held:
+            log.warning("stopped at the drain deadline: %d entries left pending for consumer %s; other workers "
+                        "reclaim them after %d ms", held, consumer, claim)
+        else:
+            log.info("stopped: every entry this worker took was answered and acknowledged")
 
     def stop(self) -> None:
         if not self.stopping.is_set():
@@ -150,6 +176,9 @@ class Daemon:
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self._main())
+        except UnsupportedServer as error:  # the same settings would fail the same way: no restart loop
+            log.error("cannot serve: %s", error)
+            os._exit(2)
         except Exception:  # noqa: BLE001 - e.g. a client bug on a reconnect: the worker would never read again
             if not self.stopping.is_set():
                 log.critical("the Redis loop failed: exiting so that the supervisor restarts this worker",
@@ -160,17 +189,30 @@ class Daemon:
             self.loop.close()
 
     async def _main(self) -> None:
-        await self.intake.start()
+        try:
+            await self.link.introduce()
+            await self.intake.start()
+        except REDIS_ERRORS:  # stopped before Redis ever answered: nothing was taken, nothing to settle
+            return
         loops = [asyncio.create_task(self.results.run()), asyncio.create_task(self.intake.run_maintenance())]
-        await self.intake.run_reader()  # until stopping
+        reader = asyncio.create_task(self.intake.run_reader())  # until stopping
+        while not (self.stopping.is_set() or reader.done()):
+            await asyncio.sleep(0.1)
+        # A read in progress ends within its BLOCK time, unless Redis does not answer: then it is abandoned (what it
+        # would have delivered stays pending for this consumer: reclaimed, or re-read on restart).
+        await asyncio.wait({reader}, timeout=self.settings.block_ms / 1000 + 1.0)
+        reader.cancel()
+        if reader.done() and not reader.cancelled() and reader.exception():
+            raise reader.exception()
         while not self._drained():
             await asyncio.sleep(0.05)
         for task in loops:
             task.cancel()
         try:
-            await self.intake.leave()
+            if self.link.reachable:  # best effort: a heartbeat left behind is forgotten by the others
+                await asyncio.wait_for(self.intake.leave(), timeout=2.0)
             await self.link.close()
-        except REDIS_ERRORS:
+        except (asyncio.TimeoutError, *REDIS_ERRORS):
             pass
 
     def _accept(self, delivery: Delivery) -> None:
@@ -232,8 +274,9 @@ def serve(settings: Settings) -> int:
         return 2
     try:
         settings.redis_options()  # a TLS file with a plain redis:// URL: refuse before loading the model
+        first_contact(settings)  # an unsupported server too, when it answers now
         daemon = Daemon(settings)
-    except (checkpoint.CheckpointError, ValueError, ImportError) as error:
+    except (checkpoint.CheckpointError, ValueError, ImportError, UnsupportedServer) as error:
         log.error("cannot start: %s", error)
         return 2
     if settings.metrics_port:

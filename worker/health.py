@@ -65,7 +65,7 @@ def serve_http(daemon: Watched, port: int, host: str = "0.0.0.0") -> ThreadingHT
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
             if self.path == "/metrics":
-                daemon.metrics.ready.set(1 if status(daemon.snapshot())["ready"] else 0)
+                daemon.metrics.set_ready(status(daemon.snapshot())["ready"])
                 self._send(200, generate_latest(daemon.metrics.registry), CONTENT_TYPE_LATEST)
                 return
             state = status(daemon.snapshot())
@@ -93,11 +93,12 @@ def serve_http(daemon: Watched, port: int, host: str = "0.0.0.0") -> ThreadingHT
 
 def check(url: str, path: str = "/readyz", timeout: float = 3.0) -> int:
     """``python -m worker check``: 0 when the endpoint answers 200, else 1 (for container health checks)."""
+    endpoint = url.rstrip("/") + path
     try:
-        with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout) as reply:
+        with urllib.request.urlopen(endpoint, timeout=timeout) as reply:
             print(reply.read().decode())
             return 0 if reply.status == 200 else 1
     except OSError as error:
         body = getattr(error, "read", lambda: b"")()
-        print(body.decode() if body else f"unreachable: {error}")
+        print(f"{endpoint}: {error.code} {body.decode()}" if body else f"{endpoint} unreachable: {error}")
         return 1

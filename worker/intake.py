@@ -11,7 +11,6 @@ Each entry taken goes once to ``accept`` (the daemon's route); ``release`` lets 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -26,6 +25,7 @@ from .config import Settings
 from .entries import CHUNKS, REQUESTS, Delivery, Stream
 from .link import REDIS_ERRORS, Link
 from .metrics import Metrics
+from .presence import Presence
 
 log = logging.getLogger("worker")
 LOST_REMEMBERED = 10_000  # payload-less entries remembered, so that each is counted once
@@ -162,11 +162,11 @@ class Intake:
     """The held entries (loop thread only) and the two loops that fill them and keep them."""
 
     def __init__(self, consumer: Consumer, link: Link, settings: Settings, metrics: Metrics,
-                 accept: Callable[[Delivery], None], stopping: threading.Event, identity: dict[str, str]) -> None:
+                 accept: Callable[[Delivery], None], stopping: threading.Event, presence: Presence) -> None:
         self.consumer, self.link, self.settings, self.metrics = consumer, link, settings, metrics
         self.accept = accept
         self.stopping = stopping
-        self.identity = identity  # model and engine, for the heartbeat in Keys.workers
+        self.presence = presence  # the heartbeat, and forgetting the workers and consumers that are gone
         # (stream key, entry id) -> delivery: read, planned, queued or computing (ids are unique per stream only)
         self.held: dict[tuple[str, str], Delivery] = {}
         self.readers = {lane: Reader() for lane in LANES}
@@ -313,7 +313,7 @@ class Intake:
 
     async def leave(self) -> None:
         """Take this worker's heartbeat out of Keys.workers (on a clean stop)."""
-        await self.consumer.redis.hdel(self.consumer.keys.workers(), self.consumer.name)
+        await self.presence.leave()
 
     async def _group_lost(self) -> None:
         """Redis lost the group (a restart without persistence, a failover to an empty replica): recreate it once,
@@ -323,11 +323,10 @@ class Intake:
             self.metrics.groups_recreated.inc()
 
     async def _report(self) -> None:
-        """Stream lengths, pending and lag as metrics; this worker's heartbeat in Keys.workers."""
-        for (stream, lane), stats in (await self.consumer.group_stats()).items():
-            self.metrics.stream_length.labels(stream, lane).set(stats["length"])
-            self.metrics.stream_pending.labels(stream, lane).set(stats["pending"])
-            if stats["lag"] is not None:
-                self.metrics.stream_lag.labels(stream, lane).set(stats["lag"])
-        beat = {"ts": time.time(), "inflight": len(self.held), **self.identity}
-        await self.consumer.redis.hset(self.consumer.keys.workers(), self.consumer.name, json.dumps(beat))
+        """Stream lengths, pending and lag as metrics; this worker's heartbeat; the gone forgotten."""
+        self.metrics.streams(await self.consumer.group_stats())
+        await self.presence.beat(len(self.held))
+        consumers, beats = await self.presence.forget_the_gone()
+        if consumers or beats:  # one line per clean-up (after a scale-down, several at once)
+            log.info("forgot workers that are gone: consumers %s (nothing pending, idle over %d ms), heartbeats %s",
+                     ", ".join(consumers) or "-", self.settings.consumer_gone_ms, ", ".join(beats) or "-")

@@ -2,45 +2,72 @@
 
 Every stage on the asyncio thread (intake, results, the daemon's planning step) calls Redis through ``until``;
 ``reachable`` is what readiness reports. A Redis outage makes the worker unready and its calls wait; it never loses
-work: each call retried here is one that may run twice.
+work: each call retried here is one that may run twice. While Redis cannot be reached, a warning every few seconds
+names the URL (its password left out). The server is checked at first contact (``introduce``), and before the
+model loads when it answers then (``first_contact``): an unsupported one ends the worker with exit 2.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
 
+from producer.connection import aconnect, connect
+from producer.servers import Server, acheck, check
+
+from .config import Settings
 from .metrics import Metrics
 
 log = logging.getLogger("worker")
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+WARN_EVERY_S = 5.0  # while Redis stays unreachable, one warning this often
 T = TypeVar("T")
 
 
 class Link:
-    def __init__(self, client: Any, metrics: Metrics, give_up: Callable[[], bool]) -> None:
+    def __init__(self, client: Any, metrics: Metrics, give_up: Callable[[], bool], where: str) -> None:
         self.redis = client
         self.metrics = metrics
-        self.give_up = give_up  # when a call that cannot reach Redis stops retrying (stopping, past the drain)
+        self.give_up = give_up  # when a call that cannot reach Redis stops retrying (stopping, with nothing to save)
+        self.where = where  # the URL without its password
         self.reachable = False
+        self.reached = False  # ever: a worker that never reached Redis cannot say what is pending there
+        self.server: Server | None = None
+        self._down_since: float | None = None
+        self._warned = float("-inf")
 
     async def close(self) -> None:
         await self.redis.aclose()
 
     def answered(self) -> None:
         if not self.reachable:
-            log.info("redis reachable")
-        self.reachable = True
+            log.info("redis reachable at %s%s", self.where, f" ({self.server})" if self.server else "")
+        self.reachable = self.reached = True
+        self._down_since = None
 
     def failed(self, what: str, error: BaseException) -> None:
         self.metrics.redis_errors.labels(what).inc()
-        if self.reachable:
-            log.warning("redis unreachable (%s): %s; retrying", what, error)
         self.reachable = False
+        now = time.monotonic()
+        self._down_since = now if self._down_since is None else self._down_since
+        if now - self._warned >= WARN_EVERY_S:
+            self._warned = now
+            log.warning("redis unreachable at %s (%s, for %.0f s): %s; retrying", self.where, what,
+                        now - self._down_since, error)
+
+    async def introduce(self) -> Server:
+        """The server at first contact (retried until Redis answers); UnsupportedServer if it is too old."""
+        self.server = await self.until(lambda: acheck(self.redis, self.where), "connect")
+        log.info("redis at %s is %s", self.where, self.server)
+        return self.server
 
     async def until(self, call: Callable[[], Awaitable[T]], what: str) -> T:
         """``await call()``, retried with a growing pause while Redis cannot be reached."""
@@ -57,3 +84,28 @@ class Link:
                 continue
             self.answered()
             return result
+
+
+def first_contact(settings: Settings) -> Server | None:
+    """Before the model loads: the server, if it answers at once (raises UnsupportedServer if too old); None when it
+    does not (the worker loads its model meanwhile and keeps trying)."""
+    client = None
+    try:
+        client = connect(settings.redis_url, settings.redis_cluster, **settings.redis_options(),
+                         retry=Retry(NoBackoff(), 0), socket_connect_timeout=3.0, socket_timeout=3.0)
+        return check(client, settings.redis_where)
+    except (redis.RedisError, OSError) as error:
+        log.warning("redis unreachable at %s: %s; loading the model meanwhile, and retrying", settings.redis_where,
+                    error)
+        return None
+    finally:
+        if client is not None:
+            client.close()
+
+
+def client(settings: Settings) -> Any:
+    """The worker's asyncio client: the producers' connection options, with one quick retry instead of redis-py's
+    dozen (about 12 s) before a call fails: the link retries for as long as it takes and says so every few seconds,
+    which a call that keeps retrying inside the client would hide."""
+    return aconnect(settings.redis_url, settings.redis_cluster, **settings.redis_options(),
+                    retry=AsyncRetry(ExponentialBackoff(cap=0.5, base=0.05), 1))

@@ -1,21 +1,42 @@
 """Prometheus metrics of one worker process, defined once: prefix ``dq_``, base units, few labels, no ids.
 
-``priority`` is the lane (high, normal) of the stream an entry came from: latency, queue wait and the stream gauges
-carry it."""
+Queue gauges carry the worker's ``shard``: every worker of a shard reports the same value, so dashboards and alerts
+take ``max by (shard, stream, priority)`` and then sum across shards. ``priority`` is the lane (high, normal) of the
+stream an entry came from: latency, queue wait and the stream gauges carry it. Labelled counters start at zero for
+every known label value, so a panel shows a flat line rather than no data until the first event. The process and
+Python collectors (``process_*``, ``python_*``) come with the registry.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from producer.keys import LANES
+from producer.schema import ErrorCode
+from producer.servers import lag_of
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 FORWARD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5, 10, 30)
 FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+STREAMS = ("requests", "chunks")
+TAKEN = ("read", "recovered", "reclaimed", "retried")
+STATUSES = ("ok", "error")
+REDIS_OPS = ("create groups", "read", "get body", "fan out", "claim", "dead letter", "ack", "publish", "maintenance")
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, shard: int = 0) -> None:
         self.registry = registry or CollectorRegistry()
+        self.shard = str(shard)
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.entries = Counter("dq_entries_read_total", "Stream entries taken by this worker", ["stream", "how"],
                                registry=r)
         self.results = Counter("dq_results_total", "Results published, by status and error code",
@@ -29,14 +50,15 @@ class Metrics:
         self.groups_recreated = Counter("dq_groups_recreated_total",
                                         "Consumer groups recreated because Redis lost them", registry=r)
         self.redis_errors = Counter("dq_redis_errors_total", "Failed Redis calls, by operation", ["op"], registry=r)
-        self.latency = Histogram("dq_request_latency_seconds", "Enqueue (stream entry id) to result published, by lane",
-                                 ["priority"], buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("dq_request_latency_seconds",
+                                 "Enqueue (stream entry id) to result published, by result status and lane",
+                                 ["status", "priority"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram("dq_queue_wait_seconds", "Enqueue to first taken by a worker, by lane",
                                     ["priority"], buckets=LATENCY_BUCKETS, registry=r)
         self.planning = Histogram("dq_planning_seconds", "Validate, render and tokenize one entry",
                                   buckets=FORWARD_BUCKETS, registry=r)
-        self.forward = Histogram("dq_forward_seconds", "One forward pass, launch to scores on the host", ["bucket"],
-                                 buckets=FORWARD_BUCKETS, registry=r)
+        self.forward = Histogram("dq_forward_seconds", "One forward pass, launch to scores on the host, by static "
+                                 "pack size in tokens (eager: none)", ["size"], buckets=FORWARD_BUCKETS, registry=r)
         self.pack_gpu = Histogram("dq_pack_gpu_seconds", "One pack's own time on the GPU", buckets=FORWARD_BUCKETS,
                                   registry=r)
         self.gpu_idle = Histogram("dq_gpu_idle_seconds", "GPU idle between the previous pack's end and a pack's start",
@@ -45,15 +67,48 @@ class Metrics:
                               registry=r)
         self.tokens = Counter("dq_tokens_total", "Prompt tokens through the model", registry=r)
         self.packs = Counter("dq_packs_total", "Forward passes, replayed CUDA graphs or eager", ["mode"], registry=r)
-        self.gpu_memory = Gauge("dq_gpu_memory_bytes", "GPU memory of this process", ["kind"], registry=r)
+        self.gpu_memory = Gauge("dq_gpu_memory_bytes", "GPU memory of this process now: allocated or reserved",
+                                ["kind"], registry=r)
+        self.gpu_memory_peak = Gauge("dq_gpu_memory_peak_bytes", "Most GPU memory this process has had allocated",
+                                     registry=r)
         self.stream_length = Gauge("dq_stream_length", "Entries in the stream (unfinished work)",
-                                   ["stream", "priority"], registry=r)
+                                   ["shard", "stream", "priority"], registry=r)
         self.stream_pending = Gauge("dq_stream_pending", "Entries delivered and not acknowledged",
-                                    ["stream", "priority"], registry=r)
-        self.stream_lag = Gauge("dq_stream_lag", "Entries not yet delivered to any worker", ["stream", "priority"],
+                                    ["shard", "stream", "priority"], registry=r)
+        self.stream_lag = Gauge("dq_stream_lag", "Entries not yet delivered to any worker",
+                                ["shard", "stream", "priority"],
                                 registry=r)
         self.inflight = Gauge("dq_inflight_entries", "Entries this worker holds", registry=r)
         self.heartbeat = Gauge("dq_loop_heartbeat_timestamp_seconds", "Last turn of each loop", ["loop"], registry=r)
-        self.ready = Gauge("dq_ready", "1 once the model is loaded, graphs captured and Redis reached", registry=r)
-        self.info = Gauge("dq_build_info", "Version, model and engine of this worker",
-                          ["version", "model", "engine", "device"], registry=r)
+        self.ready = Gauge("dq_ready", "1 once the model is loaded, graphs captured and Redis reached, by the shard "
+                           "this worker reads", ["shard"], registry=r)
+        self.info = Gauge("dq_build_info", "Version, model, engine, device and shard of this worker",
+                          ["version", "model", "engine", "device", "shard"], registry=r)
+        for stream in STREAMS:
+            self.redeliveries.labels(stream)
+            for how in TAKEN:
+                self.entries.labels(stream, how)
+        self.results.labels("ok", "")
+        for code in ErrorCode:
+            self.results.labels("error", code.value)
+        for op in REDIS_OPS:
+            self.redis_errors.labels(op)
+        for lane in LANES:
+            self.queue_wait.labels(lane)
+            for status in STATUSES:
+                self.latency.labels(status, lane)
+        self.ready.labels(self.shard).set(0)
+
+    def streams(self, stats: dict[tuple[str, str], dict[str, Any]]) -> None:
+        """The group stats of this worker's shard (``{(stream, lane): {length, pending, lag}}``; lag None: not
+        counted by the server, so the length less pending, see ``lag_of``)."""
+        for (stream, lane), st in stats.items():
+            self.stream_length.labels(self.shard, stream, lane).set(st["length"])
+            self.stream_pending.labels(self.shard, stream, lane).set(st["pending"])
+            self.stream_lag.labels(self.shard, stream, lane).set(lag_of(st["length"], st["pending"], st["lag"]))
+
+    def set_ready(self, ready: bool) -> None:
+        self.ready.labels(self.shard).set(1 if ready else 0)
+
+    def built(self, version: str, model: str, engine: str, device: str) -> None:
+        self.info.labels(version, model, engine, device, self.shard).set(1)

@@ -305,5 +305,5 @@ class Results:
                 if result is not None and published:
                     code = result.error.code.value if result.error else ""
                     self.metrics.results.labels(result.status, code).inc()
-                    self.metrics.latency.labels(outcome.delivery.lane).observe(
+                    self.metrics.latency.labels(result.status, outcome.delivery.lane).observe(
                         max(0.0, now - outcome.delivery.enqueued_ms / 1000))

@@ -2,8 +2,10 @@
 
     python ops/grafana/dashboard.py        # after changing a panel here; a test keeps the JSON equal to this output
 
-Panels sum over the selected workers (``$instance``). Queue gauges are reported by every worker for the same
-streams, so they are aggregated with ``max`` per stream and lane (``priority``), never summed across workers.
+Panels sum over the selected workers (``$instance``). Queue gauges are reported by every worker of a shard for the
+same streams: they are aggregated per shard, stream and lane (``priority``) with ``max`` (never summed), then summed
+across shards (``queue``). Latency percentiles are of ``ok`` results: error results, answered at once, would pull them
+down.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ def sel(extra: str = "") -> str:
 
 
 REQUESTS, ERRORS, RECLAIMED = sel('stream="requests"'), sel('status="error"'), sel('how="reclaimed"')
+OK = 'status="ok"'
+
+
+def queue(metric: str, by: str = "stream", extra: str = "") -> str:
+    """A queue gauge: one value per shard, stream and lane (every worker of a shard reports it), summed across
+    shards (and lanes, unless ``by`` names ``priority``)."""
+    return f"sum by ({by}) (max by (shard, stream, priority) ({metric}{sel(extra)}))" if by else \
+        f"sum(max by (shard, stream, priority) ({metric}{sel(extra)}))"
 
 
 def quantiles(metric: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.95, 0.99), extra: str = "") -> list:
@@ -79,9 +89,9 @@ def build() -> dict:
     b.panel(title="Workers ready", targets=[(f"sum(dq_ready{W})", "ready")], **stat)
     b.panel(title="Results / s", targets=[(f"sum(rate(dq_results_total{W}[{RATE}]))", "results/s")], unit="reqps",
             **stat)
-    b.panel(title="Latency p95", targets=quantiles("dq_request_latency_seconds", qs=(0.95,)), unit="s", **stat)
-    b.panel(title="Waiting (lag)", targets=[(f'sum(max by (priority) (dq_stream_lag{REQUESTS}))',
-                                            "lag")], **stat)
+    b.panel(title="Latency p95", targets=quantiles("dq_request_latency_seconds", qs=(0.95,), extra=OK), unit="s",
+            **stat)
+    b.panel(title="Waiting (lag)", targets=[(queue("dq_stream_lag", by=""), "lag")], **stat)
     b.panel(title="Pack fill", targets=[(f"sum(rate(dq_pack_fill_ratio_sum{W}[{RATE}])) / "
                                          f"sum(rate(dq_pack_fill_ratio_count{W}[{RATE}]))", "fill")],
             unit="percentunit", **stat)
@@ -103,20 +113,26 @@ def build() -> dict:
             [(f"sum by (mode) (rate(dq_packs_total{W}[{RATE}]))", "{{mode}}")], unit="ops", stack=True)
 
     b.row("Latency")
-    b.panel("timeseries", "End to end (enqueue to result)", quantiles("dq_request_latency_seconds"), unit="s",
-            description="From the stream entry id's time to the published result.")
+    b.panel("timeseries", "End to end (enqueue to result)", [
+        *quantiles("dq_request_latency_seconds", extra=OK),
+        *[(expr, f"{legend} errors") for expr, legend in
+          quantiles("dq_request_latency_seconds", qs=(0.95,), extra='status="error"')]], unit="s",
+            description="From the stream entry id's time to the published result: ok results, and error results "
+                        "apart (refused at once, they would pull the percentiles down).")
     b.panel("timeseries", "Queue wait (enqueue to taken)", quantiles("dq_queue_wait_seconds"), unit="s")
     b.panel("timeseries", "Planning (validate, render, tokenize)", quantiles("dq_planning_seconds"), unit="s")
-    b.panel("timeseries", "Forward pass by bucket", quantiles("dq_forward_seconds", by="bucket", qs=(0.5, 0.95)),
-            unit="s", w=12, description="Launch to scores on the host, per static pack size (eager: no bucket).")
+    b.panel("timeseries", "Forward pass by pack size", quantiles("dq_forward_seconds", by="size", qs=(0.5, 0.95)),
+            unit="s", w=12, description="Launch to scores on the host, per static pack size in tokens (the CUDA-graph "
+                                        "buckets; eager: none).")
     b.panel("timeseries", "Pack fill ratio", [
         (f"sum(rate(dq_pack_fill_ratio_sum{W}[{RATE}])) / sum(rate(dq_pack_fill_ratio_count{W}[{RATE}]))", "mean"),
         *quantiles("dq_pack_fill_ratio", qs=(0.5,))], unit="percentunit", w=12,
         description="Real tokens over tokens computed per pass: low fill wastes the GPU on padding.")
 
     b.row("Priority lanes")
-    b.panel("timeseries", "End to end by lane", quantiles("dq_request_latency_seconds", by="priority", qs=(0.5, 0.99)),
-            unit="s", description="Enqueue to result per lane: high requests are read, planned and packed first.")
+    b.panel("timeseries", "End to end by lane",
+            quantiles("dq_request_latency_seconds", by="priority", qs=(0.5, 0.99), extra=OK), unit="s",
+            description="Enqueue to result per lane, ok results: high requests are read, planned and packed first.")
     b.panel("timeseries", "Queue wait by lane", quantiles("dq_queue_wait_seconds", by="priority", qs=(0.5, 0.99)),
             unit="s", description="Enqueue to taken by a worker, per lane: each lane has its own reader.")
     b.panel("timeseries", "Results by lane", [(f"sum by (priority) (rate(dq_request_latency_seconds_count{W}"
@@ -126,13 +142,16 @@ def build() -> dict:
 
     b.row("Queue")
     b.panel("timeseries", "Stream length (unfinished work)",
-            [(f"max by (stream, priority) (dq_stream_length{W})", "{{priority}} {{stream}}")], unit="short",
-            description="Workers delete entries once answered: the length is what is left to do.")
+            [(queue("dq_stream_length", by="stream, priority"), "{{priority}} {{stream}}")], unit="short",
+            description="Workers delete entries once answered: the length is what is left to do. All shards "
+                        "together, each lane's streams.")
     b.panel("timeseries", "Lag (not yet delivered)",
-            [(f"max by (stream, priority) (dq_stream_lag{W})", "{{priority}} {{stream}}")],
-            unit="short", description="The autoscaler's signal (KEDA lagCount), each lane's streams.")
+            [(queue("dq_stream_lag", by="stream, priority"), "{{priority}} {{stream}}")], unit="short",
+            description="The autoscaler's signal (KEDA lagCount), all shards together, each lane's streams.")
     b.panel("timeseries", "Pending (delivered, not acknowledged)",
-            [(f"max by (stream, priority) (dq_stream_pending{W})", "{{priority}} {{stream}}")], unit="short")
+            [(queue("dq_stream_pending", by="stream, priority"), "{{priority}} {{stream}}")], unit="short")
+    b.panel("timeseries", "Lag per shard", [(queue("dq_stream_lag", by="shard"), "shard {{shard}}")], unit="short",
+            description="Requests and parts not yet taken, per shard: a shard whose workers fall behind.")
     b.panel("timeseries", "In flight per worker", [(f"dq_inflight_entries{W}", "{{instance}}")], unit="short")
 
     b.row("Errors and recovery")
@@ -149,11 +168,18 @@ def build() -> dict:
             [(f"sum by (op) (rate(dq_redis_errors_total{W}[{RATE}]))", "{{op}}")], unit="ops")
 
     b.row("Workers")
-    b.panel("timeseries", "GPU memory", [(f"dq_gpu_memory_bytes{W}", "{{instance}} {{kind}}")], unit="bytes")
+    b.panel("timeseries", "GPU memory", [(f"dq_gpu_memory_bytes{W}", "{{instance}} {{kind}}"),
+                                         (f"dq_gpu_memory_peak_bytes{W}", "{{instance}} peak")], unit="bytes",
+            description="Allocated and reserved now; the peak allocation since start (not summed with them).")
     b.panel("timeseries", "Ready", [(f"dq_ready{W}", "{{instance}}")], unit="short")
     b.panel("timeseries", "Loop heartbeat age", [(f"time() - dq_loop_heartbeat_timestamp_seconds{W}",
                                                   "{{instance}} {{loop}}")], unit="s",
             description="Seconds since each loop last turned; liveness fails past 30 s.")
+    b.panel("timeseries", "Process CPU (cores)", [(f"rate(process_cpu_seconds_total{W}[{RATE}])", "{{instance}}")],
+            unit="short", description="CPU time per second of each worker process (the planner's processes apart).")
+    b.panel("timeseries", "Process resident memory", [(f"process_resident_memory_bytes{W}", "{{instance}}")],
+            unit="bytes")
+    b.panel("timeseries", "Open file descriptors", [(f"process_open_fds{W}", "{{instance}}")], unit="short")
     b.panel("table", "Build and model", [(f"dq_build_info{W}", "")], w=24, h=6)
     b.panels[-1]["targets"][0].update(format="table", instant=True)
 

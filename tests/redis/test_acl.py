@@ -25,8 +25,6 @@ KEYS = Keys()
 
 @pytest.fixture
 def acl_server(tmp_path):
-    if RedisServer().version < (7,):
-        pytest.skip("ACL selectors need redis-server 7")
     path = tmp_path / "users.acl"
     path.write_text(render(PASSWORDS))
     with RedisServer("--aclfile", str(path)) as server:
@@ -145,8 +143,6 @@ def test_the_compose_redis_config_loads_with_its_acl_file(tmp_path):
     from ops.redis_acl import DEVELOPMENT_PASSWORDS
 
     server = RedisServer()
-    if server.version < (7,):
-        pytest.skip("the ACL file needs redis-server 7")
     port = free_port()
     process = subprocess.Popen([server.binary, str(ROOT / "ops/redis/redis.conf"), "--port", str(port),
                                 "--bind", "127.0.0.1", "--dir", str(tmp_path),

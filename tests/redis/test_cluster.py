@@ -13,7 +13,6 @@ from clusters import LocalCluster
 from producer.client import AsyncClient, Client
 from producer.keys import Keys, shard_of
 from test_e2e import QUESTIONS, requests
-from worker.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -37,8 +36,6 @@ def test_every_script_and_multi_stream_read_touches_one_slot():
 
 @pytest.fixture
 def cluster():
-    if RedisServer().version < (7,):
-        pytest.skip("a local cluster needs redis-server 7 (cluster-port)")
     with LocalCluster(3) as started:
         yield started
 
@@ -103,8 +100,6 @@ def test_cluster_under_the_acl_users(tmp_path, start_worker, tiny_dir):
     """The ACL roles include what cluster clients need (topology, command table): no denial on any node."""
     from ops.redis_acl import ROLES, render
 
-    if RedisServer().version < (7,):
-        pytest.skip("a local cluster and ACL selectors need redis-server 7")
     passwords = {role: f"test-{role}" for role in ROLES}
     acl = tmp_path / "users.acl"
     acl.write_text(render(passwords))

@@ -15,8 +15,8 @@ from test_e2e import QUESTIONS, requests
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 # Every label a dq_ metric may carry: dimensions with a handful of values, never an id.
-LABELS = {"stream", "priority", "how", "status", "code", "op", "bucket", "mode", "kind", "loop", "version", "model", "engine",
-          "device", "le"}
+LABELS = {"shard", "stream", "priority", "how", "status", "code", "op", "size", "mode", "kind", "loop", "version",
+          "model", "engine", "device", "le"}
 
 
 def eventually(condition, timeout: float = 15.0, every: float = 0.1):
@@ -45,8 +45,8 @@ def test_metrics_move_as_the_work_goes(redis_server, start_worker, tiny_dir):
     assert dict(info)["engine"] == "reference" and dict(info)["device"] == "cpu" and dict(info)["model"]
     assert worker.metric("dq_ready") == 1
     # The maintenance loop's stream stats see the backlog (refreshed every 5 s).
-    assert eventually(lambda: worker.metric("dq_stream_length", stream="requests") > 10
-                      and worker.metric("dq_stream_lag", stream="requests") > 10, timeout=10), worker.metrics()
+    assert eventually(lambda: worker.metric("dq_stream_length", shard="0", stream="requests") > 10
+                      and worker.metric("dq_stream_lag", shard="0", stream="requests") > 10, timeout=10), worker.metrics()
 
     results = client.wait_many([*ids], timeout=120)
     wall = time.time() - started
@@ -71,6 +71,8 @@ def test_metrics_move_as_the_work_goes(redis_server, start_worker, tiny_dir):
     # End-to-end latency, from the entry id's enqueue time to publication: one observation per result, and it
     # agrees with the timings the results carry (published a moment after finished_ms).
     assert eventually(lambda: m("dq_request_latency_seconds_count") == len(ids) + 1)  # observed after the count
+    assert m("dq_request_latency_seconds_count", status="ok") == len(ids)  # errors apart: they skew no percentile
+    assert m("dq_request_latency_seconds_count", status="error") == 1
     producer_view = sum(r.timings.finished_ms - r.timings.enqueued_ms for r in ok) / 1000
     assert producer_view * 0.95 <= m("dq_request_latency_seconds_sum") <= producer_view + 0.5 * len(ids) + wall
     assert m("dq_request_latency_seconds_bucket", le="+Inf") == len(ids) + 1
@@ -83,7 +85,7 @@ def test_metrics_move_as_the_work_goes(redis_server, start_worker, tiny_dir):
     # Packs: eager on CPU (no CUDA graphs), one forward observation per pack, fill in (0, 1].
     packs = m("dq_packs_total")
     assert packs > 0 and m("dq_packs_total", mode="eager") == packs and m("dq_packs_total", mode="graph") == 0
-    assert m("dq_forward_seconds_count", bucket="eager") == packs
+    assert m("dq_forward_seconds_count", size="eager") == packs
     assert m("dq_pack_fill_ratio_count") == packs and 0 < m("dq_pack_fill_ratio_sum") <= packs
     assert m("dq_tokens_total") == sum(r.usage.tokens for r in ok)
     assert m("dq_inflight_entries") == 0
@@ -97,11 +99,13 @@ def test_metrics_move_as_the_work_goes(redis_server, start_worker, tiny_dir):
     assert any(line["msg"].startswith("ready:") for line in lines)
     assert len([line for line in lines if line["level"] == "info"]) < 10, lines
 
-    # One prefix, no ids as labels (a handful of series whatever the traffic).
+    # One prefix, no ids as labels (a handful of series whatever the traffic), beside the process collectors.
     samples = worker.metrics()
-    assert all(name.startswith("dq_") for name, _ in samples)
-    assert {key for _, labels in samples for key, _ in labels} <= LABELS
+    assert all(name.startswith(("dq_", "process_", "python_")) for name, _ in samples)
+    assert {key for name, labels in samples for key, _ in labels if name.startswith("dq_")} <= LABELS
     assert len(samples) < 400
+    assert m("process_resident_memory_bytes") > 10e6 and m("process_cpu_seconds_total") > 0
+    assert m("python_info") == 1 and m("dq_ready", shard="0") == 1
 
 
 def check(worker, live: bool = False) -> int:

