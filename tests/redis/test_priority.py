@@ -45,6 +45,21 @@ def test_a_high_request_enqueued_after_5000_normal_ones_finishes_before_30_perce
     assert worker.metric("dq_request_latency_seconds_count", priority="high") == 1
 
 
+def test_a_worker_holding_max_inflight_normal_entries_still_takes_a_high_request_into_its_next_pack(
+        redis_server, start_worker, tiny_dir):
+    worker = start_worker(tiny_dir, redis_server.url, read_count=4, max_inflight=4, entry=FAULTY,
+                          env={"DQ_FAULT_SLOW_S": "1"})
+    client = Client(redis_server.url)
+    bulk = client.submit_many(batch(20, "held"))
+    wait_log(worker, "fault: slow pack")  # the first pack: the four normal entries the worker may hold
+    assert worker.metric("dq_inflight_entries") == 4
+    [urgent] = client.submit_many(lane(batch(1, "urgent"), HIGH))
+    result = client.wait(urgent, timeout=60)
+    done = answered(client, bulk)
+    assert result.ok and done <= 8, done  # in the pack after the one on the way, not behind the 16 left
+    settle(client.redis, client.keys, bulk + [urgent], timeout=90).assert_ok()
+
+
 def test_normal_work_keeps_its_share_under_a_steady_flood_of_high_work(redis_server, start_worker, tiny_dir):
     worker = start_worker(tiny_dir, redis_server.url, normal_share=0.1)
     client, feeder = Client(redis_server.url, max_unfinished=0), Client(redis_server.url, max_unfinished=0)
