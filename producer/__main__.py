@@ -8,7 +8,8 @@ result, or show queue stats.
   dq-producer stats
 
 Exit codes: 0 every request queued (or, with --wait, answered ok); 1 some refused, answered with an error or timed
-out; 2 usage (bad flag, file or URL) or an unsupported server (older than Redis 7.0 or Valkey 7.2); 3 queue full, some requests not sent; 4 Redis unreachable or refusing.
+out; 2 usage (bad flag, file or URL) or an unsupported server (older than Redis 7.0 or Valkey 7.2); 3 queue full,
+some requests not sent; 4 Redis unreachable or refusing.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from .schema import ErrorCode
 
 # Connection flags: the worker's names (worker/config.py), so one vocabulary serves both; the first is the flag.
 CONNECTION = {  # field of Deployment: (flags, metavar, help)
-    "url": (["--redis-url", "--redis"], "URL", "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user)"),
+    "url": (["--redis-url", "--redis"], "URL",
+            "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user)"),
     "namespace": (["--namespace"], "NAME", "prefix of every Redis name of the deployment"),
     "cluster": (["--redis-cluster", "--cluster"], None, "the URL is a node of a Redis Cluster"),
     "shards": (["--shards"], "N", "stream shards of the deployment: submit spreads over them, stats shows each"),
@@ -187,7 +189,8 @@ def parser() -> argparse.ArgumentParser:
                               description="Print one request's result; exit 0 if it is ok, 1 if it is an error "
                                           "result or there is none.")
     res.add_argument("id", help="the request id")
-    res.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="seconds to wait for it (0: look once) [default 0]")
+    res.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                     help="seconds to wait for it (0: look once) [default 0]")
     res.set_defaults(run=result)
     return top
 

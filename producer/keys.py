@@ -50,6 +50,7 @@ class Field:
     PARTS = "parts"  # how many parts the request has
     QUESTIONS = "questions"  # JSON list of this part's question names
     ENQUEUED_MS = "enqueued_ms"  # when the request was enqueued (ms): its entry id's time
+    TRACEPARENT = "traceparent"  # the request's W3C trace context, when it has one (for the worker's logs)
     # Dead-letter entries: where the entry was and why it was given up, then the entry's own fields
     STREAM = "stream"  # requests or chunks
     ENTRY_ID = "entry_id"

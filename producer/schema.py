@@ -127,7 +127,7 @@ class Request(_Strict):
     @field_validator("metadata")
     @classmethod
     def _metadata_size(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()) if value else 0
+        size = _metadata_bytes(value) if value else 0
         if size > MAX_METADATA_BYTES:
             raise ValueError(f"metadata is {size} bytes of JSON, over the {MAX_METADATA_BYTES}-byte limit")
         return value
@@ -135,7 +135,7 @@ class Request(_Strict):
     @field_validator("traceparent")
     @classmethod
     def _traceparent_format(cls, value: str | None) -> str | None:
-        if value is not None and not (TRACEPARENT.fullmatch(value) and (value[:2] != "00" or len(value) == 55)):
+        if value is not None and valid_traceparent(value) is None:
             raise ValueError("traceparent must be a W3C trace context: 00-<32 hex trace id>-<16 hex parent id>-"
                              "<2 hex flags>, lowercase, ids not all zeros")
         return value
@@ -241,6 +241,26 @@ class ResultError(Exception):
         self.result, self.code, self.message = result, error.code, error.message
         code = self.code.value if isinstance(self.code, ErrorCode) else self.code
         super().__init__(f"request {result.id}: {code}: {self.message}")
+
+
+def _metadata_bytes(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def valid_traceparent(value: Any) -> str | None:
+    """``value`` if it is a W3C traceparent (version 00 has exactly four fields), else None."""
+    if isinstance(value, str) and TRACEPARENT.fullmatch(value) and (value[:2] != "00" or len(value) == 55):
+        return value
+    return None
+
+
+def valid_metadata(value: Any) -> dict[str, Any] | None:
+    """``value`` if it is request metadata (a JSON object within the cap), else None. For parsed JSON: the worker
+    echoes a request's valid metadata even in the error result of an otherwise bad request."""
+    try:
+        return value if isinstance(value, dict) and _metadata_bytes(value) <= MAX_METADATA_BYTES else None
+    except (TypeError, ValueError, RecursionError):  # lone surrogates, values JSON cannot hold
+        return None
 
 
 def describe(error: ValidationError) -> str:

@@ -117,7 +117,8 @@ class Compute:
             log.critical("the GPU failed (%s): exiting so that the supervisor restarts this worker", error)
             os._exit(70)
         if len(pack) == 1:
-            log.warning("chunk of %s failed: %r", pack[0].task.request_id, error)
+            log.warning("chunk of %s failed: %r", pack[0].task.request_id, error,
+                        extra=pack[0].task.delivery.log_fields)
             self.sink.task_failed(pack[0].task, f"{type(error).__name__}: {error}")
             return
         for half in (pack[: len(pack) // 2], pack[len(pack) // 2:]):

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Any
 
+from producer import __version__
 from producer.keys import Keys
 from producer.schema import ErrorCode, RequestError
 from producer.servers import UnsupportedServer
@@ -49,7 +50,6 @@ from .results import Publisher, Results, error_outcome
 from .tasks import Item
 
 log = logging.getLogger("worker")
-VERSION = "0.1.0"
 
 
 def create_engine(model: checkpoint.DecisionModel, settings: Settings) -> Engine:
@@ -94,7 +94,7 @@ class Daemon:
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
                              settings.high_pack_tokens)
         self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.results)
-        self.metrics.built(VERSION, self.model.name, self.engine.name, str(self.model.device))
+        self.metrics.built(__version__, self.model.name, self.engine.name, str(self.model.device))
 
     # ---------------------------------------------------------------- lifecycle (main thread)
 
@@ -219,7 +219,7 @@ class Daemon:
         """Every entry taken (read, recovered, reclaimed, retried) comes here once."""
         if delivery.payload_gone:  # pending, but trimmed away: nothing to answer with
             log.error("entry %s of %s has no payload any more (trimmed?): acknowledged", delivery.entry_id,
-                      delivery.key)
+                      delivery.key, extra=delivery.log_fields)
             self.intake.count_lost([(delivery.key, delivery.entry_id)])
             asyncio.ensure_future(self.results.ack_only(delivery))
         elif delivery.deliveries > self.settings.max_deliveries:
@@ -243,7 +243,7 @@ class Daemon:
             self.results.settle(error_outcome(delivery, error.code, error.message, self.model.name))
             return
         except Exception as error:  # noqa: BLE001 - a planner bug must not take the daemon down
-            log.exception("planning %s failed", delivery.entry_id)
+            log.exception("planning %s failed", delivery.entry_id, extra=delivery.log_fields)
             self._failed(delivery, f"{type(error).__name__}: {error}")
             return
         finally:
@@ -251,6 +251,7 @@ class Daemon:
         if task.fan_out:
             await self.link.until(lambda: self.publisher.fan_out(task), "fan out")
             self.metrics.fanouts.inc()
+            log.debug("fanned %s out in %d parts", delivery.request_id, len(task.fan_out), extra=delivery.log_fields)
             self.intake.release(delivery)
             return
         for index, chunk in enumerate(task.chunks):

@@ -13,9 +13,10 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from producer.keys import ID_PATTERN, NORMAL, Field, Keys, Priority
+from producer.schema import valid_metadata, valid_traceparent
 
 
 class Stream(enum.StrEnum):
@@ -54,6 +55,11 @@ class Delivery:
     parts: int = 1
     questions: list[str] | None = None
     invalid: str | None = None  # why the entry cannot be processed (its first bad field); None when it can
+    # The caller's context, when valid (a bad one fails the request with invalid_request in the planner): echoed in
+    # its result, even an error result, and the traceparent in this worker's log lines about the request. A part's
+    # metadata is in its request's stored body; its traceparent is a field of its entry.
+    metadata: dict[str, Any] | None = None
+    traceparent: str | None = None
     lane: Priority = NORMAL  # the lane of the stream it is in, which is its priority
 
     @classmethod
@@ -65,22 +71,29 @@ class Delivery:
         enqueued_ms = arrival_ms
         if Field.ENQUEUED_MS.encode() in fields:  # chunk entries carry their request's
             enqueued_ms = _checked(problems, lambda: _integer(fields, Field.ENQUEUED_MS), arrival_ms)
-        part, parts, questions = 0, 1, None
+        part, parts, questions, metadata = 0, 1, None, None
         if stream == CHUNKS:
             request_id = _checked(problems, lambda: _text(fields, Field.REQUEST_ID), entry_id)
             reply_to = None  # a part's reply stream is its request's, in the stored body
             part = _checked(problems, lambda: _integer(fields, Field.PART), 0)
             parts = _checked(problems, lambda: _integer(fields, Field.PARTS), 1)
             questions = _checked(problems, lambda: _names(fields, Field.QUESTIONS), [])
+            raw_trace = fields.get(Field.TRACEPARENT.encode())  # only for logs: a bad one is left out, not fatal
+            traceparent = valid_traceparent(raw_trace.decode(errors="replace")) if raw_trace else None
         else:
-            request_id, reply_to = _identity(keys, fields.get(Field.BODY.encode()), entry_id)
+            request_id, reply_to, metadata, traceparent = _identity(keys, fields.get(Field.BODY.encode()), entry_id)
         return cls(stream, key, entry_id, fields, deliveries, time.time(), request_id, reply_to, enqueued_ms,
-                   part, parts, questions, problems[0] if problems else None, lane)
+                   part, parts, questions, problems[0] if problems else None, metadata, traceparent, lane)
 
     @property
     def body(self) -> bytes | None:
         """A request entry's request JSON (chunk entries have none: their request's is stored apart)."""
         return self.fields.get(Field.BODY.encode())
+
+    @property
+    def log_fields(self) -> dict[str, str]:
+        """What log lines about this entry's request carry (``log.error(..., extra=delivery.log_fields)``)."""
+        return {"request_id": self.request_id, **({"traceparent": self.traceparent} if self.traceparent else {})}
 
     @property
     def payload_gone(self) -> bool:
@@ -130,15 +143,18 @@ def _names(fields: Mapping[bytes, bytes], name: str) -> list[str]:
     return value
 
 
-def _identity(keys: Keys, body: bytes | None, entry_id: str) -> tuple[str, str | None]:
-    """A request's result id (the body's valid ``id``, else the entry id) and its reply stream (``reply_to`` when
-    it is one of this deployment's). Any body at all: these decide where even an error result goes."""
+def _identity(keys: Keys, body: bytes | None, entry_id: str
+              ) -> tuple[str, str | None, dict[str, Any] | None, str | None]:
+    """A request's result id (the body's valid ``id``, else the entry id), its reply stream (``reply_to`` when it
+    is one of this deployment's), and its valid metadata and traceparent. Any body at all: these decide where even
+    an error result goes, and what it echoes."""
     try:
         value = json.loads(body if body is not None else b"")
     except (ValueError, RecursionError):
         value = None
     if not isinstance(value, dict):
-        return entry_id, None
+        return entry_id, None, None, None
     candidate, reply_to = value.get("id"), value.get("reply_to")
     request_id = candidate if isinstance(candidate, str) and ID_PATTERN.match(candidate) else entry_id
-    return request_id, reply_to if isinstance(reply_to, str) and reply_to.startswith(keys.reply_prefix) else None
+    reply_to = reply_to if isinstance(reply_to, str) and reply_to.startswith(keys.reply_prefix) else None
+    return request_id, reply_to, valid_metadata(value.get("metadata")), valid_traceparent(value.get("traceparent"))

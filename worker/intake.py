@@ -250,7 +250,8 @@ class Intake:
                 if fresh:  # one line per reclaim, not one per entry (a dead worker may have held hundreds)
                     log.info("reclaimed %d entries from consumers idle over %d ms", len(fresh), settings.claim_idle_ms)
                 for delivery in fresh:
-                    log.debug("reclaimed %s of %s (delivery %d)", delivery.entry_id, delivery.key, delivery.deliveries)
+                    log.debug("reclaimed %s of %s (delivery %d)", delivery.entry_id, delivery.key, delivery.deliveries,
+                              extra=delivery.log_fields)
                     self.take(delivery, "reclaimed")
                 if time.monotonic() - last_stats > 5:
                     last_stats = time.monotonic()

@@ -15,14 +15,14 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.asyncio import RedisCluster
 
 from producer.keys import Field, Keys
-from producer.schema import ErrorCode, Result, Timings, Usage
+from producer.schema import ErrorCode, Request, Result, Timings, Usage
 
 from .entries import Delivery
 from .link import Link
@@ -63,6 +63,14 @@ class Outcome:
     result: Result | None = None  # the request's result (whole requests and errors)
     part: tuple[int, int, dict[str, Any]] | None = None  # (index, count, share) of a fanned-out request
     order: list[str] | None = None  # question order of the request, for merging parts
+    echo: dict[str, Any] = field(default_factory=dict)  # the caller's context its request's result echoes
+
+
+def echo(delivery: Delivery, request: Request | None = None) -> dict[str, Any]:
+    """The caller's context a result echoes (metadata, traceparent): the parsed request's, else what was read of it
+    when the entry was taken (so the error result of a bad request echoes what was valid in it)."""
+    source: Request | Delivery = request if request is not None else delivery
+    return {"metadata": source.metadata, "traceparent": source.traceparent}
 
 
 def share(task: Task) -> dict[str, Any]:
@@ -79,14 +87,14 @@ def share(task: Task) -> dict[str, Any]:
 
 
 def ok_result(request_id: str, shares: list[dict[str, Any]], order: list[str], enqueued_ms: int,
-              model: str) -> Result:
+              model: str, context: dict[str, Any] | None = None) -> Result:
     merged: dict[str, dict[str, Any]] = {key: {} for key in ("answers", "logits", "probabilities", "options")}
     for part in shares:
         for key in merged:
             merged[key].update(part[key])
     ordered = {key: {n: merged[key][n] for n in order} for key in merged}
     return Result(
-        id=request_id, status="ok", model=model, **ordered,
+        id=request_id, status="ok", model=model, **ordered, **(context or {}),
         usage=Usage(tokens=sum(p["tokens"] for p in shares), prompts=sum(p["prompts"] for p in shares),
                     parts=len(shares)),
         timings=Timings(enqueued_ms=enqueued_ms, started_ms=min(p["started_ms"] for p in shares),
@@ -94,21 +102,24 @@ def ok_result(request_id: str, shares: list[dict[str, Any]], order: list[str], e
 
 
 def task_outcome(task: Task, model: str) -> Outcome:
-    order = list(task.request.questions)
+    order, context = list(task.request.questions), echo(task.delivery, task.request)
     if task.parts > 1:
-        return Outcome(task.delivery, task.request.reply_to, part=(task.part, task.parts, share(task)), order=order)
+        return Outcome(task.delivery, task.request.reply_to, part=(task.part, task.parts, share(task)), order=order,
+                       echo=context)
     names = [q.name for chunk in task.chunks for q in chunk.questions]
-    result = ok_result(task.request_id, [share(task)], names, task.delivery.enqueued_ms, model)
+    result = ok_result(task.request_id, [share(task)], names, task.delivery.enqueued_ms, model, context)
     return Outcome(task.delivery, task.request.reply_to, result=result)
 
 
 def error_outcome(delivery: Delivery, code: ErrorCode, message: str, model: str,
-                  reply_to: str | None = None) -> Outcome:
-    """An error result for the entry's request; its reply stream is the delivery's unless given."""
+                  request: Request | None = None) -> Outcome:
+    """An error result for the entry's request; its reply stream and echoed context are the parsed request's when
+    there is one, else the delivery's."""
     timings = Timings(enqueued_ms=delivery.enqueued_ms, started_ms=int(delivery.taken * 1000),
                       finished_ms=int(time.time() * 1000))
-    return Outcome(delivery, reply_to if reply_to is not None else delivery.reply_to,
-                   result=Result.failure(delivery.request_id, code, message, timings=timings, model=model))
+    reply_to = request.reply_to if request is not None else delivery.reply_to
+    return Outcome(delivery, reply_to, result=Result.failure(delivery.request_id, code, message, timings=timings,
+                                                             model=model, **echo(delivery, request)))
 
 
 class Publisher:
@@ -144,7 +155,7 @@ class Publisher:
                 indexes = sorted(range(0, len(reply), 2), key=lambda at: int(reply[at]))  # HGETALL: index, share, ...
                 shares = [json.loads(reply[at + 1]) for at in indexes]
                 merges.append((outcome, ok_result(outcome.delivery.request_id, shares, outcome.order or [],
-                                                  outcome.delivery.enqueued_ms, self.model)))
+                                                  outcome.delivery.enqueued_ms, self.model, outcome.echo)))
             else:
                 final.append((outcome, None, 0))
         if merges:
@@ -186,12 +197,13 @@ class Publisher:
         """Store the request once, add one entry per part (``task.fan_out``) to its lane's chunk stream (the parts
         of a high request stay high), then acknowledge the request entry."""
         entry, groups = task.delivery, task.fan_out
+        trace = {Field.TRACEPARENT: task.request.traceparent} if task.request.traceparent else {}
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.body(entry.request_id), entry.body, ex=self.ttl)
             for index, names in enumerate(groups):
                 pipe.xadd(self.keys.chunks_in(entry.lane), {Field.REQUEST_ID: entry.request_id, Field.PART: index,
                                              Field.PARTS: len(groups), Field.QUESTIONS: json.dumps(names),
-                                             Field.ENQUEUED_MS: entry.enqueued_ms})
+                                             Field.ENQUEUED_MS: entry.enqueued_ms, **trace})
             await pipe.execute()
         await self.ack([entry])
 
@@ -256,7 +268,7 @@ class Results:
             return
         task.cancelled = True
         self.settle(error_outcome(task.delivery, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before compute",
-                                  self.model, task.request.reply_to))
+                                  self.model, task.request))
 
     def settle(self, outcome: Outcome) -> None:
         self.outcomes.put_nowait(outcome)
@@ -267,7 +279,7 @@ class Results:
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         log.error("dead-lettering %s of %s after %d deliveries: %s", delivery.entry_id, delivery.key,
-                  delivery.deliveries, reason)
+                  delivery.deliveries, reason, extra=delivery.log_fields)
         await self.link.until(lambda: self.publisher.dead_letter(delivery, reason), "dead letter")
         self.metrics.dead_letters.inc()
         self.settle(error_outcome(delivery, ErrorCode.DEAD_LETTERED,
@@ -307,3 +319,6 @@ class Results:
                     self.metrics.results.labels(result.status, code).inc()
                     self.metrics.latency.labels(result.status, outcome.delivery.lane).observe(
                         max(0.0, now - outcome.delivery.enqueued_ms / 1000))
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("published %s: %s", result.id, code or result.status,
+                                  extra=outcome.delivery.log_fields)

@@ -222,3 +222,4 @@ def test_the_readme_python_snippet_runs_as_written(served):
     assert 0 <= refund <= 1 and 0 <= calm <= 1
     assert [line.split(" ", 1)[0] for line in rest] == ["ticket-0", "ticket-1"]
     assert all(line.split(" ", 1)[1].startswith("{'true': ") for line in rest)
+    assert all(line.endswith("} {'tenant': 'acme'}") for line in rest)  # the metadata, echoed

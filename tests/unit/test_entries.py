@@ -80,6 +80,24 @@ def test_a_bad_enqueue_time_on_a_request_entry_is_named_and_the_entry_time_used(
     assert entry.enqueued_ms == 1700000000123 and entry.request_id == "r-1"
 
 
+TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_the_callers_context_is_read_once_and_only_when_valid():
+    entry = request(json.dumps({"id": "r-1", "state": "x", "metadata": {"tenant": "acme"}, "traceparent": TRACE,
+                                "questions": "not even questions"}).encode())
+    assert (entry.metadata, entry.traceparent) == ({"tenant": "acme"}, TRACE)  # kept for the error result's echo
+    assert entry.log_fields == {"request_id": "r-1", "traceparent": TRACE}
+    for bad in ({"metadata": ["a"], "traceparent": TRACE.upper()}, {"metadata": {"k": "x" * 5000}, "traceparent": 7},
+                {"metadata": "tenant", "traceparent": TRACE + "\n"}):
+        entry = request(json.dumps({"id": "r-2", "state": "x", **bad}).encode())
+        assert (entry.metadata, entry.traceparent) == (None, None) and entry.log_fields == {"request_id": "r-2"}
+    # A part carries its request's traceparent as a field of its own (for logs; a bad one is only left out).
+    assert part(traceparent=TRACE.encode()).traceparent == TRACE
+    assert part(traceparent=b"\xff junk").traceparent is None and part(traceparent=b"junk").invalid is None
+    assert part().traceparent is None and part().metadata is None
+
+
 def test_a_trimmed_entry_has_no_payload():
     assert Delivery.parse(KEYS, CHUNKS, KEYS.chunks, "1-0", {}, 3).payload_gone
 

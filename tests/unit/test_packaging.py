@@ -32,6 +32,9 @@ def test_both_packages_ship_py_typed():
 
 def test_version_comes_from_the_package_metadata():
     assert producer.__version__ == PYPROJECT["project"]["version"]  # the installed metadata, built from pyproject
+    copies = [str(path.relative_to(ROOT)) for package in ("producer", "worker", "ops") for path in
+              (ROOT / package).rglob("*.py") if f'"{producer.__version__}"' in path.read_text()]
+    assert copies == []  # the worker's dq_info metric and both --version read producer.__version__
 
 
 @pytest.mark.parametrize("package, command", [("producer", "dq-producer"), ("worker", "dq-worker")])

@@ -117,7 +117,8 @@ def test_results_accept_fields_they_do_not_know_and_keep_them():
     """A newer worker may add fields anywhere in a result, and error codes: older producers still read it."""
     raw = json.dumps({"id": "r", "status": "error", "new_top": {"x": 1},
                       "error": {"code": "brand_new_code", "message": "m", "hint": "h"},
-                      "usage": {"tokens": 3, "prompts": 1, "parts": 1, "cache_hits": 2}, "timings": {"queued_ms": 4, "finished_ms": 9}})
+                      "usage": {"tokens": 3, "prompts": 1, "parts": 1, "cache_hits": 2},
+                      "timings": {"queued_ms": 4, "finished_ms": 9}})
     result = Result.model_validate_json(raw)
     assert result.model_extra == {"new_top": {"x": 1}} and result.usage.model_extra == {"cache_hits": 2}
     assert result.timings.finished_ms == 9 and result.timings.model_extra == {"queued_ms": 4}
