@@ -1,16 +1,22 @@
-"""Redis ACL users of a deployment, least privilege per role, written as an ``aclfile`` (Redis 7+).
+"""Redis ACL users of a deployment, least privilege per role, written as an ``aclfile`` (Redis 7+, Valkey 7.2+).
 
     python ops/redis_acl.py [--namespace dq] > users.acl     # passwords from DQ_ACL_<ROLE>_PASSWORD, else generated
     python ops/redis_acl.py --development > ops/redis/users.acl   # the compose file's well-known passwords
 
-Roles:
-- producer: enqueue in either lane (plain XADD or the submit script) and read results and reply streams. No consumer-group
-  commands, no deletes, no writes to results (it cannot forge an answer).
-- worker: what the daemon does (read the group, claim, acknowledge, publish through its scripts, fan out, dead
-  letters, heartbeat), inside the namespace only. DEL and EXPIRE only on per-request keys and reply streams
-  (a selector), so even a worker cannot drop a work stream; no XTRIM, no group deletion, no FLUSH, CONFIG or KEYS.
-- monitor: read-only stream metadata and INFO for Prometheus, KEDA and ``python -m producer stats``; no payloads.
-- admin: everything, for operators.
+No role but admin runs Lua of its own (no EVAL, EVALSHA, SCRIPT or FUNCTION LOAD): Redis Functions of the
+queue's library (producer/library.py, loaded by ``dq-worker load-functions`` as admin) are called with FCALL.
+Redis checks every command a function runs against its caller's user, so each role also holds the commands its
+functions run, on exactly those keys. Selectors (the parenthesised groups) give each command its keys:
+
+- producer: FCALL the submit function on request streams, either lane's (and the XADD, XLEN it runs),
+  XREAD/XRANGE results and reply streams. It cannot read request streams, consume, delete, write results, or run
+  its own Lua.
+- worker: the group commands on the work streams (both lanes'); XADD to chunk and dead-letter streams; SET/GET
+  stored bodies; the heartbeat hash; the publish and part functions and what they run on per-request keys and reply
+  streams. No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work stream.
+- monitor: counts only: XLEN, XINFO GROUPS/CONSUMERS, XPENDING, INFO, the heartbeat hash. No XINFO STREAM (it
+  returns the first and last entries), no XRANGE, no per-request keys.
+- admin: everything, for operators (and for loading the function library).
 - default (no credentials): PING only, for container health checks.
 
 Passwords are stored as SHA-256 (``#<hex>``), never in clear. ``ops/redis/users.acl`` is this script's output with
@@ -37,20 +43,26 @@ CONNECT = "+ping +hello +client|setname +client|id +command +cluster|slots +clus
 # Key patterns (the placeholders) are the deployment's own names, from producer/keys.py; see ``patterns``.
 ROLES = {
     "producer": (
-        "{connect} +xadd +xlen +xread +xrange +evalsha +script|load "
-        "~{requests} ~{high_requests} %R~{results} %R~{replies}"
+        # the submit function's keys, and the commands it runs (also callable directly: see docs/OPERATIONS.md)
+        "{connect} +fcall +xadd +xlen ~{requests} ~{high_requests} "
+        "(+xread +xrange %R~{results} %R~{replies})"
     ),
     "worker": (
-        "{connect} +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|delconsumer "
-        "+xinfo|groups +xinfo|consumers +xlen +xadd "
-        "+evalsha +script|load +script|exists +exists +hlen +hgetall +hset +hdel +get +set "
-        "~{everything} "
-        # scripts delete a published request's parts and body and expire results: nothing else may go away
-        "(+del +expire ~{results} ~{parts} ~{bodies} ~{replies})"
+        "{connect} +fcall +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|delconsumer "
+        "+xinfo|groups +xinfo|consumers +xlen ~{requests} ~{high_requests} ~{chunks} ~{high_chunks} "
+        "(+xadd +xlen ~{chunks} ~{high_chunks} ~{dead}) "  # fan-out parts, dead letters
+        "(+set +get ~{bodies}) "  # a fanned-out request's body
+        "(+hset +hdel +hget +hgetall +hlen ~{workers}) "  # heartbeats
+        # the publish and part functions (FCALL's keys), then what they run; replies beside results
+        "(+fcall ~{results} ~{parts} ~{bodies} ~{replies}) "
+        "(+exists +xadd +expire ~{results} ~{replies}) "
+        "(+hset +hlen +hgetall +expire ~{parts}) "
+        "(+del ~{parts} ~{bodies})"
     ),
     "monitor": (
-        "{connect} +xinfo|groups +xinfo|stream +xinfo|consumers +xlen +xpending +hkeys +hlen +hgetall +info "
-        "%R~{everything}"
+        "{connect} +info +xlen +xinfo|groups +xinfo|consumers +xpending %R~{requests} %R~{high_requests} "
+        "%R~{chunks} %R~{high_chunks} %R~{dead} "
+        "(+hlen +hkeys +hget +hgetall %R~{workers})"
     ),
     "admin": "~* &* +@all",
 }
@@ -61,12 +73,13 @@ DEVELOPMENT_PASSWORDS = {role: f"dev-{role}-password" for role in ROLES}
 
 
 def patterns(namespace: str) -> dict[str, str]:
-    """The key patterns the roles name: every shard's request streams (both lanes), every request's keys, the reply
-    streams."""
+    """The key patterns the roles name: every shard's work streams (each lane's) and dead-letter stream, every
+    request's keys, the reply streams, the heartbeat hash."""
     every = Keys(namespace, ANY)
-    return {"everything": every.everything, "requests": every.requests, "high_requests": every.requests_in(HIGH),
-            "results": every.result(ANY),
-            "parts": every.parts(ANY), "bodies": every.body(ANY), "replies": every.reply_prefix + ANY}
+    return {"requests": every.requests, "high_requests": every.requests_in(HIGH), "chunks": every.chunks,
+            "high_chunks": every.chunks_in(HIGH), "dead": every.dead, "results": every.result(ANY),
+            "parts": every.parts(ANY), "bodies": every.body(ANY), "replies": every.reply_prefix + ANY,
+            "workers": every.workers()}
 
 
 def password_hash(password: str) -> str:

@@ -1,9 +1,9 @@
 """How many requests per second one Redis shard carries for this workload, without the model.
 
 Replays the exact Redis traffic of a request through the real code, without torch: producers send with
-``AsyncClient.send`` (the submit script, batches of 500) and wait with ``wait_many`` (pipelined XRANGE + blocking
+``AsyncClient.send`` (the submit function, batches of 500) and wait with ``wait_many`` (pipelined XRANGE + blocking
 XREAD); consumers are the worker's Redis faces, ``worker.intake.Consumer.read`` (XREADGROUP over chunks and
-requests, each entry parsed into a Delivery) and ``worker.results.Publisher.settle`` (the publish script, XACK,
+requests, each entry parsed into a Delivery) and ``worker.results.Publisher.settle`` (the publish function, XACK,
 XDEL) with a result shaped like a real one. Nothing is computed: the consumers answer at once.
 
     python ops/redis_bench.py                      # starts its own redis-server (AOF, appendfsync always)
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis  # noqa: E402
 
+from producer import library  # noqa: E402
 from producer.client import AsyncClient, Prepared, aconnect, prepare  # noqa: E402
 from producer.keys import NORMAL, Keys  # noqa: E402
 from worker.intake import Consumer  # noqa: E402
@@ -129,6 +130,7 @@ def run(args: argparse.Namespace) -> dict:
             admin.xgroup_create(key, keys.group, id="$", mkstream=True)
         except redis.ResponseError:
             pass
+    library.ensure(admin)  # what a worker does at start: the publish function is there before the first result
     out: multiprocessing.Queue = multiprocessing.Queue()
     ready: multiprocessing.Queue = multiprocessing.Queue()
     start = multiprocessing.Event()

@@ -13,15 +13,17 @@ from typing import Any, TypeVar
 import redis
 import redis.asyncio as aioredis
 
+from . import library
 from .connection import Deployment, aconnect, connect
-from .core import (SUBMIT, Call, InvalidRequest, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
-                   Script, Submittable, prepare)
+from .core import (Call, Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
+                   Step, Submittable, prepare)
 from .keys import Keys
+from .library import LibraryUnavailable
 from .schema import Result, ResultError
 from .servers import Server, UnsupportedServer, acheck, check
 
-__all__ = ["AsyncClient", "Client", "InvalidRequest", "Prepared", "QueueFull", "ResultError", "ResultTimeout",
-           "UnsupportedServer", "aconnect", "connect", "prepare"]
+__all__ = ["AsyncClient", "Client", "InvalidRequest", "LibraryUnavailable", "Prepared", "QueueFull", "ResultError",
+           "ResultTimeout", "UnsupportedServer", "aconnect", "connect", "prepare"]
 T = TypeVar("T")
 
 
@@ -45,7 +47,6 @@ class _Face:
         cluster = self.deployment.cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
         self.keys = Keys(self.deployment.namespace)
         self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster)
-        self._script = self.redis.register_script(SUBMIT)
 
     @property
     def shards(self) -> int:
@@ -114,9 +115,11 @@ class Client(_Face):
             except Exception as failed:  # handed to the plan: it knows which errors mean what
                 reply, error = None, failed
 
-    def _do(self, step: Call | Pipeline | Script) -> Any:
-        if isinstance(step, Script):
-            return self._script(keys=step.keys, args=step.args)
+    def _do(self, step: Step) -> Any:
+        if isinstance(step, Function):
+            return self.redis.fcall(step.name, len(step.keys), *step.keys, *step.args)
+        if isinstance(step, Load):  # only when missing: a producer never replaces the workers' revision
+            return library.ensure(self.redis, replace_older=False)
         if isinstance(step, Pipeline):
             with self.redis.pipeline(transaction=False) as pipe:
                 for call in step.calls:
@@ -175,9 +178,11 @@ class AsyncClient(_Face):
             except Exception as failed:
                 reply, error = None, failed
 
-    async def _do(self, step: Call | Pipeline | Script) -> Any:
-        if isinstance(step, Script):
-            return await self._script(keys=step.keys, args=step.args)
+    async def _do(self, step: Step) -> Any:
+        if isinstance(step, Function):
+            return await self.redis.fcall(step.name, len(step.keys), *step.keys, *step.args)
+        if isinstance(step, Load):
+            return await library.aensure(self.redis, replace_older=False)
         if isinstance(step, Pipeline):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for call in step.calls:

@@ -1,18 +1,19 @@
 """The producer's core: all of its logic and no socket, shared by ``Client`` and ``AsyncClient`` (client.py).
 
 ``Producer`` plans every Redis exchange: each operation is a generator that yields what to send
-(a ``Call``, a ``Pipeline`` or the submit ``Script``) and is sent the reply, or has the error thrown in. The two
-faces only run those plans against their connection: ``Client`` blocks, ``AsyncClient`` awaits. So batching,
-backpressure, the windowed wait, result parsing and stats are written once, and the faces have the same methods.
-Every request goes through ``Producer.send``: the one place that writes to a request stream.
+(a ``Call``, a ``Pipeline``, a ``Function`` call or a ``Load`` of the function library) and is sent the reply, or
+has the error thrown in. The two faces only run those plans against their connection: ``Client`` blocks,
+``AsyncClient`` awaits. So batching, backpressure, the windowed wait, result parsing and stats are written once,
+and the faces have the same methods. Every request goes through ``Producer.send``: the one place that writes to a
+request stream.
 
-Submitting is one Lua call per batch that refuses the batch when the request stream already holds more than
-``max_unfinished`` entries (workers delete entries once answered, so its length is the unfinished work). A request
-goes to its lane's stream (its ``priority``; absent: normal), so the limit holds per lane: a full normal lane does
-not refuse high requests. Waiting is
-a blocking ``XREAD`` on the result streams of up to 256 awaited requests at once (each keeps its one entry until the
-TTL: a result published while nobody waited is still there, and can be read again); on Redis Cluster, where one
-read cannot span slots, on the oldest one, then a pipelined look at the others.
+Submitting is one call of the submit function (producer/library.py) per batch: it checks each id and body size
+and refuses the batch when the request stream already holds more than ``max_unfinished`` entries (workers delete
+entries once answered, so its length is the unfinished work). A request goes to its lane's stream (its
+``priority``; absent: normal), so the limit holds per lane: a full normal lane does not refuse high requests.
+Waiting is a blocking ``XREAD`` on the result streams of up to 256 awaited requests at once (each keeps its one
+entry until the TTL: a result published while nobody waited is still there, and can be read again); on Redis
+Cluster, where one read cannot span slots, on the oldest one, then a pipelined look at the others.
 """
 
 from __future__ import annotations
@@ -26,28 +27,17 @@ from typing import Any, NamedTuple, TypeVar
 import redis
 from pydantic import ValidationError
 
-from .keys import GONE_S, GROUP, LANES, NORMAL, Field, Keys, Priority, beat_age, shard_of
+from . import library
+from .keys import GONE_S, GROUP, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
 from .schema import Request, Result, describe
 from .servers import lag_of
 
-# KEYS[1] request stream; ARGV[1] limit (0: none); ARGV[2..] request bodies. All or nothing.
-SUBMIT = """
-local limit = tonumber(ARGV[1])
-local length = redis.call('XLEN', KEYS[1])
-if limit > 0 and length + #ARGV - 1 > limit then
-  return redis.error_reply('QUEUEFULL ' .. length .. ' unfinished entries, limit ' .. limit)
-end
-local ids = {}
-for i = 2, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', '%s', ARGV[i]) end
-return ids
-""" % Field.BODY
-BATCH = 500  # requests per Lua call: bounds the time Redis spends in one script
+BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the time Redis spends in one call
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
 WINDOW = 256  # result streams one blocking read waits on (any of them landing wakes it)
-MAX_BODY_BYTES = 8 << 20  # the worker's default --max-entry-bytes
-# redis-py reloads a script once on NOSCRIPT; a cache flushed again in between (restarts, failovers, SCRIPT FLUSH
-# in a row) raised to the caller. A NOSCRIPT reply means the script did not run: trying again is safe.
-NOSCRIPT_TRIES = 5
+# A "function not found" reply means nothing ran: load the library and call again. The server may lose it again
+# in between (restarts, failovers, FUNCTION FLUSH in a row): a few tries, then the error goes to the caller.
+LOAD_TRIES = 5
 T = TypeVar("T")
 
 
@@ -126,14 +116,22 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
-class Script:
-    """The submit script (``SUBMIT``) on one shard's request stream."""
+class Function:
+    """A call of one function of the library (``FCALL``)."""
 
+    name: str
     keys: list[str]
     args: list[Any]
 
 
-Plan = Generator[Call | Pipeline | Script, Any, T]
+@dataclass(frozen=True)
+class Load:
+    """Load the function library if the server has none (``library.ensure``): the reply is a ``library.Loaded``,
+    or ``library.LibraryUnavailable`` is thrown in."""
+
+
+Step = Call | Pipeline | Function | Load
+Plan = Generator[Step, Any, T]
 
 
 def parse_result(fields: Mapping[bytes, bytes]) -> Result:
@@ -179,18 +177,22 @@ class Producer:
 
     def send(self, batch: Sequence[Prepared], shard: int = 0, lane: Priority = NORMAL) -> Plan[None]:
         """Enqueue prepared requests on one shard's lane, all or none; raises QueueFull. Every request goes through
-        here."""
+        here: the lane's request stream is the submit function's key."""
         stream = Keys(self.keys.namespace, shard).requests_in(lane)
-        for attempt in range(NOSCRIPT_TRIES):
+        args = [self.max_unfinished, *(value for item in batch for value in (item.id, item.body))]
+        for attempt in range(LOAD_TRIES):
             try:
-                yield Script([stream], [self.max_unfinished, *(item.body for item in batch)])
+                yield Function(library.SUBMIT, [stream], args)
                 return
-            except redis.exceptions.NoScriptError:  # not run: the cache was flushed again after redis-py reloaded it
-                if attempt == NOSCRIPT_TRIES - 1:
-                    raise
             except redis.ResponseError as error:
-                if str(error).startswith("QUEUEFULL"):
-                    raise QueueFull(f"shard {shard}, {lane} lane: {str(error)[len('QUEUEFULL '):]}") from None
+                text = str(error)
+                if library.missing(error) and attempt < LOAD_TRIES - 1:  # nothing was enqueued
+                    yield Load()
+                    continue
+                if text.startswith("QUEUEFULL"):
+                    raise QueueFull(f"shard {shard}, {lane} lane: {text[len('QUEUEFULL '):]}") from None
+                if text.startswith("INVALID"):  # the function's checks are the schema's: a bug of one or the other
+                    raise InvalidRequest(text[len("INVALID "):]) from None
                 raise
 
     def fetch(self, request_id: str) -> Plan[Result | None]:

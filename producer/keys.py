@@ -23,6 +23,7 @@ GROUP = "workers"
 # Request ids become hash tags and key suffixes: no braces, no spaces, bounded length.
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 ANY = "*"  # as a shard or a request id, makes a Keys name a glob pattern (ACL rules); never a valid id
+MAX_BODY_BYTES = 8 << 20  # a request body's largest size: the submit function's cap, the worker's default one
 # A worker whose heartbeat (Keys.workers) is this old, or a group consumer idle this long with nothing pending, is
 # gone: stats do not count it. Workers beat every 5 s; clocks are assumed in sync (NTP).
 GONE_S = 30

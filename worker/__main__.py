@@ -1,4 +1,5 @@
-"""dq-worker (or python -m worker): serve, write a tiny checkpoint, or check a running worker's health."""
+"""dq-worker (or python -m worker): serve, write a tiny checkpoint, check a running worker's health, or load the
+queue's function library onto a Redis server."""
 
 from __future__ import annotations
 
@@ -18,6 +19,32 @@ def _tiny(args: argparse.Namespace) -> int:
 
     path = tiny.write(args.directory, seed=args.seed, fmt=args.format, multimodal=not args.text_only)
     print(f"wrote a tiny {args.format} decision checkpoint to {path}")
+    return 0
+
+
+def _load_functions(args: argparse.Namespace) -> int:
+    import redis
+
+    from producer import library
+    from producer.connection import Deployment, connect
+    from producer.servers import UnsupportedServer, check
+
+    try:
+        deployment = Deployment.resolve(url=args.redis_url, cluster=args.redis_cluster or None)
+    except ValueError as error:
+        print(f"dq-worker load-functions: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        client = connect(deployment.url, deployment.cluster, **deployment.tls_files())
+        try:
+            check(client, deployment.safe_url)
+            loaded = library.ensure(client)
+        finally:
+            client.close()
+    except (library.LibraryUnavailable, UnsupportedServer, redis.RedisError) as error:
+        print(f"dq-worker load-functions: {deployment.safe_url}: {error}", file=sys.stderr)
+        return 1
+    print(f"{library.LIBRARY} revision {loaded.revision} {loaded.action} on {deployment.safe_url}")
     return 0
 
 
@@ -48,6 +75,16 @@ def parser() -> argparse.ArgumentParser:
     check_cmd.add_argument("--live", action="store_true",
                            help="liveness (/healthz) instead of readiness (/readyz) [default off]")
     check_cmd.set_defaults(run=_check)
+
+    load_cmd = commands.add_parser(
+        "load-functions", help="load the function library producers and workers call (an admin's Redis URL)")
+    load_cmd.add_argument("--redis-url", default=None,
+                          help="a Redis URL whose user may FUNCTION LOAD [env DQ_REDIS_URL, default "
+                               "'redis://127.0.0.1:6379/0']; TLS files from DQ_REDIS_TLS_*")
+    load_cmd.add_argument("--redis-cluster", action="store_true",
+                          help="the URL is a node of a Redis Cluster: load on every primary [env DQ_REDIS_CLUSTER, "
+                               "default off]")
+    load_cmd.set_defaults(run=_load_functions)
     return top
 
 

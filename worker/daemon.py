@@ -8,7 +8,7 @@ One request, from its XADD to its result stream:
                         -> a Task: its chunks into the work queue, or fanned out   ─┘
     packer.py    chunks -> packs within the token budget, high priority first      ─┐ main (GPU) thread
     compute.py   packs -> engine -> read-out -> answers, to results' sink          ─┘
-    results.py   answers gathered per task; result published once (Lua), XACK,    ── asyncio thread
+    results.py   answers gathered per task; result published once (FCALL), XACK,  ── asyncio thread
                  XDEL, reply; intake lets the entry go
 
 Failures take one path (``_failed``): retried until ``--max-deliveries``, then dead-lettered with an error result.
@@ -154,7 +154,8 @@ class Daemon:
         beats = {"reader": self.intake.read_turn, "gpu": self.compute.turned_at}
         return Snapshot(beats={name: beat for name, beat in beats.items() if beat is not None},
                         reading_since=self.intake.reading_since, loop_running=self.loop.is_running(),
-                        redis_ok=self.link.reachable, ready=self.ready.is_set(), inflight=len(self.intake.held),
+                        redis_ok=self.link.reachable, library_ok=self.publisher.library_ok,
+                        ready=self.ready.is_set(), inflight=len(self.intake.held),
                         stopping=self.stopping.is_set(), block_ms=self.settings.block_ms)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -194,7 +195,8 @@ class Daemon:
             await self.intake.start()
         except REDIS_ERRORS:  # stopped before Redis ever answered: nothing was taken, nothing to settle
             return
-        loops = [asyncio.create_task(self.results.run()), asyncio.create_task(self.intake.run_maintenance())]
+        loops = [asyncio.create_task(self.results.run()), asyncio.create_task(self.intake.run_maintenance()),
+                 asyncio.create_task(self.results.watch_library())]
         reader = asyncio.create_task(self.intake.run_reader())  # until stopping
         while not (self.stopping.is_set() or reader.done()):
             await asyncio.sleep(0.1)

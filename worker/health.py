@@ -1,7 +1,8 @@
 """HTTP endpoints of a worker: ``/metrics`` (Prometheus), ``/healthz`` (liveness), ``/readyz`` (readiness).
 
 Liveness comes from the loops' own heartbeats, not from Redis: a Redis outage makes a worker unready, never
-restarts it. Readiness: model loaded, graphs captured (warm-up done) and Redis reachable. Both are decided from a
+restarts it. Readiness: model loaded, graphs captured (warm-up done), Redis reachable and its function library
+loaded. Both are decided from a
 ``Snapshot``, a plain copy of the worker's state that the daemon fills on each request.
 """
 
@@ -29,6 +30,7 @@ class Snapshot:
     reading_since: float | None  # the reader has waited on Redis since then (None: not reading)
     loop_running: bool  # the asyncio (Redis) thread still runs
     redis_ok: bool  # the last Redis call went through
+    library_ok: bool  # the server has the function library (producer/library.py): results can be published
     ready: bool  # the engine is warm
     inflight: int
     stopping: bool
@@ -56,8 +58,8 @@ def status(state: Snapshot) -> dict[str, Any]:
     # A healthy blocking read returns within its BLOCK time; much longer means Redis is not answering.
     redis_ok = state.redis_ok and not (reading is not None
                                        and now - reading > state.block_ms / 1000 + REDIS_GRACE_SECONDS)
-    return {"live": not stuck, "stuck": stuck, "ready": state.ready and redis_ok and not stuck,
-            "model_loaded": True, "warm": state.ready, "redis": redis_ok,
+    return {"live": not stuck, "stuck": stuck, "ready": state.ready and redis_ok and state.library_ok and not stuck,
+            "model_loaded": True, "warm": state.ready, "redis": redis_ok, "library": state.library_ok,
             "inflight": state.inflight, "stopping": state.stopping}
 
 

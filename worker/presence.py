@@ -5,8 +5,8 @@
   name in ``Keys.workers``. A beat older than ``GONE_S`` (producer/keys.py) is a worker that is gone: Redis 7.0 has
   no per-field expiry, so any live worker deletes such beats, and stats never count them.
 - Consumers: the group keeps a consumer after its worker died (a restart under a new name, a KEDA scale-down). One
-  with nothing pending that has been idle longer than ``--consumer-gone-ms`` is deleted, by a script that checks and
-  deletes in one step: a consumer given an entry in between keeps it (deleting a consumer drops its pending list,
+  with nothing pending that has been idle longer than ``--consumer-gone-ms`` is deleted, by a function of the library
+  (producer/library.py) that checks and deletes in one step: a consumer given an entry in between keeps it (deleting a consumer drops its pending list,
   and entries only it held would never be reclaimed). Consumers holding entries stay until another worker reclaims
   them (``--claim-idle-ms``).
 """
@@ -17,21 +17,8 @@ import json
 import time
 from typing import Any
 
+from producer import library
 from producer.keys import GONE_S, Keys, beat_age
-
-# KEYS: a work stream. ARGV: group, idle limit (ms), this worker's consumer name. The names deleted.
-FORGET = """
-local gone = {}
-for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
-  local info = {}
-  for i = 1, #consumer, 2 do info[consumer[i]] = consumer[i + 1] end
-  if info['pending'] == 0 and info['idle'] > tonumber(ARGV[2]) and info['name'] ~= ARGV[3] then
-    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
-    gone[#gone + 1] = info['name']
-  end
-end
-return gone
-"""
 
 
 def _text(value: Any) -> str:
@@ -44,7 +31,6 @@ class Presence:
         self.redis, self.keys, self.name, self.streams = redis_client, keys, name, streams
         self.gone_ms = gone_ms
         self.identity = identity  # model and engine
-        self._forget = redis_client.register_script(FORGET)
 
     async def beat(self, inflight: int) -> None:
         beat = {"ts": time.time(), "inflight": inflight, **self.identity}
@@ -55,7 +41,7 @@ class Presence:
         consumers: list[str] = []
         for key in self.streams:
             consumers += [_text(name) for name in
-                          await self._forget(keys=[key], args=[self.keys.group, self.gone_ms, self.name])]
+                          await self.redis.fcall(library.FORGET, 1, key, self.keys.group, self.gone_ms, self.name)]
         now = time.time()
         beats = await self.redis.hgetall(self.keys.workers())
         stale = [name for name, raw in beats.items() if beat_age(raw, now) > GONE_S and _text(name) != self.name]

@@ -1,8 +1,8 @@
 """Results, where every entry ends: a task's answers gathered, its result published exactly once, the entry acked.
 
-Order, for at-least-once processing with exactly one result: the Lua script makes the result durable (first
-publication wins, later ones are no-ops), then the entry is acknowledged and deleted. A crash between the two
-redelivers the entry; its second result is refused by the script. Parts of a fanned-out request are kept in a hash
+Order, for at-least-once processing with exactly one result: the publish function (producer/library.py) makes the
+result durable (first publication wins, later ones are no-ops), then the entry is acknowledged and deleted. A crash
+between the two redelivers the entry; its second result is refused by the function. Parts of a fanned-out request are kept in a hash
 keyed by part index (a set of finished parts, not a counter), so a part processed twice counts once.
 ``Publisher`` is the Redis side (torch-free: ops/redis_bench.py measures it alone); ``Results`` is the stage on the
 asyncio thread, and compute's sink.
@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any
 import redis
 from redis.asyncio import RedisCluster
 
+from producer import library
 from producer.keys import Field, Keys
 from producer.schema import ErrorCode, Request, Result, Timings, Usage
 
 from .entries import Delivery
-from .link import Link
+from .link import REDIS_ERRORS, Link
 from .metrics import Metrics
 from .tasks import Item, Task
 
@@ -33,24 +34,7 @@ if TYPE_CHECKING:
     from .model.readout import Answer
 
 log = logging.getLogger("worker")
-# KEYS: result stream, parts hash, body key. ARGV: result JSON, TTL seconds. 1 if published now, 0 if already.
-PUBLISH = f"""
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('XADD', KEYS[1], '*', '{Field.BODY}', ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('DEL', KEYS[2], KEYS[3])
-return 1
-"""
-# KEYS: parts hash, result stream. ARGV: part index, part count, part JSON, TTL seconds.
-# -1: the request already has its result; 0: parts still missing; else every part, as HGETALL gives them.
-PART = """
-if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-if redis.call('HLEN', KEYS[1]) < tonumber(ARGV[2]) then return 0 end
-return redis.call('HGETALL', KEYS[1])
-"""
-CLUSTER_CONCURRENCY = 64  # script calls in flight at once on Redis Cluster (connections per node stay bounded)
+CLUSTER_CONCURRENCY = 64  # function calls in flight at once on Redis Cluster (connections per node stay bounded)
 BATCH = 512  # outcomes settled in one go at most
 
 
@@ -130,8 +114,7 @@ class Publisher:
         self.keys = keys
         self.ttl = ttl_seconds
         self.model = model
-        self._publish = redis_client.register_script(PUBLISH)
-        self._part = redis_client.register_script(PART)
+        self.library_ok = False  # the function library is on the server (readiness); checked by Results
 
     async def settle(self, outcomes: list[Outcome]) -> list[tuple[Outcome, Result | None, bool]]:
         """Publish and acknowledge; returns (outcome, result published for its request or None, published now).
@@ -143,9 +126,9 @@ class Publisher:
             else:
                 index, count, part = outcome.part
                 request_id = outcome.delivery.request_id
-                calls.append((self._part, [self.keys.parts(request_id), self.keys.result(request_id)],
+                calls.append((library.PART, [self.keys.parts(request_id), self.keys.result(request_id)],
                               [index, count, json.dumps(part), self.ttl]))
-        replies = await self._scripts(calls)
+        replies = await self._functions(calls)
         final: list[tuple[Outcome, Result | None, Any]] = []
         merges: list[tuple[Outcome, Result]] = []
         for outcome, reply in zip(outcomes, replies):
@@ -159,7 +142,7 @@ class Publisher:
             else:
                 final.append((outcome, None, 0))
         if merges:
-            replies = await self._scripts([self._publication(outcome, result) for outcome, result in merges])
+            replies = await self._functions([self._publication(outcome, result) for outcome, result in merges])
             final += [(outcome, result, reply) for (outcome, result), reply in zip(merges, replies)]
         async with self.redis.pipeline(transaction=False) as pipe:
             for outcome, result, published in final:
@@ -176,22 +159,34 @@ class Publisher:
 
     def _publication(self, outcome: Outcome, result: Result) -> tuple[Any, list[str], list[Any]]:
         request_id = outcome.delivery.request_id
-        return (self._publish, [self.keys.result(request_id), self.keys.parts(request_id), self.keys.body(request_id)],
-                [result.model_dump_json(exclude_none=True), self.ttl])
+        return (library.PUBLISH, [self.keys.result(request_id), self.keys.parts(request_id),
+                                  self.keys.body(request_id)], [result.model_dump_json(exclude_none=True), self.ttl])
 
-    async def _scripts(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
-        """Script calls in one pipelined round trip; on Redis Cluster, whose pipelines refuse scripts, as concurrent
-        calls, each sent to the node of its keys' one slot."""
+    async def _functions(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        """Function calls in one pipelined round trip; on Redis Cluster as concurrent calls, each sent to the node
+        of its keys' one slot."""
         if isinstance(self.redis, RedisCluster):
             replies: list[Any] = []
             for start in range(0, len(calls), CLUSTER_CONCURRENCY):
-                replies += await asyncio.gather(*(script(keys=keys, args=args)
-                                                  for script, keys, args in calls[start: start + CLUSTER_CONCURRENCY]))
+                replies += await asyncio.gather(*(self.redis.fcall(name, len(keys), *keys, *args)
+                                                  for name, keys, args in calls[start: start + CLUSTER_CONCURRENCY]))
             return replies
         async with self.redis.pipeline(transaction=False) as pipe:
-            for script, keys, args in calls:
-                await script(keys=keys, args=args, client=pipe)
+            for name, keys, args in calls:
+                pipe.fcall(name, len(keys), *keys, *args)
             return await pipe.execute()
+
+    async def ensure_library(self) -> None:
+        """Load the function library if the server lacks it or has an older revision (when this worker's user may:
+        ``library.LibraryUnavailable`` if not); ``library_ok`` says whether it is there."""
+        try:
+            loaded = await library.aensure(self.redis)
+        except (library.LibraryUnavailable, redis.ResponseError):  # or NOPERM on the check itself
+            self.library_ok = False
+            raise
+        if loaded.action != "present":
+            log.info("function library %s revision %d %s", library.LIBRARY, loaded.revision, loaded.action)
+        self.library_ok = True
 
     async def fan_out(self, task: Task) -> None:
         """Store the request once, add one entry per part (``task.fan_out``) to its lane's chunk stream (the parts
@@ -234,6 +229,7 @@ class Results:
         self.fail = fail  # the daemon's failure policy (retry, or dead-letter)
         self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
         self.publish_logged = float("-inf")
+        self.library_logged = float("-inf")
 
     # ---- compute's sink (GPU thread)
 
@@ -285,6 +281,26 @@ class Results:
         self.settle(error_outcome(delivery, ErrorCode.DEAD_LETTERED,
                                   f"gave up after {delivery.deliveries} deliveries: {reason}", self.model))
 
+    async def check_library(self) -> bool:
+        """Whether the function library is loaded (loading it if missing or older, when this worker may); says so
+        loudly while it is not: nothing can be published."""
+        try:
+            await self.publisher.ensure_library()
+        except REDIS_ERRORS:  # Redis down: the link reports that
+            return False
+        except (library.LibraryUnavailable, redis.ResponseError) as error:  # e.g. NOPERM on the check itself
+            if time.monotonic() - self.library_logged > 30:
+                self.library_logged = time.monotonic()
+                log.error("%s; unready: nothing can be published until the library is loaded", error)
+            return False
+        return True
+
+    async def watch_library(self) -> None:
+        """Until cancelled: look for the library every 5 s while it is missing, every 30 s while it is there (a
+        server restarted empty has none: the worker turns unready within that time, not at its next result)."""
+        while True:
+            await asyncio.sleep(30.0 if await self.check_library() else 5.0)
+
     async def run(self) -> None:
         """Until cancelled: settle what is queued, up to BATCH outcomes at a time; never drop a batch."""
         while True:
@@ -293,13 +309,14 @@ class Results:
                 batch.append(self.outcomes.get_nowait())
             try:
                 done = await self.link.until(lambda: self.publisher.settle(batch), "publish")
-            except redis.exceptions.NoScriptError:  # the script cache was flushed (restart, failover, SCRIPT FLUSH)
-                log.warning("script cache flushed while publishing %d outcomes: publishing them again", len(batch))
-                for outcome in batch:  # the pipeline reloads the scripts; settling is idempotent
-                    self.outcomes.put_nowait(outcome)
-                await asyncio.sleep(0.01)
-                continue
             except Exception as error:  # noqa: BLE001 - never drop a batch: log, wait, try again
+                for outcome in batch:
+                    self.outcomes.put_nowait(outcome)
+                if library.missing(error):
+                    # The server lost its functions (restarted empty, FUNCTION FLUSH): load them if this worker
+                    # may and settle the batch again at once (idempotent); else unready until an admin loads them.
+                    await asyncio.sleep(0.01 if await self.check_library() else 1.0)
+                    continue
                 # e.g. OOM (Redis full under noeviction) or NOPERM (ACL): it lasts until an operator acts; one
                 # line per 30 s, every failure counted.
                 self.metrics.redis_errors.labels("publish").inc()
@@ -307,8 +324,6 @@ class Results:
                     self.publish_logged = time.monotonic()
                     log.error("publishing %d outcomes failed (%s: %s); retrying every second", len(batch),
                               type(error).__name__, error, exc_info=not isinstance(error, redis.ResponseError))
-                for outcome in batch:
-                    self.outcomes.put_nowait(outcome)
                 await asyncio.sleep(1.0)
                 continue
             now = time.time()

@@ -1,4 +1,4 @@
-"""Property tests of result aggregation: the real Lua scripts (worker/results.py: PART, then PUBLISH) through the
+"""Property tests of result aggregation: the real functions (producer/library.py: part, then publish) through the
 real Publisher, against a real redis-server, over random part orders, duplicates, batchings and two workers
 settling at the same time. Whatever the order: one publication, every question once, nothing left behind."""
 
@@ -13,6 +13,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from producer import library
 from producer.client import aconnect
 from producer.keys import Keys
 from producer.schema import Result
@@ -29,6 +30,7 @@ _examples = itertools.count()
 @pytest.fixture(scope="module")
 def server():
     with RedisServer(appendonly=False) as server:
+        library.ensure(redis.Redis(port=server.port))  # what a worker does at start
         yield server
 
 

@@ -1,4 +1,4 @@
-"""Redis Cluster: every script's keys share a slot, and the whole path runs on a real 3-node cluster."""
+"""Redis Cluster: every function's keys share a slot, and the whole path runs on a real 3-node cluster."""
 
 import asyncio
 import json
@@ -10,6 +10,7 @@ import redis
 from redis.crc import key_slot
 
 from clusters import LocalCluster
+from producer import library
 from producer.client import AsyncClient, Client
 from producer.keys import Keys, shard_of
 from test_e2e import QUESTIONS, requests
@@ -21,7 +22,7 @@ def slot(key: str) -> int:
     return key_slot(key.encode())
 
 
-def test_every_script_and_multi_stream_read_touches_one_slot():
+def test_every_function_and_multi_stream_read_touches_one_slot():
     for shard in range(8):
         keys = Keys("dq", shard)
         # XREADGROUP reads chunks and requests in one call; dead letters sit beside them.
@@ -42,7 +43,7 @@ def cluster():
 
 def test_end_to_end_on_a_three_node_cluster_with_two_shards(cluster, start_worker, tiny_dir):
     shards = (0, 1)
-    # Streams stay on their shard's node while results spread by request id: scripts run on every node.
+    # Streams stay on their shard's node while results spread by request id: functions run on every node.
     settings = dict(redis_cluster=True, max_chunk_tokens=220, fanout_tokens=200)
     workers = [start_worker(tiny_dir, cluster.url, shard=s, **settings) for s in shards]
 
@@ -106,6 +107,8 @@ def test_cluster_under_the_acl_users(tmp_path, start_worker, tiny_dir):
     with LocalCluster(3, "--aclfile", str(acl), username="admin", password=passwords["admin"]) as cluster:
         port = cluster.nodes[0].port
         url = {role: f"redis://{role}:{passwords[role]}@127.0.0.1:{port}/0" for role in ROLES}
+        with redis.RedisCluster.from_url(url["admin"]) as admin:  # dq-worker load-functions --redis-cluster
+            assert library.ensure(admin).action == "loaded" and library.ensure(admin).action == "present"
         start_worker(tiny_dir, url["worker"], redis_cluster=True, max_chunk_tokens=220, fanout_tokens=200)
         client = Client(url["producer"], cluster=True)
         many = {f"q{i}": {"type": "noul", "instructions": f"Is statement {i} true?"} for i in range(20)}

@@ -6,11 +6,11 @@ from worker.health import REDIS_GRACE_SECONDS, STALE_SECONDS, Snapshot, status
 
 
 def daemon(reader_age: float, gpu_age: float = 0.0, reading_for: float | None = None, redis_ok: bool = True,
-           loop_running: bool = True) -> Snapshot:
+           loop_running: bool = True, library_ok: bool = True) -> Snapshot:
     now = time.time()
     return Snapshot(beats={"reader": now - reader_age, "gpu": now - gpu_age},
                     reading_since=None if reading_for is None else now - reading_for, loop_running=loop_running,
-                    redis_ok=redis_ok, ready=True, inflight=0, stopping=False, block_ms=1000)
+                    redis_ok=redis_ok, library_ok=library_ok, ready=True, inflight=0, stopping=False, block_ms=1000)
 
 
 def test_turning_loops_are_live_and_ready():
@@ -35,6 +35,11 @@ def test_a_stuck_loop_is_dead():
 def test_redis_errors_make_it_unready():
     state = status(daemon(reader_age=0.1, redis_ok=False))
     assert state["live"] and not state["ready"]
+
+
+def test_a_server_without_the_function_library_makes_it_unready_not_dead():
+    state = status(daemon(reader_age=0.1, reading_for=0.1, library_ok=False))
+    assert state["live"] and not state["ready"] and state["redis"] and state["library"] is False
 
 
 def test_a_reader_whose_loop_died_mid_read_is_dead():

@@ -164,6 +164,12 @@ def test_compose_wires_redis_worker_prometheus_grafana():
     assert url.startswith("redis://worker:") and url.endswith("@redis:6379/0")
     assert defaults(url)["DQ_ACL_WORKER_PASSWORD"] == DEVELOPMENT_PASSWORDS["worker"]
     assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+    # The function library is loaded by an admin before any worker starts (workers may not load it).
+    setup = services["redis-setup"]
+    assert setup["command"] == ["load-functions"] and setup["image"] == worker["image"]
+    assert setup["environment"]["DQ_REDIS_URL"].startswith("redis://admin:")
+    assert defaults(setup["environment"]["DQ_REDIS_URL"])["DQ_ACL_ADMIN_PASSWORD"] == DEVELOPMENT_PASSWORDS["admin"]
+    assert worker["depends_on"]["redis-setup"]["condition"] == "service_completed_successfully"
     grace = int(worker["stop_grace_period"].rstrip("s"))
     assert grace > float(environment["DQ_DRAIN_TIMEOUT_S"])
     assert worker["build"]["dockerfile"] == "ops/Dockerfile" and (OPS / "..").resolve() == ROOT

@@ -1,0 +1,223 @@
+"""The queue's server-side code: one Redis Function library, ``dq_v1``, and how it gets onto a server.
+
+Every script the protocol runs inside Redis is here, so that no role needs ``EVAL``, ``EVALSHA`` or ``SCRIPT``:
+producers call ``dq_v1_submit`` (admission: the request stream, each id, each body's size, backpressure, then one
+``XADD`` per request, all or nothing), workers ``dq_v1_publish`` and ``dq_v1_part`` (the exactly-once result) and
+``dq_v1_forget`` (consumers of workers that are gone).
+A leaked credential can call these functions, never run Lua of its own. Redis checks every command a function
+runs against its *caller's* ACL user, so a function never gives a caller more than the caller's user holds.
+
+Loading (``FUNCTION LOAD``) is an admin's act (``dq-worker load-functions``), or the worker's where its user may:
+functions persist in RDB/AOF and replicate, but a server restarted empty has none. ``ensure`` loads the library
+when it is missing, and replaces an older revision when asked. The library name carries the protocol version: a
+v2 loads beside v1 during a rolling upgrade. Within v1 a new ``REVISION`` keeps every function's arguments and
+meaning (it may add functions or optional trailing arguments), so old and new workers share it; the newest
+revision wins and nothing loads an older one over a newer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from .keys import LANES, MAX_BODY_BYTES, PROTOCOL, Field, Keys
+
+LIBRARY = f"dq_v{PROTOCOL}"
+SUBMIT = f"{LIBRARY}_submit"  # KEYS: a request stream. ARGV: limit (0: none), then id, body per request
+PUBLISH = f"{LIBRARY}_publish"  # KEYS: result, parts, body. ARGV: result JSON, TTL s. 1 published now, 0 already
+PART = f"{LIBRARY}_part"  # KEYS: parts, result. ARGV: index, count, part JSON, TTL s. -1 done, 0 wait, else all
+FORGET = f"{LIBRARY}_forget"  # KEYS: a work stream. ARGV: group, idle limit ms, own consumer name. Names deleted
+REVISION_FUNCTION = f"{LIBRARY}_revision"  # no keys: this library's REVISION
+# Bump on every change of CODE (tests/unit/test_library_code.py holds each revision's hash).
+REVISION = 2  # 2: the high lane's request stream too
+MAX_BATCH = 1000  # requests per submit call: bounds the time Redis spends in one call
+
+
+def _stream_pattern(template: str) -> str:
+    """A Lua pattern of one kind of request stream (its name with namespace ``\0`` and shard ``\1``), in any
+    namespace and shard."""
+    escaped = re.sub(r"([\^$()%.\[\]*+\-?])", r"%\1", template)
+    return "^" + escaped.replace("\0", ".+").replace("\1", "%d+") + "$"
+
+
+# Streams the submit function writes to, each lane's request stream: producers reach no other key through it.
+SUBMIT_STREAMS = tuple(Keys("\0", "\1").requests_in(lane) for lane in LANES)
+
+CODE = f"""#!lua name={LIBRARY}
+-- decision-queue, wire protocol v{PROTOCOL}, revision {REVISION} (producer/library.py)
+local REVISION = {REVISION}
+local MAX_BODY = {MAX_BODY_BYTES}
+local MAX_BATCH = {MAX_BATCH}
+local STREAMS = {{{", ".join(repr(_stream_pattern(template)) for template in SUBMIT_STREAMS)}}}
+
+local function request_stream(key)
+  for _, pattern in ipairs(STREAMS) do
+    if string.match(key, pattern) then return true end
+  end
+  return false
+end
+
+-- A request id: empty (the entry id is the request id), or 1-128 of A-Z a-z 0-9 . _ : - and not shaped like a
+-- stream entry id (which requests without an id are answered under).
+local function valid_id(id)
+  if id == '' then return true end
+  if #id > 128 or not string.match(id, '^[A-Za-z0-9._:%-]+$') then return false end
+  return not string.match(id, '^%d+%-%d+$')
+end
+
+local function submit(keys, args)
+  local stream = keys[1]
+  if #keys ~= 1 or not request_stream(stream) then
+    return redis.error_reply('INVALID the key is not a request stream')
+  end
+  local limit = tonumber(args[1])
+  local count = (#args - 1) / 2
+  if not limit or limit < 0 or count < 1 or count % 1 ~= 0 or count > MAX_BATCH then
+    return redis.error_reply('INVALID expected: limit, then id and body of 1 to ' .. MAX_BATCH .. ' requests')
+  end
+  for i = 1, count do
+    if not valid_id(args[2 * i]) then
+      return redis.error_reply('INVALID request ' .. i .. ': the id must be 1-128 characters of ' ..
+        'A-Z a-z 0-9 . _ : - and not shaped like a stream entry id')
+    end
+    local size = #args[2 * i + 1]
+    if size == 0 or size > MAX_BODY then
+      return redis.error_reply('INVALID request ' .. i .. ': the body is ' .. size .. ' bytes, not 1 to ' .. MAX_BODY)
+    end
+  end
+  local length = redis.call('XLEN', stream)
+  if limit > 0 and length + count > limit then
+    return redis.error_reply('QUEUEFULL ' .. length .. ' unfinished entries, limit ' .. limit)
+  end
+  local ids = {{}}
+  for i = 1, count do ids[i] = redis.call('XADD', stream, '*', '{Field.BODY}', args[2 * i + 1]) end
+  return ids
+end
+
+local function publish(keys, args)
+  if redis.call('EXISTS', keys[1]) == 1 then return 0 end
+  redis.call('XADD', keys[1], '*', '{Field.BODY}', args[1])
+  redis.call('EXPIRE', keys[1], args[2])
+  redis.call('DEL', keys[2], keys[3])
+  return 1
+end
+
+local function part(keys, args)
+  if redis.call('EXISTS', keys[2]) == 1 then return -1 end
+  redis.call('HSET', keys[1], args[1], args[3])
+  redis.call('EXPIRE', keys[1], args[4])
+  if redis.call('HLEN', keys[1]) < tonumber(args[2]) then return 0 end
+  return redis.call('HGETALL', keys[1])
+end
+
+-- Consumers of a worker that is gone: nothing pending and idle past the limit, checked and deleted in one step (a
+-- consumer given an entry in between keeps it: deleting it would drop its pending entries for good).
+local function forget(keys, args)
+  local gone = {{}}
+  for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', keys[1], args[1])) do
+    local info = {{}}
+    for i = 1, #consumer, 2 do info[consumer[i]] = consumer[i + 1] end
+    if info['pending'] == 0 and info['idle'] > tonumber(args[2]) and info['name'] ~= args[3] then
+      redis.call('XGROUP', 'DELCONSUMER', keys[1], args[1], info['name'])
+      gone[#gone + 1] = info['name']
+    end
+  end
+  return gone
+end
+
+redis.register_function('{SUBMIT}', submit)
+redis.register_function('{PUBLISH}', publish)
+redis.register_function('{PART}', part)
+redis.register_function('{FORGET}', forget)
+redis.register_function{{function_name = '{REVISION_FUNCTION}', callback = function() return REVISION end,
+                         flags = {{'no-writes'}}}}
+"""
+
+
+class LibraryUnavailable(RuntimeError):
+    """The library is not on the server (or an older revision is), and this client's user may not load it."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What ``ensure`` found and did: the revision now loaded (the lowest over a cluster's primaries) and
+    ``present``, ``loaded`` or ``replaced``."""
+
+    revision: int
+    action: str
+
+
+def missing(error: BaseException) -> bool:
+    """Whether a Redis error says that a function is not loaded (a server restarted empty, FUNCTION FLUSH)."""
+    return isinstance(error, redis.ResponseError) and "function not found" in str(error).lower()
+
+
+Step = tuple[str, tuple[Any, ...], dict[str, Any]]  # a redis-py method, its arguments and keywords
+
+
+def _plan(replace_older: bool, cluster: bool, again: bool = True) -> Generator[Step, Any, Loaded]:
+    """Read the loaded revision (on every primary of a cluster), load or replace if needed."""
+    target = {"target_nodes": "primaries"} if cluster else {}
+    loaded: int | None
+    try:
+        reply = yield "execute_command", ("FCALL", REVISION_FUNCTION, 0), target
+        loaded = min(int(value) for value in (reply.values() if isinstance(reply, dict) else [reply]))
+    except redis.ResponseError as error:
+        if not missing(error):
+            raise
+        loaded = None  # on one primary at least
+    if loaded is not None and (loaded >= REVISION or not replace_older):
+        return Loaded(loaded, "present")
+    try:
+        # REPLACE only over an older revision (or a cluster, where some primaries may have it): two clients that
+        # find it missing load it once, the second one's load refused.
+        yield "function_load", (CODE,), {"replace": loaded is not None or cluster}
+    except redis.exceptions.NoPermissionError:
+        raise LibraryUnavailable(
+            f"the Redis function library {LIBRARY} (revision {REVISION}) is "
+            f"{'missing' if loaded is None else f'at revision {loaded}'} on this server and this user may not "
+            f"load it: run `dq-worker load-functions` with an admin's Redis URL") from None
+    except redis.ResponseError as error:
+        if "already exists" not in str(error) or not again:
+            raise
+        return (yield from _plan(replace_older, cluster, again=False))  # another client loaded it: look again
+    return Loaded(REVISION, "loaded" if loaded is None else "replaced")
+
+
+def _cluster(client: Any) -> bool:
+    import redis.asyncio as aioredis
+
+    return isinstance(client, (redis.RedisCluster, aioredis.RedisCluster))
+
+
+def ensure(client: Any, replace_older: bool = True) -> Loaded:
+    """Make the library available on the client's server (every primary of a cluster); raises LibraryUnavailable
+    when it is missing or older (with ``replace_older``) and the user may not ``FUNCTION LOAD``."""
+    plan, reply, error = _plan(replace_older, _cluster(client)), None, None
+    while True:
+        try:
+            method, args, kwargs = plan.throw(error) if error is not None else plan.send(reply)
+        except StopIteration as finished:
+            return finished.value
+        try:
+            reply, error = getattr(client, method)(*args, **kwargs), None
+        except redis.ResponseError as failed:
+            reply, error = None, failed
+
+
+async def aensure(client: Any, replace_older: bool = True) -> Loaded:
+    """``ensure`` for an asyncio client."""
+    plan, reply, error = _plan(replace_older, _cluster(client)), None, None
+    while True:
+        try:
+            method, args, kwargs = plan.throw(error) if error is not None else plan.send(reply)
+        except StopIteration as finished:
+            return finished.value
+        try:
+            reply, error = await getattr(client, method)(*args, **kwargs), None
+        except redis.ResponseError as failed:
+            reply, error = None, failed
