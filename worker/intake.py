@@ -29,6 +29,7 @@ from .presence import Presence
 
 log = logging.getLogger("worker")
 LOST_REMEMBERED = 10_000  # payload-less entries remembered, so that each is counted once
+SETTLED_REMEMBERED = 10_000  # entries let go lately, remembered so that a read that began before is not taken again
 
 
 def _text(value: Any) -> str:
@@ -171,6 +172,7 @@ class Intake:
         self.held: dict[tuple[str, str], Delivery] = {}
         self.readers = {lane: Reader() for lane in LANES}
         self.lost: dict[tuple[str, str], None] = {}  # (stream key, entry id) counted as lost, recent ones
+        self.settled: dict[tuple[str, str], float] = {}  # (stream key, entry id) -> when let go (monotonic), recent
 
     @property
     def read_turn(self) -> float | None:
@@ -212,7 +214,7 @@ class Intake:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            reader.reading_since = time.time()
+            reader.reading_since, since = time.time(), time.monotonic()
             try:
                 if recover:
                     deliveries = await self.consumer.own_pending(lane, settings.read_count)
@@ -232,7 +234,7 @@ class Intake:
                 await asyncio.sleep(0.5)
                 continue
             for delivery in deliveries:
-                self.take(delivery, how)
+                self.take(delivery, how, since)
 
     async def run_maintenance(self) -> None:
         """Until cancelled: keep held entries alive, reclaim dead consumers' entries; stats and heartbeat every 5 s."""
@@ -243,6 +245,7 @@ class Intake:
             self.metrics.heartbeat.labels("maintenance").set(time.time())
             try:
                 await self.consumer.keep_alive(list(self.held.values()))
+                since = time.monotonic()
                 reclaimed, gone = await self.consumer.reclaim(settings.claim_idle_ms, settings.read_count)
                 if lost := self.count_lost(gone):
                     log.error("%d pending entries had no payload any more (trimmed?)", lost)
@@ -252,7 +255,7 @@ class Intake:
                 for delivery in fresh:
                     log.debug("reclaimed %s of %s (delivery %d)", delivery.entry_id, delivery.key, delivery.deliveries,
                               extra=delivery.log_fields)
-                    self.take(delivery, "reclaimed")
+                    self.take(delivery, "reclaimed", since)
                 if time.monotonic() - last_stats > 5:
                     last_stats = time.monotonic()
                     await self._report()
@@ -266,9 +269,12 @@ class Intake:
                 log.debug("maintenance: redis unavailable: %s", error)
             await asyncio.sleep(every)
 
-    def take(self, delivery: Delivery, how: str) -> None:
-        """Hold an entry and hand it to ``accept``, once however many ways it arrived (read, recovered, ...)."""
-        if (delivery.key, delivery.entry_id) in self.held:
+    def take(self, delivery: Delivery, how: str, since: float | None = None) -> None:
+        """Hold an entry and hand it to ``accept``, once however many ways it arrived (read, recovered, ...).
+        ``since``: when the read that found it began; an entry let go since then was settled meanwhile (the read of
+        own pending entries, or a reclaim, saw it before its acknowledgement), and is not taken again."""
+        entry = (delivery.key, delivery.entry_id)
+        if entry in self.held or (since is not None and self.settled.get(entry, float("-inf")) >= since):
             return
         self.held[delivery.key, delivery.entry_id] = delivery
         self.readers[delivery.lane].held += 1
@@ -282,10 +288,14 @@ class Intake:
         self.accept(delivery)
 
     def release(self, delivery: Delivery) -> None:
-        if self.held.pop((delivery.key, delivery.entry_id), None) is not None:
+        entry = (delivery.key, delivery.entry_id)
+        if self.held.pop(entry, None) is not None:
             reader = self.readers[delivery.lane]
             reader.held -= 1
             reader.room.set()
+            self.settled[entry] = time.monotonic()
+            while len(self.settled) > SETTLED_REMEMBERED:
+                del self.settled[next(iter(self.settled))]
         self.metrics.inflight.set(len(self.held))
 
     async def retry(self, delivery: Delivery) -> None:
