@@ -8,11 +8,12 @@ queue's library (producer/library.py, loaded by ``dq-worker load-functions`` as 
 Redis checks every command a function runs against its caller's user, so each role also holds the commands its
 functions run, on exactly those keys. Selectors (the parenthesised groups) give each command its keys:
 
-- producer: FCALL the submit function on request streams (and the XADD, XLEN it runs), XREAD/XRANGE results and
-  reply streams. It cannot read request streams, consume, delete, write results, or run its own Lua.
-- worker: the group commands on the work streams; XADD to chunk and dead-letter streams; SET/GET stored bodies;
-  the heartbeat hash; the publish and part functions and what they run on per-request keys and reply streams.
-  No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work stream.
+- producer: FCALL the submit function on request streams, either lane's (and the XADD, XLEN it runs),
+  XREAD/XRANGE results and reply streams. It cannot read request streams, consume, delete, write results, or run
+  its own Lua.
+- worker: the group commands on the work streams (both lanes'); XADD to chunk and dead-letter streams; SET/GET
+  stored bodies; the heartbeat hash; the publish and part functions and what they run on per-request keys and reply
+  streams. No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work stream.
 - monitor: counts only: XLEN, XINFO GROUPS/CONSUMERS, XPENDING, INFO, the heartbeat hash. No XINFO STREAM (it
   returns the first and last entries), no XRANGE, no per-request keys.
 - admin: everything, for operators (and for loading the function library).
@@ -33,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from producer.keys import ANY, Keys  # noqa: E402
+from producer.keys import ANY, HIGH, Keys  # noqa: E402
 
 # Connection set-up and the cluster topology a cluster client reads. (No CLIENT SETINFO: 7.0 lacks it, so the
 # project's clients do not send it.)
@@ -43,13 +44,13 @@ CONNECT = "+ping +hello +client|setname +client|id +command +cluster|slots +clus
 ROLES = {
     "producer": (
         # the submit function's keys, and the commands it runs (also callable directly: see docs/OPERATIONS.md)
-        "{connect} +fcall +xadd +xlen ~{requests} "
+        "{connect} +fcall +xadd +xlen ~{requests} ~{high_requests} "
         "(+xread +xrange %R~{results} %R~{replies})"
     ),
     "worker": (
         "{connect} +fcall +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|delconsumer "
-        "+xinfo|groups +xinfo|consumers +xlen ~{requests} ~{chunks} "
-        "(+xadd +xlen ~{chunks} ~{dead}) "  # fan-out parts, dead letters
+        "+xinfo|groups +xinfo|consumers +xlen ~{requests} ~{high_requests} ~{chunks} ~{high_chunks} "
+        "(+xadd +xlen ~{chunks} ~{high_chunks} ~{dead}) "  # fan-out parts, dead letters
         "(+set +get ~{bodies}) "  # a fanned-out request's body
         "(+hset +hdel +hget +hgetall +hlen ~{workers}) "  # heartbeats
         # the publish and part functions (FCALL's keys), then what they run; replies beside results
@@ -59,7 +60,8 @@ ROLES = {
         "(+del ~{parts} ~{bodies})"
     ),
     "monitor": (
-        "{connect} +info +xlen +xinfo|groups +xinfo|consumers +xpending %R~{requests} %R~{chunks} %R~{dead} "
+        "{connect} +info +xlen +xinfo|groups +xinfo|consumers +xpending %R~{requests} %R~{high_requests} "
+        "%R~{chunks} %R~{high_chunks} %R~{dead} "
         "(+hlen +hkeys +hget +hgetall %R~{workers})"
     ),
     "admin": "~* &* +@all",
@@ -71,10 +73,11 @@ DEVELOPMENT_PASSWORDS = {role: f"dev-{role}-password" for role in ROLES}
 
 
 def patterns(namespace: str) -> dict[str, str]:
-    """The key patterns the roles name: every shard's work and dead-letter streams, every request's keys, the
-    reply streams, the heartbeat hash."""
+    """The key patterns the roles name: every shard's work streams (each lane's) and dead-letter stream, every
+    request's keys, the reply streams, the heartbeat hash."""
     every = Keys(namespace, ANY)
-    return {"requests": every.requests, "chunks": every.chunks, "dead": every.dead, "results": every.result(ANY),
+    return {"requests": every.requests, "high_requests": every.requests_in(HIGH), "chunks": every.chunks,
+            "high_chunks": every.chunks_in(HIGH), "dead": every.dead, "results": every.result(ANY),
             "parts": every.parts(ANY), "bodies": every.body(ANY), "replies": every.reply_prefix + ANY,
             "workers": every.workers()}
 

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis  # noqa: E402
 
 from producer import library  # noqa: E402
-from producer.client import AsyncClient, aconnect, prepare  # noqa: E402
-from producer.keys import Keys  # noqa: E402
+from producer.client import AsyncClient, Prepared, aconnect, prepare  # noqa: E402
+from producer.keys import NORMAL, Keys  # noqa: E402
 from worker.intake import Consumer  # noqa: E402
 from worker.publisher import Outcome, Publisher, ok_result  # noqa: E402
 
@@ -65,7 +65,7 @@ async def consumer(index: int, url: str, keys: Keys, read_count: int, questions:
     template = ok_result("x", [share(questions)], [f"q{k}" for k in range(questions)], 0, "bench")
     settled = 0
     while not stop.is_set():
-        deliveries = await reader.read(read_count, 200)
+        deliveries = await reader.read(NORMAL, read_count, 200)
         outcomes = [Outcome(delivery, None, result=template.model_copy(update={"id": delivery.request_id}))
                     for delivery in deliveries]
         if outcomes:
@@ -75,14 +75,14 @@ async def consumer(index: int, url: str, keys: Keys, read_count: int, questions:
     return settled
 
 
-async def producer(url: str, namespace: str, prepared: list[tuple[str, str]], batch: int, cluster: bool,
+async def producer(url: str, namespace: str, prepared: list[Prepared], batch: int, cluster: bool,
                    latencies: list[float]) -> None:
     async with AsyncClient(url, namespace, max_unfinished=0, cluster=cluster) as client:
         for start in range(0, len(prepared), batch):
             chunk = prepared[start: start + batch]
             began = time.perf_counter()
             await client.submit_many(chunk)  # prepared already: sent as they are, 500 per submit call
-            await client.wait_many([request_id for request_id, _ in chunk], timeout=300)
+            await client.wait_many([item.id for item in chunk], timeout=300)
             latencies.append(time.perf_counter() - began)
 
 
@@ -96,7 +96,7 @@ def redis_cpu(connection: redis.Redis) -> float:
     return info["used_cpu_sys"] + info["used_cpu_user"]
 
 
-async def generate(args: argparse.Namespace, process: int, prepared: list[list[tuple[str, str]]]
+async def generate(args: argparse.Namespace, process: int, prepared: list[list[Prepared]]
                    ) -> tuple[int, list[float]]:
     """One load-generating process: its producers and its consumers (which take anyone's entries)."""
     keys = Keys(args.namespace)

@@ -3,6 +3,7 @@ result, or show queue stats.
 
   dq-producer submit requests.jsonl                      one line per request: {"line": N, "id": ...}
   dq-producer submit requests.jsonl --wait --ordered     one result per request line, in input order
+  dq-producer submit urgent.jsonl --priority high        the high lane, for lines that do not say
   dq-producer result ID --wait 30
   dq-producer stats
 
@@ -26,7 +27,7 @@ import redis
 from . import __version__
 from .client import Client, QueueFull, ResultTimeout, UnsupportedServer
 from .connection import Deployment, check_reachable
-from .keys import PROTOCOL
+from .keys import LANES, PROTOCOL
 from .lines import FAILED, OK, UNREACHABLE, USAGE, Line, Report, read_lines
 from .schema import ErrorCode
 
@@ -172,12 +173,16 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--max-unfinished", type=int, default=100_000, metavar="N",
                      help="backpressure: the most entries a shard's request stream may hold (0: no limit) "
                           "[default 100000]")
+    sub.add_argument("--priority", choices=[str(lane) for lane in LANES], default=None,
+                     help="the lane of requests whose line has no \"priority\": high requests are served ahead of "
+                          "the normal backlog [default: normal]")
     sub.add_argument("--quiet", action="store_true", help="no progress line (the summary stays) [default off]")
     sub.set_defaults(run=submit)
 
     stat = commands.add_parser("stats", parents=[common], help="queue totals and each shard's figures",
-                               description="Stream lengths, the worker group's pending, lag and consumers, dead "
-                                           "letters, per shard and in total, and the live workers (JSON).")
+                               description="Stream lengths, the worker group's pending, lag and consumers, for each "
+                                           "lane (high, normal) and both together; dead letters; per shard and in "
+                                           "total; and the live workers (JSON).")
     stat.set_defaults(run=stats)
 
     res = commands.add_parser("result", parents=[common], help="print one result (exit 1 for an error or none)",
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         deployment = Deployment.resolve(**{name: getattr(args, name) for name in CONNECTION})
         if args.command == "submit":
             with sys.stdin if args.file == "-" else open(args.file, encoding="utf-8") as handle:
-                args.lines = read_lines(handle)
+                args.lines = read_lines(handle, args.priority)
             args.output = None if args.out == "-" else open(args.out, "w", encoding="utf-8")
     except (ValueError, OSError) as error:
         print(f"dq-producer: {error}", file=sys.stderr)

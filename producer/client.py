@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from . import library
 from .connection import Deployment, aconnect, connect
-from .core import (Call, Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
+from .core import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
                    Step, Submittable, WrongResult, prepare)
 from .keys import Keys
 from .library import LibraryUnavailable

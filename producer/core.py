@@ -9,10 +9,11 @@ request stream.
 
 Submitting is one call of the submit function (producer/library.py) per batch: it checks each id and body size
 and refuses the batch when the request stream already holds more than ``max_unfinished`` entries (workers delete
-entries once answered, so its length is the unfinished work). Waiting is a blocking ``XREAD`` on the result
-streams of up to 256 awaited requests at once (each keeps its one entry until the TTL: a result published while
-nobody waited is still there, and can be read again); on Redis Cluster, where one read cannot span slots, on the
-oldest one, then a pipelined look at the others.
+entries once answered, so its length is the unfinished work). A request goes to its lane's stream (its
+``priority``; absent: normal), so the limit holds per lane: a full normal lane does not refuse high requests.
+Waiting is a blocking ``XREAD`` on the result streams of up to 256 awaited requests at once (each keeps its one
+entry until the TTL: a result published while nobody waited is still there, and can be read again); on Redis
+Cluster, where one read cannot span slots, on the oldest one, then a pipelined look at the others.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import redis
 from pydantic import ValidationError
 
 from . import library
-from .keys import GONE_S, GROUP, MAX_BODY_BYTES, Field, Keys, beat_age, shard_of
+from .keys import GONE_S, GROUP, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
 from .schema import Request, Result, describe
 from .servers import lag_of
 
@@ -72,10 +73,11 @@ class ResultTimeout(TimeoutError):
 
 
 class Prepared(NamedTuple):
-    """A validated request, serialized: its id (given or generated) and the entry body."""
+    """A validated request, serialized: its id (given or generated), the entry body, and the lane it goes to."""
 
     id: str
     body: str
+    lane: Priority = NORMAL
 
 
 Submittable = Request | Mapping[str, Any] | Prepared
@@ -94,7 +96,7 @@ def prepare(request: Submittable, max_bytes: int = MAX_BODY_BYTES) -> Prepared:
     body = parsed.model_dump_json(exclude_none=True)
     if len(body.encode()) > max_bytes:
         raise InvalidRequest(f"request is {len(body.encode())} bytes, over the {max_bytes}-byte limit")
-    return Prepared(parsed.id, body)
+    return Prepared(parsed.id, body, Priority(parsed.priority or NORMAL))
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,8 @@ class Producer:
         return min(BATCH, self.max_unfinished) if self.max_unfinished > 0 else BATCH
 
     def submit_many(self, requests: Iterable[Submittable]) -> Plan[list[str]]:
-        """Validate every request first (InvalidRequest: nothing sent), then send each shard's in batches."""
+        """Validate every request first (InvalidRequest: nothing sent), then send each shard's in batches, to each
+        lane's stream, the high lane's first."""
         prepared, given = [], list(requests)
         for index, request in enumerate(given):
             try:
@@ -166,14 +169,14 @@ class Producer:
                 raise (InvalidRequest(str(error), index) if len(given) > 1 else error) from None
         ids = [p.id for p in prepared]
         sent = [False] * len(prepared)
-        by_shard: dict[int, list[int]] = {}
+        by_stream: dict[tuple[int, Priority], list[int]] = {}
         for index, item in enumerate(prepared):
-            by_shard.setdefault(shard_of(item.id, self.shards), []).append(index)
-        for shard, indexes in by_shard.items():
+            by_stream.setdefault((LANES.index(item.lane), shard_of(item.id, self.shards)), []).append(index)
+        for (lane, shard), indexes in sorted(by_stream.items()):
             for start in range(0, len(indexes), self.batch_size):
                 batch = indexes[start: start + self.batch_size]
                 try:
-                    yield from self.send([prepared[i] for i in batch], shard)
+                    yield from self.send([prepared[i] for i in batch], shard, LANES[lane])
                 except QueueFull as full:
                     raise QueueFull(full.detail, [r for r, done in zip(ids, sent) if done],
                                     [r for r, done in zip(ids, sent) if not done]) from None
@@ -181,9 +184,10 @@ class Producer:
                     sent[index] = True
         return ids
 
-    def send(self, batch: Sequence[Prepared], shard: int = 0) -> Plan[None]:
-        """Enqueue prepared requests on one shard, all or none; raises QueueFull. Every request goes through here."""
-        stream = Keys(self.keys.namespace, shard).requests
+    def send(self, batch: Sequence[Prepared], shard: int = 0, lane: Priority = NORMAL) -> Plan[None]:
+        """Enqueue prepared requests on one shard's lane, all or none; raises QueueFull. Every request goes through
+        here: the lane's request stream is the submit function's key."""
+        stream = Keys(self.keys.namespace, shard).requests_in(lane)
         args = [self.max_unfinished, *(value for item in batch for value in (item.id, item.body))]
         for attempt in range(LOAD_TRIES):
             try:
@@ -195,7 +199,7 @@ class Producer:
                     yield Load()
                     continue
                 if text.startswith("QUEUEFULL"):
-                    raise QueueFull(f"shard {shard}: {text[len('QUEUEFULL '):]}") from None
+                    raise QueueFull(f"shard {shard}, {lane} lane: {text[len('QUEUEFULL '):]}") from None
                 if text.startswith("INVALID"):  # the function's checks are the schema's: a bug of one or the other
                     raise InvalidRequest(text[len("INVALID "):]) from None
                 raise
@@ -238,44 +242,60 @@ class Producer:
         return results[request_id]
 
     def stats(self) -> Plan[dict[str, Any]]:
-        """Totals over every shard, then each shard: stream lengths, the worker group's pending, lag and live
-        consumers, dead letters; and the live workers. Live: a consumer seen in the last ``GONE_S`` seconds or
+        """Totals over every shard, then each shard: for each lane (``lanes``: high, normal) the request and chunk
+        streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``chunks``: both
+        lanes together; dead letters; and the live workers. Live: a consumer seen in the last ``GONE_S`` seconds or
         holding entries, a worker whose heartbeat is younger than that (the gone are not counted, and the workers
         delete them: worker/presence.py). The lag is the server's, or the length less pending when the server
         cannot count it (``servers.lag_of``)."""
         shards = []
         for shard in range(self.shards):
             keys, entry = Keys(self.keys.namespace, shard), {"shard": shard}
-            for name, stream in (("requests", keys.requests), ("chunks", keys.chunks)):
-                stream_stats = {"length": (yield Call("xlen", (stream,)))}
-                try:
-                    groups = yield Call("xinfo_groups", (stream,))
-                except redis.ResponseError as error:
-                    if "no such key" not in str(error).lower():  # NOPERM and the like are the caller's to see
-                        raise
-                    groups = []
-                for group in groups:
-                    if group["name"] in (GROUP, GROUP.encode()):
-                        consumers = yield Call("xinfo_consumers", (stream, GROUP))
-                        stream_stats.update(pending=group["pending"],
-                                            lag=lag_of(stream_stats["length"], group["pending"], group.get("lag")),
-                                            consumers=sum(1 for c in consumers
-                                                          if c["pending"] or c["idle"] < GONE_S * 1000))
-                entry[name] = stream_stats
+            lanes: dict[str, dict[str, Any]] = {}
+            for lane in LANES:
+                lanes[lane] = {}
+                for name, stream in (("requests", keys.requests_in(lane)), ("chunks", keys.chunks_in(lane))):
+                    lanes[lane][name] = yield from self._stream_stats(stream)
+            for name in ("requests", "chunks"):
+                entry[name] = _combine([lanes[lane][name] for lane in LANES], consumers=max)
+            entry["lanes"] = lanes
             entry["dead_letters"] = yield Call("xlen", (keys.dead,))
             shards.append(entry)
-        totals: dict[str, Any] = {name: _sum([s[name] for s in shards]) for name in ("requests", "chunks")}
+        totals: dict[str, Any] = {name: _combine([s[name] for s in shards]) for name in ("requests", "chunks")}
+        totals["lanes"] = {lane: {name: _combine([s["lanes"][lane][name] for s in shards])
+                                  for name in ("requests", "chunks")} for lane in LANES}
         totals["dead_letters"] = sum(s["dead_letters"] for s in shards)
         beats = yield Call("hgetall", (self.keys.workers(),))
         now = time.time()
         totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
         return {**totals, "shards": shards}
 
+    def _stream_stats(self, stream: str) -> Plan[dict[str, Any]]:
+        """One stream's length, and the worker group's pending, lag and consumers on it (once the group exists)."""
+        stream_stats = {"length": (yield Call("xlen", (stream,)))}
+        try:
+            groups = yield Call("xinfo_groups", (stream,))
+        except redis.ResponseError as error:
+            if "no such key" not in str(error).lower():  # NOPERM and the like are the caller's to see
+                raise
+            groups = []
+        for group in groups:
+            if group["name"] in (GROUP, GROUP.encode()):
+                consumers = yield Call("xinfo_consumers", (stream, GROUP))
+                stream_stats.update(pending=group["pending"],
+                                    lag=lag_of(stream_stats["length"], group["pending"], group.get("lag")),
+                                    consumers=sum(1 for c in consumers if c["pending"] or c["idle"] < GONE_S * 1000))
+        return stream_stats
 
-def _sum(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Field-wise sum of per-shard stream stats."""
+
+def _combine(parts: list[dict[str, Any]], consumers: Any = sum) -> dict[str, Any]:
+    """Field-wise sum of stream stats. ``consumers``: how consumer counts combine (``max`` over the lanes of one
+    shard, whose streams the same workers read)."""
     out: dict[str, Any] = {}
     for part in parts:
         for name, value in part.items():
-            out[name] = None if value is None or out.get(name, 0) is None else out.get(name, 0) + value
+            if name == "consumers":
+                out[name] = consumers((out.get(name, 0), value))
+            else:
+                out[name] = None if value is None or out.get(name, 0) is None else out.get(name, 0) + value
     return out

@@ -3,8 +3,8 @@
 Used by the fault, bad-input and soak tests and by ``ops/soak.py`` against a real deployment. Given the ids that
 were submitted, it reads every result stream and checks that each holds exactly one entry, that the entry is a
 well-formed result for that id (``ok`` with answers, or ``error`` with a code and a message), and, when the load
-is over, that nothing is half done: request and chunk streams empty, no pending entries, no parts or stored
-bodies of fanned-out requests left behind. Processing a chunk twice is allowed; publishing twice is not.
+is over, that nothing is half done: both lanes' request and chunk streams empty, no pending entries, no parts or
+stored bodies of fanned-out requests left behind. Processing a chunk twice is allowed; publishing twice is not.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from .keys import Field, Keys
+from .keys import LANES, NORMAL, Field, Keys
 from .schema import Result
 
 BATCH = 1000  # result streams read per pipelined round trip
@@ -96,17 +96,18 @@ def leftovers(connection: Any, keys: Keys, ids: Iterable[str] = (), shards: int 
     out: dict[str, int] = {}
     for shard in range(max(1, shards)):
         shard_keys = Keys(keys.namespace, shard)
-        for name, stream in (("requests", shard_keys.requests), ("chunks", shard_keys.chunks)):
-            label = name if shards <= 1 else f"{name} s{shard}"
-            length = connection.xlen(stream)
-            if length:
-                out[f"{label} entries"] = length
-            try:
-                pending = connection.xpending(stream, keys.group)["pending"]
-            except redis.ResponseError:  # no stream or no group: nothing pending
-                pending = 0
-            if pending:
-                out[f"{label} pending"] = pending
+        for lane in LANES:
+            for name, stream in (("requests", shard_keys.requests_in(lane)), ("chunks", shard_keys.chunks_in(lane))):
+                label = (name if lane == NORMAL else f"{lane} {name}") + ("" if shards <= 1 else f" s{shard}")
+                length = connection.xlen(stream)
+                if length:
+                    out[f"{label} entries"] = length
+                try:
+                    pending = connection.xpending(stream, keys.group)["pending"]
+                except redis.ResponseError:  # no stream or no group: nothing pending
+                    pending = 0
+                if pending:
+                    out[f"{label} pending"] = pending
     ids = list(ids)
     for start in range(0, len(ids), BATCH):
         with connection.pipeline(transaction=False) as pipe:

@@ -1,6 +1,10 @@
 """Every Redis name that producers and workers share, in one place (wire protocol v1): keys, and the fields of
 stream entries.
 
+Each shard has two lanes, ``high`` and ``normal``, each with its own request and chunk streams: a worker reads the
+high lane's streams apart from the normal lane's, so a high request never waits behind normal entries already read.
+The stream an entry is in is its lane (docs/PROTOCOL.md, "Priority lanes").
+
 Streams carry a shard hash tag (``{s0}``) so that a worker's blocking read over its shard's request and chunk
 streams touches one Redis Cluster slot. Per-request keys carry the request id as their hash tag, so the Lua
 scripts that aggregate and publish a request's result touch one slot whatever the shard.
@@ -8,6 +12,7 @@ scripts that aggregate and publish a request's result touch one slot whatever th
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 from dataclasses import dataclass
@@ -32,6 +37,17 @@ MAX_BODY_BYTES = 8 << 20  # a request body's largest size: the submit function's
 GONE_S = 30
 
 
+class Priority(enum.StrEnum):
+    """The lanes of a shard (the request field ``priority``; a metric label)."""
+
+    HIGH = "high"
+    NORMAL = "normal"
+
+
+HIGH, NORMAL = Priority.HIGH, Priority.NORMAL
+LANES = (HIGH, NORMAL)  # the order workers serve them in
+
+
 class Field:
     """Field names of stream entries (an entry is a flat map: ``XADD key * field value ...``)."""
 
@@ -50,6 +66,7 @@ class Field:
     ENTRY_ID = "entry_id"
     DELIVERIES = "deliveries"
     REASON = "reason"
+    LANE = "lane"  # high or normal: the lane of the stream the entry was in
 
 
 @dataclass(frozen=True)
@@ -66,13 +83,21 @@ class Keys:
 
     @property
     def requests(self) -> str:
-        """Stream of request entries (field ``body``: the request JSON)."""
-        return f"{self.base}:{{s{self.shard}}}:requests"
+        """Stream of the normal lane's request entries (field ``body``: the request JSON)."""
+        return self.requests_in(NORMAL)
 
     @property
     def chunks(self) -> str:
-        """Stream of the parts of over-length requests, fanned out so that any worker may take any part."""
-        return f"{self.base}:{{s{self.shard}}}:chunks"
+        """The normal lane's stream of the parts of over-length requests, fanned out so that any worker takes any."""
+        return self.chunks_in(NORMAL)
+
+    def requests_in(self, lane: Priority) -> str:
+        """A lane's request stream: ``...:requests`` (normal, the protocol's first stream) or ``...:requests:high``."""
+        return f"{self.base}:{{s{self.shard}}}:requests" + ("" if lane == NORMAL else f":{Priority(lane)}")
+
+    def chunks_in(self, lane: Priority) -> str:
+        """A lane's chunk stream: the parts of a request stay in its lane."""
+        return f"{self.base}:{{s{self.shard}}}:chunks" + ("" if lane == NORMAL else f":{Priority(lane)}")
 
     @property
     def dead(self) -> str:

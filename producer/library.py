@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from .keys import MAX_BODY_BYTES, PROTOCOL, Field, Keys
+from .keys import LANES, MAX_BODY_BYTES, PROTOCOL, Field, Keys
 
 LIBRARY = f"dq_v{PROTOCOL}"
 SUBMIT = f"{LIBRARY}_submit"  # KEYS: a request stream. ARGV: limit (0: none), then id, body per request
@@ -40,26 +40,26 @@ REPLY = f"{LIBRARY}_reply"  # KEYS: a reply stream. ARGV: request id, result JSO
 FORGET = f"{LIBRARY}_forget"  # KEYS: a work stream. ARGV: group, idle limit ms, own consumer name. Names deleted
 REVISION_FUNCTION = f"{LIBRARY}_revision"  # no keys: this library's REVISION
 # Bump on every change of CODE (tests/unit/test_library_code.py holds each revision's hash).
-REVISION = 2
+REVISION = 2  # 2: publish_as, part_as, reply; the high lane's request stream
 MAX_BATCH = 1000  # requests per submit call: bounds the time Redis spends in one call
 
 
-def _stream_pattern(name: str) -> str:
-    """A Lua pattern of one kind of request stream, in any namespace and shard."""
-    template = getattr(Keys("\0", "\1"), name)
+def _stream_pattern(template: str) -> str:
+    """A Lua pattern of one kind of request stream (its name with namespace ``\0`` and shard ``\1``), in any
+    namespace and shard."""
     escaped = re.sub(r"([\^$()%.\[\]*+\-?])", r"%\1", template)
     return "^" + escaped.replace("\0", ".+").replace("\1", "%d+") + "$"
 
 
-# Streams the submit function writes to (Keys properties): producers reach no other key through it.
-SUBMIT_STREAMS = ("requests",)
+# Streams the submit function writes to, each lane's request stream: producers reach no other key through it.
+SUBMIT_STREAMS = tuple(Keys("\0", "\1").requests_in(lane) for lane in LANES)
 
 CODE = f"""#!lua name={LIBRARY}
 -- decision-queue, wire protocol v{PROTOCOL}, revision {REVISION} (producer/library.py)
 local REVISION = {REVISION}
 local MAX_BODY = {MAX_BODY_BYTES}
 local MAX_BATCH = {MAX_BATCH}
-local STREAMS = {{{", ".join(repr(_stream_pattern(name)) for name in SUBMIT_STREAMS)}}}
+local STREAMS = {{{", ".join(repr(_stream_pattern(template)) for template in SUBMIT_STREAMS)}}}
 
 local function request_stream(key)
   for _, pattern in ipairs(STREAMS) do

@@ -55,8 +55,9 @@ class Line:
         return out
 
 
-def read_lines(handle: TextIO) -> list[Line]:
-    """One ``Line`` per non-empty input line, its request prepared (given or generated id) or refused."""
+def read_lines(handle: TextIO, priority: str | None = None) -> list[Line]:
+    """One ``Line`` per non-empty input line, its request prepared (given or generated id) or refused.
+    ``priority``: the lane of requests whose line does not say."""
     lines = []
     for number, text in enumerate(handle, 1):
         if not text.strip():
@@ -70,6 +71,8 @@ def read_lines(handle: TextIO) -> list[Line]:
             lines.append(Line.refused(number, f"line-{number}", ErrorCode.INVALID_JSON,
                                       f"a request is a JSON object, got {type(data).__name__}"))
             continue
+        if priority is not None:
+            data.setdefault("priority", priority)
         try:
             lines.append(Line(number, prepare(data)))
         except InvalidRequest as error:

@@ -1,8 +1,9 @@
 """The wire format shared by producers and workers: a System One request, its result, and error codes.
 
 A request is ``{"state": ..., "questions": {name: question}, "assets": {...}}`` plus queue fields (``id``,
-``reply_to``, ``deadline_ms``) and caller context echoed in its result (``metadata``, ``traceparent``). Validation
-errors name the field and the problem, so a producer can fix its input from the error result alone.
+``reply_to``, ``deadline_ms``, ``priority``) and caller context echoed in its result (``metadata``,
+``traceparent``). Validation errors name the field and the problem, so a producer can fix its input from the error
+result alone.
 
 Requests are strict (an unknown field is a mistake worth refusing); results are open (a field added by a newer
 worker is kept, not refused), so producers already deployed keep reading results when workers move ahead.
@@ -112,6 +113,9 @@ class Request(_Strict):
     assets: dict[str, ImageAsset] | None = Field(default=None, max_length=MAX_ASSETS)
     reply_to: str | None = None
     deadline_ms: int | None = Field(default=None, ge=0)
+    # The lane: producers send it to that lane's stream (absent: normal); a worker refuses one that names the lane
+    # of another stream than the one it came from.
+    priority: Literal["high", "normal"] | None = None
     metadata: dict[str, JsonValue] | None = None  # opaque to workers, echoed in the result
     traceparent: str | None = None  # W3C trace context: echoed, and in the worker's log lines for the request
 

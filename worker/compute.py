@@ -4,7 +4,8 @@ Runs on the main thread. While pack n is on the GPU, pack n+1 is formed from wha
 (temperatures, softmax, System One answers) and handed to the sink (results.py, which hops onto the asyncio thread
 that owns every task's state), either before or after pack n+1 is launched:
 
-- n+1 full (the queue is ahead of the GPU): launch first. Reading out first would leave the GPU idle for the
+- n+1 full (the queue is ahead of the GPU; full: of the budget the packer filled it to, smaller while high-priority
+  work flows): launch first. Reading out first would leave the GPU idle for the
   read-out and the launch's host work, a quarter of the time on an H200 (end to end 71% of in process, 95% after).
 - n+1 partly full (the GPU keeps up): read out first. The launch's host work (milliseconds per pack, whatever its
   size) would otherwise delay n's answers.
@@ -56,7 +57,7 @@ class Compute:
             self.metrics.heartbeat.labels("gpu").set(self.turned_at)
             pack = self._take(wait=in_flight is None)
             tokens = sum(item.tokens for item in pack)
-            if in_flight is not None and tokens < LAUNCH_FIRST_FILL * self.engine.max_pack_tokens:
+            if in_flight is not None and tokens < LAUNCH_FIRST_FILL * self.packer.budget:
                 self._finish(*in_flight)
                 in_flight = None
             launched = None

@@ -48,6 +48,11 @@ class Settings:
     # Packing and the fast path
     pack_tokens: int = _opt(16384, "token budget of one forward pass", low=1)
     max_wait_ms: float = _opt(5.0, "longest a partly filled pack waits for more work before it runs", low=0)
+    normal_share: float = _opt(0.1, "share of each pack's tokens kept for normal-priority work while some waits "
+                                    "(high work never starves it)", low=0.01, high=0.9)
+    high_pack_tokens: int = _opt(4096, "token budget of packs while high-priority work flows (queued in the last "
+                                       "second): a high request waits behind less work on the GPU (0: pack_tokens)",
+                                 low=0)
     buckets: str = _opt("2048,4096,8192,16384", "static pack sizes captured as CUDA graphs (fast path)")
     cuda_graphs: bool = _opt(True, "replay packs through CUDA graphs (fast path)")
     compile: str = _opt("layer", "torch.compile mode of the fast path: none, sub or layer",
@@ -73,8 +78,8 @@ class Settings:
     block_ms: int = _opt(1000, "blocking read timeout; kept below the socket timeout", low=1,
                         high=SOCKET_TIMEOUT * 1000 - 1000)
     read_count: int = _opt(64, "entries fetched per read", low=1)
-    max_inflight: int = _opt(512, "entries held at once (read, planned, queued or computing); reading pauses above",
-                            low=1)
+    max_inflight: int = _opt(512, "entries of each lane held at once (read, planned, queued or computing); reading "
+                                  "that lane pauses above", low=1)
     claim_idle_ms: int = _opt(60000, "reclaim entries pending longer than this from dead consumers", low=1)
     consumer_gone_ms: int = _opt(300000, "delete a group consumer that has nothing pending and has been idle longer "
                                          "than this (its worker is gone)", low=1000)

@@ -6,7 +6,7 @@ One request, from its XADD to its result stream:
     daemon.py    _accept: trimmed, too often delivered, bad field, or to plan        │ asyncio thread
                  _plan: planner.py renders and tokenizes (threads or processes)     │
                         -> a Task: its chunks into the work queue, or fanned out   ─┘
-    packer.py    chunks -> packs within the token budget                           ─┐ main (GPU) thread
+    packer.py    chunks -> packs within the token budget, high priority first      ─┐ main (GPU) thread
     compute.py   packs -> engine -> read-out -> answers, to results' sink          ─┘
     results.py   answers gathered per task; publisher.py: result published once    ── asyncio thread
                  (FCALL) with its reply, XACK, XDEL; intake lets the entry go
@@ -22,7 +22,6 @@ import asyncio
 import gc
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -92,8 +91,8 @@ class Daemon:
         self.results = Results(self.publisher, self.link, self.loop, self.metrics, release=self.intake.release,
                                fail=self._failed)
         self.planner = Planner(self.model, settings)
-        self.work: queue.Queue[Item] = queue.Queue()
-        self.packer = Packer(self.work, self.engine.max_pack_tokens, settings.max_wait_ms / 1000)
+        self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
+                             settings.high_pack_tokens)
         self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.results)
         self.metrics.built(__version__, self.model.name, self.engine.name, str(self.model.device))
 
@@ -264,7 +263,7 @@ class Daemon:
             self.intake.release(delivery)
             return
         for index, chunk in enumerate(task.chunks):
-            self.work.put(Item(task, index, chunk))
+            self.packer.put(Item(task, index, chunk))
 
     def _failed(self, delivery: Delivery, reason: str) -> None:
         """Retry (the delivery counter goes up) until the cap, then dead-letter with an error result."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from producer.keys import ID_PATTERN, Field, Keys, valid_id
+from producer.keys import ID_PATTERN, NORMAL, Field, Keys, Priority, valid_id
 from producer.schema import MAX_NAME_CHARS, MAX_QUESTIONS, ErrorCode, valid_metadata, valid_traceparent
 
 
@@ -73,10 +73,11 @@ class Delivery:
     # metadata is in its request's stored body; its traceparent is a field of its entry (optional).
     metadata: dict[str, Any] | None = None
     traceparent: str | None = None
+    lane: Priority = NORMAL  # the lane of the stream it is in, which is its priority
 
     @classmethod
     def parse(cls, keys: Keys, stream: Stream, key: str, entry_id: str, fields: Mapping[bytes, bytes],
-              deliveries: int, max_bytes: int | None = None) -> Delivery:
+              deliveries: int, max_bytes: int | None = None, lane: Priority = NORMAL) -> Delivery:
         """Every field parsed here, once; a bad one leaves a usable fallback and its reason in ``invalid``. An
         entry over ``max_bytes`` (all fields counted) is refused before its body is parsed."""
         problems: list[str] = []
@@ -111,7 +112,7 @@ class Delivery:
         return cls(stream, key, entry_id, fields, deliveries, time.time(), request_id or entry_id, reply_to,
                    enqueued_ms, part, parts, questions, problems[0] if problems else None,
                    ErrorCode.TOO_LARGE if too_large else ErrorCode.INVALID_REQUEST, answerable, size, metadata,
-                   traceparent)
+                   traceparent, lane)
 
     @property
     def body(self) -> bytes | None:

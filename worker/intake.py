@@ -2,9 +2,10 @@
 
 ``Consumer`` is this worker's Redis calls on the group (read, recover own pending entries, reclaim dead consumers'
 entries, keep long work from being reclaimed, claim again for a retry); every entry comes back as a parsed
-``Delivery``. ``Intake`` is the stage on the asyncio thread: its reader takes entries while fewer than
-``--max-inflight`` are held, its maintenance loop reclaims, keeps alive, and reports stream stats and the worker's
-heartbeat. Each entry taken goes once to ``accept`` (the daemon's route); ``release`` lets it go.
+``Delivery``. ``Intake`` is the stage on the asyncio thread: one reader per lane (high, normal) takes that lane's
+entries while it holds fewer than ``--max-inflight`` of them, so a worker full of normal work still reads a high
+request at once; the maintenance loop reclaims, keeps alive, and reports stream stats and the worker's heartbeat.
+Each entry taken goes once to ``accept`` (the daemon's route); ``release`` lets it go.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import redis
 
-from producer.keys import Keys
+from producer.keys import LANES, Keys, Priority
 
 from .config import Settings
 from .entries import CHUNKS, REQUESTS, Delivery, Stream
@@ -28,6 +29,7 @@ from .presence import Presence
 
 log = logging.getLogger("worker")
 LOST_REMEMBERED = 10_000  # payload-less entries remembered, so that each is counted once
+SETTLED_REMEMBERED = 10_000  # entries let go lately, remembered so that a read that began before is not taken again
 
 
 def _text(value: Any) -> str:
@@ -35,17 +37,24 @@ def _text(value: Any) -> str:
 
 
 class Consumer:
-    """One consumer of the worker group, on the shard's two work streams."""
+    """One consumer of the worker group, on the shard's work streams: each lane's chunk and request streams."""
 
     def __init__(self, redis_client: Any, keys: Keys, name: str, max_entry_bytes: int | None = None) -> None:
         self.redis = redis_client
         self.keys = keys
         self.name = name
         self.max_entry_bytes = max_entry_bytes  # larger entries are refused unparsed (Delivery.parse)
-        self.streams = {keys.chunks: CHUNKS, keys.requests: REQUESTS}  # parts first: finish started requests
+        # stream key -> (kind, lane); high lane first, and in a lane parts first: finish started requests
+        self.streams: dict[str, tuple[Stream, Priority]] = {}
+        for lane in LANES:
+            self.streams[keys.chunks_in(lane)] = (CHUNKS, lane)
+            self.streams[keys.requests_in(lane)] = (REQUESTS, lane)
+
+    def lane_keys(self, lane: Priority) -> list[str]:
+        return [key for key, (_, of) in self.streams.items() if of == lane]
 
     async def ensure_groups(self) -> bool:
-        """Create the group on both streams (and the streams); True if one had to be created."""
+        """Create the group on every work stream (and the streams); True if one had to be created."""
         created = False
         for key in self.streams:
             try:
@@ -56,18 +65,20 @@ class Consumer:
                     raise
         return created
 
-    async def read(self, count: int, block_ms: int) -> list[Delivery]:
-        """New entries (``>``), parts before requests."""
-        reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: ">" for key in self.streams},
+    async def read(self, lane: Priority, count: int, block_ms: int) -> list[Delivery]:
+        """New entries (``>``) of one lane, parts before requests."""
+        reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: ">" for key in self.lane_keys(lane)},
                                             count=count, block=block_ms)
         return [self._parse(_text(key), _text(entry_id), fields, 1)
                 for key, entries in reply or [] for entry_id, fields in entries]
 
-    async def own_pending(self, count: int, limit: int, skip: set[tuple[str, str]]) -> tuple[list[Delivery], bool]:
-        """Entries delivered to this consumer and never acknowledged (a restart, or a reply lost in transit), but
-        those in ``skip`` (stream key, entry id: held already), at most ``limit``; and whether some are left for another turn."""
+    async def own_pending(self, lane: Priority, count: int, limit: int,
+                          skip: set[tuple[str, str]]) -> tuple[list[Delivery], bool]:
+        """A lane's entries delivered to this consumer and never acknowledged (a restart, or a reply lost in
+        transit), but those in ``skip`` (stream key, entry id: held already), at most ``limit``; and whether some
+        are left for another turn."""
         found: list[tuple[str, str, dict]] = []
-        for key in self.streams:
+        for key in self.lane_keys(lane):
             cursor = "0"
             while len(found) < limit:
                 reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: cursor}, count=count)
@@ -79,13 +90,14 @@ class Consumer:
                 cursor = _text(entries[-1][0])
         return await self._counted(found), len(found) >= limit
 
-    async def reclaim(self, min_idle_ms: int, count: int, limit: int) -> tuple[list[Delivery], list[tuple[str, str]]]:
-        """Entries idle longer than ``min_idle_ms`` in any consumer's list, now ours, at most ``limit`` (each one
-        claimed is held: no more than there is room for); and (stream key, entry id) of those that had no payload
-        any more (Redis 7 drops them from the pending list itself)."""
+    async def reclaim(self, lane: Priority, min_idle_ms: int, count: int,
+                      limit: int) -> tuple[list[Delivery], list[tuple[str, str]]]:
+        """A lane's entries idle longer than ``min_idle_ms`` in any consumer's list, now ours, at most ``limit``
+        (each one claimed is held: no more than the lane has room for); and (stream key, entry id) of those that
+        had no payload any more (Redis 7 drops them from the pending list itself)."""
         found: list[tuple[str, str, dict]] = []
         gone: list[tuple[str, str]] = []
-        for key in self.streams:
+        for key in self.lane_keys(lane):
             cursor = "0-0"
             while len(found) < limit:
                 reply = await self.redis.xautoclaim(key, self.keys.group, self.name, min_idle_ms,
@@ -117,7 +129,7 @@ class Consumer:
         """A part's request body, stored when its request fanned out (None: gone)."""
         return await self.redis.get(self.keys.body(delivery.request_id))
 
-    async def group_stats(self) -> dict[Stream, dict[str, Any]]:
+    async def group_stats(self) -> dict[tuple[Stream, Priority], dict[str, Any]]:
         out = {}
         for key, stream in self.streams.items():
             entry: dict[str, Any] = {"length": await self.redis.xlen(key), "pending": 0, "lag": None}
@@ -139,8 +151,18 @@ class Consumer:
                 for (key, entry_id, fields), reply in zip(found, replies)]
 
     def _parse(self, key: str, entry_id: str, fields: dict | None, deliveries: int) -> Delivery:
-        return Delivery.parse(self.keys, self.streams[key], key, entry_id, fields or {}, deliveries,
-                              self.max_entry_bytes)
+        kind, lane = self.streams[key]
+        return Delivery.parse(self.keys, kind, key, entry_id, fields or {}, deliveries, self.max_entry_bytes, lane)
+
+
+class Reader:
+    """One lane's reader state (loop thread only)."""
+
+    def __init__(self) -> None:
+        self.held = 0  # entries of this lane held
+        self.room = asyncio.Event()  # set when one of them is released
+        self.turn: float | None = None  # its last turn (liveness)
+        self.reading_since: float | None = None  # it has waited on Redis since (health: Redis' fault)
 
 
 class Intake:
@@ -152,39 +174,62 @@ class Intake:
         self.accept = accept
         self.stopping = stopping
         self.presence = presence  # the heartbeat, and forgetting the workers and consumers that are gone
-        # (stream key, entry id) -> delivery: read, planned, queued or computing. Both: the two work streams give
-        # out the same entry ids (time-sequence), and an entry must not pass for another stream's.
+        # (stream key, entry id) -> delivery: read, planned, queued or computing (ids are unique per stream only)
         self.held: dict[tuple[str, str], Delivery] = {}
-        self.room = asyncio.Event()  # set when an entry is released
+        self.readers = {lane: Reader() for lane in LANES}
         self.lost: dict[tuple[str, str], None] = {}  # (stream key, entry id) counted as lost, recent ones
+        self.settled: dict[tuple[str, str], float] = {}  # (stream key, entry id) -> when let go (monotonic), recent
         self.settled_at: float | None = None  # when an entry was last released (health: is work progressing?)
-        self.read_turn: float | None = None  # the reader's last turn (liveness)
-        self.reading_since: float | None = None  # the reader has waited on Redis since (health: Redis' fault)
+
+    @property
+    def read_turn(self) -> float | None:
+        """The readers' beat for liveness: the oldest turn of a reader not waiting on Redis (None before all have
+        turned); a reader in a Redis read counts as turning now."""
+        if any(reader.turn is None for reader in self.readers.values()):
+            return None
+        now = time.time()
+        return min(now if reader.reading_since is not None else reader.turn for reader in self.readers.values())
+
+    @property
+    def reading_since(self) -> float | None:
+        """Since when the readers have waited on Redis, for health: the latest start of a read in progress (one
+        answered read means Redis answers); None when none reads, or when a reader that is not reading turned
+        before that (it may be stuck: liveness must see it)."""
+        reading = [reader.reading_since for reader in self.readers.values() if reader.reading_since is not None]
+        idle = [reader.turn or 0.0 for reader in self.readers.values() if reader.reading_since is None]
+        if not reading or (idle and min(idle) < max(reading)):
+            return None
+        return max(reading)
 
     async def run_reader(self) -> None:
-        """Until stopping: own pending entries first (at start, and after a reply may have been lost), then new."""
-        settings = self.settings
+        """Until stopping: one reader per lane."""
+        await asyncio.gather(*(self._read(lane) for lane in LANES))
+
+    async def _read(self, lane: Priority) -> None:
+        """One lane: own pending entries first (at start, and after a reply may have been lost), then new ones,
+        while the lane holds fewer than ``--max-inflight``."""
+        settings, reader = self.settings, self.readers[lane]
         recover = True
         while not self.stopping.is_set():
-            self.read_turn = time.time()
-            self.metrics.heartbeat.labels("reader").set(self.read_turn)
-            self.reading_since = None
-            room = settings.max_inflight - len(self.held)
+            reader.turn = time.time()
+            self.metrics.heartbeat.labels("reader").set(self.read_turn or reader.turn)
+            reader.reading_since = None
+            room = settings.max_inflight - reader.held
             if room <= 0:
-                self.room.clear()
+                reader.room.clear()
                 try:
-                    await asyncio.wait_for(self.room.wait(), timeout=0.5)
+                    await asyncio.wait_for(reader.room.wait(), timeout=0.5)
                 except asyncio.TimeoutError:
                     pass
                 continue
-            self.reading_since = time.time()
+            reader.reading_since, since = time.time(), time.monotonic()
             try:
                 if recover:  # at most ``room`` of them: the rest on the next turns
-                    deliveries, recover = await self.consumer.own_pending(min(settings.read_count, room), room,
+                    deliveries, recover = await self.consumer.own_pending(lane, min(settings.read_count, room), room,
                                                                           set(self.held))
                     how = "recovered"
                 else:
-                    deliveries = await self.consumer.read(min(settings.read_count, room), settings.block_ms)
+                    deliveries = await self.consumer.read(lane, min(settings.read_count, room), settings.block_ms)
                     how = "read"
                 self.link.answered()
             except redis.ResponseError as error:
@@ -198,7 +243,7 @@ class Intake:
                 await asyncio.sleep(0.5)
                 continue
             for delivery in deliveries:
-                self.take(delivery, how)
+                self.take(delivery, how, since)
 
     async def run_maintenance(self) -> None:
         """Until cancelled: keep held entries alive, reclaim dead consumers' entries; stats and heartbeat every 5 s."""
@@ -209,8 +254,13 @@ class Intake:
             self.metrics.heartbeat.labels("maintenance").set(time.time())
             try:
                 await self.consumer.keep_alive(list(self.held.values()))
-                room = settings.max_inflight - len(self.held)  # claims beyond it would exceed --max-inflight
-                reclaimed, gone = await self.consumer.reclaim(settings.claim_idle_ms, settings.read_count, room)
+                since = time.monotonic()
+                reclaimed, gone = [], []
+                for lane, reader in self.readers.items():  # claims beyond a lane's room would exceed --max-inflight
+                    found, lost_here = await self.consumer.reclaim(lane, settings.claim_idle_ms, settings.read_count,
+                                                                   settings.max_inflight - reader.held)
+                    reclaimed += found
+                    gone += lost_here
                 if lost := self.count_lost(gone):
                     log.error("%d pending entries had no payload any more (trimmed?)", lost)
                 fresh = [d for d in reclaimed if (d.key, d.entry_id) not in self.held]
@@ -219,39 +269,49 @@ class Intake:
                 for delivery in fresh:
                     log.debug("reclaimed %s of %s (delivery %d)", delivery.entry_id, delivery.key, delivery.deliveries,
                               extra=delivery.log_fields)
-                    self.take(delivery, "reclaimed")
+                    self.take(delivery, "reclaimed", since)
                 if time.monotonic() - last_stats > 5:
                     last_stats = time.monotonic()
                     await self._report()
             except redis.ResponseError as error:
                 if "NOGROUP" in str(error):  # not left to the reader: it may be waiting for room, not reading
                     await self._group_lost()
-                else:  # e.g. OOM refusing the heartbeat: counted, logged once per interval
-                    self.link.refused("maintenance", error, stalls=False)
+                else:
+                    log.warning("maintenance: %s", error)
             except REDIS_ERRORS as error:
                 self.metrics.redis_errors.labels("maintenance").inc()
                 log.debug("maintenance: redis unavailable: %s", error)
             await asyncio.sleep(every)
 
-    def take(self, delivery: Delivery, how: str) -> None:
-        """Hold an entry and hand it to ``accept``, once however many ways it arrived (read, recovered, ...)."""
-        if (delivery.key, delivery.entry_id) in self.held:
+    def take(self, delivery: Delivery, how: str, since: float | None = None) -> None:
+        """Hold an entry and hand it to ``accept``, once however many ways it arrived (read, recovered, ...).
+        ``since``: when the read that found it began; an entry let go since then was settled meanwhile (the read of
+        own pending entries, or a reclaim, saw it before its acknowledgement), and is not taken again."""
+        entry = (delivery.key, delivery.entry_id)
+        if entry in self.held or (since is not None and self.settled.get(entry, float("-inf")) >= since):
             return
         self.held[delivery.key, delivery.entry_id] = delivery
+        self.readers[delivery.lane].held += 1
         metrics = self.metrics
         metrics.inflight.set(len(self.held))
         metrics.entries.labels(delivery.stream, how).inc()
         if delivery.deliveries > 1:
             metrics.redeliveries.labels(delivery.stream).inc()
         else:
-            metrics.queue_wait.observe(max(0.0, delivery.taken - delivery.enqueued_ms / 1000))
+            metrics.queue_wait.labels(delivery.lane).observe(max(0.0, delivery.taken - delivery.enqueued_ms / 1000))
         self.accept(delivery)
 
     def release(self, delivery: Delivery) -> None:
-        self.held.pop((delivery.key, delivery.entry_id), None)
-        self.settled_at = time.time()
+        entry = (delivery.key, delivery.entry_id)
+        if self.held.pop(entry, None) is not None:
+            reader = self.readers[delivery.lane]
+            reader.held -= 1
+            reader.room.set()
+            self.settled[entry] = time.monotonic()
+            self.settled_at = time.time()
+            while len(self.settled) > SETTLED_REMEMBERED:
+                del self.settled[next(iter(self.settled))]
         self.metrics.inflight.set(len(self.held))
-        self.room.set()
 
     async def retry(self, delivery: Delivery) -> None:
         """Take an own entry again (its delivery counter goes up) and hand it to ``accept`` as a new delivery."""
@@ -259,15 +319,6 @@ class Intake:
         self.release(delivery)
         if fresh is not None:
             self.take(fresh, "retried")
-
-    def oldest_taken(self) -> float | None:
-        """When the longest-held entry was taken (held keeps the order entries were taken in). Any thread."""
-        for _ in range(3):  # another thread reads: the loop thread may change ``held`` meanwhile
-            try:
-                return next(iter(self.held.values())).taken if self.held else None
-            except (RuntimeError, StopIteration):
-                continue
-        return None
 
     def count_lost(self, entries: list[tuple[str, str]]) -> int:
         """Count payload-less pending entries once each: a reclaim may report an entry that the reader is acking
@@ -280,7 +331,7 @@ class Intake:
         return len(fresh)
 
     async def start(self) -> None:
-        """Create the group on both streams unless it is there (waits for Redis)."""
+        """Create the group on every work stream unless it is there (waits for Redis)."""
         await self.link.until(self.consumer.ensure_groups, "create groups")
 
     async def stored_body(self, delivery: Delivery) -> bytes | None:

@@ -1,9 +1,10 @@
 """Prometheus metrics of one worker process, defined once: prefix ``dq_``, base units, few labels, no ids.
 
 Queue gauges carry the worker's ``shard``: every worker of a shard reports the same value, so dashboards and alerts
-take ``max by (shard, stream)`` and then sum across shards. Labelled counters start at zero for every known label
-value, so a panel shows a flat line rather than no data until the first event. The process and Python collectors
-(``process_*``, ``python_*``) come with the registry.
+take ``max by (shard, stream, priority)`` and then sum across shards. ``priority`` is the lane (high, normal) of the
+stream an entry came from: latency, queue wait and the stream gauges carry it. Labelled counters start at zero for
+every known label value, so a panel shows a flat line rather than no data until the first event. The process and
+Python collectors (``process_*``, ``python_*``) come with the registry.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from producer.keys import LANES
 from producer.schema import ErrorCode
 from producer.servers import lag_of
 
@@ -50,10 +52,10 @@ class Metrics:
                                         "Consumer groups recreated because Redis lost them", registry=r)
         self.redis_errors = Counter("dq_redis_errors_total", "Failed Redis calls, by operation", ["op"], registry=r)
         self.latency = Histogram("dq_request_latency_seconds",
-                                 "Enqueue (stream entry id) to result published, by result status", ["status"],
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("dq_queue_wait_seconds", "Enqueue to first taken by a worker",
-                                    buckets=LATENCY_BUCKETS, registry=r)
+                                 "Enqueue (stream entry id) to result published, by result status and lane",
+                                 ["status", "priority"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("dq_queue_wait_seconds", "Enqueue to first taken by a worker, by lane",
+                                    ["priority"], buckets=LATENCY_BUCKETS, registry=r)
         self.planning = Histogram("dq_planning_seconds", "Validate, render and tokenize one entry",
                                   buckets=FORWARD_BUCKETS, registry=r)
         self.forward = Histogram("dq_forward_seconds", "One forward pass, launch to scores on the host, by static "
@@ -70,11 +72,12 @@ class Metrics:
                                 ["kind"], registry=r)
         self.gpu_memory_peak = Gauge("dq_gpu_memory_peak_bytes", "Most GPU memory this process has had allocated",
                                      registry=r)
-        self.stream_length = Gauge("dq_stream_length", "Entries in the stream (unfinished work)", ["shard", "stream"],
-                                   registry=r)
-        self.stream_pending = Gauge("dq_stream_pending", "Entries delivered and not acknowledged", ["shard", "stream"],
-                                    registry=r)
-        self.stream_lag = Gauge("dq_stream_lag", "Entries not yet delivered to any worker", ["shard", "stream"],
+        self.stream_length = Gauge("dq_stream_length", "Entries in the stream (unfinished work)",
+                                   ["shard", "stream", "priority"], registry=r)
+        self.stream_pending = Gauge("dq_stream_pending", "Entries delivered and not acknowledged",
+                                    ["shard", "stream", "priority"], registry=r)
+        self.stream_lag = Gauge("dq_stream_lag", "Entries not yet delivered to any worker",
+                                ["shard", "stream", "priority"],
                                 registry=r)
         self.inflight = Gauge("dq_inflight_entries", "Entries this worker holds", registry=r)
         self.heartbeat = Gauge("dq_loop_heartbeat_timestamp_seconds", "Last turn of each loop", ["loop"], registry=r)
@@ -91,17 +94,19 @@ class Metrics:
             self.results.labels("error", code.value)
         for op in REDIS_OPS:
             self.redis_errors.labels(op)
-        for status in STATUSES:
-            self.latency.labels(status)
+        for lane in LANES:
+            self.queue_wait.labels(lane)
+            for status in STATUSES:
+                self.latency.labels(status, lane)
         self.ready.labels(self.shard).set(0)
 
-    def streams(self, stats: dict[str, dict[str, Any]]) -> None:
-        """The group stats of this worker's shard (``{stream: {length, pending, lag}}``; lag None: not counted by the
-        server, so the length less pending, see ``lag_of``)."""
-        for stream, st in stats.items():
-            self.stream_length.labels(self.shard, stream).set(st["length"])
-            self.stream_pending.labels(self.shard, stream).set(st["pending"])
-            self.stream_lag.labels(self.shard, stream).set(lag_of(st["length"], st["pending"], st["lag"]))
+    def streams(self, stats: dict[tuple[str, str], dict[str, Any]]) -> None:
+        """The group stats of this worker's shard (``{(stream, lane): {length, pending, lag}}``; lag None: not
+        counted by the server, so the length less pending, see ``lag_of``)."""
+        for (stream, lane), st in stats.items():
+            self.stream_length.labels(self.shard, stream, lane).set(st["length"])
+            self.stream_pending.labels(self.shard, stream, lane).set(st["pending"])
+            self.stream_lag.labels(self.shard, stream, lane).set(lag_of(st["length"], st["pending"], st["lag"]))
 
     def set_ready(self, ready: bool) -> None:
         self.ready.labels(self.shard).set(1 if ready else 0)

@@ -1,58 +1,117 @@
-"""Chunks -> packs: fill one forward pass up to the token budget, waiting at most ``max_wait`` for more work.
+"""Chunks -> packs: fill one forward pass up to the token budget, high-priority work first, waiting at most
+``max_wait`` for more work.
 
-Chunks are taken oldest first; one that does not fit the pack being formed is held for the next pack, and later,
-smaller chunks may still fill the gap (first fit over a short window), so packs stay full without starving anyone:
-a held chunk always opens the next pack.
+Each lane's chunks wait in arrival order. A pack takes the high lane's first, then the normal lane's, first fit over a
+short window of each: a chunk that does not fit is passed over for smaller later ones, and waits at the front of its
+lane for a later pack.
+
+Normal work is never starved. While some waits, every pack owes it ``normal_share`` of the pack's budget, and high
+work leaves that much room (the oldest high chunk still opens the pack whatever its size). What normal work was owed
+and could not use (its oldest chunk did not fit) is carried to the next pack, up to a whole budget: a long normal
+chunk gets in once enough is owed, and then opens the pack.
+
+While high work flows (some was queued in the last ``HIGH_RECENT_S``), packs are held to ``high_budget`` tokens: a
+high request waits behind the packs already on the GPU, and smaller packs bound that wait.
 """
 
 from __future__ import annotations
 
-import queue
+import math
+import threading
 import time
 from collections import deque
 
+from producer.keys import HIGH, LANES, NORMAL, Priority
+
 from .tasks import Item
 
-HOLD = 64  # chunks set aside per pack at most, before the pack is closed as it is
+HOLD = 64  # chunks of a lane looked at per step (first fit), oldest first
+HIGH_RECENT_S = 1.0  # packs stay at high_budget this long after high work was last queued
 
 
 class Packer:
-    def __init__(self, source: queue.Queue[Item], budget: int, max_wait: float) -> None:
-        self.source = source
-        self.budget = budget
+    def __init__(self, budget: int, max_wait: float, normal_share: float = 0.1, high_budget: int = 0) -> None:
+        self.full_budget = budget
+        self.high_budget = min(high_budget, budget) if high_budget > 0 else budget
         self.max_wait = max_wait
-        self.held: deque[Item] = deque()
+        self.normal_share = normal_share
+        self.budget = budget  # the budget of the last pack formed
+        self.lanes: dict[Priority, deque[Item]] = {lane: deque() for lane in LANES}
+        self.tokens = {lane: 0 for lane in LANES}  # queued, per lane
+        self.owed = 0  # tokens of pack room normal work is owed and has not had yet
+        self.high_seen = float("-inf")  # when high work was last queued (monotonic)
+        self.ready = threading.Condition()
+
+    def put(self, item: Item) -> None:
+        """Queue a chunk in its lane (any thread)."""
+        with self.ready:
+            self.lanes[item.lane].append(item)
+            self.tokens[item.lane] += item.tokens
+            if item.lane == HIGH:
+                self.high_seen = time.monotonic()
+            self.ready.notify()
 
     @property
     def idle(self) -> bool:
-        return not self.held and self.source.empty()
+        with self.ready:
+            return not self._queued()
 
     def next(self, timeout: float = 0.25, wait: bool = True) -> list[Item]:
         """The next pack (possibly empty after ``timeout`` with no work). ``wait=False``: take what is there."""
+        with self.ready:
+            if not (self.ready.wait_for(self._queued, timeout) if wait else self._queued()):
+                return []
+            if wait:  # the latency bound runs from the first chunk: a partly filled pack waits at most max_wait
+                self.ready.wait_for(lambda: sum(self.tokens.values()) >= self._budget_now(), self.max_wait)
+            self.budget = self._budget_now()
+            return self._fill(self.budget)
+
+    def _queued(self) -> bool:
+        return any(self.lanes.values())
+
+    def _budget_now(self) -> int:
+        high = self.lanes[HIGH] or time.monotonic() - self.high_seen < HIGH_RECENT_S
+        return self.high_budget if high else self.full_budget
+
+    def _fill(self, budget: int) -> list[Item]:
+        """High first, leaving normal work the room it is owed; then normal; then either, first fit, in what is
+        left."""
+        high, normal = self.lanes[HIGH], self.lanes[NORMAL]
+        self.owed = min(self.owed + math.ceil(self.normal_share * budget), budget) if normal else 0
         pack: list[Item] = []
-        used = 0
-        carried: deque[Item] = deque()
-        while self.held:  # held chunks first, oldest first
-            item = self.held.popleft()
-            if not pack or used + item.tokens <= self.budget:
-                pack.append(item)
-                used += item.tokens
-            else:
-                carried.append(item)
-        self.held = carried
-        deadline = time.monotonic() + (self.max_wait if pack else timeout)
-        opened = bool(pack)
-        while used < self.budget and len(self.held) < HOLD:
-            left = deadline - time.monotonic()
-            try:  # past the latency bound, only what is already queued joins
-                item = self.source.get(timeout=left) if wait and left > 0 else self.source.get_nowait()
-            except queue.Empty:
-                break
-            if not opened:  # the latency bound runs from the first chunk of the pack
-                deadline, opened = time.monotonic() + self.max_wait, True
-            if not pack or used + item.tokens <= self.budget:
-                pack.append(item)
-                used += item.tokens
-            else:
-                self.held.append(item)
+        if high and self.owed < budget:  # the oldest high chunk opens the pack, unless normal is owed all of it
+            self._move(HIGH, high.popleft(), pack)
+        self._first_fit(HIGH, pack, budget - self.owed)
+        got = 0  # normal tokens in the pack
+        while normal and got < self.owed and (not pack or self._tokens(pack) + normal[0].tokens <= budget):
+            got += normal[0].tokens  # oldest first: a long chunk is not passed over for good
+            self._move(NORMAL, normal.popleft(), pack)
+        self._first_fit(HIGH, pack, budget)
+        self._first_fit(NORMAL, pack, budget)
+        got = sum(item.tokens for item in pack if item.lane == NORMAL)
+        self.owed = max(0, self.owed - got) if normal else 0
         return pack
+
+    def _first_fit(self, lane: Priority, pack: list[Item], limit: int) -> None:
+        """Move the lane's chunks that fit under ``limit`` tokens into ``pack``, oldest first; the rest keep their
+        place."""
+        queue, passed = self.lanes[lane], []
+        used = self._tokens(pack)
+        for _ in range(min(HOLD, len(queue))):
+            if used >= limit:
+                break
+            item = queue.popleft()
+            if used + item.tokens <= limit:
+                self._move(lane, item, pack)
+                used += item.tokens
+            else:
+                passed.append(item)
+        queue.extendleft(reversed(passed))
+
+    def _move(self, lane: Priority, item: Item, pack: list[Item]) -> None:
+        pack.append(item)
+        self.tokens[lane] -= item.tokens
+
+    @staticmethod
+    def _tokens(pack: list[Item]) -> int:
+        return sum(item.tokens for item in pack)

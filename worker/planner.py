@@ -3,7 +3,8 @@ fans out (a request too long for one worker in good time is sent back as parts a
 
 Planning is mostly Python (templates, validation): in threads it competes with the GPU thread for the GIL, so a
 busy GPU worker plans in separate processes (``--planner-processes``), each with its own encoder built from the
-checkpoint's render spec (tokenizer, template; no weights). Threads suit CPU runs and small deployments.
+checkpoint's render spec (tokenizer, template; no weights). Threads suit CPU runs and small deployments. Entries
+wait for a planner in lane order (``LaneQueue``): a high entry never queues behind hundreds of normal ones.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import multiprocessing
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
-from producer.keys import Field, Keys
+from producer.keys import HIGH, LANES, NORMAL, Field, Keys, Priority
 from producer.schema import ErrorCode, Request, RequestError, parse_request
 
 from .config import Settings
@@ -26,10 +28,11 @@ from .model.engine import Chunk
 from .tasks import Task
 
 
-def plan_entry(encoder: Encoder, settings: Settings, raw: bytes | None, questions: list[str] | None
-               ) -> tuple[Request, list[Chunk]]:
-    """A request body (of a request entry, or stored for a part) planned whole, or only the part's ``questions``.
-    Raises RequestError (answered at once, never retried) for bad input and expired deadlines."""
+def plan_entry(encoder: Encoder, settings: Settings, raw: bytes | None, questions: list[str] | None,
+               lane: Priority = NORMAL) -> tuple[Request, list[Chunk]]:
+    """A request body (of a request entry, or stored for a part) planned whole, or only the part's ``questions``;
+    ``lane``: the lane of the stream the entry is in. Raises RequestError (answered at once, never retried) for bad
+    input and expired deadlines."""
     if raw is None:
         raise RequestError(ErrorCode.INVALID_REQUEST, f"the entry has no {Field.BODY!r} field")
     if len(raw) > settings.max_entry_bytes:
@@ -40,6 +43,10 @@ def plan_entry(encoder: Encoder, settings: Settings, raw: bytes | None, question
     if request.reply_to is not None and not keys.is_reply_stream(request.reply_to):
         raise RequestError(ErrorCode.INVALID_REQUEST, f"reply_to must be a reply stream of this deployment: "
                                                       f"{keys.reply_prefix} then 1-128 of A-Z a-z 0-9 . _ : -")
+    if request.priority is not None and request.priority != lane:  # the stream is the lane: a mismatch is a bug
+        raise RequestError(ErrorCode.INVALID_REQUEST,
+                           f"priority: {request.priority!r} was sent to the {lane} lane's stream; send it to the "
+                           f"{request.priority} lane's stream, or leave priority out to be served in this one")
     if request.deadline_ms is not None and time.time() * 1000 > request.deadline_ms:
         late = time.time() * 1000 - request.deadline_ms
         raise RequestError(ErrorCode.DEADLINE_EXCEEDED, f"the deadline passed {late:.0f} ms before compute")
@@ -82,10 +89,10 @@ def _init_process(spec: RenderSpec, settings: Settings, parent: int) -> None:
     _PROCESS_ENCODER, _PROCESS_SETTINGS = Encoder(spec, settings.max_image_pixels), settings
 
 
-def _plan_in_process(raw: bytes | None, questions: list[str] | None) -> Any:
+def _plan_in_process(raw: bytes | None, questions: list[str] | None, lane: Priority) -> Any:
     assert _PROCESS_ENCODER is not None and _PROCESS_SETTINGS is not None
     try:
-        request, chunks = plan_entry(_PROCESS_ENCODER, _PROCESS_SETTINGS, raw, questions)
+        request, chunks = plan_entry(_PROCESS_ENCODER, _PROCESS_SETTINGS, raw, questions, lane)
     except RequestError as error:
         return (error.code, error.message)
     return request, [_to_arrays(chunk) for chunk in chunks]
@@ -111,6 +118,66 @@ def _from_arrays(fields: dict[str, Any]) -> Chunk:
         name: None if fields[name] is None else torch.from_numpy(fields[name]) for name in _TENSORS})
 
 
+class LaneQueue:
+    """Jobs handed to a pool high lane first, at most ``depth`` in the pool at once: the pool's own queue is FIFO,
+    so a high entry would otherwise wait for every normal entry submitted before it. While normal jobs wait, they
+    get ``normal_share`` of the starts (as packs give normal work its share of tokens): a flood of high work that
+    outruns the planners does not starve normal work here either."""
+
+    def __init__(self, pool: Executor, depth: int, normal_share: float) -> None:
+        self.pool, self.depth, self.normal_share = pool, depth, normal_share
+        self.lock = threading.Lock()
+        self.waiting: dict[Priority, deque[tuple[Future, Callable[..., Any], tuple]]] = {
+            lane: deque() for lane in LANES}
+        self.running = 0
+        self.owed = 0.0  # starts normal jobs are owed
+
+    def _lane(self) -> Priority | None:
+        """The lane of the next start (under the lock)."""
+        if not self.waiting[NORMAL]:
+            self.owed = 0.0
+            return HIGH if self.waiting[HIGH] else None
+        self.owed += self.normal_share
+        if self.waiting[HIGH] and self.owed < 1:
+            return HIGH
+        self.owed = max(0.0, self.owed - 1)
+        return NORMAL
+
+    def submit(self, lane: Priority, work: Callable[..., Any], *args: Any) -> Future:
+        out: Future = Future()
+        with self.lock:
+            self.waiting[lane].append((out, work, args))
+        self._pump()
+        return out
+
+    def _pump(self) -> None:
+        while True:
+            with self.lock:
+                if self.running >= self.depth or not any(self.waiting.values()):
+                    return
+                lane = self._lane()
+                out, work, args = self.waiting[lane].popleft()
+                self.running += 1
+            try:
+                inner = self.pool.submit(work, *args)
+            except RuntimeError as error:  # shut down
+                with self.lock:
+                    self.running -= 1
+                out.set_exception(error)
+                continue
+            inner.add_done_callback(lambda finished, out=out: self._done(finished, out))
+
+    def _done(self, finished: Future, out: Future) -> None:
+        with self.lock:
+            self.running -= 1
+        self._pump()
+        error = finished.exception() if not finished.cancelled() else RuntimeError("planning cancelled")
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(finished.result())
+
+
 class Planner:
     """``submit`` returns a future of the entry's Task (``fan_out`` set when it is to be sent out as parts); bad
     input fails the future with RequestError."""
@@ -126,6 +193,8 @@ class Planner:
                                                       initargs=(model.render_spec(), settings, os.getpid()))
         else:
             self.pool = ThreadPoolExecutor(settings.planner_threads, thread_name_prefix="planner")
+        # Two jobs per planner: one running, one ready to start when it ends.
+        self.queue = LaneQueue(self.pool, 2 * (self.processes or settings.planner_threads), settings.normal_share)
 
     def warmup(self) -> None:
         """Start the planner processes now (they import transformers), not on the first request."""
@@ -139,14 +208,16 @@ class Planner:
             encoder = self._local.encoder = Encoder(self.model, self.settings.max_image_pixels)
         return encoder
 
-    def _plan_in_thread(self, raw: bytes | None, questions: list[str] | None) -> tuple[Request, list[Chunk]]:
-        return plan_entry(self._encoder(), self.settings, raw, questions)
+    def _plan_in_thread(self, raw: bytes | None, questions: list[str] | None, lane: Priority
+                        ) -> tuple[Request, list[Chunk]]:
+        return plan_entry(self._encoder(), self.settings, raw, questions, lane)
 
     def submit(self, delivery: Delivery, body: bytes | None = None) -> Future[Task]:
         """``body``: a part's request body (stored apart); a request entry carries its own."""
         out: Future[Task] = Future()
         work = _plan_in_process if self.processes > 0 else self._plan_in_thread
-        inner = self.pool.submit(work, body if body is not None else delivery.body, delivery.questions)
+        inner = self.queue.submit(delivery.lane, work, body if body is not None else delivery.body,
+                                  delivery.questions, delivery.lane)
 
         def done(finished: Future) -> None:
             try:

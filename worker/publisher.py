@@ -193,14 +193,14 @@ class Publisher:
         self.library_ok = True
 
     async def fan_out(self, task: Task) -> None:
-        """Store the request once, add one chunk-stream entry per part (``task.fan_out``), then acknowledge the
-        request entry."""
+        """Store the request once, add one entry per part (``task.fan_out``) to its lane's chunk stream (the parts
+        of a high request stay high), then acknowledge the request entry."""
         entry, groups = task.delivery, task.fan_out
         trace = {Field.TRACEPARENT: task.request.traceparent} if task.request.traceparent else {}
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.body(entry.request_id), entry.body, ex=self.ttl)
             for index, names in enumerate(groups):
-                pipe.xadd(self.keys.chunks, {Field.REQUEST_ID: entry.request_id, Field.PART: index,
+                pipe.xadd(self.keys.chunks_in(entry.lane), {Field.REQUEST_ID: entry.request_id, Field.PART: index,
                                              Field.PARTS: len(groups), Field.QUESTIONS: json.dumps(names),
                                              Field.ENQUEUED_MS: entry.enqueued_ms, **trace})
             await pipe.execute()
@@ -216,8 +216,9 @@ class Publisher:
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Copy the entry to the dead-letter stream first: a crash afterwards leaves a duplicate, never a loss. Its
         fields as they were (names too: any bytes), then where it was and why, which no field of its own hides."""
-        fields: dict[Any, Any] = {**delivery.fields, Field.STREAM: delivery.stream, Field.ENTRY_ID: delivery.entry_id,
-                                  Field.DELIVERIES: delivery.deliveries, Field.REASON: reason[:2000]}
-        for name in (Field.STREAM, Field.ENTRY_ID, Field.DELIVERIES, Field.REASON):
+        fields: dict[Any, Any] = {**delivery.fields, Field.STREAM: delivery.stream, Field.LANE: delivery.lane,
+                                  Field.ENTRY_ID: delivery.entry_id, Field.DELIVERIES: delivery.deliveries,
+                                  Field.REASON: reason[:2000]}
+        for name in (Field.STREAM, Field.LANE, Field.ENTRY_ID, Field.DELIVERIES, Field.REASON):
             fields.pop(name.encode(), None)
         await self.redis.xadd(self.keys.dead, fields)

@@ -182,7 +182,7 @@ class Results:
                 if result is not None and published:
                     code = result.error.code.value if result.error else ""
                     self.metrics.results.labels(result.status, code).inc()
-                    self.metrics.latency.labels(result.status).observe(
+                    self.metrics.latency.labels(result.status, outcome.delivery.lane).observe(
                         max(0.0, now - outcome.delivery.enqueued_ms / 1000))
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("published %s: %s", result.id, code or result.status,

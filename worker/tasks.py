@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from producer.keys import Priority
 from producer.schema import Request
 
 from .entries import Delivery
@@ -64,3 +65,7 @@ class Item:
     @property
     def tokens(self) -> int:
         return self.chunk.length
+
+    @property
+    def lane(self) -> Priority:
+        return self.task.delivery.lane

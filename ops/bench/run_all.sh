@@ -2,20 +2,21 @@
 # Everything the GPU machine measures, most important first, each stage bounded in time so that a slow or failing
 # stage cannot starve the next: end to end through Redis (2B bf16, 2B FP8; each also times its engine in process
 # and the reference engine), the GPU tests, then the other shapes and mixes in process.
-# Usage: ops/bench/run_all.sh OUTDIR [STAGE...]   stages: delta-rule e2e-bf16 e2e-fp8 e2e-bf16-warm fidelity tests
-# mixes (default: all, in that order; delta-rule is the host and GPU time of the gated delta rule per pack, fla's
-# dispatch against FlashQLA called directly; e2e-bf16-warm starts a worker again on the compile caches the earlier
-# stages left; fidelity is FP8 and bf16 against an fp32 reference at the 2B shape).
+# Usage: ops/bench/run_all.sh OUTDIR [STAGE...]   stages: delta-rule e2e-bf16 e2e-fp8 e2e-bf16-warm priority
+# fidelity tests mixes (default: all, in that order; delta-rule is the host and GPU time of the gated delta rule per
+# pack, fla's dispatch against FlashQLA called directly; e2e-bf16-warm starts a worker again on the compile caches
+# the earlier stages left; priority is high requests at 10% of the peak rate over a saturating normal backlog, 2B
+# bf16; fidelity is FP8 and bf16 against an fp32 reference at the 2B shape).
 # The workers share one compile cache, COMPILE_CACHE (default OUTDIR/compile-cache): the first end-to-end stage
 # of a fresh OUTDIR starts cold, the later ones find what it compiled.
-# Stage limits in seconds: E2E_TIMEOUT, FIDELITY_TIMEOUT, TEST_TIMEOUT, MIX_TIMEOUT. A cold machine needs about 4
+# Stage limits in seconds: E2E_TIMEOUT, PRIORITY_TIMEOUT, FIDELITY_TIMEOUT, TEST_TIMEOUT, MIX_TIMEOUT. A cold machine needs about 4
 # minutes before the first end-to-end worker is ready (static-shape compilation, FlashQLA's kernels); where one
 # command may run only 10 minutes, run the stages in separate commands on the same machine with the same OUTDIR.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: run_all.sh OUTDIR [STAGE...]}
 shift
-stages=${*:-delta-rule e2e-bf16 e2e-fp8 e2e-bf16-warm fidelity tests mixes}
+stages=${*:-delta-rule e2e-bf16 e2e-fp8 e2e-bf16-warm priority fidelity tests mixes}
 want() { [[ " $stages " == *" $1 "* ]]; }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DQ_GPU_REPORT="$out/gpu-tests.jsonl"
@@ -44,6 +45,12 @@ for run in bf16 fp8 bf16-warm; do
   echo "exit $?"; grep -E "^(worker ready|SUMMARY)" "$out/e2e-2b-$run.log" || tail -n 30 "$out/e2e-2b-$run.log"
   pkill -f "end_to_end.py --worker" 2>/dev/null; sleep 1  # a worker left by a killed stage holds the GPU
 done
+
+want priority && { stage "priority lanes 2b bf16"
+timeout "${PRIORITY_TIMEOUT:-420}" $PY ops/bench/priority.py --shape 2b --requests "${PRIORITY_REQUESTS:-6000}" \
+  --compile-cache "$cache" --out "$out/priority-2b-bf16" >"$out/priority-2b-bf16.log" 2>&1
+echo "exit $?"; grep -E "^(worker ready|SUMMARY)" "$out/priority-2b-bf16.log" || tail -n 30 "$out/priority-2b-bf16.log"
+pkill -f "priority.py --worker" 2>/dev/null; sleep 1; }
 
 want fidelity && { stage "fidelity at the 2b shape"
 timeout "${FIDELITY_TIMEOUT:-240}" $PY ops/bench/fidelity.py --shape 2b --out "$out/fidelity" \

@@ -3,8 +3,9 @@
     python ops/grafana/dashboard.py        # after changing a panel here; a test keeps the JSON equal to this output
 
 Panels sum over the selected workers (``$instance``). Queue gauges are reported by every worker of a shard for the
-same streams: they are aggregated per shard with ``max`` (never summed), then summed across shards (``queue``).
-Latency percentiles are of ``ok`` results: error results, answered at once, would pull them down.
+same streams: they are aggregated per shard, stream and lane (``priority``) with ``max`` (never summed), then summed
+across shards (``queue``). Latency percentiles are of ``ok`` results: error results, answered at once, would pull them
+down.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ OK = 'status="ok"'
 
 
 def queue(metric: str, by: str = "stream", extra: str = "") -> str:
-    """A queue gauge: one value per shard and stream (every worker of a shard reports it), summed across shards."""
-    return f"sum by ({by}) (max by (shard, stream) ({metric}{sel(extra)}))" if by else \
-        f"sum(max by (shard, stream) ({metric}{sel(extra)}))"
+    """A queue gauge: one value per shard, stream and lane (every worker of a shard reports it), summed across
+    shards (and lanes, unless ``by`` names ``priority``)."""
+    return f"sum by ({by}) (max by (shard, stream, priority) ({metric}{sel(extra)}))" if by else \
+        f"sum(max by (shard, stream, priority) ({metric}{sel(extra)}))"
 
 
 def quantiles(metric: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.95, 0.99), extra: str = "") -> list:
@@ -127,14 +129,27 @@ def build() -> dict:
         *quantiles("dq_pack_fill_ratio", qs=(0.5,))], unit="percentunit", w=12,
         description="Real tokens over tokens computed per pass: low fill wastes the GPU on padding.")
 
+    b.row("Priority lanes")
+    b.panel("timeseries", "End to end by lane",
+            quantiles("dq_request_latency_seconds", by="priority", qs=(0.5, 0.99), extra=OK), unit="s",
+            description="Enqueue to result per lane, ok results: high requests are read, planned and packed first.")
+    b.panel("timeseries", "Queue wait by lane", quantiles("dq_queue_wait_seconds", by="priority", qs=(0.5, 0.99)),
+            unit="s", description="Enqueue to taken by a worker, per lane: each lane has its own reader.")
+    b.panel("timeseries", "Results by lane", [(f"sum by (priority) (rate(dq_request_latency_seconds_count{W}"
+                                               f"[{RATE}]))", "{{priority}}")], unit="reqps", stack=True,
+            description="Results published per second per lane: normal work keeps --normal-share of each pack "
+                        "while it waits.")
+
     b.row("Queue")
-    b.panel("timeseries", "Stream length (unfinished work)", [(queue("dq_stream_length"), "{{stream}}")],
-            unit="short", description="Workers delete entries once answered: the length is what is left to do. "
-                                      "All shards together.")
-    b.panel("timeseries", "Lag (not yet delivered)", [(queue("dq_stream_lag"), "{{stream}}")],
-            unit="short", description="The autoscaler's signal (KEDA lagCount), all shards together.")
-    b.panel("timeseries", "Pending (delivered, not acknowledged)", [(queue("dq_stream_pending"), "{{stream}}")],
-            unit="short")
+    b.panel("timeseries", "Stream length (unfinished work)",
+            [(queue("dq_stream_length", by="stream, priority"), "{{priority}} {{stream}}")], unit="short",
+            description="Workers delete entries once answered: the length is what is left to do. All shards "
+                        "together, each lane's streams.")
+    b.panel("timeseries", "Lag (not yet delivered)",
+            [(queue("dq_stream_lag", by="stream, priority"), "{{priority}} {{stream}}")], unit="short",
+            description="The autoscaler's signal (KEDA lagCount), all shards together, each lane's streams.")
+    b.panel("timeseries", "Pending (delivered, not acknowledged)",
+            [(queue("dq_stream_pending", by="stream, priority"), "{{priority}} {{stream}}")], unit="short")
     b.panel("timeseries", "Lag per shard", [(queue("dq_stream_lag", by="shard"), "shard {{shard}}")], unit="short",
             description="Requests and parts not yet taken, per shard: a shard whose workers fall behind.")
     b.panel("timeseries", "In flight per worker", [(f"dq_inflight_entries{W}", "{{instance}}")], unit="short")

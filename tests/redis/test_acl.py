@@ -15,7 +15,7 @@ import redis
 from ops.redis_acl import ROLES, render
 from producer import library
 from producer.client import Client, LibraryUnavailable
-from producer.keys import Keys
+from producer.keys import HIGH, Keys
 from test_e2e import QUESTIONS, requests
 from worker.redis_server import RedisServer, free_port
 
@@ -84,6 +84,10 @@ def test_producer_submits_through_the_function_reads_results_and_nothing_else(ac
     admin = prepared
     producer = connect(acl_server, "producer")
     Client(url(acl_server, "producer")).submit({"id": "p-1", "state": "x", "questions": QUESTIONS})  # FCALL
+    client = Client(url(acl_server, "producer"))
+    client.submit({"id": "p-2", "state": "x", "questions": QUESTIONS, "priority": "high"})  # the high lane's stream
+    producer.xadd(KEYS.requests_in(HIGH), {"body": "{}"})  # a plain XADD there too
+    assert admin.xlen(KEYS.requests_in(HIGH)) == 2
     assert producer.xrange(KEYS.result("done")) and producer.xread({KEYS.result("done"): "0-0"})
     assert producer.xread({KEYS.reply_prefix + "mine": "0-0"}) == []
     lua_refused(producer)
@@ -112,6 +116,8 @@ def test_producer_submits_through_the_function_reads_results_and_nothing_else(ac
         command(producer, "FLUSHALL"), command(producer, "CONFIG", "GET", "*"), command(producer, "MONITOR")]:
         assert refused(attempt)
     assert admin.ping() and admin.xlen(KEYS.requests) == 2 and not admin.exists(KEYS.result("forged"))
+    assert refused(command(producer, "XRANGE", KEYS.requests_in(HIGH), "-", "+"))
+    assert refused(command(producer, "XADD", KEYS.chunks_in(HIGH), "*", "x", 1))
 
 
 def test_the_submit_function_needs_the_xadd_a_producer_could_also_call_itself(acl_server, prepared):
@@ -141,7 +147,7 @@ def test_worker_cannot_replace_delete_or_trim_a_work_stream(acl_server, prepared
     admin = prepared
     worker = connect(acl_server, "worker")
     lua_refused(worker)
-    for stream in (KEYS.requests, KEYS.chunks, KEYS.dead):
+    for stream in (KEYS.requests, KEYS.chunks, KEYS.requests_in(HIGH), KEYS.chunks_in(HIGH), KEYS.dead):
         for attempt in [command(worker, "SET", stream, 1), command(worker, "DEL", stream),
                         command(worker, "UNLINK", stream), command(worker, "EXPIRE", stream, 1),
                         command(worker, "PEXPIRE", stream, 1), command(worker, "RENAME", stream, KEYS.body("x")),
@@ -175,6 +181,7 @@ def test_worker_cannot_replace_delete_or_trim_a_work_stream(acl_server, prepared
 def test_monitor_sees_counts_not_payloads(acl_server, prepared):
     monitor = connect(acl_server, "monitor")
     assert monitor.xlen(KEYS.requests) == 1 and monitor.xinfo_groups(KEYS.requests)[0]["lag"] == 1
+    assert monitor.xlen(KEYS.requests_in(HIGH)) == 0 and monitor.xlen(KEYS.chunks_in(HIGH)) == 0
     assert monitor.xpending(KEYS.requests, KEYS.group)["pending"] == 0 and "redis_version" in monitor.info()
     assert monitor.xpending_range(KEYS.requests, KEYS.group, "-", "+", 10) == []
     assert monitor.xinfo_consumers(KEYS.requests, KEYS.group) == [] and monitor.hgetall(KEYS.workers()) == {}

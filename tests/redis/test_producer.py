@@ -122,7 +122,7 @@ def test_waiting_on_many_results_reads_each_once(redis_server):
 def test_queue_full_says_which_requests_went_in(redis_server):
     """1000 requests without ids over a limit of 600: the first batch goes in, and its ids are not lost."""
     client = Client(redis_server.url, max_unfinished=600)
-    with pytest.raises(QueueFull, match="shard 0: 500 unfinished entries, limit 600; 500 of 1000") as full:
+    with pytest.raises(QueueFull, match="shard 0, normal lane: 500 unfinished entries, limit 600; 500 of 1000") as full:
         client.submit_many([REQUEST] * 1000)
     accepted, refused = full.value.accepted, full.value.refused
     assert len(accepted) == 500 and len(refused) == 500 and not set(accepted) & set(refused)

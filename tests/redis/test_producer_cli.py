@@ -103,7 +103,7 @@ def test_a_queue_that_stays_full_ends_with_exit_3_and_names_what_was_not_sent(re
     records = [json.loads(line) for line in done.stdout.splitlines()]
     assert records[:3] == [{"line": i + 1, "id": f"f-{i}"} for i in range(3)]
     assert [r["error"]["code"] for r in records[3:]] == ["not_sent", "not_sent"]
-    assert "queue full for 0.5 s (shard 0: 3 unfinished entries, limit 3" in records[3]["error"]["message"]
+    assert "queue full for 0.5 s (shard 0, normal lane: 3 unfinished entries, limit 3" in records[3]["error"]["message"]
     assert done.stderr.splitlines()[-1] == "5 requests: 3 queued, 2 not sent"
     assert Client(redis_server.url).redis.xlen(Keys().requests) == 3
     waited = cli("submit", source, "--redis-url", redis_server.url, "--max-unfinished", "3", "--queue-timeout", "0",
@@ -129,7 +129,7 @@ def test_a_wrong_url_is_one_line_within_the_socket_timeout(tmp_path):
         done = cli(*args, "--redis-url", unused, timeout=30)
         assert done.returncode == 4 and time.monotonic() - start < SOCKET_TIMEOUT, (args, done.stderr)
         assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and "s3cret" not in done.stderr
-        assert done.stderr.startswith(f"dq-producer: Redis at redis://user:***@127.0.0.1:") and \
+        assert done.stderr.startswith("dq-producer: Redis at redis://user:***@127.0.0.1:") and \
             "Connection refused" in done.stderr
     for args, message in ((["stats", "--redis-url", "localhost:6379"], "a Redis URL starts with redis://"),
                           (["submit", str(tmp_path / "absent.jsonl")], "No such file or directory"),

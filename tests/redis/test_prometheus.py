@@ -89,7 +89,7 @@ def test_a_real_prometheus_scrapes_workers_and_every_panel_shows_its_series(redi
     results = client.wait_many(client.submit_many(batch), timeout=120)
     assert results["bad"].error and all(r.ok for i, r in results.items() if i != "bad")
     # Both workers scraped, and the maintenance loops' queue gauges (every 5 s) arrived from both shards.
-    wait_for(lambda: len(query(port, 'dq_stream_lag{stream="requests"}')) == 2
+    wait_for(lambda: len(query(port, 'dq_stream_lag{stream="requests"}')) == 4  # 2 shards x 2 lanes
              and sum(float(s["value"][1]) for s in query(port, "dq_results_total")) == len(batch), 60,
              "queue gauges or results not scraped")
     # Enough scrapes of each worker since for rate() over the panels' window to have points to work with.
@@ -110,8 +110,10 @@ def test_a_real_prometheus_scrapes_workers_and_every_panel_shows_its_series(redi
                 assert all(label in s["metric"] for s in series), (panel["title"], label, series)
             checked += 1
     assert checked > 30
-    per_shard = query(port, 'sum by (shard) (max by (shard, stream) (dq_stream_length{instance=~".*"}))')
+    per_shard = query(port, 'sum by (shard) (max by (shard, stream, priority) (dq_stream_length{instance=~".*"}))')
     assert {s["metric"]["shard"] for s in per_shard} == {"0", "1"}
+    lanes = query(port, 'count by (priority) (dq_stream_lag{stream="requests"})')
+    assert {s["metric"]["priority"]: float(s["value"][1]) for s in lanes} == {"high": 2, "normal": 2}
     by_status = query(port, "sum by (status) (dq_results_total)")
     assert {s["metric"]["status"]: float(s["value"][1]) for s in by_status} == {"ok": len(batch) - 1, "error": 1}
 

@@ -2,7 +2,6 @@
 waits for the host), a partly full one after it (its answers do not wait for the next launch's host work)."""
 
 import json
-import queue
 
 import torch
 
@@ -59,9 +58,9 @@ def items(model, lengths):
 
 
 def run(model, lengths):
-    work: queue.Queue[Item] = queue.Queue()
+    packer = Packer(BUDGET, max_wait=0.0)
     for item in items(model, lengths):
-        work.put(item)
+        packer.put(item)
     engine = RecordingEngine(int(model.model.proj.out_features))
     answered = []
 
@@ -69,8 +68,8 @@ def run(model, lengths):
         def chunk_done(self, item, answers, seconds):
             answered.append(item.task.request_id)
 
-    compute = Compute(model, engine, Packer(work, BUDGET, max_wait=0.0), Metrics(), Sink())
-    compute.run(done=work.empty)
+    compute = Compute(model, engine, packer, Metrics(), Sink())
+    compute.run(done=lambda: packer.idle)
     assert sorted(answered) == sorted(f"r{i}" for i in range(len(lengths)))  # every chunk answered once
     return engine.events
 

@@ -10,7 +10,7 @@ from producer import library
 # keeps every function's arguments and meaning (it may add functions and optional trailing arguments).
 REVISIONS = {
     1: "551d18b9babcaca2",
-    2: "6eb1013724201e30",  # publish_as, part_as, reply
+    2: "92a0e75cffd7b6f0",  # publish_as, part_as, reply; the high lane's request stream (docs/PROTOCOL.md)
 }
 
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client import Counter, Histogram
 
-from producer.keys import GROUP, Keys
+from producer.keys import GROUP, LANES, Keys
 from worker.config import Settings
 from worker.metrics import Metrics
 
@@ -259,7 +259,8 @@ def test_keda_scales_the_worker_on_the_lag_of_its_shard_as_the_monitor_user():
     config = docs[("ConfigMap", "dq-worker")]["data"]
     keys = Keys(config["DQ_NAMESPACE"], int(config["DQ_SHARD"]))
     triggers = scaled["spec"]["triggers"]
-    assert {t["metadata"]["stream"] for t in triggers} == {keys.requests, keys.chunks}
+    assert {t["metadata"]["stream"] for t in triggers} == {  # both lanes' work streams
+        stream for lane in LANES for stream in (keys.requests_in(lane), keys.chunks_in(lane))}
     known = {"address", "host", "port", "stream", "consumerGroup", "lagCount", "activationLagCount",
              "databaseIndex", "enableTLS", "unsafeSsl", "usernameFromEnv", "passwordFromEnv"}
     for trigger in triggers:

@@ -175,3 +175,19 @@ def test_ok_raise_for_error_and_probabilities_by_option():
     assert error.value.code is ErrorCode.STATE_TOO_LONG and error.value.result is failed
     with pytest.raises(ResultError):
         failed.option_probabilities
+
+
+def test_priority_is_high_or_normal_and_names_a_lane_stream():
+    from producer.core import prepare
+    from producer.keys import HIGH, NORMAL, Keys
+
+    base = {"state": "x", "questions": {"q": {"type": "noul"}}}
+    assert prepare({**base, "priority": "high"}).lane == HIGH
+    assert prepare(base).lane == NORMAL and prepare({**base, "priority": "normal"}).lane == NORMAL
+    for bad in ("urgent", "HIGH", 1):
+        with pytest.raises(RequestError) as error:
+            parse_request(json.dumps({**base, "priority": bad}))
+        assert error.value.code == ErrorCode.INVALID_REQUEST and error.value.message.startswith("priority:")
+    keys = Keys("ns", 3)
+    assert keys.requests_in(HIGH) == "ns:v1:{s3}:requests:high" and keys.requests_in(NORMAL) == keys.requests
+    assert keys.chunks_in(HIGH) == "ns:v1:{s3}:chunks:high" and keys.chunks_in(NORMAL) == keys.chunks

@@ -1,0 +1,143 @@
+"""Packs filled high-priority first, with a share kept for normal work (worker/packer.py); planning in lane order
+(worker/planner.py LaneQueue)."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from producer.keys import HIGH, NORMAL, Keys
+from producer.schema import Request
+from worker.entries import REQUESTS, Delivery
+from worker.model.engine import Chunk
+from worker.packer import Packer
+from worker.planner import LaneQueue
+from worker.tasks import Item, Task
+
+REQUEST = Request.model_validate({"state": "x", "questions": {"spam": {"type": "noul"}}})
+
+
+def item(lane, tokens: int, name: str) -> Item:
+    entry = Delivery.parse(Keys(), REQUESTS, Keys().requests_in(lane), "1-0", {b"body": b"{}"}, 1, lane=lane)
+    chunk = Chunk(input_ids=torch.zeros(tokens, dtype=torch.long), rows=torch.tensor([tokens - 1]), questions=())
+    task = Task(entry, REQUEST, chunks=[chunk], remaining=1)
+    task.name = name  # for the assertions
+    return Item(task, 0, chunk)
+
+
+def fill(packer: Packer, *items: Item) -> Packer:
+    for one in items:
+        packer.put(one)
+    return packer
+
+
+def names(pack: list[Item]) -> list[str]:
+    return [one.task.name for one in pack]
+
+
+def lane_tokens(pack: list[Item], lane) -> int:
+    return sum(one.tokens for one in pack if one.lane == lane)
+
+
+def test_high_chunks_queued_after_a_normal_backlog_go_into_the_next_pack():
+    packer = fill(Packer(200, max_wait=0.0, normal_share=0.25),
+                  *[item(NORMAL, 50, f"n{i}") for i in range(10)], item(HIGH, 50, "h0"), item(HIGH, 50, "h1"))
+    first = packer.next()
+    assert {"h0", "h1"} <= set(names(first)) and lane_tokens(first, NORMAL) == 100
+    assert names(packer.next()) == ["n2", "n3", "n4", "n5"]  # normal in its order, nothing skipped
+
+
+def test_normal_work_gets_its_share_of_every_pack_under_a_flood_of_high_work():
+    packer = fill(Packer(200, max_wait=0.0, normal_share=0.25),
+                  *[item(HIGH, 50, f"h{i}") for i in range(40)], *[item(NORMAL, 50, f"n{i}") for i in range(4)])
+    packs = [packer.next() for _ in range(5)]
+    assert [lane_tokens(pack, NORMAL) for pack in packs] == [50, 50, 50, 50, 0]
+    assert all(sum(one.tokens for one in pack) == 200 for pack in packs)  # high fills the rest: packs stay full
+
+
+def test_a_normal_chunk_longer_than_the_share_gets_in_once_enough_is_owed():
+    packer = fill(Packer(200, max_wait=0.0, normal_share=0.25),
+                  *[item(HIGH, 50, f"h{i}") for i in range(40)], item(NORMAL, 150, "long"))
+    packs = [packer.next() for _ in range(3)]
+    assert "long" not in names(packs[0]) + names(packs[1])
+    assert "long" in names(packs[2]) and lane_tokens(packs[2], HIGH) == 50
+
+
+def test_a_normal_chunk_longer_than_a_pack_runs_alone_once_a_whole_pack_is_owed():
+    packer = fill(Packer(200, max_wait=0.0, normal_share=0.25),
+                  *[item(HIGH, 50, f"h{i}") for i in range(40)], item(NORMAL, 300, "huge"))
+    packs = [packer.next() for _ in range(4)]
+    assert names(packs[3]) == ["huge"] and all("huge" not in names(pack) for pack in packs[:3])
+    assert lane_tokens(packer.next(), HIGH) == 200  # then high again, nothing owed
+
+
+def test_a_high_chunk_larger_than_the_room_left_by_the_share_still_opens_the_pack():
+    packer = fill(Packer(200, max_wait=0.0, normal_share=0.25),
+                  *[item(NORMAL, 20, f"n{i}") for i in range(30)], item(HIGH, 190, "big"))
+    first = packer.next()
+    assert names(first)[0] == "big" and sum(one.tokens for one in first) <= 200
+
+
+def test_normal_work_alone_fills_packs_first_fit_in_order():
+    packer = fill(Packer(100, max_wait=0.0), *[item(NORMAL, n, f"n{i}") for i, n in enumerate([60, 50, 30, 40])])
+    assert names(packer.next()) == ["n0", "n2"]  # n1 does not fit beside n0; n2 does
+    assert names(packer.next()) == ["n1", "n3"]
+    assert packer.idle and packer.next(timeout=0.01) == []
+
+
+def test_packs_shrink_to_the_high_budget_while_high_work_flows():
+    packer = fill(Packer(400, max_wait=0.0, high_budget=100), *[item(NORMAL, 50, f"n{i}") for i in range(20)])
+    assert lane_tokens(packer.next(), NORMAL) == 400 and packer.budget == 400
+    packer.put(item(HIGH, 50, "h0"))
+    pack = packer.next()
+    assert "h0" in names(pack) and sum(one.tokens for one in pack) == 100 and packer.budget == 100
+    assert sum(one.tokens for one in packer.next()) == 100  # just after high work: still small
+    packer.high_seen -= 10  # a while without high work: full packs again
+    assert sum(one.tokens for one in packer.next()) == 400
+
+
+def test_a_partly_filled_pack_waits_at_most_max_wait_for_more():
+    packer = fill(Packer(1000, max_wait=0.2), item(NORMAL, 50, "n0"))
+    threading.Timer(0.05, packer.put, [item(HIGH, 50, "h0")]).start()
+    start = time.monotonic()
+    pack = packer.next()
+    assert set(names(pack)) == {"n0", "h0"} and 0.15 < time.monotonic() - start < 1.0
+
+
+def test_planning_jobs_start_in_lane_order():
+    gate, started = threading.Event(), []
+    pool = ThreadPoolExecutor(1)
+    lanes = LaneQueue(pool, depth=1, normal_share=0.1)
+
+    def job(name: str) -> str:
+        started.append(name)
+        gate.wait(10)
+        return name
+
+    futures = [lanes.submit(NORMAL, job, f"n{i}") for i in range(5)] + [lanes.submit(HIGH, job, "h")]
+    gate.set()
+    assert [f.result(timeout=10) for f in futures] == ["n0", "n1", "n2", "n3", "n4", "h"]
+    assert started == ["n0", "h", "n1", "n2", "n3", "n4"]  # n0 was running; h overtook the waiting ones
+    pool.shutdown()
+
+
+def test_waiting_normal_planning_jobs_get_their_share_of_the_starts():
+    gate, started = threading.Event(), []
+    pool = ThreadPoolExecutor(1)
+    lanes = LaneQueue(pool, depth=1, normal_share=0.25)
+
+    def job(name: str) -> str:
+        started.append(name)
+        gate.wait(10)
+        return name
+
+    futures = [lanes.submit(HIGH, job, "first")]
+    futures += [lanes.submit(NORMAL, job, f"n{i}") for i in range(3)] + [lanes.submit(HIGH, job, f"h{i}")
+                                                                        for i in range(12)]
+    gate.set()
+    for future in futures:
+        future.result(timeout=10)
+    order = started[1:]
+    assert [i for i, name in enumerate(order) if name.startswith("n")] == [3, 7, 11]  # every 4th start
+    pool.shutdown()
