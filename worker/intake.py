@@ -276,8 +276,8 @@ class Intake:
             except redis.ResponseError as error:
                 if "NOGROUP" in str(error):  # not left to the reader: it may be waiting for room, not reading
                     await self._group_lost()
-                else:
-                    log.warning("maintenance: %s", error)
+                else:  # e.g. OOM refusing the heartbeat: counted, logged once per interval
+                    self.link.refused("maintenance", error, stalls=False)
             except REDIS_ERRORS as error:
                 self.metrics.redis_errors.labels("maintenance").inc()
                 log.debug("maintenance: redis unavailable: %s", error)
@@ -319,6 +319,15 @@ class Intake:
         self.release(delivery)
         if fresh is not None:
             self.take(fresh, "retried")
+
+    def oldest_taken(self) -> float | None:
+        """When the longest-held entry was taken (held keeps the order entries were taken in). Any thread."""
+        for _ in range(3):  # another thread reads: the loop thread may change ``held`` meanwhile
+            try:
+                return next(iter(self.held.values())).taken if self.held else None
+            except (RuntimeError, StopIteration):
+                continue
+        return None
 
     def count_lost(self, entries: list[tuple[str, str]]) -> int:
         """Count payload-less pending entries once each: a reclaim may report an entry that the reader is acking
