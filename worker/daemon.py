@@ -23,6 +23,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -286,6 +287,12 @@ def serve(settings: Settings) -> int:
         first_contact(settings)  # an unsupported server too, when it answers now
         daemon = Daemon(settings)
     except (checkpoint.CheckpointError, ValueError, ImportError, UnsupportedServer) as error:
+        log.error("cannot start: %s", error)
+        return 2
+    except RuntimeError as error:  # the fast engine cannot run here (its module is loaded only when it was tried)
+        fast = sys.modules.get(f"{__package__}.fast.errors")
+        if fast is None or not isinstance(error, fast.FastPathUnavailable):
+            raise
         log.error("cannot start: %s", error)
         return 2
     if settings.metrics_port:

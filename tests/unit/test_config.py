@@ -119,3 +119,12 @@ def test_check_asks_the_port_serve_serves_and_names_the_url():
         done = run_worker(*args, env=env)
         path = "/healthz" if "--live" in args else "/readyz"
         assert done.returncode == 1 and f"http://127.0.0.1:{port}{path} unreachable" in done.stdout, done
+
+
+def test_the_fast_engine_where_it_cannot_run_is_refused_with_exit_2_naming_the_reference_engine(tiny_dir):
+    """On a CPU the fast engine cannot run: one line that says so and what to run instead, no traceback."""
+    done = run_worker("serve", "--checkpoint", str(tiny_dir), "--engine", "fast", "--device", "cpu",
+                      env={"DQ_REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "cannot start:" in done.stderr and "--engine reference" in done.stderr
+    assert "Traceback" not in done.stderr
