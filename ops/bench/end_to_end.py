@@ -185,6 +185,22 @@ def redis_fsync_stalls(url: str) -> int:
     return int(redis.Redis.from_url(url).info("persistence").get("aof_delayed_fsync", 0))
 
 
+def wait_ready(worker: subprocess.Popen, port: int, timeout: float, log_path: Path) -> float:
+    """Seconds until the benchmark's worker answers /readyz with 200; SystemExit, with its log's tail, if it exits
+    or takes longer than ``timeout``."""
+    started = time.monotonic()
+    while True:
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2).status == 200:
+                return round(time.monotonic() - started, 1)
+        except OSError:
+            pass
+        if worker.poll() is not None or time.monotonic() - started > timeout:
+            print(log_path.read_text()[-4000:])
+            raise SystemExit("the worker did not become ready")
+        time.sleep(0.5)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     import signal
 
@@ -218,20 +234,9 @@ def run_bench(args: argparse.Namespace) -> int:
         cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
         cmd += ["--no-reference"] if args.no_reference else []
         cmd += ["--no-graphs"] if args.no_graphs else []
-        started = time.monotonic()
         worker = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
         try:
-            while True:
-                try:
-                    if urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2).status == 200:
-                        break
-                except OSError:
-                    pass
-                if worker.poll() is not None or time.monotonic() - started > args.start_timeout:
-                    print((out_dir / "worker.log").read_text()[-4000:])
-                    raise SystemExit("the worker did not become ready")
-                time.sleep(0.5)
-            report["worker_start_seconds"] = round(time.monotonic() - started, 1)
+            report["worker_start_seconds"] = wait_ready(worker, port, args.start_timeout, out_dir / "worker.log")
             print(f"worker ready in {report['worker_start_seconds']} s", flush=True)
             client = Client(server.url, max_unfinished=0)
             # Warm the whole path (planner processes, graphs, publication) before timing.

@@ -27,13 +27,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from end_to_end import gpu_time, make_requests, model_for, percentile, scrape, settings_for  # noqa: E402
+from end_to_end import (gpu_time, make_requests, model_for, percentile, scrape, settings_for,  # noqa: E402
+                        wait_ready)
 
 LANE_SETTINGS = ("normal_share", "high_pack_tokens")  # passed to the worker when given
 TARGETS = {"high_p99_ms": 150, "high_p50_ms": 80, "normal_over_peak": 0.9}  # issue 15
@@ -153,20 +153,9 @@ def run_bench(args: argparse.Namespace) -> int:
         for name in LANE_SETTINGS:
             if getattr(args, name) is not None:
                 cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-        started = time.monotonic()
         worker = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
         try:
-            while True:
-                try:
-                    if urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2).status == 200:
-                        break
-                except OSError:
-                    pass
-                if worker.poll() is not None or time.monotonic() - started > args.start_timeout:
-                    print((out_dir / "worker.log").read_text()[-4000:])
-                    raise SystemExit("the worker did not become ready")
-                time.sleep(0.5)
-            report["worker_start_seconds"] = round(time.monotonic() - started, 1)
+            report["worker_start_seconds"] = wait_ready(worker, port, args.start_timeout, out_dir / "worker.log")
             print(f"worker ready in {report['worker_start_seconds']} s", flush=True)
             phases(args, server.url, port, report)
         finally:
