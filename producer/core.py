@@ -252,18 +252,18 @@ class Producer:
         for shard in range(self.shards):
             keys, entry = Keys(self.keys.namespace, shard), {"shard": shard}
             lanes: dict[str, dict[str, Any]] = {}
-            for lane in LANES:
-                lanes[lane] = {}
+            for lane in LANES:  # plain str keys: the dict is printed and dumped as it is
+                lanes[lane.value] = {}
                 for name, stream in (("requests", keys.requests_in(lane)), ("chunks", keys.chunks_in(lane))):
-                    lanes[lane][name] = yield from self._stream_stats(stream)
+                    lanes[lane.value][name] = yield from self._stream_stats(stream)
             for name in ("requests", "chunks"):
-                entry[name] = _combine([lanes[lane][name] for lane in LANES], consumers=max)
+                entry[name] = _combine([lanes[lane.value][name] for lane in LANES], consumers=max)
             entry["lanes"] = lanes
             entry["dead_letters"] = yield Call("xlen", (keys.dead,))
             shards.append(entry)
         totals: dict[str, Any] = {name: _combine([s[name] for s in shards]) for name in ("requests", "chunks")}
-        totals["lanes"] = {lane: {name: _combine([s["lanes"][lane][name] for s in shards])
-                                  for name in ("requests", "chunks")} for lane in LANES}
+        totals["lanes"] = {lane.value: {name: _combine([s["lanes"][lane.value][name] for s in shards])
+                                        for name in ("requests", "chunks")} for lane in LANES}
         totals["dead_letters"] = sum(s["dead_letters"] for s in shards)
         beats = yield Call("hgetall", (self.keys.workers(),))
         now = time.time()

@@ -107,6 +107,8 @@ def test_the_client_and_the_command_line_route_by_priority_and_stats_show_each_l
     stats = client.stats()
     assert stats["lanes"]["high"]["requests"]["length"] == 5 and stats["lanes"]["normal"]["requests"]["length"] == 4
     assert stats["requests"]["length"] == 9 and stats["shards"][0]["lanes"]["high"]["chunks"]["length"] == 0
+    # Plain str keys, not the enum: the dict is printed as it is (the demo), and repr showed <Priority.HIGH: 'high'>
+    assert {repr(lane) for lane in [*stats["lanes"], *stats["shards"][0]["lanes"]]} == {"'high'", "'normal'"}
 
 
 def test_a_plain_xadd_is_served_in_the_lane_of_its_stream_and_a_body_naming_the_other_lane_is_refused(
