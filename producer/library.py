@@ -4,7 +4,8 @@ Every script the protocol runs inside Redis is here, so that no role needs ``EVA
 producers call ``dq_v1_submit`` (admission: the request stream, each id, each body's size, backpressure, then one
 ``XADD`` per request, all or nothing), workers ``dq_v1_publish`` and ``dq_v1_part`` (the exactly-once result) and
 ``dq_v1_forget`` (consumers of workers that are gone); since revision 2 ``dq_v1_publish_as``, ``dq_v1_part_as``
-and ``dq_v1_reply`` (publication that knows who made it, with its reply).
+and ``dq_v1_reply`` (publication that knows who made it, with its reply), and ``dq_v1_submit`` takes either priority
+lane's request stream.
 A leaked credential can call these functions, never run Lua of its own. Redis checks every command a function
 runs against its *caller's* ACL user, so a function never gives a caller more than the caller's user holds.
 
