@@ -38,6 +38,9 @@ def test_the_gone_are_forgotten_and_stats_count_the_living(redis_server, start_w
     dead = start_worker(tiny_dir, redis_server.url, consumer="dead-worker")
     client.wait_many(client.submit_many(batch(4, "before")), timeout=60)
     wait_for(lambda: r.hexists(keys.workers(), "dead-worker"), what="its heartbeat")
+    # Its acknowledgements landed (a result is published before its entry is acked): killed before them, it would
+    # rightly keep its consumer for the entries it still holds.
+    wait_for(lambda: consumers(r, keys.requests, keys.group).get("dead-worker") == 0, what="its acknowledgements")
     dead.stop()
     # A consumer that died holding an entry (read, never acknowledged), and a heartbeat an hour old.
     client.submit_many(batch(1, "held"))
