@@ -55,7 +55,7 @@ class Compute:
         while not (in_flight is None and done()):
             self.turned_at = time.time()
             self.metrics.heartbeat.labels("gpu").set(self.turned_at)
-            pack = self._take(wait=in_flight is None)
+            pack = [] if done() else self._take(wait=in_flight is None)  # past the drain deadline: no new pack
             tokens = sum(item.tokens for item in pack)
             if in_flight is not None and tokens < LAUNCH_FIRST_FILL * self.packer.budget:
                 self._finish(*in_flight)

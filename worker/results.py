@@ -89,13 +89,22 @@ class Results:
     # ---- compute's sink (GPU thread)
 
     def chunk_done(self, item: Item, answers: list[Answer], seconds: float) -> None:
-        self.loop.call_soon_threadsafe(self._chunk_done, item, answers, seconds)
+        self._hand_over(self._chunk_done, item, answers, seconds)
 
     def task_failed(self, task: Task, reason: str) -> None:
-        self.loop.call_soon_threadsafe(self._task_failed, task, reason)
+        self._hand_over(self._task_failed, task, reason)
 
     def task_expired(self, task: Task) -> None:
-        self.loop.call_soon_threadsafe(self._task_expired, task)
+        self._hand_over(self._task_expired, task)
+
+    def _hand_over(self, callback: Any, *args: Any) -> None:
+        """To the loop thread. A stop past its drain deadline closes the loop while a pack may still finish: its
+        entries stay pending (the stop's last word counts them) and other workers reclaim them."""
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            if not self.loop.is_closed():
+                raise
 
     # ---- loop thread
 

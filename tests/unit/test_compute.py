@@ -82,3 +82,18 @@ def test_a_full_next_pack_is_launched_before_the_previous_is_read_out(loaded):
 def test_a_partial_next_pack_waits_until_the_previous_is_read_out(loaded):
     events = run(loaded("repo-text"), [50, 50, 30])  # a full pack, then a partial one
     assert events == [("launch", 0), ("wait", 0), ("launch", 1), ("wait", 1)]
+
+
+def test_a_pack_finishing_after_a_stop_closed_the_loop_is_dropped_not_raised():
+    """At the drain deadline the asyncio loop closes while a pack may still finish on the GPU thread: its answers
+    are dropped (the entries stay pending, reclaimed elsewhere); it once ended the worker with exit 1 and a traceback."""
+    import asyncio
+
+    from worker.results import Results
+
+    results = Results.__new__(Results)  # only the hand-over is exercised
+    results.loop = asyncio.new_event_loop()
+    results.loop.close()
+    results.chunk_done(None, [], 0.0)
+    results.task_failed(None, "x")
+    results.task_expired(None)
