@@ -307,26 +307,32 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def worker_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the benchmark's worker process, shared with priority.py."""
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--redis-url", help=argparse.SUPPRESS)
     parser.add_argument("--metrics-port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--self-time-file", help=argparse.SUPPRESS)
-    parser.add_argument("--shape", default="2b", choices=("0.8b", "2b", "4b", "tiny"))
+    parser.add_argument("--shape", default="2b", choices=("0.8b", "2b", "4b", "tiny"),
+                        help="tiny: the tiny checkpoint on the CPU (checks this harness without a GPU)")
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--compile", default="layer", choices=("none", "sub", "layer"))
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--compile-cache", default="", help="the worker's compile_cache (empty: the defaults)")
-    parser.add_argument("--no-reference", action="store_true", help="skip timing the reference engine")
     parser.add_argument("--buckets", default="2048,4096,8192,16384")
     parser.add_argument("--planner-processes", type=int, default=4)
     parser.add_argument("--max-inflight", type=int, default=1024)
+    parser.add_argument("--start-timeout", type=float, default=400.0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    worker_flags(parser)
+    parser.add_argument("--self-time-file", help=argparse.SUPPRESS)
+    parser.add_argument("--no-reference", action="store_true", help="skip timing the reference engine")
     parser.add_argument("--requests", type=int, default=6000, help="backlog size of the peak phase")
     parser.add_argument("--load", type=float, default=0.5, help="offered load of the latency phase, x peak")
     parser.add_argument("--latency-seconds", type=float, default=15.0)
     parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--start-timeout", type=float, default=400.0)
     parser.add_argument("--out", default="e2e-results")
     args = parser.parse_args()
     return run_worker(args) if args.worker else run_bench(args)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from end_to_end import (gpu_time, make_requests, model_for, percentile, scrape, settings_for,  # noqa: E402
-                        wait_ready)
+                        wait_ready, worker_flags)
 
 LANE_SETTINGS = ("normal_share", "high_pack_tokens")  # passed to the worker when given
 TARGETS = {"high_p99_ms": 150, "high_p50_ms": 80, "normal_over_peak": 0.9}  # issue 15
@@ -178,24 +178,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--redis-url", help=argparse.SUPPRESS)
-    parser.add_argument("--metrics-port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--shape", default="2b", choices=("0.8b", "2b", "4b", "tiny"),
-                        help="tiny: the tiny checkpoint on the CPU (checks this harness without a GPU)")
-    parser.add_argument("--fp8", action="store_true")
-    parser.add_argument("--compile", default="layer", choices=("none", "sub", "layer"))
-    parser.add_argument("--no-graphs", action="store_true")
-    parser.add_argument("--compile-cache", default="", help="the worker's compile_cache (empty: the defaults)")
-    parser.add_argument("--buckets", default="2048,4096,8192,16384")
-    parser.add_argument("--planner-processes", type=int, default=4)
-    parser.add_argument("--max-inflight", type=int, default=1024)
+    worker_flags(parser)
     parser.add_argument("--normal-share", type=float, default=None, help="the worker's (default: its own)")
     parser.add_argument("--high-pack-tokens", type=int, default=None, help="the worker's (default: its own)")
     parser.add_argument("--requests", type=int, default=6000, help="normal backlog of each phase")
     parser.add_argument("--high-load", type=float, default=0.1, help="high requests offered, x the peak rate")
     parser.add_argument("--timeout", type=float, default=120.0, help="longest wait for one phase's results")
-    parser.add_argument("--start-timeout", type=float, default=400.0)
     parser.add_argument("--out", default="priority-results")
     args = parser.parse_args()
     return run_worker(args) if args.worker else run_bench(args)
