@@ -49,9 +49,7 @@ class Consumer:
         for lane in LANES:
             self.streams[keys.chunks_in(lane)] = (CHUNKS, lane)
             self.streams[keys.requests_in(lane)] = (REQUESTS, lane)
-
-    def lane_keys(self, lane: Priority) -> list[str]:
-        return [key for key, (_, of) in self.streams.items() if of == lane]
+        self.lanes = {lane: [key for key, (_, of) in self.streams.items() if of == lane] for lane in LANES}  # read keys
 
     async def ensure_groups(self) -> bool:
         """Create the group on every work stream (and the streams); True if one had to be created."""
@@ -67,7 +65,7 @@ class Consumer:
 
     async def read(self, lane: Priority, count: int, block_ms: int) -> list[Delivery]:
         """New entries (``>``) of one lane, parts before requests."""
-        reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: ">" for key in self.lane_keys(lane)},
+        reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: ">" for key in self.lanes[lane]},
                                             count=count, block=block_ms)
         return [self._parse(_text(key), _text(entry_id), fields, 1)
                 for key, entries in reply or [] for entry_id, fields in entries]
@@ -78,7 +76,7 @@ class Consumer:
         transit), but those in ``skip`` (stream key, entry id: held already), at most ``limit``; and whether some
         are left for another turn."""
         found: list[tuple[str, str, dict]] = []
-        for key in self.lane_keys(lane):
+        for key in self.lanes[lane]:
             cursor = "0"
             while len(found) < limit:
                 reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: cursor}, count=count)
@@ -97,7 +95,7 @@ class Consumer:
         had no payload any more (Redis 7 drops them from the pending list itself)."""
         found: list[tuple[str, str, dict]] = []
         gone: list[tuple[str, str]] = []
-        for key in self.lane_keys(lane):
+        for key in self.lanes[lane]:
             cursor = "0-0"
             while len(found) < limit:
                 reply = await self.redis.xautoclaim(key, self.keys.group, self.name, min_idle_ms,
