@@ -259,6 +259,10 @@ class Intake:
                                                                    settings.max_inflight - reader.held)
                     reclaimed += found
                     gone += lost_here
+                # An entry held in memory (or settled since the reclaim began) is answered from memory, not lost:
+                # a held entry trimmed while it computes can be reported gone before keep_alive drops it.
+                gone = [entry for entry in gone
+                        if entry not in self.held and self.settled.get(entry, float("-inf")) < since]
                 if lost := self.count_lost(gone):
                     log.error("%d pending entries had no payload any more (trimmed?)", lost)
                 fresh = [d for d in reclaimed if (d.key, d.entry_id) not in self.held]
