@@ -187,7 +187,6 @@ class Results:
                     self._again(outcome, outcome.refused)
             now = time.time()
             for outcome, result, published in done:
-                self.release(outcome.delivery)
                 if result is not None and published:
                     code = result.error.code.value if result.error else ""
                     self.metrics.results.labels(result.status, code).inc()
@@ -196,6 +195,8 @@ class Results:
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("published %s: %s", result.id, code or result.status,
                                   extra=outcome.delivery.log_fields)
+                # Let go once counted: a scrape (another thread) that sees nothing held sees every result counted.
+                self.release(outcome.delivery)
 
     def _again(self, outcome: Outcome, error: redis.ResponseError) -> None:
         """Settle a refused outcome again later: soon once the function library is loaded again (a server restarted
