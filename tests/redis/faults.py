@@ -40,6 +40,13 @@ def wait_for(predicate, timeout: float = 60.0, every: float = 0.05, what: str = 
     raise TimeoutError(f"timed out waiting for {what}")
 
 
+def wait_released(worker, timeout: float = 30.0) -> None:
+    """Until the worker holds nothing: the answers to its acknowledgements have come back, and every result it
+    published is counted. A drained queue (what ``settle`` waits for) is Redis' side of it: the worker counts a
+    result when its XACK's answer arrives, a moment later."""
+    wait_for(lambda: worker.metric("dq_inflight_entries") == 0, timeout, what="the worker to hold nothing")
+
+
 def wait_log(worker, text: str, timeout: float = 60.0, count: int = 1) -> None:
     """Until the worker's log shows ``text`` (``count`` times)."""
     wait_for(lambda: worker.log.read_text(errors="replace").count(text) >= count, timeout,

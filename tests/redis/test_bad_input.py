@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from faults import batch
+from faults import batch, wait_released
 from fuzz_requests import _deep, bodies
 from producer.client import Client
 from producer.invariant import settle
@@ -145,6 +145,7 @@ def test_bad_input_is_answered_at_once_and_harms_nothing(redis_server, start_wor
     assert "5000x5000" in report.results["over-max-pixels"].error.message  # the worker's own pixel limit
     assert "TIFF" in report.results["tiff"].error.message
     assert bait.hits == 0  # no request ever reached the URL
+    wait_released(worker)
     assert worker.metric("dq_retries_total") == 0 and worker.metric("dq_dead_letters_total") == 0
     assert worker.metric("dq_tokens_total") == sum(report.results[r["id"]].usage.tokens for r in good)
     assert worker.metric("dq_results_total", status="error") == len(expected)

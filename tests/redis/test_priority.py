@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log
+from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log, wait_released
 from producer.client import Client
 from producer.invariant import settle
 from producer.keys import HIGH, LANES, NORMAL
@@ -42,6 +42,10 @@ def test_a_high_request_enqueued_after_5000_normal_ones_finishes_before_30_perce
     done = answered(client, bulk)  # counted after the high result came: an upper bound
     assert result.ok and done < 0.3 * len(bulk), done
     assert client.redis.xlen(client.keys.requests) > 0.5 * len(bulk)  # most of the backlog still queued
+    # Observed once its acknowledgement is back, a moment after the result is readable (the backlog is still held:
+    # no waiting for nothing held here); one request in the high lane, so one observation.
+    wait_for(lambda: worker.metric("dq_request_latency_seconds_count", priority="high") >= 1, timeout=30,
+             what="the high result counted")
     assert worker.metric("dq_request_latency_seconds_count", priority="high") == 1
 
 
@@ -133,6 +137,7 @@ def test_a_plain_xadd_is_served_in_the_lane_of_its_stream_and_a_body_naming_the_
         assert results[refused].error.code.value == "invalid_request", results[refused]
     assert "was sent to the normal lane's stream" in results["normal-said-high"].error.message
     assert "priority" in results["bad-value"].error.message
+    wait_released(worker)
     assert worker.metric("dq_request_latency_seconds_count", priority="high") == 4
     assert worker.metric("dq_request_latency_seconds_count", priority="normal") == 1
 
@@ -156,6 +161,7 @@ def test_kill_9_mid_pack_the_other_worker_reclaims_and_finishes(redis_server, st
     report = settle(client.redis, client.keys, first + rest, timeout=90).assert_ok()
     assert all(r.ok for r in report.results.values())
     assert survivor.metric("dq_entries_read_total", how="reclaimed") == 4
+    wait_released(survivor)
     assert survivor.metric("dq_request_latency_seconds_count", priority=priority) == 12
 
 
