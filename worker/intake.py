@@ -11,6 +11,7 @@ Each entry taken goes once to ``accept`` (the daemon's route); ``release`` lets 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -316,11 +317,14 @@ class Intake:
         self.metrics.inflight.set(len(self.held))
 
     async def retry(self, delivery: Delivery) -> None:
-        """Take an own entry again (its delivery counter goes up) and hand it to ``accept`` as a new delivery."""
+        """Take an own entry again (its delivery counter goes up) and hand it to ``accept`` as a new delivery. One
+        trimmed meanwhile is not pending any more (the claim finds nothing): its payload is in memory, so it is
+        retried from there, its counter kept here, and answered like any held entry that was trimmed."""
         fresh = await self.link.until(lambda: self.consumer.claim_again(delivery), "claim")
         self.release(delivery)
-        if fresh is not None:
-            self.take(fresh, "retried")
+        if fresh is None:
+            fresh = dataclasses.replace(delivery, deliveries=delivery.deliveries + 1, taken=time.time())
+        self.take(fresh, "retried")
 
     def oldest_taken(self) -> float | None:
         """When the longest-held entry was taken (held keeps the order entries were taken in). Any thread."""

@@ -280,6 +280,35 @@ def test_a_held_entry_trimmed_between_keep_alive_and_reclaim_is_not_counted_lost
     assert asyncio.run(scenario()) == 1  # the orphan; not the held one
 
 
+def test_an_entry_trimmed_before_its_retry_is_retried_from_memory(redis_server):
+    """A failed entry is claimed again for its retry (its delivery counter goes up); trimmed meanwhile, the claim
+    finds nothing (Redis 7 and Valkey drop it from the pending list): it was let go without a result, a count or a
+    log line. Its payload is in memory: it is retried from there, its counter kept by the worker."""
+    accepted = []
+
+    async def scenario() -> tuple[str, set]:
+        settings = Settings.from_env({}, redis_url=redis_server.url)
+        client = links.client(settings)
+        keys, metrics = Client(redis_server.url).keys, Metrics()
+        consumer = Consumer(client, keys, "w-retry", settings.max_entry_bytes)
+        await consumer.ensure_groups()
+        stream = keys.requests_in(NORMAL)
+        entry_id = (await client.xadd(stream, {"body": json.dumps({"id": "retried"})})).decode()
+        intake = Intake(consumer, links.Link(client, metrics, give_up=lambda: False, where="test"), settings, metrics,
+                        accept=accepted.append, stopping=threading.Event(),
+                        presence=Presence(client, keys, "w-retry", list(consumer.streams), 60_000, {}))
+        [delivery] = await consumer.read(NORMAL, 10, 100)
+        intake.take(delivery, "read")
+        await client.xdel(stream, entry_id)  # trimmed while its first attempt failed
+        await intake.retry(delivery)
+        await client.aclose()
+        return (stream, entry_id), set(intake.held)
+
+    entry, held = asyncio.run(scenario())
+    assert [(d.request_id, d.deliveries) for d in accepted] == [("retried", 1), ("retried", 2)]
+    assert held == {entry} and accepted[1].body == accepted[0].body
+
+
 def test_the_same_part_delivered_twice_is_published_once(redis_server, start_worker, tiny_dir):
     """Duplicate entries in the parts stream (a fan-out retried after a lost reply) and duplicate requests."""
     client = Client(redis_server.url)
