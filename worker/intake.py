@@ -262,8 +262,7 @@ class Intake:
                     gone += lost_here
                 # An entry held in memory (or settled since the reclaim began) is answered from memory, not lost:
                 # a held entry trimmed while it computes can be reported gone before keep_alive drops it.
-                gone = [entry for entry in gone
-                        if entry not in self.held and self.settled.get(entry, float("-inf")) < since]
+                gone = [entry for entry in gone if not self._known(entry, since)]
                 if lost := self.count_lost(gone):
                     log.error("%d pending entries had no payload any more (trimmed?)", lost)
                 fresh = [d for d in reclaimed if (d.key, d.entry_id) not in self.held]
@@ -290,8 +289,7 @@ class Intake:
         """Hold an entry and hand it to ``accept``, once however many ways it arrived (read, recovered, ...).
         ``since``: when the read that found it began; an entry let go since then was settled meanwhile (the read of
         own pending entries, or a reclaim, saw it before its acknowledgement), and is not taken again."""
-        entry = (delivery.key, delivery.entry_id)
-        if entry in self.held or (since is not None and self.settled.get(entry, float("-inf")) >= since):
+        if self._known((delivery.key, delivery.entry_id), since):
             return
         self.held[delivery.key, delivery.entry_id] = delivery
         self.readers[delivery.lane].held += 1
@@ -303,6 +301,10 @@ class Intake:
         else:
             metrics.queue_wait.labels(delivery.lane).observe(max(0.0, delivery.taken - delivery.enqueued_ms / 1000))
         self.accept(delivery)
+
+    def _known(self, entry: tuple[str, str], since: float | None) -> bool:
+        """Held now, or let go since ``since`` (when the Redis call that reported the entry began)."""
+        return entry in self.held or (since is not None and self.settled.get(entry, float("-inf")) >= since)
 
     def release(self, delivery: Delivery) -> None:
         entry = (delivery.key, delivery.entry_id)
