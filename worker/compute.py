@@ -52,10 +52,13 @@ class Compute:
     def run(self, done: Callable[[], bool]) -> None:
         """Until ``done()`` holds with no pack in flight."""
         in_flight: tuple[list[Item], Pending] | None = None
-        while not (in_flight is None and done()):
+        while True:
+            finishing = done()
+            if in_flight is None and finishing:
+                return
             self.turned_at = time.time()
             self.metrics.heartbeat.labels("gpu").set(self.turned_at)
-            pack = [] if done() else self._take(wait=in_flight is None)  # past the drain deadline: no new pack
+            pack = [] if finishing else self._take(wait=in_flight is None)  # past the drain deadline: no new pack
             tokens = sum(item.tokens for item in pack)
             if in_flight is not None and tokens < LAUNCH_FIRST_FILL * self.packer.budget:
                 self._finish(*in_flight)
