@@ -16,7 +16,7 @@ import time
 import pytest
 import redis
 
-from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log
+from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log, wait_released
 from producer import library
 from producer.client import Client
 from producer.invariant import settle
@@ -245,22 +245,27 @@ def test_pending_entries_trimmed_from_the_stream(redis_server, start_worker, tin
     assert "no payload any more" in worker.log.read_text()
 
 
+async def bare_intake(url: str, name: str, accept) -> tuple[Intake, str]:
+    """The worker's intake stage alone, on a real server (no daemon, no model): for races a worker process cannot be
+    made to hit on purpose; and the normal lane's request stream, its group created."""
+    settings = Settings.from_env({}, redis_url=url, claim_idle_ms=60_000)
+    client, keys, metrics = links.client(settings), Client(url).keys, Metrics()
+    consumer = Consumer(client, keys, name, settings.max_entry_bytes)
+    await consumer.ensure_groups()
+    return Intake(consumer, links.Link(client, metrics, give_up=lambda: False, where="test"), settings, metrics,
+                  accept=accept, stopping=threading.Event(),
+                  presence=Presence(client, keys, name, list(consumer.streams), 60_000, {})), keys.requests_in(NORMAL)
+
+
 def test_a_held_entry_trimmed_between_keep_alive_and_reclaim_is_not_counted_lost(redis_server):
     """XAUTOCLAIM reports a deleted pending entry whatever its idle time (Redis 7, Valkey); one held in memory is
     answered from there and is not lost. The race (the trim lands between keep_alive and reclaim) made on purpose:
     keep_alive does nothing here. A trimmed entry nobody holds is still counted."""
     async def scenario() -> float:
-        settings = Settings.from_env({}, redis_url=redis_server.url, claim_idle_ms=60_000)
-        client = links.client(settings)
-        keys, metrics = Client(redis_server.url).keys, Metrics()
-        consumer = Consumer(client, keys, "w-held", settings.max_entry_bytes)
-        await consumer.ensure_groups()
-        stream = keys.requests_in(NORMAL)
+        intake, stream = await bare_intake(redis_server.url, "w-held", accept=lambda delivery: None)
+        consumer, client = intake.consumer, intake.consumer.redis
         held_id, orphan_id = [(await client.xadd(stream, {"body": json.dumps({"id": name})})).decode()
                               for name in ("held", "orphan")]
-        intake = Intake(consumer, links.Link(client, metrics, give_up=lambda: False, where="test"), settings, metrics,
-                        accept=lambda delivery: None, stopping=threading.Event(),
-                        presence=Presence(client, keys, "w-held", list(consumer.streams), 60_000, {}))
         for delivery in await consumer.read(NORMAL, 10, 100):
             if delivery.request_id == "held":
                 intake.take(delivery, "read")  # the orphan stays pending, held by no one
@@ -275,7 +280,7 @@ def test_a_held_entry_trimmed_between_keep_alive_and_reclaim_is_not_counted_lost
         await asyncio.sleep(0.5)
         maintenance.cancel()
         await client.aclose()
-        return metrics.lost._value.get()
+        return intake.metrics.registry.get_sample_value("dq_lost_entries_total")
 
     assert asyncio.run(scenario()) == 1  # the orphan; not the held one
 
@@ -287,16 +292,9 @@ def test_an_entry_trimmed_before_its_retry_is_retried_from_memory(redis_server):
     accepted = []
 
     async def scenario() -> tuple[str, set]:
-        settings = Settings.from_env({}, redis_url=redis_server.url)
-        client = links.client(settings)
-        keys, metrics = Client(redis_server.url).keys, Metrics()
-        consumer = Consumer(client, keys, "w-retry", settings.max_entry_bytes)
-        await consumer.ensure_groups()
-        stream = keys.requests_in(NORMAL)
+        intake, stream = await bare_intake(redis_server.url, "w-retry", accept=accepted.append)
+        consumer, client = intake.consumer, intake.consumer.redis
         entry_id = (await client.xadd(stream, {"body": json.dumps({"id": "retried"})})).decode()
-        intake = Intake(consumer, links.Link(client, metrics, give_up=lambda: False, where="test"), settings, metrics,
-                        accept=accepted.append, stopping=threading.Event(),
-                        presence=Presence(client, keys, "w-retry", list(consumer.streams), 60_000, {}))
         [delivery] = await consumer.read(NORMAL, 10, 100)
         intake.take(delivery, "read")
         await client.xdel(stream, entry_id)  # trimmed while its first attempt failed
@@ -345,7 +343,7 @@ def test_a_stalled_worker_whose_entries_were_reclaimed_publishes_nothing_twice(r
     report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
     assert all(r.ok for r in report.results.values())
     assert other.metric("dq_entries_read_total", how="reclaimed") == 4
-    wait_for(lambda: frozen.metric("dq_inflight_entries") == 0, timeout=30, what="the thawed worker to settle")
+    wait_released(frozen)
     assert frozen.metric("dq_results_total") == 0  # computed, but every publication refused
     assert len(report.results) == 4
 

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import redis
-from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log
+from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log, wait_released
 
 from producer.client import Client
 from producer.invariant import settle
@@ -48,7 +48,7 @@ def test_a_reply_stream_that_cannot_be_written_wedges_nothing(redis_server, star
     assert client.redis.get(blocked) == b"not a stream" and client.redis.ttl(blocked) == -1
     assert sorted(fields[b"id"].decode() for _, fields in client.redis.xrange(fine)) == sorted(f"fine-{i}" for i in
                                                                                                range(6))
-    wait_for(lambda: worker.metric("dq_inflight_entries") == 0, what="every entry released")
+    wait_released(worker, timeout=60)
     assert worker.metric("dq_results_total") == len(ids)  # none under-counted
     assert worker.metric("dq_redis_errors_total", op="reply") == 6
     assert worker.metric("dq_redis_errors_total", op="publish") == 0  # the reply never held the publication up
@@ -97,7 +97,7 @@ def test_replies_are_not_lost_when_connections_drop(redis_server, start_worker, 
     replied = Counter(fields[b"id"].decode() for _, fields in client.redis.xrange(reply))
     assert set(replied) == set(ids), f"{len(set(ids) - set(replied))} replies lost"
     assert max(replied.values()) == 1  # one Redis: the reply is added by the publication script, exactly once
-    wait_for(lambda: worker.metric("dq_inflight_entries") == 0, what="every entry released")
+    wait_released(worker, timeout=60)
     assert worker.metric("dq_results_total") == len(ids)
     print(f"{kills} connections killed")
 

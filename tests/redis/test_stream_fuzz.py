@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from faults import FANOUT, long_request, wait_for
+from faults import FANOUT, long_request, wait_released
 from keyspace import WrittenKeys
 from producer.client import Client
 from producer.invariant import settle
@@ -164,7 +164,7 @@ def test_any_entry_on_any_stream_gets_its_own_one_result_and_writes_nowhere_else
                                         for i in range(2)])
         report = settle(client.redis, client.keys, expected, timeout=120).assert_ok()
         assert report.results[f"{tag}good-0"].ok and report.results[f"{tag}good-1"].ok
-        wait_for(lambda: worker.metric("dq_inflight_entries") == 0, timeout=30, what="nothing held")
+        wait_released(worker)
         own = {key for request_id in expected for key in (KEYS.result(request_id), KEYS.parts(request_id),
                                                           KEYS.body(request_id))}
         shared = {KEYS.requests, KEYS.chunks, KEYS.dead, KEYS.workers()}
