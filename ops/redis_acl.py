@@ -11,7 +11,7 @@ functions run, on exactly those keys. Selectors (the parenthesised groups) give 
 - producer: FCALL the submit function on request streams, either lane's (and the XADD, XLEN it runs),
   XREAD/XRANGE results and reply streams. It cannot read request streams, consume, delete, write results, or run
   its own Lua.
-- worker: the group commands on the work streams (both lanes'); XADD to chunk and dead-letter streams; SET/GET
+- worker: the group commands on the work streams (both lanes'); XADD to part and dead-letter streams; SET/GET
   stored bodies; the heartbeat hash; the publish and part functions and what they run on per-request keys and reply
   streams. No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work stream.
 - monitor: counts only: XLEN, XINFO GROUPS/CONSUMERS, XPENDING, INFO, the heartbeat hash. No XINFO STREAM (it
@@ -49,19 +49,19 @@ ROLES = {
     ),
     "worker": (
         "{connect} +fcall +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|delconsumer "
-        "+xinfo|groups +xinfo|consumers +xlen ~{requests} ~{high_requests} ~{chunks} ~{high_chunks} "
-        "(+xadd +xlen ~{chunks} ~{high_chunks} ~{dead}) "  # fan-out parts, dead letters
+        "+xinfo|groups +xinfo|consumers +xlen ~{requests} ~{high_requests} ~{part_stream} ~{high_part_stream} "
+        "(+xadd +xlen ~{part_stream} ~{high_part_stream} ~{dead}) "  # fan-out parts, dead letters
         "(+set +get ~{bodies}) "  # a fanned-out request's body
         "(+hset +hdel +hget +hgetall +hlen ~{workers}) "  # heartbeats
         # the publish and part functions (FCALL's keys), then what they run; replies beside results
-        "(+fcall ~{results} ~{parts} ~{bodies} ~{replies}) "
+        "(+fcall ~{results} ~{shares} ~{bodies} ~{replies}) "
         "(+exists +xrange +xadd +expire ~{results} ~{replies}) (+type ~{replies}) "
-        "(+hset +hlen +hgetall +expire ~{parts}) "
-        "(+del ~{parts} ~{bodies})"
+        "(+hset +hlen +hgetall +expire ~{shares}) "
+        "(+del ~{shares} ~{bodies})"
     ),
     "monitor": (
         "{connect} +info +xlen +xinfo|groups +xinfo|consumers +xpending %R~{requests} %R~{high_requests} "
-        "%R~{chunks} %R~{high_chunks} %R~{dead} "
+        "%R~{part_stream} %R~{high_part_stream} %R~{dead} "
         "(+hlen +hkeys +hget +hgetall %R~{workers})"
     ),
     "admin": "~* &* +@all",
@@ -76,9 +76,9 @@ def patterns(namespace: str) -> dict[str, str]:
     """The key patterns the roles name: every shard's work streams (each lane's) and dead-letter stream, every
     request's keys, the reply streams, the heartbeat hash."""
     every = Keys(namespace, ANY)
-    return {"requests": every.requests, "high_requests": every.requests_in(HIGH), "chunks": every.chunks,
-            "high_chunks": every.chunks_in(HIGH), "dead": every.dead, "results": every.result(ANY),
-            "parts": every.parts(ANY), "bodies": every.body(ANY), "replies": every.reply_prefix + ANY,
+    return {"requests": every.requests, "high_requests": every.requests_in(HIGH), "part_stream": every.parts,
+            "high_part_stream": every.parts_in(HIGH), "dead": every.dead, "results": every.result(ANY),
+            "shares": every.shares(ANY), "bodies": every.body(ANY), "replies": every.reply_prefix + ANY,
             "workers": every.workers()}
 
 

@@ -2,7 +2,7 @@
 
 Replays the exact Redis traffic of a request through the real code, without torch: producers send with
 ``AsyncClient.send`` (the submit function, batches of 500) and wait with ``wait_many`` (pipelined XRANGE + blocking
-XREAD); consumers are the worker's Redis faces, ``worker.intake.Consumer.read`` (XREADGROUP over chunks and
+XREAD); consumers are the worker's Redis faces, ``worker.intake.Consumer.read`` (XREADGROUP over prompts and
 requests, each entry parsed into a Delivery) and ``worker.publisher.Publisher.settle`` (the publish function, XACK,
 XDEL) with a result shaped like a real one. Nothing is computed: the consumers answer at once.
 
@@ -79,10 +79,10 @@ async def producer(url: str, namespace: str, prepared: list[Prepared], batch: in
                    latencies: list[float]) -> None:
     async with AsyncClient(url, namespace, max_unfinished=0, cluster=cluster) as client:
         for start in range(0, len(prepared), batch):
-            chunk = prepared[start: start + batch]
+            prompt = prepared[start: start + batch]
             began = time.perf_counter()
-            await client.submit_many(chunk)  # prepared already: sent as they are, 500 per submit call
-            await client.wait_many([item.id for item in chunk], timeout=300)
+            await client.submit_many(prompt)  # prepared already: sent as they are, 500 per submit call
+            await client.wait_many([item.id for item in prompt], timeout=300)
             latencies.append(time.perf_counter() - began)
 
 
@@ -125,7 +125,7 @@ def _generate(args: argparse.Namespace, process: int, out: multiprocessing.Queue
 def run(args: argparse.Namespace) -> dict:
     keys = Keys(args.namespace)
     admin = redis.Redis.from_url(args.redis_url)
-    for key in (keys.requests, keys.chunks):
+    for key in (keys.requests, keys.parts):
         try:
             admin.xgroup_create(key, keys.group, id="$", mkstream=True)
         except redis.ResponseError:

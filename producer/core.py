@@ -242,8 +242,8 @@ class Producer:
         return results[request_id]
 
     def stats(self) -> Plan[dict[str, Any]]:
-        """Totals over every shard, then each shard: for each lane (``lanes``: high, normal) the request and chunk
-        streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``chunks``: both
+        """Totals over every shard, then each shard: for each lane (``lanes``: high, normal) the request and part
+        streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``prompts``: both
         lanes together; dead letters; and the live workers. Live: a consumer seen in the last ``GONE_S`` seconds or
         holding entries, a worker whose heartbeat is younger than that (the gone are not counted, and the workers
         delete them: worker/presence.py). The lag is the server's, or the length less pending when the server
@@ -254,7 +254,7 @@ class Producer:
             lanes: dict[str, dict[str, Any]] = {}
             for lane in LANES:  # plain str keys: the dict is printed and dumped as it is
                 lanes[lane.value] = {}
-                for name, stream in (("requests", keys.requests_in(lane)), ("chunks", keys.chunks_in(lane))):
+                for name, stream in (("requests", keys.requests_in(lane)), ("chunks", keys.parts_in(lane))):
                     lanes[lane.value][name] = yield from self._stream_stats(stream)
             for name in ("requests", "chunks"):
                 entry[name] = _combine([lanes[lane.value][name] for lane in LANES], consumers=max)

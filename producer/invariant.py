@@ -3,8 +3,8 @@
 Used by the fault, bad-input and soak tests and by ``ops/soak.py`` against a real deployment. Given the ids that
 were submitted, it reads every result stream and checks that each holds exactly one entry, that the entry is a
 well-formed result for that id (``ok`` with answers, or ``error`` with a code and a message), and, when the load
-is over, that nothing is half done: both lanes' request and chunk streams empty, no pending entries, no parts or
-stored bodies of fanned-out requests left behind. Processing a chunk twice is allowed; publishing twice is not.
+is over, that nothing is half done: both lanes' request and part streams empty, no pending entries, no parts or
+stored bodies of fanned-out requests left behind. Processing a prompt twice is allowed; publishing twice is not.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def leftovers(connection: Any, keys: Keys, ids: Iterable[str] = (), shards: int 
     for shard in range(max(1, shards)):
         shard_keys = Keys(keys.namespace, shard)
         for lane in LANES:
-            for name, stream in (("requests", shard_keys.requests_in(lane)), ("chunks", shard_keys.chunks_in(lane))):
+            for name, stream in (("requests", shard_keys.requests_in(lane)), ("chunks", shard_keys.parts_in(lane))):
                 label = (name if lane == NORMAL else f"{lane} {name}") + ("" if shards <= 1 else f" s{shard}")
                 length = connection.xlen(stream)
                 if length:
@@ -112,7 +112,7 @@ def leftovers(connection: Any, keys: Keys, ids: Iterable[str] = (), shards: int 
     for start in range(0, len(ids), BATCH):
         with connection.pipeline(transaction=False) as pipe:
             for request_id in ids[start: start + BATCH]:
-                pipe.exists(keys.parts(request_id), keys.body(request_id))
+                pipe.exists(keys.shares(request_id), keys.body(request_id))
             stale = sum(pipe.execute())
         if stale:
             out["parts or bodies"] = out.get("parts or bodies", 0) + stale

@@ -1,11 +1,11 @@
 """Every Redis name that producers and workers share, in one place (wire protocol v1): keys, and the fields of
 stream entries.
 
-Each shard has two lanes, ``high`` and ``normal``, each with its own request and chunk streams: a worker reads the
+Each shard has two lanes, ``high`` and ``normal``, each with its own request and part streams: a worker reads the
 high lane's streams apart from the normal lane's, so a high request never waits behind normal entries already read.
 The stream an entry is in is its lane (docs/PROTOCOL.md, "Priority lanes").
 
-Streams carry a shard hash tag (``{s0}``) so that a worker's blocking read over its shard's request and chunk
+Streams carry a shard hash tag (``{s0}``) so that a worker's blocking read over its shard's request and part
 streams touches one Redis Cluster slot. Per-request keys carry the request id as their hash tag, so the Lua
 scripts that aggregate and publish a request's result touch one slot whatever the shard.
 """
@@ -54,7 +54,7 @@ class Field:
     BODY = "body"  # request entries: the request JSON; result and reply entries: the result JSON
     PUBLISHER = "publisher"  # result entries: the worker's delivery that published it (stream, entry id, count)
     REPLY_ID = "id"  # reply entries: the request the result answers (one reply stream serves many requests)
-    # Chunk entries: one part of a fanned-out request, whose body is stored at Keys.body(request_id)
+    # Part entries: one part of a fanned-out request, whose body is stored at Keys.body(request_id)
     REQUEST_ID = "request_id"
     PART = "part"  # this part's index, from 0
     PARTS = "parts"  # how many parts the request has
@@ -62,7 +62,7 @@ class Field:
     ENQUEUED_MS = "enqueued_ms"  # when the request was enqueued (ms): its entry id's time
     TRACEPARENT = "traceparent"  # the request's W3C trace context, when it has one (for the worker's logs)
     # Dead-letter entries: where the entry was and why it was given up, then the entry's own fields
-    STREAM = "stream"  # requests or chunks
+    STREAM = "stream"  # requests or chunks (the part stream)
     ENTRY_ID = "entry_id"
     DELIVERIES = "deliveries"
     REASON = "reason"
@@ -87,16 +87,16 @@ class Keys:
         return self.requests_in(NORMAL)
 
     @property
-    def chunks(self) -> str:
+    def parts(self) -> str:
         """The normal lane's stream of the parts of over-length requests, fanned out so that any worker takes any."""
-        return self.chunks_in(NORMAL)
+        return self.parts_in(NORMAL)
 
     def requests_in(self, lane: Priority) -> str:
         """A lane's request stream: ``...:requests`` (normal, the protocol's first stream) or ``...:requests:high``."""
         return f"{self.base}:{{s{self.shard}}}:requests" + ("" if lane == NORMAL else f":{Priority(lane)}")
 
-    def chunks_in(self, lane: Priority) -> str:
-        """A lane's chunk stream: the parts of a request stay in its lane."""
+    def parts_in(self, lane: Priority) -> str:
+        """A lane's part stream: the parts of a request stay in its lane."""
         return f"{self.base}:{{s{self.shard}}}:chunks" + ("" if lane == NORMAL else f":{Priority(lane)}")
 
     @property
@@ -123,7 +123,7 @@ class Keys:
         """Stream holding the one result entry of a request (readable again until its TTL expires)."""
         return f"{self.base}:result:{{{request_id}}}"
 
-    def parts(self, request_id: str) -> str:
+    def shares(self, request_id: str) -> str:
         """Hash of the finished parts of a fanned-out request: part index -> part result JSON."""
         return f"{self.base}:parts:{{{request_id}}}"
 

@@ -184,8 +184,8 @@ class ErrorInfo(_Open):
 
 
 class Usage(_Open):
-    tokens: int = 0  # prompt tokens the model read, over all chunks
-    prompts: int = 0  # sequences (chunks) the request was rendered into
+    tokens: int = 0  # prompt tokens the model read, over all prompts
+    prompts: int = 0  # sequences (prompts) the request was rendered into
     parts: int = 1  # parts it was fanned out into across workers
 
 

@@ -35,15 +35,15 @@ def tiny_dir(checkpoints):
 
 @pytest.fixture(scope="session")
 def loaded(checkpoints):
-    """Loaded models, cached per (name, max_chunk_tokens)."""
+    """Loaded models, cached per (name, max_prompt_tokens)."""
     from worker.model import checkpoint
 
     cache = {}
 
-    def get(name: str = "repo", max_chunk_tokens: int | None = None):
-        key = (name, max_chunk_tokens)
+    def get(name: str = "repo", max_prompt_tokens: int | None = None):
+        key = (name, max_prompt_tokens)
         if key not in cache:
-            cache[key] = checkpoint.load(checkpoints[name], device="cpu", max_chunk_tokens=max_chunk_tokens)
+            cache[key] = checkpoint.load(checkpoints[name], device="cpu", max_prompt_tokens=max_prompt_tokens)
         return cache[key]
 
     return get

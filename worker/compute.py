@@ -10,7 +10,7 @@ that owns every task's state), either before or after pack n+1 is launched:
 - n+1 partly full (the GPU keeps up): read out first. The launch's host work (milliseconds per pack, whatever its
   size) would otherwise delay n's answers.
 
-A failing pack is bisected until the failing chunk is alone, so the others in it are still answered.
+A failing pack is bisected until the failing prompt is alone, so the others in it are still answered.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ LAUNCH_FIRST_FILL = 0.9
 class Sink(Protocol):
     """Where each item's fate goes; called on this (the GPU) thread."""
 
-    def chunk_done(self, item: Item, answers: list[Answer], seconds: float) -> None: ...
+    def prompt_done(self, item: Item, answers: list[Answer], seconds: float) -> None: ...
 
     def task_failed(self, task: Task, reason: str) -> None: ...
 
@@ -66,8 +66,8 @@ class Compute:
             launched = None
             if pack:
                 try:
-                    launched = (pack, self.engine.launch([item.chunk for item in pack]))
-                except Exception as error:  # noqa: BLE001 - isolated below, chunk by chunk
+                    launched = (pack, self.engine.launch([item.prompt for item in pack]))
+                except Exception as error:  # noqa: BLE001 - isolated below, prompt by prompt
                     self._isolate(pack, error)
             if in_flight is not None:
                 self._finish(*in_flight)
@@ -93,10 +93,10 @@ class Compute:
         self._record(run)
         config = self.model.decision_config
         for item, scores in zip(pack, run.scores):
-            questions = item.chunk.questions
+            questions = item.prompt.questions
             answers = [answer(config, q, logits)
                        for q, logits in zip(questions, option_logits(self.model, questions, scores))]
-            self.sink.chunk_done(item, answers, run.seconds * item.tokens / max(run.tokens, 1))
+            self.sink.prompt_done(item, answers, run.seconds * item.tokens / max(run.tokens, 1))
 
     def _record(self, run: PackRun) -> None:
         metrics = self.metrics
@@ -115,18 +115,18 @@ class Compute:
             metrics.gpu_memory_peak.set(torch.cuda.max_memory_allocated(device))
 
     def _isolate(self, pack: list[Item], error: BaseException) -> None:
-        """A failed pack: run halves again until the failing chunk is alone; the others are answered."""
+        """A failed pack: run halves again until the failing prompt is alone; the others are answered."""
         if isinstance(error, getattr(torch, "AcceleratorError", ())):
             log.critical("the GPU failed (%s): exiting so that the supervisor restarts this worker", error)
             os._exit(70)
         if len(pack) == 1:
-            log.warning("chunk of %s failed: %r", pack[0].task.request_id, error,
+            log.warning("prompt of %s failed: %r", pack[0].task.request_id, error,
                         extra=pack[0].task.delivery.log_fields)
             self.sink.task_failed(pack[0].task, f"{type(error).__name__}: {error}")
             return
         for half in (pack[: len(pack) // 2], pack[len(pack) // 2:]):
             try:
-                pending = self.engine.launch([item.chunk for item in half])
+                pending = self.engine.launch([item.prompt for item in half])
             except Exception as again:  # noqa: BLE001
                 self._isolate(half, again)
                 continue

@@ -41,7 +41,7 @@ class Settings:
                       choices=("auto", "bfloat16", "float16", "float32"))
     engine: str = _opt("auto", "auto (fast on cuda, reference on cpu), fast or reference",
                        choices=("auto", "fast", "reference"))
-    max_chunk_tokens: int = _opt(8192, "longest prompt one chunk may have; longer requests are split by question",
+    max_prompt_tokens: int = _opt(8192, "longest prompt; a request whose prompt is longer is split by question",
                                  low=1)
     fanout_tokens: int = _opt(8192, "requests with more tokens than this (over several prompts) fan out to all workers",
                               low=1)

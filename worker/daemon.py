@@ -5,8 +5,8 @@ One request, from its XADD to its result stream:
     intake.py    XREADGROUP; the entry parsed once (entries.py) and held           ─┐
     daemon.py    _accept: trimmed, too often delivered, bad field, or to plan        │ asyncio thread
                  _plan: planner.py renders and tokenizes (threads or processes)     │
-                        -> a Task: its chunks into the work queue, or fanned out   ─┘
-    packer.py    chunks -> packs within the token budget, high priority first      ─┐ main (GPU) thread
+                        -> a Task: its prompts into the work queue, or fanned out   ─┘
+    packer.py    prompts -> packs within the token budget, high priority first      ─┐ main (GPU) thread
     compute.py   packs -> engine -> read-out -> answers, to results' sink          ─┘
     results.py   answers gathered per task; publisher.py: result published once    ── asyncio thread
                  (FCALL) with its reply, XACK, XDEL; intake lets the entry go
@@ -35,7 +35,7 @@ from producer.servers import UnsupportedServer
 
 from .compute import Compute
 from .config import Settings
-from .entries import CHUNKS, Delivery, reply_stream
+from .entries import PARTS, Delivery, reply_stream
 from .health import Snapshot
 from .intake import Consumer, Intake
 from .link import REDIS_ERRORS, Link, first_contact
@@ -73,7 +73,7 @@ class Daemon:
         self.keys = Keys(settings.namespace, settings.shard)
         self.metrics = Metrics(shard=settings.shard)
         self.model = model or checkpoint.load(settings.checkpoint, settings.device, settings.dtype,
-                                              settings.max_chunk_tokens)
+                                              settings.max_prompt_tokens)
         self.engine = create_engine(self.model, settings)
         self.ready = threading.Event()
         self.stopping = threading.Event()
@@ -239,15 +239,15 @@ class Daemon:
         start = time.perf_counter()
         body = None
         try:
-            if delivery.stream == CHUNKS:  # a part: its request's body was stored when it fanned out
+            if delivery.stream == PARTS:  # a part: its request's body was stored when it fanned out
                 body = await self.intake.stored_body(delivery)
             if delivery.invalid:  # bad input: never retried
                 raise RequestError(delivery.invalid_code, delivery.invalid)
-            if delivery.stream == CHUNKS and body is None:
+            if delivery.stream == PARTS and body is None:
                 raise RequestError(ErrorCode.INTERNAL, "the request body of this part is gone (Redis lost it?)")
             task = await asyncio.wrap_future(self.planner.submit(delivery, body))
         except RequestError as error:
-            reply_to = delivery.reply_to if delivery.stream != CHUNKS else reply_stream(self.keys, body)
+            reply_to = delivery.reply_to if delivery.stream != PARTS else reply_stream(self.keys, body)
             self.results.settle(error_outcome(delivery, error.code, error.message, self.model.name,
                                               reply_to=reply_to))
             return
@@ -263,8 +263,8 @@ class Daemon:
             log.debug("fanned %s out in %d parts", delivery.request_id, len(task.fan_out), extra=delivery.log_fields)
             self.intake.release(delivery)
             return
-        for index, chunk in enumerate(task.chunks):
-            self.packer.put(Item(task, index, chunk))
+        for index, prompt in enumerate(task.prompts):
+            self.packer.put(Item(task, index, prompt))
 
     def _failed(self, delivery: Delivery, reason: str) -> None:
         """Retry (the delivery counter goes up) until the cap, then dead-letter with an error result."""

@@ -26,13 +26,13 @@ class Stream(enum.StrEnum):
     """The work streams a worker reads (a metric label, and the ``stream`` field of dead letters)."""
 
     REQUESTS = "requests"  # request entries: one field, the request JSON
-    CHUNKS = "chunks"  # the parts of fanned-out requests: request id, part, parts, questions, enqueue time
+    PARTS = "chunks"  # the parts of fanned-out requests: request id, part, parts, questions, enqueue time
 
 
-REQUESTS, CHUNKS = Stream.REQUESTS, Stream.CHUNKS
+REQUESTS, PARTS = Stream.REQUESTS, Stream.PARTS
 FIELDS = {
     REQUESTS: {Field.BODY},
-    CHUNKS: {Field.REQUEST_ID, Field.PART, Field.PARTS, Field.QUESTIONS, Field.ENQUEUED_MS, Field.TRACEPARENT},
+    PARTS: {Field.REQUEST_ID, Field.PART, Field.PARTS, Field.QUESTIONS, Field.ENQUEUED_MS, Field.TRACEPARENT},
 }
 NUMBER = re.compile(rb"\A[0-9]{1,15}\Z")  # non-negative, no sign, no spaces or underscores, below 2**53
 # The request id of an entry too large to parse: only where the Python client writes it, first (exact, no scan).
@@ -61,7 +61,7 @@ class Delivery:
     request_id: str  # the id its result is published under
     reply_to: str | None  # a reply stream of this deployment the result is also written to
     enqueued_ms: int
-    part: int = 0  # chunk entries: which part of the request, of how many, and the part's question names
+    part: int = 0  # part entries: which part of the request, of how many, and the part's question names
     parts: int = 1
     questions: list[str] | None = None
     invalid: str | None = None  # why the entry cannot be processed (its first problem); None when it can
@@ -92,7 +92,7 @@ class Delivery:
                             f"({', '.join(sorted(FIELDS[stream]))})")
         enqueued_ms = int(entry_id.split("-")[0])  # a Redis entry id starts with its time in ms
         part, parts, questions, answerable, metadata, traceparent = 0, 1, None, True, None, None
-        if stream == CHUNKS:
+        if stream == PARTS:
             request_id = _checked(problems, lambda: _request_id(fields), None)
             answerable = request_id is not None
             reply_to = None  # a part's reply stream is its request's, in the stored body
@@ -116,7 +116,7 @@ class Delivery:
 
     @property
     def body(self) -> bytes | None:
-        """A request entry's request JSON (chunk entries have none: their request's is stored apart)."""
+        """A request entry's request JSON (part entries have none: their request's is stored apart)."""
         return self.fields.get(Field.BODY.encode())
 
     @property

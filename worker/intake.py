@@ -23,7 +23,7 @@ import redis
 from producer.keys import LANES, Keys, Priority
 
 from .config import Settings
-from .entries import CHUNKS, REQUESTS, Delivery, Stream
+from .entries import PARTS, REQUESTS, Delivery, Stream
 from .link import REDIS_ERRORS, Link
 from .metrics import Metrics
 from .presence import Presence
@@ -38,7 +38,7 @@ def _text(value: Any) -> str:
 
 
 class Consumer:
-    """One consumer of the worker group, on the shard's work streams: each lane's chunk and request streams."""
+    """One consumer of the worker group, on the shard's work streams: each lane's part and request streams."""
 
     def __init__(self, redis_client: Any, keys: Keys, name: str, max_entry_bytes: int | None = None) -> None:
         self.redis = redis_client
@@ -48,7 +48,7 @@ class Consumer:
         # stream key -> (kind, lane); high lane first, and in a lane parts first: finish started requests
         self.streams: dict[str, tuple[Stream, Priority]] = {}
         for lane in LANES:
-            self.streams[keys.chunks_in(lane)] = (CHUNKS, lane)
+            self.streams[keys.parts_in(lane)] = (PARTS, lane)
             self.streams[keys.requests_in(lane)] = (REQUESTS, lane)
         self.lanes = {lane: [key for key, (_, of) in self.streams.items() if of == lane] for lane in LANES}  # read keys
 

@@ -1,14 +1,14 @@
-"""Chunks -> packs: fill one forward pass up to the token budget, high-priority work first, waiting at most
+"""Prompts -> packs: fill one forward pass up to the token budget, high-priority work first, waiting at most
 ``max_wait`` for more work.
 
-Each lane's chunks wait in arrival order. A pack takes the high lane's first, then the normal lane's, first fit over a
-short window of each: a chunk that does not fit is passed over for smaller later ones, and waits at the front of its
+Each lane's prompts wait in arrival order. A pack takes the high lane's first, then the normal lane's, first fit over a
+short window of each: a prompt that does not fit is passed over for smaller later ones, and waits at the front of its
 lane for a later pack.
 
 Normal work is never starved. While some waits, every pack owes it ``normal_share`` of the pack's budget, and high
-work leaves that much room (the oldest high chunk still opens the pack whatever its size). What normal work was owed
-and could not use (its oldest chunk did not fit) is carried to the next pack, up to a whole budget: a long normal
-chunk gets in once enough is owed, and then opens the pack.
+work leaves that much room (the oldest high prompt still opens the pack whatever its size). What normal work was owed
+and could not use (its oldest prompt did not fit) is carried to the next pack, up to a whole budget: a long normal
+prompt gets in once enough is owed, and then opens the pack.
 
 While high work flows (some was queued in the last ``HIGH_RECENT_S``), packs are held to ``high_budget`` tokens: a
 high request waits behind the packs already on the GPU, and smaller packs bound that wait.
@@ -25,7 +25,7 @@ from producer.keys import HIGH, LANES, NORMAL, Priority
 
 from .tasks import Item
 
-HOLD = 64  # chunks of a lane looked at per step (first fit), oldest first
+HOLD = 64  # prompts of a lane looked at per step (first fit), oldest first
 HIGH_RECENT_S = 1.0  # packs stay at high_budget this long after high work was last queued
 
 
@@ -43,7 +43,7 @@ class Packer:
         self.ready = threading.Condition()
 
     def put(self, item: Item) -> None:
-        """Queue a chunk in its lane (any thread)."""
+        """Queue a prompt in its lane (any thread)."""
         with self.ready:
             self.lanes[item.lane].append(item)
             self.tokens[item.lane] += item.tokens
@@ -61,7 +61,7 @@ class Packer:
         with self.ready:
             if not (self.ready.wait_for(self._queued, timeout) if wait else self._queued()):
                 return []
-            if wait:  # the latency bound runs from the first chunk: a partly filled pack waits at most max_wait
+            if wait:  # the latency bound runs from the first prompt: a partly filled pack waits at most max_wait
                 self.ready.wait_for(lambda: sum(self.tokens.values()) >= self._budget_now(), self.max_wait)
             self.budget = self._budget_now()
             return self._fill(self.budget)
@@ -79,12 +79,12 @@ class Packer:
         high, normal = self.lanes[HIGH], self.lanes[NORMAL]
         self.owed = min(self.owed + math.ceil(self.normal_share * budget), budget) if normal else 0
         pack: list[Item] = []
-        if high and self.owed < budget:  # the oldest high chunk opens the pack, unless normal is owed all of it
+        if high and self.owed < budget:  # the oldest high prompt opens the pack, unless normal is owed all of it
             self._move(HIGH, high.popleft(), pack)
         self._first_fit(HIGH, pack, budget - self.owed)
         got = 0  # normal tokens in the pack
         while normal and got < self.owed and (not pack or self._tokens(pack) + normal[0].tokens <= budget):
-            got += normal[0].tokens  # oldest first: a long chunk is not passed over for good
+            got += normal[0].tokens  # oldest first: a long prompt is not passed over for good
             self._move(NORMAL, normal.popleft(), pack)
         self._first_fit(HIGH, pack, budget)
         self._first_fit(NORMAL, pack, budget)
@@ -93,7 +93,7 @@ class Packer:
         return pack
 
     def _first_fit(self, lane: Priority, pack: list[Item], limit: int) -> None:
-        """Move the lane's chunks that fit under ``limit`` tokens into ``pack``, oldest first; the rest keep their
+        """Move the lane's prompts that fit under ``limit`` tokens into ``pack``, oldest first; the rest keep their
         place."""
         queue, passed = self.lanes[lane], []
         used = self._tokens(pack)

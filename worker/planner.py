@@ -24,12 +24,12 @@ from .config import Settings
 from .entries import REQUESTS, Delivery
 from .model.checkpoint import DecisionModel, RenderSpec
 from .model.encoder import Encoder
-from .model.engine import Chunk
+from .model.engine import Prompt
 from .tasks import Task
 
 
 def plan_entry(encoder: Encoder, settings: Settings, raw: bytes | None, questions: list[str] | None,
-               lane: Priority = NORMAL) -> tuple[Request, list[Chunk]]:
+               lane: Priority = NORMAL) -> tuple[Request, list[Prompt]]:
     """A request body (of a request entry, or stored for a part) planned whole, or only the part's ``questions``;
     ``lane``: the lane of the stream the entry is in. Raises RequestError (answered at once, never retried) for bad
     input and expired deadlines."""
@@ -50,19 +50,19 @@ def plan_entry(encoder: Encoder, settings: Settings, raw: bytes | None, question
     if request.deadline_ms is not None and time.time() * 1000 > request.deadline_ms:
         late = time.time() * 1000 - request.deadline_ms
         raise RequestError(ErrorCode.DEADLINE_EXCEEDED, f"the deadline passed {late:.0f} ms before compute")
-    return request, encoder.plan(request, questions)
+    return request, encoder.prompts(request, questions)
 
 
 def part_groups(task: Task, budget: int) -> list[list[str]]:
-    """Consecutive chunks grouped into parts of at most ``budget`` tokens (a longer chunk is a part alone)."""
+    """Consecutive prompts grouped into parts of at most ``budget`` tokens (a longer prompt is a part alone)."""
     groups: list[list[str]] = [[]]
     used = 0
-    for chunk in task.chunks:
-        if groups[-1] and used + chunk.length > budget:
+    for prompt in task.prompts:
+        if groups[-1] and used + prompt.length > budget:
             groups.append([])
             used = 0
-        groups[-1].extend(q.name for q in chunk.questions)
-        used += chunk.length
+        groups[-1].extend(q.name for q in prompt.questions)
+        used += prompt.length
     return groups
 
 
@@ -92,10 +92,10 @@ def _init_process(spec: RenderSpec, settings: Settings, parent: int) -> None:
 def _plan_in_process(raw: bytes | None, questions: list[str] | None, lane: Priority) -> Any:
     assert _PROCESS_ENCODER is not None and _PROCESS_SETTINGS is not None
     try:
-        request, chunks = plan_entry(_PROCESS_ENCODER, _PROCESS_SETTINGS, raw, questions, lane)
+        request, prompts = plan_entry(_PROCESS_ENCODER, _PROCESS_SETTINGS, raw, questions, lane)
     except RequestError as error:
         return (error.code, error.message)
-    return request, [_to_arrays(chunk) for chunk in chunks]
+    return request, [_to_arrays(prompt) for prompt in prompts]
 
 
 # Tensors cross the process boundary as numpy arrays, pickled by value: torch's own reduction shares each tensor
@@ -104,17 +104,17 @@ def _plan_in_process(raw: bytes | None, questions: list[str] | None, lane: Prior
 _TENSORS = ("input_ids", "rows", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
 
-def _to_arrays(chunk: Chunk) -> dict[str, Any]:
-    out: dict[str, Any] = {name: getattr(chunk, name) for name in _TENSORS}
+def _to_arrays(prompt: Prompt) -> dict[str, Any]:
+    out: dict[str, Any] = {name: getattr(prompt, name) for name in _TENSORS}
     out = {name: None if value is None else value.numpy() for name, value in out.items()}
-    out["questions"] = chunk.questions
+    out["questions"] = prompt.questions
     return out
 
 
-def _from_arrays(fields: dict[str, Any]) -> Chunk:
+def _from_arrays(fields: dict[str, Any]) -> Prompt:
     import torch
 
-    return Chunk(questions=fields["questions"], **{
+    return Prompt(questions=fields["questions"], **{
         name: None if fields[name] is None else torch.from_numpy(fields[name]) for name in _TENSORS})
 
 
@@ -209,7 +209,7 @@ class Planner:
         return encoder
 
     def _plan_in_thread(self, raw: bytes | None, questions: list[str] | None, lane: Priority
-                        ) -> tuple[Request, list[Chunk]]:
+                        ) -> tuple[Request, list[Prompt]]:
         return plan_entry(self._encoder(), self.settings, raw, questions, lane)
 
     def submit(self, delivery: Delivery, body: bytes | None = None) -> Future[Task]:
@@ -228,10 +228,10 @@ class Planner:
             if isinstance(value, tuple) and isinstance(value[0], ErrorCode):
                 out.set_exception(RequestError(*value))
                 return
-            request, chunks = value
+            request, prompts = value
             if self.processes > 0:
-                chunks = [_from_arrays(chunk) for chunk in chunks]
-            task = Task(delivery=delivery, request=request, chunks=chunks, remaining=len(chunks))
+                prompts = [_from_arrays(prompt) for prompt in prompts]
+            task = Task(delivery=delivery, request=request, prompts=prompts, remaining=len(prompts))
             task.fan_out = self._fan_out(task)
             out.set_result(task)
 
@@ -241,7 +241,7 @@ class Planner:
     def _fan_out(self, task: Task) -> list[list[str]]:
         """The parts a request over ``--fanout-tokens`` (in several prompts) is sent out as; none to keep it here."""
         budget = self.settings.fanout_tokens
-        if task.delivery.stream != REQUESTS or len(task.chunks) < 2 or task.tokens <= budget:
+        if task.delivery.stream != REQUESTS or len(task.prompts) < 2 or task.tokens <= budget:
             return []
         groups = part_groups(task, budget)
         return groups if len(groups) > 1 else []

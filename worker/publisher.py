@@ -99,7 +99,7 @@ class Publisher:
             else:
                 index, count, part = outcome.part
                 request_id = outcome.delivery.request_id
-                calls.append((library.PART_AS, [self.keys.result(request_id), self.keys.parts(request_id),
+                calls.append((library.PART_AS, [self.keys.result(request_id), self.keys.shares(request_id),
                                                 self.keys.body(request_id)], [index, count, json.dumps(part), self.ttl]))
         decided: list[tuple[Outcome, Any]] = []
         merged: list[Outcome] = []
@@ -155,7 +155,7 @@ class Publisher:
     def _publication(self, outcome: Outcome) -> tuple[Any, list[str], list[Any]]:
         request_id = outcome.delivery.request_id
         assert outcome.result is not None
-        keys = [self.keys.result(request_id), self.keys.parts(request_id), self.keys.body(request_id)]
+        keys = [self.keys.result(request_id), self.keys.shares(request_id), self.keys.body(request_id)]
         args = [outcome.result.model_dump_json(exclude_none=True), self.ttl, outcome.publisher]
         if self.inline_replies and outcome.reply_to and not outcome.replied:
             keys.append(outcome.reply_to)
@@ -193,14 +193,14 @@ class Publisher:
         self.library_ok = True
 
     async def fan_out(self, task: Task) -> None:
-        """Store the request once, add one entry per part (``task.fan_out``) to its lane's chunk stream (the parts
+        """Store the request once, add one entry per part (``task.fan_out``) to its lane's part stream (the parts
         of a high request stay high), then acknowledge the request entry."""
         entry, groups = task.delivery, task.fan_out
         trace = {Field.TRACEPARENT: task.request.traceparent} if task.request.traceparent else {}
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.body(entry.request_id), entry.body, ex=self.ttl)
             for index, names in enumerate(groups):
-                pipe.xadd(self.keys.chunks_in(entry.lane), {Field.REQUEST_ID: entry.request_id, Field.PART: index,
+                pipe.xadd(self.keys.parts_in(entry.lane), {Field.REQUEST_ID: entry.request_id, Field.PART: index,
                                              Field.PARTS: len(groups), Field.QUESTIONS: json.dumps(names),
                                              Field.ENQUEUED_MS: entry.enqueued_ms, **trace})
             await pipe.execute()

@@ -37,7 +37,7 @@ def share(task: Task) -> dict[str, Any]:
         "logits": {n: a.logits for n, a in answers.items()},
         "probabilities": {n: a.probabilities for n, a in answers.items()},
         "options": {n: a.options for n, a in answers.items()},
-        "tokens": task.tokens, "prompts": len(task.chunks),
+        "tokens": task.tokens, "prompts": len(task.prompts),
         "compute_ms": round(task.compute_seconds * 1000, 3), "started_ms": int(task.delivery.taken * 1000),
     }
 
@@ -54,7 +54,7 @@ def task_outcome(task: Task, model: str) -> Outcome:
     if task.parts > 1:
         return Outcome(task.delivery, task.request.reply_to, part=(task.part, task.parts, share(task)), order=order,
                        echo=context)
-    names = [q.name for chunk in task.chunks for q in chunk.questions]
+    names = [q.name for prompt in task.prompts for q in prompt.questions]
     result = ok_result(task.request_id, [share(task)], names, task.delivery.enqueued_ms, model, context)
     return Outcome(task.delivery, task.request.reply_to, result=result)
 
@@ -88,8 +88,8 @@ class Results:
 
     # ---- compute's sink (GPU thread)
 
-    def chunk_done(self, item: Item, answers: list[Answer], seconds: float) -> None:
-        self._hand_over(self._chunk_done, item, answers, seconds)
+    def prompt_done(self, item: Item, answers: list[Answer], seconds: float) -> None:
+        self._hand_over(self._prompt_done, item, answers, seconds)
 
     def task_failed(self, task: Task, reason: str) -> None:
         self._hand_over(self._task_failed, task, reason)
@@ -108,7 +108,7 @@ class Results:
 
     # ---- loop thread
 
-    def _chunk_done(self, item: Item, answers: list[Answer], seconds: float) -> None:
+    def _prompt_done(self, item: Item, answers: list[Answer], seconds: float) -> None:
         task = item.task
         if task.cancelled:
             return

@@ -1,6 +1,6 @@
-"""The plain objects handed between the queue stages: the task an entry becomes, and the chunks of work it holds.
+"""The plain objects handed between the queue stages: the task an entry becomes, and the prompts of work it holds.
 
-Torch-free at run time: chunks and answers are only named here, for their types.
+Torch-free at run time: prompts and answers are only named here, for their types.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from producer.schema import Request
 from .entries import Delivery
 
 if TYPE_CHECKING:
-    from .model.engine import Chunk
+    from .model.engine import Prompt
     from .model.readout import Answer
 
 
@@ -25,12 +25,12 @@ class Task:
 
     delivery: Delivery
     request: Request
-    chunks: list[Chunk] = field(default_factory=list)
+    prompts: list[Prompt] = field(default_factory=list)
     fan_out: list[list[str]] = field(default_factory=list)  # question names per part, when it fans out (planner)
     answers: dict[str, Answer] = field(default_factory=dict)
-    remaining: int = 0  # chunks not answered yet
+    remaining: int = 0  # prompts not answered yet
     compute_seconds: float = 0.0
-    cancelled: bool = False  # failed or expired: its chunks still queued are skipped
+    cancelled: bool = False  # failed or expired: its prompts still queued are skipped
 
     @property
     def request_id(self) -> str:
@@ -46,7 +46,7 @@ class Task:
 
     @property
     def tokens(self) -> int:
-        return sum(chunk.length for chunk in self.chunks)
+        return sum(prompt.length for prompt in self.prompts)
 
     @property
     def expired(self) -> bool:
@@ -56,15 +56,15 @@ class Task:
 
 @dataclass(frozen=True)
 class Item:
-    """One chunk of a task on its way to the GPU."""
+    """One prompt of a task on its way to the GPU."""
 
     task: Task
     index: int
-    chunk: Chunk
+    prompt: Prompt
 
     @property
     def tokens(self) -> int:
-        return self.chunk.length
+        return self.prompt.length
 
     @property
     def lane(self) -> Priority:

@@ -10,7 +10,7 @@ checkpoint's tokenizer and template: token counts are what matter, the weights a
    enqueued at once; throughput = tokens of all results / (first enqueue -> last result).
 2. latency: requests paced at ``--load`` x the peak rate for ``--latency-seconds``; enqueue-to-result p50/p99
    from the results' own timings (stream entry id -> publication).
-0. in-process (first, in the worker process, once warm): the same engine times the same backlog's chunks without
+0. in-process (first, in the worker process, once warm): the same engine times the same backlog's prompts without
    Redis, for the end-to-end / in-process ratio; the reference engine times the first 256.
 """
 
@@ -91,11 +91,11 @@ def self_time(daemon, args: argparse.Namespace) -> None:
 
     began = time.perf_counter()
     encoder = Encoder(daemon.model)
-    chunks = [c for r in make_requests(args.requests, 1, encoder) for c in encoder.plan(Request.model_validate(r))]
-    groups = packs(chunks, daemon.engine.max_pack_tokens)
+    prompts = [c for r in make_requests(args.requests, 1, encoder) for c in encoder.prompts(Request.model_validate(r))]
+    groups = packs(prompts, daemon.engine.max_pack_tokens)
     timed(daemon.engine, groups[: max(1, len(groups) // 8)])
     seconds, _ = timed(daemon.engine, groups)
-    tokens = sum(c.length for c in chunks)
+    tokens = sum(c.length for c in prompts)
     report = {"tokens_per_s": round(tokens / seconds), "requests_per_s": round(args.requests / seconds, 1),
               "seconds": round(seconds, 2), "packs": len(groups)}
     cuda = torch.cuda.is_available()
@@ -106,7 +106,7 @@ def self_time(daemon, args: argparse.Namespace) -> None:
         report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         report["reserved_bytes"] = torch.cuda.memory_reserved()
     if not args.no_reference:
-        sample = chunks[:256]
+        sample = prompts[:256]
         reference = ReferenceEngine(daemon.model)
         batches = padded_batches(sample)
         for batch in warmup_batches(batches):  # kernel compilation outside the timing
@@ -131,7 +131,7 @@ def make_requests(count: int, seed: int, encoder) -> list[dict]:
     rng = random.Random(seed)
     probe = [Request.model_validate({"state": " ".join(WORDS[:n]) if n else "", "questions": QUESTIONS})
              for n in (0, len(WORDS))]
-    base, full = (encoder.plan(r)[0].length for r in probe)
+    base, full = (encoder.prompts(r)[0].length for r in probe)
     per_word = (full - base) / len(WORDS)
     out = []
     for i in range(count):

@@ -56,9 +56,9 @@ def timed(engine: Engine, groups: list[list]) -> tuple[float, int]:
     return time.perf_counter() - start, capacity
 
 
-def reference_figures(model, chunks) -> dict:
+def reference_figures(model, prompts) -> dict:
     engine = ReferenceEngine(model)
-    batches = padded_batches(chunks)
+    batches = padded_batches(prompts)
     for batch in warmup_batches(batches):  # kernel compilation and cuBLAS set-up outside the timing
         engine.forward(batch)
     torch.cuda.synchronize()
@@ -67,9 +67,9 @@ def reference_figures(model, chunks) -> dict:
         engine.forward(batch)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    tokens = sum(c.length for c in chunks)
+    tokens = sum(c.length for c in prompts)
     padded = sum(len(b) * max(c.length for c in b) for b in batches)
-    return {"ref_tokens_per_s": tokens / seconds, "ref_requests_per_s": len(chunks) / seconds,
+    return {"ref_tokens_per_s": tokens / seconds, "ref_requests_per_s": len(prompts) / seconds,
             "ref_padding": 1 - tokens / padded}
 
 
@@ -125,7 +125,7 @@ def run_one(spec: str, args: argparse.Namespace, cache: dict) -> dict:
     model = cache["model"]
     rng = np.random.default_rng(0)
     requests = WORKLOADS[workload](rng, COUNTS[workload] if not args.quick else 64)
-    chunks = [c for r in requests for c in r.chunks]
+    prompts = [c for r in requests for c in r.prompts]
     compile_mode = {"default": "layer", "nograph": "layer", "eager": "none"}[variant]
     settings = Settings(compile=compile_mode, cuda_graphs=variant == "default", fp8=dtype == "fp8",
                         prune_last=True, buckets=args.buckets, pack_tokens=args.pack_tokens)
@@ -136,10 +136,10 @@ def run_one(spec: str, args: argparse.Namespace, cache: dict) -> dict:
     engine = FastEngine(model, settings)
     built = time.perf_counter() - start
     engine.warmup()
-    groups = packs(chunks, engine.max_pack_tokens)
+    groups = packs(prompts, engine.max_pack_tokens)
     timed(engine, groups[: max(2, len(groups) // 10)])  # first real packs: allocator and autotuning settle
     seconds, capacity = timed(engine, groups)
-    tokens = sum(c.length for c in chunks)
+    tokens = sum(c.length for c in prompts)
     result = {"run": spec, "shape": shape, "workload": workload, "dtype": dtype, "variant": variant,
               "compile": compile_mode, "graphs": engine.graphs_on, "requests": len(requests),
               "tokens": tokens, "packs": len(groups), "tokens_per_s": tokens / seconds,
@@ -172,9 +172,9 @@ def add_reference(result: dict, cache: dict) -> None:
     key = ("ref", workload, shape)
     if key not in cache:
         requests = cache["requests"][(shape, workload)]
-        chunks = [c for r in requests[: REF_COUNTS[workload]] for c in r.chunks]
+        prompts = [c for r in requests[: REF_COUNTS[workload]] for c in r.prompts]
         torch.cuda.reset_peak_memory_stats()
-        cache[key] = reference_figures(cache["model"], chunks)
+        cache[key] = reference_figures(cache["model"], prompts)
         cache[key]["ref_peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
     result.update(cache[key])
     result["speedup_vs_reference"] = result["tokens_per_s"] / result["ref_tokens_per_s"]

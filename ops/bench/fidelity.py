@@ -47,14 +47,14 @@ def compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict:
             "questions": len(got)}
 
 
-def reference(model, chunks) -> list[torch.Tensor]:
+def reference(model, prompts) -> list[torch.Tensor]:
     engine, scores = ReferenceEngine(model), []
-    for batch in padded_batches(chunks, size=32):
+    for batch in padded_batches(prompts, size=32):
         scores += engine.forward(batch)
-    return probabilities(chunks, scores)
+    return probabilities(prompts, scores)
 
 
-def fp32_reference(model, chunks) -> list[torch.Tensor]:
+def fp32_reference(model, prompts) -> list[torch.Tensor]:
     """The same weights in fp32, transformers' own torch delta rule (fla's kernels compute in lower precision)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
@@ -64,7 +64,7 @@ def fp32_reference(model, chunks) -> list[torch.Tensor]:
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        return reference(full, chunks)
+        return reference(full, prompts)
     finally:
         qwen.torch_chunk_gated_delta_rule = dispatched
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
@@ -72,13 +72,13 @@ def fp32_reference(model, chunks) -> list[torch.Tensor]:
         torch.cuda.empty_cache()
 
 
-def fast(model, chunks, **fields) -> list[torch.Tensor]:
+def fast(model, prompts, **fields) -> list[torch.Tensor]:
     engine = FastEngine(model, Settings(compile="none", cuda_graphs=False, prune_last=True, **fields))
     engine.warmup()
     scores = []
-    for group in packs(chunks, engine.max_pack_tokens):
+    for group in packs(prompts, engine.max_pack_tokens):
         scores += engine.launch(group).wait().scores
-    return probabilities(chunks, scores)
+    return probabilities(prompts, scores)
 
 
 @torch.inference_mode()
@@ -87,15 +87,15 @@ def measure(shape: str = "2b", requests: int = 200, configs: tuple[str, ...] = t
     """-> {"floor": bf16 reference vs fp32, config: {"vs_fp32": ..., "vs_bf16": ...}}"""
     torch.manual_seed(seed)
     model = random_model(shape)
-    chunks = [c for r in WORKLOADS["standard"](np.random.default_rng(seed), requests) for c in r.chunks]
+    prompts = [c for r in WORKLOADS["standard"](np.random.default_rng(seed), requests) for c in r.prompts]
     start = time.perf_counter()
-    exact = fp32_reference(model, chunks)
-    result = {"shape": shape, "questions": len(exact), "floor": compare(reference(model, chunks), exact)}
+    exact = fp32_reference(model, prompts)
+    result = {"shape": shape, "questions": len(exact), "floor": compare(reference(model, prompts), exact)}
     log(f"fp32 and bf16 references: {time.perf_counter() - start:.1f}s; floor {result['floor']}")
     answers = {}
     for name in configs:
         start = time.perf_counter()
-        answers[name] = fast(model, chunks, **CONFIGS[name])
+        answers[name] = fast(model, prompts, **CONFIGS[name])
         result[name] = {"vs_fp32": compare(answers[name], exact)}
         if name != "bf16" and "bf16" in answers:
             result[name]["vs_bf16"] = compare(answers[name], answers["bf16"])

@@ -16,7 +16,7 @@ import torch
 from transformers.decision import Question
 
 from worker.model.checkpoint import DecisionModel, RenderSpec
-from worker.model.engine import Chunk
+from worker.model.engine import Prompt
 
 # DESIGN.md section 1 (public configs). The vision tower's size is not in that table: Qwen3-VL-2B's is assumed.
 SHAPES = {
@@ -38,7 +38,7 @@ KINDS = (("noul", 2), ("choice", 4), ("score", 5))
 def random_model(shape: str, multimodal: bool = False, device: str = "cuda", rendering: RenderSpec | None = None
                  ) -> DecisionModel:
     """``rendering``: the template and tokenizer requests are rendered with (the end-to-end benchmark's planner);
-    without one the model has none, and its chunks come from the synthetic workloads."""
+    without one the model has none, and its prompts come from the synthetic workloads."""
     from transformers import JevConfig, JevForDecision, Qwen3_5Config, Qwen3_5TextConfig
     from transformers.decision import DecisionConfig
 
@@ -76,25 +76,25 @@ def _question(kind: str, options: int) -> Question:
 
 @dataclass(frozen=True)
 class Request:
-    chunks: list[Chunk]
+    prompts: list[Prompt]
 
     @property
     def tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
+        return sum(c.length for c in self.prompts)
 
 
-def _text_chunk(rng: np.random.Generator, length: int, questions: int) -> Chunk:
+def _text_prompt(rng: np.random.Generator, length: int, questions: int) -> Prompt:
     ids = torch.from_numpy(rng.integers(1, 150000, size=length, dtype=np.int64))
     # one marker every 12 tokens at the end of the prompt, as a template prints the questions last
     rows = torch.tensor([length - 1 - 12 * (questions - 1 - i) for i in range(questions)], dtype=torch.long)
     assert int(rows.min()) >= 0
     kinds = [KINDS[i % len(KINDS)] for i in range(questions)]
-    return Chunk(input_ids=ids, rows=rows, questions=tuple(_question(k, n) for k, n in kinds))
+    return Prompt(input_ids=ids, rows=rows, questions=tuple(_question(k, n) for k, n in kinds))
 
 
 def standard(rng: np.random.Generator, count: int) -> list[Request]:
     """256-768 tokens (uniform), three questions: noul, 4-way choice, 5-level score."""
-    return [Request([_text_chunk(rng, int(rng.integers(256, 769)), 3)]) for _ in range(count)]
+    return [Request([_text_prompt(rng, int(rng.integers(256, 769)), 3)]) for _ in range(count)]
 
 
 def long_tail(rng: np.random.Generator, count: int) -> list[Request]:
@@ -105,7 +105,7 @@ def long_tail(rng: np.random.Generator, count: int) -> list[Request]:
     for length in lengths:
         questions = int(rng.integers(1, 13))
         length = max(int(length), 12 * questions + 1)
-        out.append(Request([_text_chunk(rng, length, questions)]))
+        out.append(Request([_text_prompt(rng, length, questions)]))
     return out
 
 
@@ -116,7 +116,7 @@ def vision(rng: np.random.Generator, count: int, side: int = 448) -> list[Reques
     out = []
     for _ in range(count):
         before, after = int(rng.integers(16, 64)), int(rng.integers(48, 193))
-        text = _text_chunk(rng, before + image_tokens + 2 + after, 3)
+        text = _text_prompt(rng, before + image_tokens + 2 + after, 3)
         ids = text.input_ids.clone()
         ids[before] = VISION_START
         ids[before + 1: before + 1 + image_tokens] = IMAGE_TOKEN
@@ -124,7 +124,7 @@ def vision(rng: np.random.Generator, count: int, side: int = 448) -> list[Reques
         types = torch.zeros_like(ids)
         types[before + 1: before + 1 + image_tokens] = 1
         pixels = torch.from_numpy(rng.standard_normal((patches, 3 * 2 * 16 * 16), dtype=np.float32))
-        out.append(Request([Chunk(input_ids=ids, rows=text.rows, questions=text.questions, pixel_values=pixels,
+        out.append(Request([Prompt(input_ids=ids, rows=text.rows, questions=text.questions, pixel_values=pixels,
                                   image_grid_thw=grid, mm_token_type_ids=types)]))
     return out
 
@@ -132,45 +132,45 @@ def vision(rng: np.random.Generator, count: int, side: int = 448) -> list[Reques
 WORKLOADS = {"standard": standard, "long-tail": long_tail, "vision": vision}
 
 
-def probabilities(chunks: list[Chunk], scores: list[torch.Tensor]) -> list[torch.Tensor]:
+def probabilities(prompts: list[Prompt], scores: list[torch.Tensor]) -> list[torch.Tensor]:
     """Softmax over each question's options (the rows from its type's offset on)."""
     out = []
-    for chunk, rows in zip(chunks, scores):
-        for question, row in zip(chunk.questions, rows):
+    for prompt, rows in zip(prompts, scores):
+        for question, row in zip(prompt.questions, rows):
             start = OFFSETS[question.type]
             out.append(torch.softmax(row[start: start + len(question.options)].double(), dim=-1))
     return out
 
 
-def packs(chunks: list[Chunk], budget: int) -> list[list[Chunk]]:
-    """Greedy packing in arrival order up to ``budget`` tokens; a longer chunk runs alone."""
+def packs(prompts: list[Prompt], budget: int) -> list[list[Prompt]]:
+    """Greedy packing in arrival order up to ``budget`` tokens; a longer prompt runs alone."""
     out, current, used = [], [], 0
-    for chunk in chunks:
-        if current and used + chunk.length > budget:
+    for prompt in prompts:
+        if current and used + prompt.length > budget:
             out.append(current)
             current, used = [], 0
-        current.append(chunk)
-        used += chunk.length
+        current.append(prompt)
+        used += prompt.length
     return out + [current] if current else out
 
 
-def padded_batches(chunks: list[Chunk], size: int = 64, max_padded: int = 65536) -> list[list[Chunk]]:
+def padded_batches(prompts: list[Prompt], size: int = 64, max_padded: int = 65536) -> list[list[Prompt]]:
     """The reference path's batches: up to ``size`` prompts in arrival order, at most ``max_padded`` padded tokens."""
     out, current, longest = [], [], 0
-    for chunk in chunks:
-        wider = max(longest, chunk.length)
+    for prompt in prompts:
+        wider = max(longest, prompt.length)
         if current and (len(current) == size or wider * (len(current) + 1) > max_padded):
             out.append(current)
-            current, wider = [], chunk.length
-        current.append(chunk)
+            current, wider = [], prompt.length
+        current.append(prompt)
         longest = wider
     return out + [current] if current else out
 
 
-def warmup_batches(batches: list[list[Chunk]]) -> list[list[Chunk]]:
+def warmup_batches(batches: list[list[Prompt]]) -> list[list[Prompt]]:
     """One batch of each distinct batch size: FlashQLA compiles a kernel variant per range of batch sizes on first
     use, which must not happen inside a timing."""
-    seen: dict[int, list[Chunk]] = {}
+    seen: dict[int, list[Prompt]] = {}
     for batch in batches:
         seen.setdefault(len(batch), batch)
     return list(seen.values())

@@ -2,16 +2,16 @@
 
 Checkpoint: ``tiny.write(size="small")`` (fla's and FlashQLA's kernels need 128-wide linear heads; the tiny one has
 16), multimodal, noncausal, loaded in bf16 and in fp32. Requests: text of many lengths, images, requests split
-over several chunks. Packs are formed greedily up to the engine's budget, as the daemon's packer does.
+over several prompts. Packs are formed greedily up to the engine's budget, as the daemon's packer does.
 
 Tolerance (documented in docs/BENCHMARKS.md): bf16 is not exact, so the yardstick is the fp32 reference. The fast
 path's error against it, as the largest probability difference over all options, must stay within twice the bf16
 reference's own error plus 0.02, and its argmax flips within the bf16 reference's plus 5% of the questions.
 FP8 (3 mantissa bits against bf16's 7) is held to its mean error instead: on this small random model rounding
 details alone move single questions by 0.2-0.7 (eager FP8, which equals the dequantised matmul exactly, gives 0.68
-on these chunks on the CPU), whereas a wiring fault moves every question. Its mean per-question difference must stay
+on these prompts on the CPU), whereas a wiring fault moves every question. Its mean per-question difference must stay
 within 0.1 and its flips within the bf16 reference's plus 15%; the largest difference is reported. Pack
-composition: the same chunks in other packs, orders and buckets may move a probability by no more than the bf16
+composition: the same prompts in other packs, orders and buckets may move a probability by no more than the bf16
 reference's error plus 0.02.
 
 Set DQ_GPU_REPORT=path to append every measured figure as a JSON line.
@@ -40,7 +40,7 @@ from worker.model.encoder import Encoder  # noqa: E402
 from worker.model.readout import option_logits  # noqa: E402
 from worker.model.reference import ReferenceEngine  # noqa: E402
 
-MAX_CHUNK = 512
+MAX_PROMPT = 512
 BUCKETS = "512,1024,2048"
 QUESTIONS = {
     "spam": {"type": "noul", "instructions": "Is this spam?"},
@@ -69,12 +69,12 @@ def report(**figures) -> None:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     path = tiny.write(tmp_path_factory.mktemp("small") / "small", size="small")
-    return {dtype: checkpoint.load(path, device="cuda", dtype=dtype, max_chunk_tokens=MAX_CHUNK)
+    return {dtype: checkpoint.load(path, device="cuda", dtype=dtype, max_prompt_tokens=MAX_PROMPT)
             for dtype in ("bfloat16", "float32")}
 
 
 @pytest.fixture(scope="module")
-def chunks(models):
+def prompts(models):
     rng = random.Random(0)
     encoder = Encoder(models["bfloat16"])
     requests = []
@@ -86,16 +86,16 @@ def chunks(models):
         assets = {f"img-{i}": {"data_base64": png(c, size)} for i, c in enumerate(colors)}
         requests.append({"state": "Look: " + ", ".join(assets) + ". " + tiny.CORPUS[5], "questions": QUESTIONS,
                          "assets": assets})
-    planned = [encoder.plan(Request.model_validate(r)) for r in requests]
-    assert any(len(p) > 1 for p in planned), "some requests must span several chunks"
-    return [chunk for plan in planned for chunk in plan]
+    planned = [encoder.prompts(Request.model_validate(r)) for r in requests]
+    assert any(len(p) > 1 for p in planned), "some requests must span several prompts"
+    return [prompt for plan in planned for prompt in plan]
 
 
-def probabilities(model, chunks, scores) -> list[torch.Tensor]:
+def probabilities(model, prompts, scores) -> list[torch.Tensor]:
     temperature = model.decision_config.temperature
     out = []
-    for chunk, rows in zip(chunks, scores):
-        for question, logits in zip(chunk.questions, option_logits(model, chunk.questions, rows)):
+    for prompt, rows in zip(prompts, scores):
+        for question, logits in zip(prompt.questions, option_logits(model, prompt.questions, rows)):
             out.append(torch.softmax(torch.tensor(logits, dtype=torch.float64) / temperature.get(question.type, 1.0),
                                      dim=-1))
     return out
@@ -112,21 +112,21 @@ def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]
     return max(differences(a, b)), flips
 
 
-def greedy_packs(chunks, budget, order=None):
-    order = list(range(len(chunks))) if order is None else order
+def greedy_packs(prompts, budget, order=None):
+    order = list(range(len(prompts))) if order is None else order
     packs, current, used = [], [], 0
     for i in order:
-        if current and used + chunks[i].length > budget:
+        if current and used + prompts[i].length > budget:
             packs.append(current)
             current, used = [], 0
         current.append(i)
-        used += chunks[i].length
+        used += prompts[i].length
     return packs + [current] if current else packs
 
 
-def run_packs(engine, chunks, packs) -> list[torch.Tensor]:
-    scores: list[torch.Tensor | None] = [None] * len(chunks)
-    pending = [(pack, engine.launch([chunks[i] for i in pack])) for pack in packs]  # launched before waiting
+def run_packs(engine, prompts, packs) -> list[torch.Tensor]:
+    scores: list[torch.Tensor | None] = [None] * len(prompts)
+    pending = [(pack, engine.launch([prompts[i] for i in pack])) for pack in packs]  # launched before waiting
     for pack, run in pending:
         for i, rows in zip(pack, run.wait().scores):
             scores[i] = rows
@@ -135,8 +135,8 @@ def run_packs(engine, chunks, packs) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def references(models, chunks):
-    out = {dtype: probabilities(models["bfloat16"], chunks, ReferenceEngine(model).forward(chunks))
+def references(models, prompts):
+    out = {dtype: probabilities(models["bfloat16"], prompts, ReferenceEngine(model).forward(prompts))
            for dtype, model in models.items()}
     diff, flips = compare(out["bfloat16"], out["float32"])
     report(test="reference", dtype="bf16", vs="fp32", max_prob_diff=diff, flip_rate=flips,
@@ -152,21 +152,21 @@ def engine_for(models, **fields) -> FastEngine:
 
 
 @pytest.mark.parametrize("name", ["eager", "layer+graphs+prune"])
-def test_results_do_not_depend_on_the_pack(models, chunks, references, name):
-    """The same chunks alone, in full packs, in reverse and shuffled half-full packs, over different buckets."""
+def test_results_do_not_depend_on_the_pack(models, prompts, references, name):
+    """The same prompts alone, in full packs, in reverse and shuffled half-full packs, over different buckets."""
     engine = engine_for(models, **CONFIGS[name])
     model = models["bfloat16"]
-    base = probabilities(model, chunks, run_packs(engine, chunks, greedy_packs(chunks, 2048)))
-    order = list(range(len(chunks)))
+    base = probabilities(model, prompts, run_packs(engine, prompts, greedy_packs(prompts, 2048)))
+    order = list(range(len(prompts)))
     random.Random(1).shuffle(order)
     compositions = {
-        "alone": [[i] for i in range(len(chunks))],
-        "reversed": greedy_packs(chunks, 2048, order[::-1]),
-        "shuffled-half": greedy_packs(chunks, 1024, order),
+        "alone": [[i] for i in range(len(prompts))],
+        "reversed": greedy_packs(prompts, 2048, order[::-1]),
+        "shuffled-half": greedy_packs(prompts, 1024, order),
     }
     worst = 0.0
     for label, packs in compositions.items():
-        diff, flips = compare(probabilities(model, chunks, run_packs(engine, chunks, packs)), base)
+        diff, flips = compare(probabilities(model, prompts, run_packs(engine, prompts, packs)), base)
         report(test="composition", config=name, composition=label, vs="full packs", max_prob_diff=diff,
                flip_rate=flips)
         worst = max(worst, diff)
@@ -174,11 +174,11 @@ def test_results_do_not_depend_on_the_pack(models, chunks, references, name):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_fast_path_equals_the_reference(models, chunks, references, name):
+def test_fast_path_equals_the_reference(models, prompts, references, name):
     engine = engine_for(models, **CONFIGS[name])
     fp8 = CONFIGS[name].get("fp8", False)
     assert engine.fwd.fp8_matrices > 0 if fp8 else engine.fwd.fp8_matrices == 0
-    got = probabilities(models["bfloat16"], chunks, run_packs(engine, chunks, greedy_packs(chunks, 2048)))
+    got = probabilities(models["bfloat16"], prompts, run_packs(engine, prompts, greedy_packs(prompts, 2048)))
     diff, flips = compare(got, references["float32"])
     diff16, flips16 = compare(got, references["bfloat16"])
     mean = sum(differences(got, references["float32"])) / len(got)

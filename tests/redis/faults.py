@@ -27,7 +27,7 @@ def long_request(request_id: str, questions: int = 24) -> dict:
                                     "criteria": {"yes": "so", "no": "not"}} for i in range(questions)}}
 
 
-FANOUT = dict(max_chunk_tokens=220, fanout_tokens=200)  # worker settings under which long_request fans out
+FANOUT = dict(max_prompt_tokens=220, fanout_tokens=200)  # worker settings under which long_request fans out
 
 
 def wait_for(predicate, timeout: float = 60.0, every: float = 0.05, what: str = "condition"):

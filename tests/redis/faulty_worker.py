@@ -5,7 +5,7 @@
 Same daemon, same model, same Redis code as ``python -m worker serve``; only the engine's ``launch`` misbehaves,
 as the environment says:
 
-- ``DQ_FAULT_RAISE=MARKER``: a pack holding a chunk whose text contains MARKER fails when its scores are awaited
+- ``DQ_FAULT_RAISE=MARKER``: a pack holding a prompt whose text contains MARKER fails when its scores are awaited
   (where a real GPU error surfaces), whatever else rides in the pack. A poison input.
 - ``DQ_FAULT_SLOW_S=SECONDS``: every pack sleeps this long before it runs (a pack slower than the reclaim idle
   time; also a window for killing a worker mid-pack).
@@ -46,18 +46,18 @@ class FaultyEngine:
     def warmup(self) -> None:
         self.inner.warmup()
 
-    def launch(self, chunks):
+    def launch(self, prompts):
         if self.slow_s:
-            log.info("fault: slow pack of %d chunks started (%.1f s)", len(chunks), self.slow_s)
+            log.info("fault: slow pack of %d prompts started (%.1f s)", len(prompts), self.slow_s)
             time.sleep(self.slow_s)
-        poisoned = self.marker and any(self.marker in self.tokenizer.decode(c.input_ids) for c in chunks)
-        pending = self.inner.launch(chunks)
+        poisoned = self.marker and any(self.marker in self.tokenizer.decode(c.input_ids) for c in prompts)
+        pending = self.inner.launch(prompts)
         if not poisoned:
             return pending
 
         def fail():
-            log.warning("fault: pack of %d chunks raises (poison)", len(chunks))
-            raise RuntimeError(f"injected fault: a chunk contains {self.marker}")
+            log.warning("fault: pack of %d prompts raises (poison)", len(prompts))
+            raise RuntimeError(f"injected fault: a prompt contains {self.marker}")
 
         return Pending(fail)
 

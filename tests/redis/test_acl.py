@@ -44,7 +44,7 @@ def prepared(acl_server):
     admin.xgroup_create(KEYS.requests, KEYS.group, id="0", mkstream=True)
     admin.xadd(KEYS.requests, {"body": json.dumps({"id": "secret", "state": "a private state", "questions": {}})})
     admin.xadd(KEYS.result("done"), {"body": "{}"})
-    admin.hset(KEYS.parts("half"), "0", '{"answers": "private"}')
+    admin.hset(KEYS.shares("half"), "0", '{"answers": "private"}')
     admin.set(KEYS.body("half"), "a private body")
     admin.acl_log_reset()
     return admin
@@ -105,19 +105,19 @@ def test_producer_submits_through_the_function_reads_results_and_nothing_else(ac
         command(producer, "XGROUP", "DESTROY", KEYS.requests, KEYS.group),
         # no forged answers: not by XADD, not through the worker's functions
         command(producer, "XADD", KEYS.result("forged"), "*", "body", "{}"),
-        command(producer, "FCALL", library.PUBLISH, 3, KEYS.result("forged"), KEYS.parts("forged"),
+        command(producer, "FCALL", library.PUBLISH, 3, KEYS.result("forged"), KEYS.shares("forged"),
                 KEYS.body("forged"), "{}", 60),
-        command(producer, "FCALL", library.PART, 2, KEYS.parts("half"), KEYS.result("half"), 1, 2, "{}", 60),
-        command(producer, "XADD", KEYS.chunks, "*", "x", 1), command(producer, "XADD", KEYS.reply_prefix + "x", "*",
+        command(producer, "FCALL", library.PART, 2, KEYS.shares("half"), KEYS.result("half"), 1, 2, "{}", 60),
+        command(producer, "XADD", KEYS.parts, "*", "x", 1), command(producer, "XADD", KEYS.reply_prefix + "x", "*",
                                                                         "x", 1),
-        command(producer, "HGETALL", KEYS.parts("half")), command(producer, "GET", KEYS.body("half")),
+        command(producer, "HGETALL", KEYS.shares("half")), command(producer, "GET", KEYS.body("half")),
         command(producer, "XLEN", KEYS.dead), command(producer, "DEL", KEYS.result("done")),
         command(producer, "SET", "elsewhere", 1), command(producer, "KEYS", "*"), command(producer, "SCAN", 0),
         command(producer, "FLUSHALL"), command(producer, "CONFIG", "GET", "*"), command(producer, "MONITOR")]:
         assert refused(attempt)
     assert admin.ping() and admin.xlen(KEYS.requests) == 2 and not admin.exists(KEYS.result("forged"))
     assert refused(command(producer, "XRANGE", KEYS.requests_in(HIGH), "-", "+"))
-    assert refused(command(producer, "XADD", KEYS.chunks_in(HIGH), "*", "x", 1))
+    assert refused(command(producer, "XADD", KEYS.parts_in(HIGH), "*", "x", 1))
 
 
 def test_the_submit_function_needs_the_xadd_a_producer_could_also_call_itself(acl_server, prepared):
@@ -147,7 +147,7 @@ def test_worker_cannot_replace_delete_or_trim_a_work_stream(acl_server, prepared
     admin = prepared
     worker = connect(acl_server, "worker")
     lua_refused(worker)
-    for stream in (KEYS.requests, KEYS.chunks, KEYS.requests_in(HIGH), KEYS.chunks_in(HIGH), KEYS.dead):
+    for stream in (KEYS.requests, KEYS.parts, KEYS.requests_in(HIGH), KEYS.parts_in(HIGH), KEYS.dead):
         for attempt in [command(worker, "SET", stream, 1), command(worker, "DEL", stream),
                         command(worker, "UNLINK", stream), command(worker, "EXPIRE", stream, 1),
                         command(worker, "PEXPIRE", stream, 1), command(worker, "RENAME", stream, KEYS.body("x")),
@@ -158,7 +158,7 @@ def test_worker_cannot_replace_delete_or_trim_a_work_stream(acl_server, prepared
                         command(worker, "XGROUP", "SETID", stream, KEYS.group, "$"),
                         command(worker, "HSET", stream, "x", 1),
                         # the worker's own functions cannot be pointed at a work stream either
-                        command(worker, "FCALL", library.PUBLISH, 3, stream, KEYS.parts("x"), KEYS.body("x"), "{}",
+                        command(worker, "FCALL", library.PUBLISH, 3, stream, KEYS.shares("x"), KEYS.body("x"), "{}",
                                 60),
                         command(worker, "FCALL", library.PUBLISH, 3, KEYS.result("x"), stream, KEYS.body("x"), "{}",
                                 60)]:
@@ -172,16 +172,16 @@ def test_worker_cannot_replace_delete_or_trim_a_work_stream(acl_server, prepared
                     command(worker, "SHUTDOWN", "NOSAVE"), command(worker, "MONITOR")]:
         assert refused(attempt)
     # What the daemon does on per-request keys is allowed (the end to end below runs all of it).
-    assert worker.fcall(library.PUBLISH, 3, KEYS.result("w"), KEYS.parts("w"), KEYS.body("w"), "{}", 60) == 1
-    assert worker.delete(KEYS.parts("half"), KEYS.body("half")) == 2
+    assert worker.fcall(library.PUBLISH, 3, KEYS.result("w"), KEYS.shares("w"), KEYS.body("w"), "{}", 60) == 1
+    assert worker.delete(KEYS.shares("half"), KEYS.body("half")) == 2
     assert admin.type(KEYS.requests) == b"stream" and admin.xinfo_groups(KEYS.requests)[0]["name"] == b"workers"
-    assert admin.type(KEYS.chunks) == b"none" and admin.type(KEYS.dead) == b"none"
+    assert admin.type(KEYS.parts) == b"none" and admin.type(KEYS.dead) == b"none"
 
 
 def test_monitor_sees_counts_not_payloads(acl_server, prepared):
     monitor = connect(acl_server, "monitor")
     assert monitor.xlen(KEYS.requests) == 1 and monitor.xinfo_groups(KEYS.requests)[0]["lag"] == 1
-    assert monitor.xlen(KEYS.requests_in(HIGH)) == 0 and monitor.xlen(KEYS.chunks_in(HIGH)) == 0
+    assert monitor.xlen(KEYS.requests_in(HIGH)) == 0 and monitor.xlen(KEYS.parts_in(HIGH)) == 0
     assert monitor.xpending(KEYS.requests, KEYS.group)["pending"] == 0 and "redis_version" in monitor.info()
     assert monitor.xpending_range(KEYS.requests, KEYS.group, "-", "+", 10) == []
     assert monitor.xinfo_consumers(KEYS.requests, KEYS.group) == [] and monitor.hgetall(KEYS.workers()) == {}
@@ -193,7 +193,7 @@ def test_monitor_sees_counts_not_payloads(acl_server, prepared):
                     command(monitor, "XREAD", "STREAMS", KEYS.requests, 0),
                     command(monitor, "XREADGROUP", "GROUP", KEYS.group, "me", "STREAMS", KEYS.requests, ">"),
                     command(monitor, "XRANGE", KEYS.result("done"), "-", "+"),
-                    command(monitor, "HGETALL", KEYS.parts("half")), command(monitor, "GET", KEYS.body("half")),
+                    command(monitor, "HGETALL", KEYS.shares("half")), command(monitor, "GET", KEYS.body("half")),
                     command(monitor, "XADD", KEYS.requests, "*", "body", "{}"), command(monitor, "DEL", "x"),
                     command(monitor, "FCALL", library.SUBMIT, 1, KEYS.requests, 0, "m", "{}"),
                     command(monitor, "CONFIG", "GET", "*"), command(monitor, "FLUSHALL"), command(monitor, "MONITOR")]:
@@ -209,7 +209,7 @@ def test_daemon_and_producer_run_end_to_end_under_their_users(acl_server, start_
     admin = connect(acl_server, "admin")
     # A poison entry taken and dropped again and again by a crashing consumer: the worker dead-letters it.
     admin.xgroup_create(KEYS.requests, KEYS.group, id="0", mkstream=True)
-    admin.xgroup_create(KEYS.chunks, KEYS.group, id="0", mkstream=True)
+    admin.xgroup_create(KEYS.parts, KEYS.group, id="0", mkstream=True)
     poison = admin.xadd(KEYS.requests, {"body": json.dumps({"id": "poison", "state": "x",
                                                              "questions": {"q": {"type": "noul"}}})})
     admin.xreadgroup(KEYS.group, "crashy", {KEYS.requests: ">"})
@@ -218,7 +218,7 @@ def test_daemon_and_producer_run_end_to_end_under_their_users(acl_server, start_
     admin.acl_log_reset()
 
     # No library on the server yet, and neither the worker nor the producer may load one: both say so.
-    worker = start_worker(tiny_dir, url(acl_server, "worker"), ready=False, max_chunk_tokens=220, fanout_tokens=200,
+    worker = start_worker(tiny_dir, url(acl_server, "worker"), ready=False, max_prompt_tokens=220, fanout_tokens=200,
                           claim_idle_ms=300, max_deliveries=5)
     client = Client(url(acl_server, "producer"))
     with pytest.raises(LibraryUnavailable, match="load-functions"):
@@ -239,7 +239,7 @@ def test_daemon_and_producer_run_end_to_end_under_their_users(acl_server, start_
     batch.append({"id": "reply", "state": "reply to me", "questions": QUESTIONS,
                   "reply_to": KEYS.reply_prefix + "svc-1"})
     many = {f"q{i}": {"type": "noul", "instructions": f"Is statement {i} true?"} for i in range(20)}
-    batch.append({"id": "long", "state": "Some state.", "questions": many})  # fans out: body, chunks, parts
+    batch.append({"id": "long", "state": "Some state.", "questions": many})  # fans out: body, prompts, parts
     ids = client.submit_many(batch)
     client.redis.xadd(KEYS.requests, {"body": "{oops"})  # bad input by plain XADD
     results = client.wait_many([*ids, "poison"], timeout=120)

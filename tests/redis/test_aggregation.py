@@ -18,7 +18,7 @@ from producer.client import aconnect
 from producer.keys import Keys
 from producer.schema import Result
 from worker.redis_server import RedisServer
-from worker.entries import CHUNKS, REQUESTS, Delivery
+from worker.entries import PARTS, REQUESTS, Delivery
 from worker.publisher import Outcome, Publisher
 
 pytestmark = pytest.mark.redis
@@ -67,10 +67,10 @@ def batches(items: list, cuts: list[int]) -> list[list]:
 
 
 async def deliver(r, keys: Keys, consumer: str, fields: dict) -> Delivery:
-    """A real chunk-stream entry taken by ``consumer``, so that acknowledging it is checked too."""
-    await r.xadd(keys.chunks, fields)
-    [[_, [(entry_id, got)]]] = await r.xreadgroup(keys.group, consumer, {keys.chunks: ">"}, count=1)
-    return Delivery.parse(keys, CHUNKS, keys.chunks, entry_id.decode(), got, 1)
+    """A real prompt-stream entry taken by ``consumer``, so that acknowledging it is checked too."""
+    await r.xadd(keys.parts, fields)
+    [[_, [(entry_id, got)]]] = await r.xreadgroup(keys.group, consumer, {keys.parts: ">"}, count=1)
+    return Delivery.parse(keys, PARTS, keys.parts, entry_id.decode(), got, 1)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -85,7 +85,7 @@ def test_parts_in_any_order_and_any_number_of_times_publish_one_complete_result(
     async def run():
         workers = [aconnect(server.url), aconnect(server.url)]
         r = workers[0]
-        await r.xgroup_create(keys.chunks, keys.group, id="0", mkstream=True)
+        await r.xgroup_create(keys.parts, keys.group, id="0", mkstream=True)
         await r.set(keys.body(request_id), "{}")  # what a fan-out stores; publication deletes it
         outcomes: list[list[Outcome]] = [[], []]
         for index, who in zip(order, owner):
@@ -116,8 +116,8 @@ def test_parts_in_any_order_and_any_number_of_times_publish_one_complete_result(
     assert all(result.answers[n]["part"] == i for i, group in enumerate(names) for n in group)
     assert result.usage.parts == len(sizes)
     assert result.usage.tokens == sum(10 + i for i in range(len(sizes)))  # a duplicate part counts once
-    assert not sync.exists(keys.parts(request_id), keys.body(request_id))
-    assert sync.xlen(keys.chunks) == 0 and sync.xpending(keys.chunks, keys.group)["pending"] == 0
+    assert not sync.exists(keys.shares(request_id), keys.body(request_id))
+    assert sync.xlen(keys.parts) == 0 and sync.xpending(keys.parts, keys.group)["pending"] == 0
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

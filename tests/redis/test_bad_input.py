@@ -30,10 +30,10 @@ NOUL = {"q": {"type": "noul"}}
 
 def png_bomb(width: int = 60000, height: int = 60000) -> str:
     """A few hundred bytes claiming 3.6 gigapixels: refused from the header, before anything is decompressed."""
-    def chunk(tag: bytes, data: bytes) -> bytes:
+    def prompt(tag: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-    raw = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(b"\x00" * 4096)) + chunk(b"IEND", b""))
+    raw = (b"\x89PNG\r\n\x1a\n" + prompt(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + prompt(b"IDAT", zlib.compress(b"\x00" * 4096)) + prompt(b"IEND", b""))
     return base64.b64encode(raw).decode()
 
 

@@ -26,12 +26,12 @@ def slot(key: str) -> int:
 def test_every_function_and_multi_stream_read_touches_one_slot():
     for shard in range(8):
         keys = Keys("dq", shard)
-        # XREADGROUP reads chunks and requests in one call; dead letters sit beside them.
-        assert slot(keys.requests) == slot(keys.chunks) == slot(keys.dead)
+        # XREADGROUP reads prompts and requests in one call; dead letters sit beside them.
+        assert slot(keys.requests) == slot(keys.parts) == slot(keys.dead)
     for request_id in ("a", "ticket-42", "0-1", "x" * 128, "1796223527479-0"):
         keys = Keys()
         # PUBLISH: result, parts, body; PART: parts, result.
-        assert slot(keys.result(request_id)) == slot(keys.parts(request_id)) == slot(keys.body(request_id))
+        assert slot(keys.result(request_id)) == slot(keys.shares(request_id)) == slot(keys.body(request_id))
     # Shards spread: 8 shard tags do not all land in one third of the slot space.
     assert len({slot(Keys("dq", s).requests) * 3 // 16384 for s in range(8)}) > 1
 
@@ -45,7 +45,7 @@ def cluster():
 def test_end_to_end_on_a_three_node_cluster_with_two_shards(cluster, start_worker, tiny_dir):
     shards = (0, 1)
     # Streams stay on their shard's node while results spread by request id: functions run on every node.
-    settings = dict(redis_cluster=True, max_chunk_tokens=220, fanout_tokens=200)
+    settings = dict(redis_cluster=True, max_prompt_tokens=220, fanout_tokens=200)
     workers = [start_worker(tiny_dir, cluster.url, shard=s, **settings) for s in shards]
 
     client = Client(cluster.url, cluster=True, shards=len(shards))
@@ -94,7 +94,7 @@ def test_end_to_end_on_a_three_node_cluster_with_two_shards(cluster, start_worke
     assert len(holders) == 3
     for shard in shards:
         keys = Keys("dq", shard)
-        assert client.redis.xlen(keys.requests) == 0 and client.redis.xlen(keys.chunks) == 0
+        assert client.redis.xlen(keys.requests) == 0 and client.redis.xlen(keys.parts) == 0
 
     async def through_async_client() -> dict:
         async with AsyncClient(cluster.url, cluster=True, shards=2) as aclient:
@@ -121,7 +121,7 @@ def test_cluster_under_the_acl_users(tmp_path, start_worker, tiny_dir):
         url = {role: f"redis://{role}:{passwords[role]}@127.0.0.1:{port}/0" for role in ROLES}
         with redis.RedisCluster.from_url(url["admin"]) as admin:  # dq-worker load-functions --redis-cluster
             assert library.ensure(admin).action == "loaded" and library.ensure(admin).action == "present"
-        start_worker(tiny_dir, url["worker"], redis_cluster=True, max_chunk_tokens=220, fanout_tokens=200)
+        start_worker(tiny_dir, url["worker"], redis_cluster=True, max_prompt_tokens=220, fanout_tokens=200)
         client = Client(url["producer"], cluster=True)
         many = {f"q{i}": {"type": "noul", "instructions": f"Is statement {i} true?"} for i in range(20)}
         ids = client.submit_many([*requests(10, "acl"), {"id": "long", "state": "Some state.", "questions": many}])

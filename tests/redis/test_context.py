@@ -21,7 +21,7 @@ def request(request_id: str, **extra) -> dict:
 
 
 def test_metadata_and_traceparent_are_echoed_checked_and_logged(redis_server, start_worker, tiny_dir):
-    worker = start_worker(tiny_dir, redis_server.url, log_format="json", log_level="DEBUG", max_chunk_tokens=220,
+    worker = start_worker(tiny_dir, redis_server.url, log_format="json", log_level="DEBUG", max_prompt_tokens=220,
                           fanout_tokens=200)
     client = Client(redis_server.url)
     context = {"metadata": META, "traceparent": TRACE}
@@ -41,7 +41,7 @@ def test_metadata_and_traceparent_are_echoed_checked_and_logged(redis_server, st
     for request_id in ("c-ok", "c-fan"):
         assert results[request_id].ok and (results[request_id].metadata, results[request_id].traceparent) == \
             (META, TRACE), request_id
-    assert results["c-fan"].usage.parts > 1  # merged from parts taken from the chunk stream
+    assert results["c-fan"].usage.parts > 1  # merged from parts taken from the part stream
     old = json.loads(client.redis.xrange(client.keys.result("c-old"))[0][1][Field.BODY.encode()])
     assert old["status"] == "ok" and "metadata" not in old and "traceparent" not in old
     # Error results echo whatever was valid in the request.

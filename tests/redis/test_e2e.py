@@ -31,10 +31,10 @@ def requests(n: int, tag: str = "r") -> list[dict]:
 
 def expected_probabilities(model, request: dict) -> dict[str, list[float]]:
     """The in-process reference path on the same checkpoint."""
-    chunks = Encoder(model).plan(Request.model_validate(request))
+    prompts = Encoder(model).prompts(Request.model_validate(request))
     out = {}
-    for chunk, scores in zip(chunks, ReferenceEngine(model).forward(chunks)):
-        for q, logits in zip(chunk.questions, option_logits(model, chunk.questions, scores)):
+    for prompt, scores in zip(prompts, ReferenceEngine(model).forward(prompts)):
+        for q, logits in zip(prompt.questions, option_logits(model, prompt.questions, scores)):
             out[q.name] = answer(model.decision_config, q, logits).probabilities
     return out
 
@@ -45,7 +45,7 @@ def result_entries(client: Client, request_id: str) -> int:
 
 def test_many_requests_through_two_workers(redis_server, start_worker, tiny_dir, loaded):
     # Parts of over-length requests must spread: each worker holds one entry at a time.
-    settings = dict(max_chunk_tokens=220, fanout_tokens=200, read_count=1, max_inflight=1)
+    settings = dict(max_prompt_tokens=220, fanout_tokens=200, read_count=1, max_inflight=1)
     workers = [start_worker(tiny_dir, redis_server.url, **settings) for _ in range(2)]
     client = Client(redis_server.url)
     batch = requests(40)
@@ -64,23 +64,23 @@ def test_many_requests_through_two_workers(redis_server, start_worker, tiny_dir,
         assert list(result.answers) == list(request["questions"])  # request order, each question once
         if request["id"].startswith("long"):
             assert result.usage.parts > 1 and result.usage.prompts >= result.usage.parts
-            # each part ran the reference path on its own questions: compare per part-sized chunk
+            # each part ran the reference path on its own questions: compare per part-sized prompt
             continue
         expected = expected_probabilities(model, request)
         for name, probabilities in expected.items():
             assert torch.allclose(torch.tensor(result.probabilities[name]), torch.tensor(probabilities),
                                   atol=1e-4), (request["id"], name)
     assert all(result_entries(client, r) == 1 for r in ids)  # exactly one result each
-    # The long requests' parts went through the chunk stream, and both workers took some.
+    # The long requests' parts went through the part stream, and both workers took some.
     parts_read = [w.metric("dq_entries_read_total", stream="chunks") for w in workers]
     assert sum(parts_read) == sum(results[f"long-{k}"].usage.parts for k in range(2))
     assert all(n >= 1 for n in parts_read), parts_read
-    assert client.redis.xlen(client.keys.requests) == 0 and client.redis.xlen(client.keys.chunks) == 0
+    assert client.redis.xlen(client.keys.requests) == 0 and client.redis.xlen(client.keys.parts) == 0
 
 
 def test_long_request_parts_equal_the_reference(redis_server, start_worker, tiny_dir, loaded):
-    # Planning in processes here (threads elsewhere): the same chunks either way.
-    start_worker(tiny_dir, redis_server.url, max_chunk_tokens=220, fanout_tokens=200, planner_processes=2)
+    # Planning in processes here (threads elsewhere): the same prompts either way.
+    start_worker(tiny_dir, redis_server.url, max_prompt_tokens=220, fanout_tokens=200, planner_processes=2)
     many = {f"q{i}": {"type": "noul", "instructions": f"Is statement {i} true?"} for i in range(20)}
     request = {"id": "long", "state": "Some state.", "questions": many}
     result = Client(redis_server.url).decide(request, timeout=120)
@@ -95,7 +95,7 @@ def test_dead_letters(redis_server, start_worker, tiny_dir):
     client = Client(redis_server.url)
     keys = client.keys
     client.redis.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
-    client.redis.xgroup_create(keys.chunks, keys.group, id="0", mkstream=True)
+    client.redis.xgroup_create(keys.parts, keys.group, id="0", mkstream=True)
     entry = client.submit({"id": "poison", "state": "x", "questions": {"q": {"type": "noul"}}})
     # A consumer that took the entry and crashed again and again: each claim bumps the delivery counter.
     client.redis.xreadgroup(keys.group, "crashy", {keys.requests: ">"})

@@ -39,7 +39,7 @@ def slow(seconds: float) -> dict:
 # ---------------------------------------------------------------- the forward pass fails or is slow
 
 
-def test_poison_chunk_is_retried_to_the_cap_then_dead_lettered_and_its_pack_mates_answered(
+def test_poison_prompt_is_retried_to_the_cap_then_dead_lettered_and_its_pack_mates_answered(
         redis_server, start_worker, tiny_dir):
     client = Client(redis_server.url)
     requests = batch(12, "mate")
@@ -223,7 +223,7 @@ def test_function_flush_mid_run(redis_server, start_worker, tiny_dir):
 def test_pending_entries_trimmed_from_the_stream(redis_server, start_worker, tiny_dir):
     client = Client(redis_server.url)
     keys = client.keys
-    for stream in (keys.requests, keys.chunks):
+    for stream in (keys.requests, keys.parts):
         client.redis.xgroup_create(stream, keys.group, id="0", mkstream=True)
     # Taken by consumers that then died; their payloads trimmed away while pending (MAXLEN / XDEL do that).
     gone = client.submit_many(batch(5, "gone"))
@@ -317,7 +317,7 @@ def test_the_same_part_delivered_twice_is_published_once(redis_server, start_wor
     client.redis.set(keys.body("twice"), body)
     groups = [["q0", "q1"], ["q2", "q3"], ["q4", "q5"]]
     for index in (2, 0, 2, 1, 0, 1, 2):  # every part at least twice, out of order
-        client.redis.xadd(keys.chunks, {"request_id": "twice", "part": index, "parts": len(groups),
+        client.redis.xadd(keys.parts, {"request_id": "twice", "part": index, "parts": len(groups),
                                         "questions": json.dumps(groups[index]), "enqueued_ms": 0})
     ids = ["twice"] + client.submit_many([request | {"id": "dup"}] * 3)  # the same request three times
     report = settle(client.redis, keys, ids, timeout=60).assert_ok()
@@ -327,7 +327,7 @@ def test_the_same_part_delivered_twice_is_published_once(redis_server, start_wor
 
 
 def test_a_stalled_worker_whose_entries_were_reclaimed_publishes_nothing_twice(redis_server, start_worker, tiny_dir):
-    """The same chunk computed twice: a worker frozen mid-pack (SIGSTOP) past the claim idle time loses its
+    """The same prompt computed twice: a worker frozen mid-pack (SIGSTOP) past the claim idle time loses its
     entries to another worker; thawed, it finishes the pack, and its results are refused as already published."""
     client = Client(redis_server.url)
     frozen = start_worker(tiny_dir, redis_server.url, read_count=4, **slow(1.0), **FAST_RECLAIM)

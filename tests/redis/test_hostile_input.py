@@ -30,7 +30,7 @@ def request(request_id: str | None = None, **extra) -> bytes:
 
 def own_keys(ids) -> set[bytes]:
     """What work on these requests may write: the work and dead-letter streams, the heartbeats, their own keys."""
-    shared = {KEYS.requests, KEYS.chunks, KEYS.dead, KEYS.workers()}
+    shared = {KEYS.requests, KEYS.parts, KEYS.dead, KEYS.workers()}
     return {key.encode() for key in shared | {make(i) for i in ids for make in (KEYS.result, KEYS.parts, KEYS.body)}}
 
 
@@ -129,20 +129,20 @@ def test_reply_to_is_this_namespaces_reply_streams_only(watched):
 
 
 def test_bad_part_entries_answer_their_request_or_are_dead_lettered(watched):
-    """A part entry is the workers', but anyone who can write the chunk stream can forge one: a bad field answers
+    """A part entry is the workers', but anyone who can write the part stream can forge one: a bad field answers
     its request at once; a part naming no usable request is dead-lettered, and no result is written anywhere."""
     client, written = watched.client, watched.written
-    chunks = client.keys.chunks
+    prompts = client.keys.parts
     good = {"request_id": b"forged-1", "part": b"0", "parts": b"2", "questions": b'["q"]', "enqueued_ms": b"0"}
-    client.redis.xadd(chunks, {**good, "part": b"7"})
-    client.redis.xadd(chunks, {**good, "request_id": b"forged-2", "questions": b"[]"})
-    client.redis.xadd(chunks, {**good, "request_id": b"forged-3", "reply_to": REPLY})
-    orphans = [client.redis.xadd(chunks, {**good, "request_id": value}).decode() for value in (b"a{b}", b"\xff")]
+    client.redis.xadd(prompts, {**good, "part": b"7"})
+    client.redis.xadd(prompts, {**good, "request_id": b"forged-2", "questions": b"[]"})
+    client.redis.xadd(prompts, {**good, "request_id": b"forged-3", "reply_to": REPLY})
+    orphans = [client.redis.xadd(prompts, {**good, "request_id": value}).decode() for value in (b"a{b}", b"\xff")]
     watched.dead_letters = 2
     report = settle(client.redis, client.keys, ["forged-1", "forged-2", "forged-3"], timeout=60).assert_ok()
     assert error_of(report, "forged-1") == ("invalid_request", "field 'part' is 7, outside 0..1")
     assert error_of(report, "forged-2")[1].startswith("field 'questions' is not a list")
-    assert error_of(report, "forged-3")[1].startswith("field 'reply_to' is not a field of chunks entries")
+    assert error_of(report, "forged-3")[1].startswith("field 'reply_to' is not a field of prompts entries")
     dead = [fields for _, fields in client.redis.xrange(client.keys.dead) if fields[b"entry_id"].decode() in orphans]
     assert len(dead) == 2 and all(b"request_id" in fields[b"reason"] for fields in dead)
     assert written.keys() <= own_keys(["forged-1", "forged-2", "forged-3"])
@@ -155,7 +155,7 @@ def test_a_fanned_out_request_past_its_deadline_still_replies(watched):
     body = long_request("late-long", questions=4) | {"reply_to": reply, "deadline_ms": 1000}
     client.redis.set(client.keys.body("late-long"), json.dumps(body))  # as its fan-out stored it
     for index, names in enumerate([["q0", "q1"], ["q2", "q3"]]):
-        client.redis.xadd(client.keys.chunks, {"request_id": "late-long", "part": index, "parts": 2,
+        client.redis.xadd(client.keys.parts, {"request_id": "late-long", "part": index, "parts": 2,
                                                "questions": json.dumps(names), "enqueued_ms": 0})
     report = settle(client.redis, client.keys, ["late-long"], timeout=60).assert_ok()
     assert error_of(report, "late-long")[0] == "deadline_exceeded"
@@ -176,12 +176,12 @@ def test_error_results_are_bounded_whatever_the_request(watched):
 
 
 def test_entries_of_both_streams_with_the_same_entry_id_are_both_taken(watched):
-    """The request and chunk streams give out the same time-sequence ids: an entry held under its id alone made the
+    """The request and part streams give out the same time-sequence ids: an entry held under its id alone made the
     other stream's entry with that id pass for it, left pending until reclaimed a minute later (the fuzz test
     found it)."""
     client = watched.client
     same = f"{int(time.time() * 1000) + 7_200_000}-7"  # after any id the other tests made (one is 10 min ahead)
-    client.redis.xadd(client.keys.chunks, {"request_id": "twin-part", "part": "0", "parts": "2", "questions": "[]",
+    client.redis.xadd(client.keys.parts, {"request_id": "twin-part", "part": "0", "parts": "2", "questions": "[]",
                                            "enqueued_ms": "0"}, id=same)
     client.redis.xadd(client.keys.requests, {"body": request("twin-request")}, id=same)
     report = settle(client.redis, client.keys, ["twin-part", "twin-request"], timeout=30).assert_ok()

@@ -55,7 +55,7 @@ def test_submit_refuses_bad_calls_whole(admin):
                       (("none", "a", "{}"), "expected: limit"), ((-1, "a", "{}"), "expected: limit"),
                       ((0, *["a", "{}"] * (library.MAX_BATCH + 1)), "expected: limit")]:
         assert why in error_of(submit, admin, *args)
-    for stream in (KEYS.chunks, KEYS.dead, KEYS.result("x"), KEYS.reply_prefix + "x", "elsewhere",
+    for stream in (KEYS.parts, KEYS.dead, KEYS.result("x"), KEYS.reply_prefix + "x", "elsewhere",
                    KEYS.requests + "x", Keys("dq", "x").requests):
         assert "not a request stream" in error_of(submit, admin, 0, "a", "{}", stream=stream)
         assert not admin.exists(stream)

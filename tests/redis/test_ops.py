@@ -37,7 +37,7 @@ def test_metrics_move_as_the_work_goes(redis_server, start_worker, tiny_dir):
     started = time.time()
     ids = client.submit_many(batch)
     client.redis.xadd(client.keys.requests, {"body": "{oops"})
-    worker = start_worker(tiny_dir, redis_server.url, max_chunk_tokens=220, fanout_tokens=200, read_count=1,
+    worker = start_worker(tiny_dir, redis_server.url, max_prompt_tokens=220, fanout_tokens=200, read_count=1,
                           max_inflight=1, log_format="json")
 
     first = worker.metrics()

@@ -57,8 +57,8 @@ def test_the_gone_are_forgotten_and_stats_count_the_living(redis_server, start_w
     # From every stream, but not necessarily in the round that logged: each lane's reader last touched its streams at
     # its own time (up to a BLOCK apart), and the streams are checked one after the other, so the high lane's may
     # cross the idle limit a round before these ones.
-    wait_for(lambda: "dead-worker" not in consumers(r, keys.chunks, keys.group), timeout=15,
-             what="dead-worker forgotten from the chunk stream too")
+    wait_for(lambda: "dead-worker" not in consumers(r, keys.parts, keys.group), timeout=15,
+             what="dead-worker forgotten from the part stream too")
     wait_for(lambda: not r.hexists(keys.workers(), "ghost"), what="the ghost's heartbeat deleted")
     time.sleep(6)  # more maintenance rounds, the holder idle past the limit: it stays, and so does its entry
     assert consumers(r, keys.requests, keys.group) == {"died-holding": 1, "live": 0}

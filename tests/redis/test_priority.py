@@ -193,6 +193,6 @@ def test_the_parts_of_a_fanned_out_request_stay_in_its_lane(redis_server, start_
     parts = sum(r.usage.parts for r in report.results.values())
     assert sum(w.metric("dq_entries_read_total", stream="chunks") for w in workers) == parts
     other = HIGH if priority == NORMAL else NORMAL
-    written = {where: client.redis.xinfo_stream(client.keys.chunks_in(where))["last-generated-id"]
+    written = {where: client.redis.xinfo_stream(client.keys.parts_in(where))["last-generated-id"]
                for where in LANES}
     assert written[other] in (b"0-0", "0-0") and written[priority] not in (b"0-0", "0-0")

@@ -78,7 +78,7 @@ def prometheus(tmp_path):
 
 def test_a_real_prometheus_scrapes_workers_and_every_panel_shows_its_series(redis_server, start_worker, tiny_dir,
                                                                              prometheus):
-    workers = [start_worker(tiny_dir, redis_server.url, shard=shard, max_chunk_tokens=220, fanout_tokens=200)
+    workers = [start_worker(tiny_dir, redis_server.url, shard=shard, max_prompt_tokens=220, fanout_tokens=200)
                for shard in (0, 1)]
     port = prometheus([f"127.0.0.1:{w.port}" for w in workers])
     client = Client(redis_server.url, shards=2)

@@ -1,5 +1,5 @@
 """Hypothesis at the stream level, against a live worker: entries of any shape written straight into the streams a
-producer can write (the request stream; and the chunk stream, the workers' own, which a leaked worker credential
+producer can write (the request stream; and the part stream, the workers' own, which a leaked worker credential
 or a bug could write), with extra, missing and malformed fields and values, bytes that are not UTF-8, ids and
 ``reply_to`` values at and past every boundary.
 
@@ -104,17 +104,17 @@ def request_entries(draw) -> dict[bytes, bytes]:
 
 
 @st.composite
-def chunk_entries(draw) -> dict[bytes, bytes]:
+def prompt_entries(draw) -> dict[bytes, bytes]:
     good = {b"part": b"0", b"parts": b"2", b"questions": b'["q0"]', b"enqueued_ms": b"1"}
     fields = {name: draw(st.one_of(st.just(value), values)) for name, value in good.items() if draw(st.integers(0, 5))}
-    fields[b"request_id"] = draw(st.one_of(st.just(b"chunk"), st.binary(max_size=10), text_of(129).map(str.encode)))
+    fields[b"request_id"] = draw(st.one_of(st.just(b"prompt"), st.binary(max_size=10), text_of(129).map(str.encode)))
     for name, value in draw(st.lists(st.tuples(names, values), max_size=1)):
         fields.setdefault(name, value)
     return fields
 
 
 entries = st.lists(st.one_of(request_entries().map(lambda f: ("requests", f)),
-                             chunk_entries().map(lambda f: ("chunks", f))), min_size=10, max_size=30)
+                             prompt_entries().map(lambda f: ("chunks", f))), min_size=10, max_size=30)
 
 
 def expected_id(fields: dict[bytes, bytes], entry_id: str) -> str:
@@ -147,10 +147,10 @@ def test_any_entry_on_any_stream_gets_its_own_one_result_and_writes_nowhere_else
         expected, replies, seen = [], set(), set()
         for n, (stream, fields) in enumerate(batch):
             if stream == "chunks":  # a forged part: it answers the request it names, if it names one
-                if fields[b"request_id"] == b"chunk":
+                if fields[b"request_id"] == b"prompt":
                     fields[b"request_id"] = f"{tag}c{n}".encode()
                 request_id = fields[b"request_id"].decode(errors="replace")
-                client.redis.xadd(KEYS.chunks, fields)
+                client.redis.xadd(KEYS.parts, fields)
             else:
                 entry_id = client.redis.xadd(KEYS.requests, fields).decode()
                 request_id = expected_id(fields, entry_id)
@@ -165,9 +165,9 @@ def test_any_entry_on_any_stream_gets_its_own_one_result_and_writes_nowhere_else
         report = settle(client.redis, client.keys, expected, timeout=120).assert_ok()
         assert report.results[f"{tag}good-0"].ok and report.results[f"{tag}good-1"].ok
         wait_released(worker)
-        own = {key for request_id in expected for key in (KEYS.result(request_id), KEYS.parts(request_id),
+        own = {key for request_id in expected for key in (KEYS.result(request_id), KEYS.shares(request_id),
                                                           KEYS.body(request_id))}
-        shared = {KEYS.requests, KEYS.chunks, KEYS.dead, KEYS.workers()}
+        shared = {KEYS.requests, KEYS.parts, KEYS.dead, KEYS.workers()}
         outside = written.keys() - {key.encode() for key in own | shared} - replies
         assert not outside, outside
         assert worker.process.poll() is None and worker.get("/readyz")[0] == 200

@@ -92,7 +92,7 @@ def test_image_processor_is_qwen3_5s(loaded):
 def test_device_and_dtype_options(checkpoints):
     with pytest.raises(CheckpointError, match="dtype"):
         checkpoint.load(checkpoints["repo-text"], dtype="int8")
-    model = checkpoint.load(checkpoints["repo-text"], device="cpu", dtype="bfloat16", max_chunk_tokens=100)
+    model = checkpoint.load(checkpoints["repo-text"], device="cpu", dtype="bfloat16", max_prompt_tokens=100)
     assert model.dtype == torch.bfloat16 and model.max_length == 100
     if not torch.cuda.is_available():
         with pytest.raises(CheckpointError, match="CUDA"):

@@ -11,7 +11,7 @@ from worker.compute import Compute
 from worker.entries import REQUESTS, Delivery
 from worker.metrics import Metrics
 from worker.model.encoder import Encoder
-from worker.model.engine import Chunk, PackRun, Pending
+from worker.model.engine import Prompt, PackRun, Pending
 from worker.packer import Packer
 from worker.tasks import Item, Task
 
@@ -31,14 +31,14 @@ class RecordingEngine:
     def warmup(self) -> None:
         pass
 
-    def launch(self, chunks: list[Chunk]) -> Pending:
+    def launch(self, prompts: list[Prompt]) -> Pending:
         number = sum(1 for kind, _ in self.events if kind == "launch")
         self.events.append(("launch", number))
-        tokens = sum(c.length for c in chunks)
+        tokens = sum(c.length for c in prompts)
 
         def finish() -> PackRun:
             self.events.append(("wait", number))
-            scores = [torch.zeros(len(c.questions), self.verbalizers) for c in chunks]
+            scores = [torch.zeros(len(c.questions), self.verbalizers) for c in prompts]
             return PackRun(scores, tokens, tokens, None, False, 0.0)
 
         return Pending(finish)
@@ -46,14 +46,14 @@ class RecordingEngine:
 
 def items(model, lengths):
     request = Request.model_validate({"state": "x", "questions": {"spam": {"type": "noul"}}})
-    [template] = Encoder(model).plan(request)
+    [template] = Encoder(model).prompts(request)
     out = []
     for i, n in enumerate(lengths):
-        chunk = Chunk(input_ids=torch.zeros(n, dtype=torch.long), rows=torch.tensor([n - 1]),
+        prompt = Prompt(input_ids=torch.zeros(n, dtype=torch.long), rows=torch.tensor([n - 1]),
                       questions=template.questions)
         entry = Delivery.parse(Keys(), REQUESTS, "k", f"{i}-0", {b"body": json.dumps({"id": f"r{i}"}).encode()}, 1)
-        task = Task(entry, request, chunks=[chunk], remaining=1)
-        out.append(Item(task, 0, chunk))
+        task = Task(entry, request, prompts=[prompt], remaining=1)
+        out.append(Item(task, 0, prompt))
     return out
 
 
@@ -65,12 +65,12 @@ def run(model, lengths):
     answered = []
 
     class Sink:
-        def chunk_done(self, item, answers, seconds):
+        def prompt_done(self, item, answers, seconds):
             answered.append(item.task.request_id)
 
     compute = Compute(model, engine, packer, Metrics(), Sink())
     compute.run(done=lambda: packer.idle)
-    assert sorted(answered) == sorted(f"r{i}" for i in range(len(lengths)))  # every chunk answered once
+    assert sorted(answered) == sorted(f"r{i}" for i in range(len(lengths)))  # every prompt answered once
     return engine.events
 
 
@@ -94,6 +94,6 @@ def test_a_pack_finishing_after_a_stop_closed_the_loop_is_dropped_not_raised():
     results = Results.__new__(Results)  # only the hand-over is exercised
     results.loop = asyncio.new_event_loop()
     results.loop.close()
-    results.chunk_done(None, [], 0.0)
+    results.prompt_done(None, [], 0.0)
     results.task_failed(None, "x")
     results.task_expired(None)

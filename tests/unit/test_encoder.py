@@ -20,29 +20,29 @@ def request(state="I was charged twice.", questions=QUESTIONS, **extra):
 
 def test_one_prompt_reads_every_question(loaded):
     encoder = Encoder(loaded("repo"))
-    [chunk] = encoder.plan(request())
-    assert [q.name for q in chunk.questions] == ["spam", "tone", "urgency"]
-    assert [q.options for q in chunk.questions] == [["true", "false"], ["calm", "angry"], ["0", "1", "2"]]
-    assert chunk.rows.tolist() == sorted(chunk.rows.tolist()) and int(chunk.rows[-1]) < chunk.length
-    assert chunk.image_grid_thw is None and chunk.pixel_values is None
+    [prompt] = encoder.prompts(request())
+    assert [q.name for q in prompt.questions] == ["spam", "tone", "urgency"]
+    assert [q.options for q in prompt.questions] == [["true", "false"], ["calm", "angry"], ["0", "1", "2"]]
+    assert prompt.rows.tolist() == sorted(prompt.rows.tolist()) and int(prompt.rows[-1]) < prompt.length
+    assert prompt.image_grid_thw is None and prompt.pixel_values is None
 
 
 def test_per_question_templates_give_a_prompt_per_question(loaded):
-    chunks = Encoder(loaded("readout")).plan(request())
-    assert [[q.name for q in c.questions] for c in chunks] == [["spam"], ["tone"], ["urgency"]]
-    assert all(c.rows.tolist() == [c.length - 1] for c in chunks)  # read at the last token
+    prompts = Encoder(loaded("readout")).prompts(request())
+    assert [[q.name for q in c.questions] for c in prompts] == [["spam"], ["tone"], ["urgency"]]
+    assert all(c.rows.tolist() == [c.length - 1] for c in prompts)  # read at the last token
 
 
 @pytest.mark.parametrize("name", ["repo", "readout", "judge"])
 def test_control_tokens_in_user_text_stay_text(loaded, name):
     model = loaded(name)
     tokenizer = model.tokenizer
-    plain = Encoder(model).plan(request(state="hello", questions={"q": {"type": "noul", "instructions": "ok?"}}))
+    plain = Encoder(model).prompts(request(state="hello", questions={"q": {"type": "noul", "instructions": "ok?"}}))
     hostile = " ".join(CONTROL)
-    chunks = Encoder(model).plan(request(state=f"hello {hostile}", questions={
+    prompts = Encoder(model).prompts(request(state=f"hello {hostile}", questions={
         "q": {"type": "noul", "instructions": f"ok? {hostile}", "criteria": {"true": hostile}}}))
     control_ids = set(tokenizer.convert_tokens_to_ids(CONTROL))
-    for before, after in zip(plain, chunks):
+    for before, after in zip(plain, prompts):
         # The template's own control tokens are there; user text adds none, and no extra marks are read.
         count = lambda ids: sorted(i for i in ids.tolist() if i in control_ids)
         assert count(after.input_ids) == count(before.input_ids)
@@ -52,16 +52,16 @@ def test_control_tokens_in_user_text_stay_text(loaded, name):
 
 def test_images_become_image_tokens_with_grid_and_types(loaded):
     model = loaded("repo")
-    chunks = Encoder(model).plan(request(state="Compare img-1 with img-2.", assets={
+    prompts = Encoder(model).prompts(request(state="Compare img-1 with img-2.", assets={
         "img-1": {"data_base64": png("red", (64, 64))}, "img-2": {"data_base64": png("blue", (128, 64), "JPEG")}}))
-    [chunk] = chunks
+    [prompt] = prompts
     image_id = model.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    grid = chunk.image_grid_thw
+    grid = prompt.image_grid_thw
     assert grid.tolist() == [[1, 4, 4], [1, 4, 8]]  # 16-pixel patches
-    tokens = (chunk.input_ids == image_id)
+    tokens = (prompt.input_ids == image_id)
     assert int(tokens.sum()) == int(grid.prod(-1).sum()) // 4  # merge 2x2
-    assert torch.equal(chunk.mm_token_type_ids.bool(), tokens)
-    assert chunk.pixel_values.shape[0] == int(grid.prod(-1).sum())
+    assert torch.equal(prompt.mm_token_type_ids.bool(), tokens)
+    assert prompt.pixel_values.shape[0] == int(grid.prod(-1).sum())
 
 
 def test_image_errors(loaded):
@@ -74,10 +74,10 @@ def test_image_errors(loaded):
     ]
     for asset, message in cases:
         with pytest.raises(RequestError, match=message) as error:
-            encoder.plan(request(state="see img-1", assets={"img-1": asset}))
+            encoder.prompts(request(state="see img-1", assets={"img-1": asset}))
         assert error.value.code == ErrorCode.INVALID_IMAGE
     with pytest.raises(RequestError, match="text only"):
-        Encoder(loaded("repo-text")).plan(request(state="see img-1", assets={"img-1": {"data_base64": png()}}))
+        Encoder(loaded("repo-text")).prompts(request(state="see img-1", assets={"img-1": {"data_base64": png()}}))
 
 
 def test_the_pixel_limit_is_for_all_of_a_requests_images(loaded, monkeypatch):
@@ -87,11 +87,11 @@ def test_the_pixel_limit_is_for_all_of_a_requests_images(loaded, monkeypatch):
     loads = []
     monkeypatch.setattr(Image.Image, "load", lambda image: loads.append(image))
     with pytest.raises(RequestError, match=r"assets.img-2: with 60x60, 10800 pixels is over the limit of 10000"):
-        encoder.plan(request(state="see img-0 img-1 img-2", assets=assets))
+        encoder.prompts(request(state="see img-0 img-1 img-2", assets=assets))
     assert loads == []
     monkeypatch.undo()
-    chunks = encoder.plan(request(state="see img-0 img-1", assets=dict(list(assets.items())[:2])))
-    assert chunks[0].image_grid_thw.shape[0] == 2
+    prompts = encoder.prompts(request(state="see img-0 img-1", assets=dict(list(assets.items())[:2])))
+    assert prompts[0].image_grid_thw.shape[0] == 2
 
 
 def test_a_state_far_too_long_is_refused_before_rendering(loaded, monkeypatch):
@@ -102,46 +102,46 @@ def test_a_state_far_too_long_is_refused_before_rendering(loaded, monkeypatch):
     monkeypatch.setattr(encoder, "_render", lambda body: rendered.append(body))
     limit = encoder.max_length * encoder.max_token_chars
     with pytest.raises(RequestError, match=f"the state has {limit + 1} characters of text") as error:
-        encoder.plan(request(state={"text": ["a" * limit, "b"]}))
+        encoder.prompts(request(state={"text": ["a" * limit, "b"]}))
     assert error.value.code == ErrorCode.STATE_TOO_LONG and rendered == []
 
 
 def test_model_specific_limits_are_invalid_requests(loaded):
     options = {f"o{i}": None for i in range(20)}  # the judge head reads 16 choice options
     with pytest.raises(RequestError, match="at most 16 options") as error:
-        Encoder(loaded("judge")).plan(request(questions={"c": {"type": "choice", "criteria": options}}))
+        Encoder(loaded("judge")).prompts(request(questions={"c": {"type": "choice", "criteria": options}}))
     assert error.value.code == ErrorCode.INVALID_REQUEST
     # The repo head has 24 rows and choice options start at row 8: 16 options at most, though 26 labels exist.
     with pytest.raises(RequestError, match="scores at most 16 options") as error:
-        Encoder(loaded("repo")).plan(request(questions={"c": {"type": "choice", "criteria": options}}))
+        Encoder(loaded("repo")).prompts(request(questions={"c": {"type": "choice", "criteria": options}}))
     assert error.value.code == ErrorCode.INVALID_REQUEST
 
 
 def test_over_length_requests_split_by_question(loaded):
-    model = loaded("repo", max_chunk_tokens=160)
+    model = loaded("repo", max_prompt_tokens=160)
     questions = {f"q{i}": {"type": "choice", "instructions": f"Question number {i}?",
                            "criteria": {"yes": "it is so", "no": "it is not"}} for i in range(12)}
-    chunks = Encoder(model).plan(request(state="A short state.", questions=questions))
-    assert len(chunks) > 1
-    assert all(c.length <= 160 for c in chunks)
-    assert [q.name for c in chunks for q in c.questions] == list(questions)  # each once, in order
+    prompts = Encoder(model).prompts(request(state="A short state.", questions=questions))
+    assert len(prompts) > 1
+    assert all(c.length <= 160 for c in prompts)
+    assert [q.name for c in prompts for q in c.questions] == list(questions)  # each once, in order
     # The same questions asked of a model that reads them at once give one prompt.
-    assert len(Encoder(loaded("repo")).plan(request(state="A short state.", questions=questions))) == 1
+    assert len(Encoder(loaded("repo")).prompts(request(state="A short state.", questions=questions))) == 1
 
 
 def test_only_some_questions(loaded):
-    chunks = Encoder(loaded("repo")).plan(request(), names=["urgency", "spam"])
-    assert [q.name for q in chunks[0].questions] == ["urgency", "spam"]
+    prompts = Encoder(loaded("repo")).prompts(request(), names=["urgency", "spam"])
+    assert [q.name for q in prompts[0].questions] == ["urgency", "spam"]
     with pytest.raises(RequestError, match="no question named 'nope'"):
-        Encoder(loaded("repo")).plan(request(), names=["nope"])
+        Encoder(loaded("repo")).prompts(request(), names=["nope"])
 
 
 def test_state_too_long_states_the_counts(loaded):
-    model = loaded("repo", max_chunk_tokens=160)
+    model = loaded("repo", max_prompt_tokens=160)
     with pytest.raises(RequestError) as error:
-        Encoder(model).plan(request(state="word " * 400))
+        Encoder(model).prompts(request(state="word " * 400))
     assert error.value.code == ErrorCode.STATE_TOO_LONG
     assert "at most 160" in error.value.message and "tokens" in error.value.message
     with pytest.raises(RequestError, match="at most 160") as error:
-        Encoder(loaded("readout", max_chunk_tokens=160)).plan(request(state="word " * 400))
+        Encoder(loaded("readout", max_prompt_tokens=160)).prompts(request(state="word " * 400))
     assert error.value.code == ErrorCode.STATE_TOO_LONG

@@ -10,7 +10,7 @@ import pytest
 
 from producer.keys import Keys
 from producer.schema import ErrorCode
-from worker.entries import CHUNKS, REQUESTS, Delivery
+from worker.entries import PARTS, REQUESTS, Delivery
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = Keys("dq")
@@ -24,7 +24,7 @@ def request(body: bytes | None, **extra: bytes) -> Delivery:
 
 def part(**fields: bytes) -> Delivery:
     good = {"request_id": b"r-1", "part": b"1", "parts": b"3", "questions": b'["a", "b"]', "enqueued_ms": b"1234"}
-    return Delivery.parse(KEYS, CHUNKS, KEYS.chunks, "1700000000999-0", _encoded({**good, **fields}), 2)
+    return Delivery.parse(KEYS, PARTS, KEYS.parts, "1700000000999-0", _encoded({**good, **fields}), 2)
 
 
 def _encoded(fields: dict[str, bytes | None]) -> dict[bytes, bytes]:
@@ -88,7 +88,7 @@ def test_every_field_counts_towards_the_size_limit_and_a_large_entry_is_not_pars
     assert Delivery.parse(KEYS, REQUESTS, KEYS.requests, "5-0", {b"body": later}, 1, 1000).request_id == "5-0"
 
 
-def test_a_chunk_entry_names_its_request_part_and_questions():
+def test_a_prompt_entry_names_its_request_part_and_questions():
     entry = part()
     assert (entry.request_id, entry.part, entry.parts, entry.questions) == ("r-1", 1, 3, ["a", "b"])
     assert entry.enqueued_ms == 1234 and entry.reply_to is None and entry.invalid is None
@@ -114,7 +114,7 @@ def test_a_chunk_entry_names_its_request_part_and_questions():
     ({"enqueued_ms": b"1_000"}, "enqueued_ms"),
     ({"reply_to": b"dq:v1:reply:x"}, "reply_to"),
 ])
-def test_each_bad_chunk_field_is_named_and_the_delivery_stays_usable(fields, field):
+def test_each_bad_prompt_field_is_named_and_the_delivery_stays_usable(fields, field):
     entry = part(**fields)
     assert entry.invalid is not None and entry.invalid.startswith(f"field {field!r} ")
     assert entry.request_id == "r-1" and entry.answerable
@@ -146,7 +146,7 @@ def test_the_callers_context_is_read_once_and_only_when_valid():
 
 
 def test_a_trimmed_entry_has_no_payload():
-    assert Delivery.parse(KEYS, CHUNKS, KEYS.chunks, "1-0", {}, 3).payload_gone
+    assert Delivery.parse(KEYS, PARTS, KEYS.parts, "1-0", {}, 3).payload_gone
 
 
 def test_the_redis_side_of_the_worker_loads_without_torch():

@@ -12,10 +12,10 @@ from support import png
 from producer.schema import Request
 from worker.config import Settings
 from worker.fast import FastEngine, FastPathUnavailable, fp8, ops
-from worker.fast.layout import GDN_CHUNK, Layout, Regions, choose_bucket, chunk_positions, gdn_chunk_indices, plan
+from worker.fast.layout import GDN_CHUNK, Layout, Regions, choose_bucket, gdn_chunk_indices, lay_out, prompt_positions
 from worker.fast.mixers import TorchMixers
 from worker.model.encoder import Encoder
-from worker.model.engine import Chunk
+from worker.model.engine import Prompt
 from worker.model.readout import head
 from worker.model.reference import ReferenceEngine
 
@@ -25,10 +25,10 @@ MIXED = {
     "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "medium", "high", "now"]},
 }
 PLAIN_CAPTURE = (lambda piece: piece, lambda piece: piece())  # "graphs" that just call the piece
-SMALL = dict(pack_tokens=1024, max_chunk_tokens=1024, compile="none")
+SMALL = dict(pack_tokens=1024, max_prompt_tokens=1024, compile="none")
 
 
-def chunks_of(model, with_images=True, max_tokens=None):
+def prompts_of(model, with_images=True, max_tokens=None):
     encoder = Encoder(model)
     requests = [Request.model_validate({"state": "I was charged twice. " * k, "questions": MIXED}) for k in (1, 5)]
     requests.append(Request.model_validate({"state": {"message": "WIN a FREE phone"},
@@ -38,7 +38,7 @@ def chunks_of(model, with_images=True, max_tokens=None):
             "state": "Look: img-1, then img-2.", "questions": MIXED,
             "assets": {"img-1": {"data_base64": png("red", (64, 64))},
                        "img-2": {"data_base64": png("blue", (96, 32))}}}))
-    return [chunk for request in requests for chunk in encoder.plan(request)]
+    return [prompt for request in requests for prompt in encoder.prompts(request)]
 
 
 def assert_scores_close(got, expected, atol=1e-4):
@@ -58,20 +58,20 @@ def test_choose_bucket():
     assert choose_bucket(10, ()) is None
 
 
-def _chunk(length, questions=1):
+def _prompt(length, questions=1):
     rows = torch.arange(questions) + length - questions
-    return Chunk(input_ids=torch.arange(length) % 50, rows=rows, questions=(None,) * questions)
+    return Prompt(input_ids=torch.arange(length) % 50, rows=rows, questions=(None,) * questions)
 
 
 def test_plan_picks_the_smallest_bucket_and_falls_back_to_eager():
-    layout = plan([_chunk(100), _chunk(60, 3)], (128, 256))
+    layout = lay_out([_prompt(100), _prompt(60, 3)], (128, 256))
     assert (layout.bucket, layout.capacity, layout.tokens, layout.rows) == (256, 256, 160, 4)
     assert layout.cu_seqlens == [0, 100, 160] and layout.cu_rows == [0, 1, 4] and layout.max_length == 100
-    eager = plan([_chunk(300)], (128, 256))  # longer than the largest bucket: runs alone, eagerly
+    eager = lay_out([_prompt(300)], (128, 256))  # longer than the largest bucket: runs alone, eagerly
     assert (eager.bucket, eager.capacity) == (None, 300)
-    crowded = plan([_chunk(2, 1) for _ in range(70)], (256,))  # more marker rows than the bucket's graphs hold
+    crowded = lay_out([_prompt(2, 1) for _ in range(70)], (256,))  # more marker rows than the bucket's graphs hold
     assert crowded.bucket is None and crowded.capacity == 140
-    assert plan([_chunk(5)], ()).bucket is None
+    assert lay_out([_prompt(5)], ()).bucket is None
 
 
 def test_gdn_chunk_indices_match_the_chunking():
@@ -84,16 +84,16 @@ def test_regions_fill_writes_the_pack_and_resets_tails():
     regions = Regions.for_capacity(64)
     assert all(getattr(regions, name) % 64 == 0 for name in ("ids", "positions", "seqpos", "rows", "cu"))
     buffer = np.full(regions.size, 7, dtype=np.int64)
-    chunks = [_chunk(5, 2), _chunk(3, 1)]
+    prompts = [_prompt(5, 2), _prompt(3, 1)]
     layout = Layout((5, 3), (2, 1), 16, 4, 16)
-    positions = [chunk_positions(chunk, None) for chunk in chunks]
-    regions.fill(buffer, layout, chunks, positions, pad_id=99)
+    positions = [prompt_positions(prompt, None) for prompt in prompts]
+    regions.fill(buffer, layout, prompts, positions, pad_id=99)
     ids = buffer[regions.ids: regions.ids + 16]
     assert ids[:8].tolist() == [0, 1, 2, 3, 4, 0, 1, 2] and (ids[8:] == 99).all()
     seqpos = buffer[regions.seqpos: regions.seqpos + 16]
     assert seqpos.tolist() == [0, 1, 2, 3, 4, 0, 1, 2] + [0] * 8
     pos = buffer[regions.positions: regions.positions + 3 * 64].reshape(3, 64)[:, :16]
-    assert (pos == seqpos).all()  # text: the three M-RoPE axes are the position in the chunk
+    assert (pos == seqpos).all()  # text: the three M-RoPE axes are the position in the prompt
     assert buffer[regions.rows: regions.rows + 4].tolist() == [3, 4, 7, 0]
     assert buffer[regions.cu: regions.cu + 3].tolist() == [0, 5, 8]
     assert buffer[regions.cu_rows: regions.cu_rows + 3].tolist() == [0, 2, 3]
@@ -102,24 +102,24 @@ def test_regions_fill_writes_the_pack_and_resets_tails():
 
 def test_image_positions_are_the_backbones_rope_index(loaded):
     model = loaded("repo")
-    chunk = next(c for c in chunks_of(model) if c.has_images)
-    got = chunk_positions(chunk, model.backbone.get_rope_index)
-    expected, _ = model.backbone.get_rope_index(chunk.input_ids[None], chunk.mm_token_type_ids[None],
-                                                image_grid_thw=chunk.image_grid_thw)
+    prompt = next(c for c in prompts_of(model) if c.has_images)
+    got = prompt_positions(prompt, model.backbone.get_rope_index)
+    expected, _ = model.backbone.get_rope_index(prompt.input_ids[None], prompt.mm_token_type_ids[None],
+                                                image_grid_thw=prompt.image_grid_thw)
     assert np.array_equal(got, expected[:, 0].numpy()) and got[:, 0].tolist() == [0, 0, 0]
     assert not np.array_equal(got[0], got[1])  # images do get 2-D positions
 
 
 # ---- ops against transformers' modules ----
 
-def test_conv_never_reads_across_chunk_boundaries():
+def test_conv_never_reads_across_prompt_boundaries():
     torch.manual_seed(0)
     lengths, channels = [5, 1, 9, 3], 6
     x, weight = torch.randn(sum(lengths), channels), torch.randn(channels, 4)
     seqpos = torch.cat([torch.arange(n) for n in lengths])
     got = ops.conv_silu(x, weight, seqpos)
     start = 0
-    for n in lengths:  # transformers' convolution on each chunk alone, (1, channels, length) layout
+    for n in lengths:  # transformers' convolution on each prompt alone, (1, channels, length) layout
         alone = qwen.causal_conv1d_fn(x[start: start + n].T[None], weight, None, activation="silu")[0].T
         assert torch.allclose(got[start: start + n], alone, atol=1e-6)
         start += n
@@ -202,27 +202,27 @@ def test_fp8_converts_every_eligible_matrix(loaded):
 @pytest.mark.parametrize("prune_last", [False, True])
 def test_packed_forward_equals_the_reference(loaded, name, prune_last):
     model = loaded(name)
-    chunks = chunks_of(model)
+    prompts = prompts_of(model)
     engine = FastEngine(model, Settings(cuda_graphs=False, prune_last=prune_last, **SMALL), mixers=TorchMixers())
     assert engine.fwd.pruned == (prune_last and name != "judge")  # the causal JEV checkpoint is never pruned
-    run = engine.launch(chunks).wait()
-    assert (run.tokens, run.capacity, run.bucket, run.graph) == (sum(c.length for c in chunks), run.tokens, None,
+    run = engine.launch(prompts).wait()
+    assert (run.tokens, run.capacity, run.bucket, run.graph) == (sum(c.length for c in prompts), run.tokens, None,
                                                                  False)
-    assert_scores_close(run.scores, ReferenceEngine(model).forward(chunks))
+    assert_scores_close(run.scores, ReferenceEngine(model).forward(prompts))
 
 
 @pytest.mark.parametrize("prune_last", [False, True])
 def test_bucketed_path_with_static_buffers_equals_the_reference(loaded, prune_last):
-    model = loaded("repo", 140)  # requests split over several chunks
-    chunks = chunks_of(model)
+    model = loaded("repo", 140)  # requests split over several prompts
+    prompts = prompts_of(model)
     settings = Settings(cuda_graphs=True, buckets="256,512,1024", prune_last=prune_last, **SMALL)
     engine = FastEngine(model, settings, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
     engine.warmup()
     assert engine.max_pack_tokens == 1024
-    reference = ReferenceEngine(model).forward(chunks)
+    reference = ReferenceEngine(model).forward(prompts)
     # several compositions and buckets, launched before any is waited for (the staging slots rotate)
-    packs = [list(range(len(chunks))), [0], [2, 1], list(range(len(chunks)))[::-1], [len(chunks) - 1]]
-    pending = [(pack, engine.launch([chunks[i] for i in pack])) for pack in packs]
+    packs = [list(range(len(prompts))), [0], [2, 1], list(range(len(prompts)))[::-1], [len(prompts) - 1]]
+    pending = [(pack, engine.launch([prompts[i] for i in pack])) for pack in packs]
     for pack, run in pending:
         result = run.wait()
         assert result.graph and result.bucket == choose_bucket(result.tokens, (256, 512, 1024))
@@ -230,16 +230,16 @@ def test_bucketed_path_with_static_buffers_equals_the_reference(loaded, prune_la
         assert_scores_close(result.scores, [reference[i] for i in pack])
 
 
-def test_a_chunk_longer_than_every_bucket_runs_eagerly(loaded):
+def test_a_prompt_longer_than_every_bucket_runs_eagerly(loaded):
     model = loaded("repo")
-    chunk = max(chunks_of(model), key=lambda c: c.length)
+    prompt = max(prompts_of(model), key=lambda c: c.length)
     engine = FastEngine(model, Settings(cuda_graphs=True, buckets="64,128", **SMALL), mixers=TorchMixers(),
                         capture=PLAIN_CAPTURE)
     engine.warmup()
-    assert chunk.length > engine.max_pack_tokens
-    run = engine.launch([chunk]).wait()
-    assert (run.bucket, run.graph, run.capacity) == (None, False, chunk.length)
-    assert_scores_close(run.scores, ReferenceEngine(model).forward([chunk]))
+    assert prompt.length > engine.max_pack_tokens
+    run = engine.launch([prompt]).wait()
+    assert (run.bucket, run.graph, run.capacity) == (None, False, prompt.length)
+    assert_scores_close(run.scores, ReferenceEngine(model).forward([prompt]))
 
 
 def test_fast_engine_without_cuda_names_the_reference_engine(loaded):

@@ -14,7 +14,7 @@ from worker.fast.forward import PackedForward
 from worker.fast.layers import FULL, LINEAR
 from worker.fast.mixers import TorchMixers
 from worker.model.encoder import Encoder
-from worker.model.engine import Chunk
+from worker.model.engine import Prompt
 
 PLAIN_CAPTURE = (lambda piece: piece, lambda piece: piece())
 
@@ -93,11 +93,11 @@ def test_short_conv_writes_into_given_buffers(loaded):
 def test_bucket_tails_are_zeroed_for_every_pack(loaded):
     """The mixers write the real rows only: what an earlier, longer pack left past them is cleared."""
     model = loaded("repo")
-    question = Encoder(model).plan(Request.model_validate({"state": "hi", "questions": {
+    question = Encoder(model).prompts(Request.model_validate({"state": "hi", "questions": {
         "spam": {"type": "noul"}}}))[0].questions
-    long, short = (Chunk(input_ids=torch.arange(n) % 50 + 3, rows=torch.tensor([n - 1]), questions=question)
+    long, short = (Prompt(input_ids=torch.arange(n) % 50 + 3, rows=torch.tensor([n - 1]), questions=question)
                    for n in (200, 40))
-    settings = Settings(cuda_graphs=True, buckets="256", pack_tokens=256, max_chunk_tokens=256, compile="none",
+    settings = Settings(cuda_graphs=True, buckets="256", pack_tokens=256, max_prompt_tokens=256, compile="none",
                         prune_last=False)  # the full layers write fo for every row
     engine = FastEngine(model, settings, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
     engine.warmup()

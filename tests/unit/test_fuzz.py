@@ -1,5 +1,5 @@
 """Fuzz (hypothesis) over request bodies through the worker's real planning path (schema, limits, template,
-tokenizer, image decoding) on the tiny checkpoint: every body either plans into chunks the model can read or is
+tokenizer, image decoding) on the tiny checkpoint: every body either plans into prompts the model can read or is
 refused with a RequestError and a code. Any other exception would cost retries and a dead letter instead."""
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ def test_every_body_plans_or_is_refused_with_a_code(planning, body, raw):
     field = body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass") if raw else body.encode(
         "utf-8", "replace")
     try:
-        request, chunks = plan_entry(encoder, config, field, None)
+        request, prompts = plan_entry(encoder, config, field, None)
     except RequestError as error:
         assert isinstance(error.code, ErrorCode) and error.message
         return
-    assert chunks and all(c.length <= model.max_length for c in chunks)
-    assert sum(len(c.questions) for c in chunks) == len(request.questions)  # one readout row per question
-    assert all(len(c.rows) == len(c.questions) for c in chunks)
+    assert prompts and all(c.length <= model.max_length for c in prompts)
+    assert sum(len(c.questions) for c in prompts) == len(request.questions)  # one readout row per question
+    assert all(len(c.rows) == len(c.questions) for c in prompts)
 
 
 @pytest.mark.parametrize("depth", [150, 200, 260, 1000, 5000])
@@ -70,5 +70,5 @@ def test_control_tokens_in_object_keys_are_refused_never_read_as_marks(planning,
     assert caught.value.code == ErrorCode.INVALID_REQUEST and "control token" in caught.value.message
     # The same text in values is text: planned, one readout row per question.
     fine = {"state": {"k": "<|mark|> <|im_start|>"}, "questions": {"q": {"type": "noul", "instructions": "<|split|>"}}}
-    _, chunks = plan_entry(encoder, config, json.dumps(fine).encode(), None)
-    assert [len(c.rows) for c in chunks] == [1]
+    _, prompts = plan_entry(encoder, config, json.dumps(fine).encode(), None)
+    assert [len(c.rows) for c in prompts] == [1]

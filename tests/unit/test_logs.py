@@ -15,9 +15,9 @@ def record(message: str, **extra: str) -> logging.LogRecord:
 
 
 def test_request_lines_carry_the_request_and_its_traceparent():
-    about = record("chunk of r-1 failed", request_id="r-1", traceparent=TRACE)
+    about = record("prompt of r-1 failed", request_id="r-1", traceparent=TRACE)
     text = TextFormatter().format(about)
-    assert text.endswith(f"WARNING worker: chunk of r-1 failed [request r-1 traceparent {TRACE}]")
+    assert text.endswith(f"WARNING worker: prompt of r-1 failed [request r-1 traceparent {TRACE}]")
     assert json.loads(JsonFormatter().format(about))["traceparent"] == TRACE
     untraced = record("published r-2: ok", request_id="r-2")
     assert TextFormatter().format(untraced).endswith("published r-2: ok [request r-2]")

@@ -260,7 +260,7 @@ def test_keda_scales_the_worker_on_the_lag_of_its_shard_as_the_monitor_user():
     keys = Keys(config["DQ_NAMESPACE"], int(config["DQ_SHARD"]))
     triggers = scaled["spec"]["triggers"]
     assert {t["metadata"]["stream"] for t in triggers} == {  # both lanes' work streams
-        stream for lane in LANES for stream in (keys.requests_in(lane), keys.chunks_in(lane))}
+        stream for lane in LANES for stream in (keys.requests_in(lane), keys.parts_in(lane))}
     known = {"address", "host", "port", "stream", "consumerGroup", "lagCount", "activationLagCount",
              "databaseIndex", "enableTLS", "unsafeSsl", "usernameFromEnv", "passwordFromEnv"}
     for trigger in triggers:

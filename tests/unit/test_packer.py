@@ -10,7 +10,7 @@ import torch
 from producer.keys import HIGH, NORMAL, Keys
 from producer.schema import Request
 from worker.entries import REQUESTS, Delivery
-from worker.model.engine import Chunk
+from worker.model.engine import Prompt
 from worker.packer import Packer
 from worker.planner import LaneQueue
 from worker.tasks import Item, Task
@@ -20,10 +20,10 @@ REQUEST = Request.model_validate({"state": "x", "questions": {"spam": {"type": "
 
 def item(lane, tokens: int, name: str) -> Item:
     entry = Delivery.parse(Keys(), REQUESTS, Keys().requests_in(lane), "1-0", {b"body": b"{}"}, 1, lane=lane)
-    chunk = Chunk(input_ids=torch.zeros(tokens, dtype=torch.long), rows=torch.tensor([tokens - 1]), questions=())
-    task = Task(entry, REQUEST, chunks=[chunk], remaining=1)
+    prompt = Prompt(input_ids=torch.zeros(tokens, dtype=torch.long), rows=torch.tensor([tokens - 1]), questions=())
+    task = Task(entry, REQUEST, prompts=[prompt], remaining=1)
     task.name = name  # for the assertions
-    return Item(task, 0, chunk)
+    return Item(task, 0, prompt)
 
 
 def fill(packer: Packer, *items: Item) -> Packer:
@@ -56,7 +56,7 @@ def test_normal_work_gets_its_share_of_every_pack_under_a_flood_of_high_work():
     assert all(sum(one.tokens for one in pack) == 200 for pack in packs)  # high fills the rest: packs stay full
 
 
-def test_a_normal_chunk_longer_than_the_share_gets_in_once_enough_is_owed():
+def test_a_normal_prompt_longer_than_the_share_gets_in_once_enough_is_owed():
     packer = fill(Packer(200, max_wait=0.0, normal_share=0.25),
                   *[item(HIGH, 50, f"h{i}") for i in range(40)], item(NORMAL, 150, "long"))
     packs = [packer.next() for _ in range(3)]
@@ -64,7 +64,7 @@ def test_a_normal_chunk_longer_than_the_share_gets_in_once_enough_is_owed():
     assert "long" in names(packs[2]) and lane_tokens(packs[2], HIGH) == 50
 
 
-def test_a_normal_chunk_longer_than_a_pack_runs_alone_once_a_whole_pack_is_owed():
+def test_a_normal_prompt_longer_than_a_pack_runs_alone_once_a_whole_pack_is_owed():
     packer = fill(Packer(200, max_wait=0.0, normal_share=0.25),
                   *[item(HIGH, 50, f"h{i}") for i in range(40)], item(NORMAL, 300, "huge"))
     packs = [packer.next() for _ in range(4)]
@@ -72,7 +72,7 @@ def test_a_normal_chunk_longer_than_a_pack_runs_alone_once_a_whole_pack_is_owed(
     assert lane_tokens(packer.next(), HIGH) == 200  # then high again, nothing owed
 
 
-def test_a_high_chunk_larger_than_the_room_left_by_the_share_still_opens_the_pack():
+def test_a_high_prompt_larger_than_the_room_left_by_the_share_still_opens_the_pack():
     packer = fill(Packer(200, max_wait=0.0, normal_share=0.25),
                   *[item(NORMAL, 20, f"n{i}") for i in range(30)], item(HIGH, 190, "big"))
     first = packer.next()

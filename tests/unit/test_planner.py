@@ -7,7 +7,7 @@ import torch
 from producer.keys import Keys
 from producer.schema import ErrorCode, RequestError
 from worker.config import Settings
-from worker.entries import CHUNKS, REQUESTS, Delivery
+from worker.entries import PARTS, REQUESTS, Delivery
 from worker.planner import Planner
 
 BODY = {"id": "p-1", "state": "Refund please.", "questions": {
@@ -30,17 +30,17 @@ def planner(request, loaded):
 
 def test_plans_a_request_into_a_task(planner):
     task = planner.submit(delivery(json.dumps(BODY).encode())).result(timeout=60)
-    assert task.request_id == "p-1" and task.parts == 1 and task.remaining == len(task.chunks) == 1
-    [chunk] = task.chunks
-    assert [q.name for q in chunk.questions] == ["spam", "tone"]
-    assert chunk.input_ids.dtype == torch.long and chunk.length > 10
+    assert task.request_id == "p-1" and task.parts == 1 and task.remaining == len(task.prompts) == 1
+    [prompt] = task.prompts
+    assert [q.name for q in prompt.questions] == ["spam", "tone"]
+    assert prompt.input_ids.dtype == torch.long and prompt.length > 10
 
 
 def test_parts_plan_only_their_questions(planner):
-    part = delivery(b"", CHUNKS, request_id=b"p-1", part=b"1", parts=b"2", questions=b'["tone"]')
+    part = delivery(b"", PARTS, request_id=b"p-1", part=b"1", parts=b"2", questions=b'["tone"]')
     task = planner.submit(part, json.dumps(BODY).encode()).result(timeout=60)
     assert (task.part, task.parts) == (1, 2) and task.request_id == "p-1"
-    assert [q.name for c in task.chunks for q in c.questions] == ["tone"]
+    assert [q.name for c in task.prompts for q in c.questions] == ["tone"]
 
 
 @pytest.mark.parametrize("body, code", [

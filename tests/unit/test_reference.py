@@ -53,20 +53,20 @@ def test_reference_equals_transformers(loaded, name, max_tokens):
     encoder, engine = Encoder(model), ReferenceEngine(model)
     batch, owners = [], []
     for index, request in enumerate(requests(model.multimodal)):
-        chunks = encoder.plan(request)
-        batch += chunks
-        owners += [index] * len(chunks)
+        prompts = encoder.prompts(request)
+        batch += prompts
+        owners += [index] * len(prompts)
     if max_tokens:
-        assert len(batch) > len(set(owners))  # some requests were split over several chunks
-    scores = engine.forward(batch)  # every request's chunks in one padded batch
+        assert len(batch) > len(set(owners))  # some requests were split over several prompts
+    scores = engine.forward(batch)  # every request's prompts in one padded batch
     listed = requests(model.multimodal)
-    for owner, chunk, rows in zip(owners, batch, scores):
-        # transformers on the same prompt: the request restricted to this chunk's questions
-        names = [q.name for q in chunk.questions]
+    for owner, prompt, rows in zip(owners, batch, scores):
+        # transformers on the same prompt: the request restricted to this prompt's questions
+        names = [q.name for q in prompt.questions]
         subset = listed[owner].model_copy(update={"questions": {n: listed[owner].questions[n] for n in names}})
         expected = transformers_scores(model, subset)
         assert list(expected) == names
-        for question, logits in zip(chunk.questions, option_logits(model, chunk.questions, rows)):
+        for question, logits in zip(prompt.questions, option_logits(model, prompt.questions, rows)):
             temperature = model.decision_config.temperature.get(question.type, 1.0)
             got = torch.tensor([x / temperature for x in logits])
             assert torch.allclose(got, torch.tensor(expected[question.name]), atol=1e-4), question.name
@@ -77,10 +77,10 @@ def test_answers_match_the_pipeline(tiny_dir, loaded):
 
     model = loaded("repo")
     request = Request.model_validate({"state": "Refund please, it broke.", "questions": MIXED})
-    [chunk] = Encoder(model).plan(request)
-    [rows] = ReferenceEngine(model).forward([chunk])
+    [prompt] = Encoder(model).prompts(request)
+    [rows] = ReferenceEngine(model).forward([prompt])
     answers = {q.name: answer(model.decision_config, q, logits)
-               for q, logits in zip(chunk.questions, option_logits(model, chunk.questions, rows))}
+               for q, logits in zip(prompt.questions, option_logits(model, prompt.questions, rows))}
     expected = pipeline("decision", model=str(tiny_dir))(request.template_input())
     assert answers["spam"].answer["noul"] == pytest.approx(expected["spam"]["noul"], abs=1e-5)
     assert answers["tone"].answer["choice"] == expected["tone"]["choice"]

@@ -190,4 +190,4 @@ def test_priority_is_high_or_normal_and_names_a_lane_stream():
         assert error.value.code == ErrorCode.INVALID_REQUEST and error.value.message.startswith("priority:")
     keys = Keys("ns", 3)
     assert keys.requests_in(HIGH) == "ns:v1:{s3}:requests:high" and keys.requests_in(NORMAL) == keys.requests
-    assert keys.chunks_in(HIGH) == "ns:v1:{s3}:chunks:high" and keys.chunks_in(NORMAL) == keys.chunks
+    assert keys.parts_in(HIGH) == "ns:v1:{s3}:chunks:high" and keys.parts_in(NORMAL) == keys.parts

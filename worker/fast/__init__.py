@@ -1,4 +1,4 @@
-"""The fast engine: packs of chunks through one padding-free forward (see engine.py). It plugs in through the
+"""The fast engine: packs of prompts through one padding-free forward (see engine.py). It plugs in through the
 engine contract (worker/model/engine.py); on a machine without CUDA or fla it loads, and says what is missing
 when constructed."""
 

@@ -1,4 +1,4 @@
-"""The fast engine: packs of chunks through one padding-free forward, optionally compiled and CUDA-graphed.
+"""The fast engine: packs of prompts through one padding-free forward, optionally compiled and CUDA-graphed.
 
 ``launch`` lays the pack out on the host (worker/fast/layout.py), moves it with one copy from a pinned buffer into a
 persistent device buffer, runs the forward (eager, or the graphs of the smallest bucket that holds the pack) and
@@ -24,12 +24,12 @@ from transformers.decision import Question
 
 from ..config import Settings
 from ..model.checkpoint import DecisionModel
-from ..model.engine import Chunk, PackRun, Pending
+from ..model.engine import Prompt, PackRun, Pending
 from .errors import ALTERNATIVE, FastPathUnavailable
 from .forward import COMPILE_MODES, PackedForward
 from .layers import LINEAR
 from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warmer
-from .layout import Layout, Regions, chunk_positions, plan, row_capacity
+from .layout import Layout, Regions, lay_out, prompt_positions, row_capacity
 from .mixers import Boundaries, CudaMixers, Mixers
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,8 @@ class FastEngine:
                                  compile_pieces=not self.graphs_on, fused=fused)
         self.rope_index = getattr(model.backbone, "get_rope_index", None) if model.multimodal else None
         self.verbalizers = int(model.model.proj.out_features)
-        # Host and device layout buffers: large enough for a full pack or the longest chunk the encoder makes.
-        self.regions = Regions.for_capacity(max(self._budget, settings.max_chunk_tokens))
+        # Host and device layout buffers: large enough for a full pack or the longest prompt the encoder makes.
+        self.regions = Regions.for_capacity(max(self._budget, settings.max_prompt_tokens))
         pin = self.device.type == "cuda"
         self.slots = [_Slot(torch.zeros(self.regions.size, dtype=torch.int64, pin_memory=pin),
                             torch.zeros(self.regions.capacity, self.verbalizers, dtype=torch.float32,
@@ -152,24 +152,24 @@ class FastEngine:
         return (self.device_layout[regions.seqpos: regions.seqpos + bucket],
                 self.device_layout[regions.rows: regions.rows + row_capacity(bucket)])
 
-    def _dummy_pack(self, lengths: Sequence[int]) -> list[Chunk]:
-        """Chunks of padding of these lengths, one marker each."""
+    def _dummy_pack(self, lengths: Sequence[int]) -> list[Prompt]:
+        """Prompts of padding of these lengths, one marker each."""
         question = Question(name="warmup", type="noul", instructions=None, options=["false", "true"],
                             labels=["A", "B"], descriptions=[None, None])
-        return [Chunk(input_ids=torch.full((n,), self.pad_id, dtype=torch.long), rows=torch.tensor([n - 1]),
+        return [Prompt(input_ids=torch.full((n,), self.pad_id, dtype=torch.long), rows=torch.tensor([n - 1]),
                       questions=(question,)) for n in lengths if n > 0]
 
     # ---- packs ----
 
     @torch.inference_mode()
-    def launch(self, chunks: Sequence[Chunk]) -> Pending:
+    def launch(self, prompts: Sequence[Prompt]) -> Pending:
         start = time.perf_counter()
-        assert chunks, "a pack holds at least one chunk"
-        layout = plan(chunks, self.buckets)
-        assert layout.tokens <= self._budget or len(chunks) == 1, "only a single chunk may exceed the budget"
+        assert prompts, "a pack holds at least one prompt"
+        layout = lay_out(prompts, self.buckets)
+        assert layout.tokens <= self._budget or len(prompts) == 1, "only a single prompt may exceed the budget"
         regions, device_layout = self.regions, self.device_layout
         slot = None
-        if layout.capacity > regions.capacity:  # a chunk longer than any configured size: a one-off layout
+        if layout.capacity > regions.capacity:  # a prompt longer than any configured size: a one-off layout
             regions = Regions.for_capacity(layout.capacity)
             device_layout = torch.zeros(regions.size, dtype=torch.int64, device=self.device)
             host = torch.zeros(regions.size, dtype=torch.int64)
@@ -180,14 +180,14 @@ class FastEngine:
             if slot.pending is not None:
                 slot.pending.wait()  # its pack has finished: its buffers are free
             host, scores_host = slot.host, slot.scores
-        positions = [chunk_positions(chunk, self.rope_index) for chunk in chunks]
-        regions.fill(host.numpy(), layout, chunks, positions, self.pad_id)
+        positions = [prompt_positions(prompt, self.rope_index) for prompt in prompts]
+        regions.fill(host.numpy(), layout, prompts, positions, self.pad_id)
         device_layout.copy_(host, non_blocking=True)
         cuda = self.device.type == "cuda"
         began = torch.cuda.Event(enable_timing=True) if cuda else None
         if began is not None:
             began.record()
-        scores = self._forward(layout, chunks, regions, device_layout)
+        scores = self._forward(layout, prompts, regions, device_layout)
         out = scores_host[: layout.rows]
         out.copy_(scores[: layout.rows], non_blocking=True)
         done = torch.cuda.Event(enable_timing=True) if cuda else None
@@ -204,8 +204,8 @@ class FastEngine:
                 # The GPU's wait between the previous pack's end and this one's start: time lost to host work.
                 idle = max(0.0, before.elapsed_time(began) / 1000) if before is not None else None
             rows = out.clone()
-            per_chunk = list(rows.split(list(layout.questions)))
-            return PackRun(per_chunk, layout.tokens, layout.capacity, layout.bucket, graph,
+            per_prompt = list(rows.split(list(layout.questions)))
+            return PackRun(per_prompt, layout.tokens, layout.capacity, layout.bucket, graph,
                            time.perf_counter() - start, gpu, idle)
 
         pending = Pending(finish)
@@ -213,7 +213,7 @@ class FastEngine:
             slot.pending = pending
         return pending
 
-    def _forward(self, layout: Layout, chunks: Sequence[Chunk], regions: Regions, flat: torch.Tensor
+    def _forward(self, layout: Layout, prompts: Sequence[Prompt], regions: Regions, flat: torch.Tensor
                  ) -> torch.Tensor:
         tokens, cap, count = layout.tokens, layout.capacity, len(layout.lengths)
         # Fresh views for every pack: fla caches host-side preparation by tensor identity.
@@ -228,21 +228,21 @@ class FastEngine:
         positions = positions.view(3, regions.capacity)[:, :cap]
         seqpos = flat[regions.seqpos: regions.seqpos + cap]
         rows = flat[regions.rows: regions.rows + layout.rows_capacity]
-        hidden = self.fwd.embed(ids, *self._images(chunks, layout))
+        hidden = self.fwd.embed(ids, *self._images(prompts, layout))
         if layout.bucket is not None and self.graphed is not None:
             self.graphed.prologue(layout.bucket, hidden, positions, layout.rows)
             return self.graphed.replay(layout.bucket, tokens, layout.rows, bounds)
         cos, sin = self.fwd.rope_tables(positions, hidden)
         return self.fwd.run(hidden, cos, sin, seqpos, rows, bounds)
 
-    def _images(self, chunks: Sequence[Chunk], layout: Layout) -> tuple[torch.Tensor | None, ...]:
+    def _images(self, prompts: Sequence[Prompt], layout: Layout) -> tuple[torch.Tensor | None, ...]:
         """Rows of the pack's image tokens, and the pixels and grids of its images, in pack order."""
-        with_images = [(chunk, start) for chunk, start in zip(chunks, layout.cu_seqlens) if chunk.has_images]
+        with_images = [(prompt, start) for prompt, start in zip(prompts, layout.cu_seqlens) if prompt.has_images]
         if not with_images:
             return None, None, None
         token = self.fwd.image_token_id
-        rows = np.concatenate([np.flatnonzero(chunk.input_ids.numpy() == token) + start
-                               for chunk, start in with_images])
-        pixels = torch.cat([chunk.pixel_values for chunk, _ in with_images])
-        grid = torch.cat([chunk.image_grid_thw for chunk, _ in with_images])
+        rows = np.concatenate([np.flatnonzero(prompt.input_ids.numpy() == token) + start
+                               for prompt, start in with_images])
+        pixels = torch.cat([prompt.pixel_values for prompt, _ in with_images])
+        grid = torch.cat([prompt.image_grid_thw for prompt, _ in with_images])
         return torch.from_numpy(rows).to(self.device), pixels, grid

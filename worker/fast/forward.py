@@ -98,7 +98,7 @@ class PackedForward:
             if index in chosen:
                 weights = fp8_weights.convert(weights)
             self.stages.append(Stage(layer.block_type, weights, dims))
-        # Pruning the last layer is exact only when a marker row sees all keys of its chunk (noncausal).
+        # Pruning the last layer is exact only when a marker row sees all keys of its prompt (noncausal).
         self.pruned = prune_last and not self.causal and self.stages[-1].kind == FULL
         if self.pruned:
             last = self.stages[-1]

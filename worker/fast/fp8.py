@@ -5,7 +5,7 @@ fast path's own fused copies are converted: the checkpoint's modules keep their 
 engine of the same model is unchanged.
 
 What stays in bf16: the linear layers' gate projections (in_proj_b and in_proj_a, which set the delta rule's write
-strength and decay, whose error would compound along each chunk; published FP8 recipes for Qwen3.5 and Qwen3-Next
+strength and decay, whose error would compound along each prompt; published FP8 recipes for Qwen3.5 and Qwen3-Next
 leave them unquantised too), the decision head, the embeddings, and every layer that ``layers`` leaves out: FP8 is
 opt-in per layer, because at the 2B shape its rounding moves the answers about ten times as much as bf16's own
 (docs/BENCHMARKS.md, FP8 fidelity).

@@ -90,7 +90,7 @@ def _short_conv_kernel(x_ptr, w_ptr, seqpos_ptr, gate_ptr, a_log_ptr, dt_bias_pt
         x = tl.load(x_ptr + rows[:, None] * stride_x + channel[None, :], mask=live[:, None], other=0.0)
         acc = x.to(tl.float32) * tl.load(w_ptr + channel * TAPS + (TAPS - 1)).to(tl.float32)[None, :]
         for shift in tl.static_range(1, TAPS):
-            keep = live & (seqpos >= shift)  # never across a chunk boundary (positions restart at 0)
+            keep = live & (seqpos >= shift)  # never across a prompt boundary (positions restart at 0)
             prev = tl.load(x_ptr + (rows - shift)[:, None] * stride_x + channel[None, :], mask=keep[:, None],
                            other=0.0)
             tap = tl.load(w_ptr + channel * TAPS + (TAPS - 1 - shift)).to(tl.float32)

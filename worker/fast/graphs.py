@@ -2,7 +2,7 @@
 
 A pack padded to bucket ``B`` runs: an eager prologue writes its embeddings and RoPE tables into static buffers,
 then for every layer the graph of [previous layer's post piece + this layer's pre piece] replays and the layer's
-mixer (fla delta rule or varlen attention, which need the chunk boundaries) runs eagerly on the real tokens,
+mixer (fla delta rule or varlen attention, which need the prompt boundaries) runs eagerly on the real tokens,
 writing its output back into a static buffer; a last graph applies the final piece and the head.
 
 All buffers are allocated once at the largest bucket; a bucket's graphs use their leading rows, so every bucket
@@ -11,7 +11,7 @@ when it ends, so the pool holds only the largest piece's working set.
 
 Rows past the pack's tokens (and marker rows past its rows) are inert. No real row reads them: every operation of
 the pieces is row-local (GEMMs, norms, gates, per-token FP8 scales), the convolution reads only earlier rows of the
-same chunk, the mixers see the real tokens only and the head reads marker rows only. And they hold no stale
+same prompt, the mixers see the real tokens only and the head reads marker rows only. And they hold no stale
 values: the prologue zeroes their hidden state and, once per pack, the mixers' output buffers past the real rows
 (the mixers write only those), so the tail computes the same values for every pack, from zeros at position 0.
 """

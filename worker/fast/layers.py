@@ -2,7 +2,7 @@
 
 Each layer is split at its token mixer: ``pre_*`` (norm, projections, convolution, gates, q/k norms, RoPE) and
 ``post_*`` (output gate and projection, residual, MLP) are dense and row-local, so they can be compiled and
-captured in CUDA graphs; the mixer between them (Gated DeltaNet or varlen attention) reads the chunk boundaries
+captured in CUDA graphs; the mixer between them (Gated DeltaNet or varlen attention) reads the prompt boundaries
 and runs eagerly (worker/fast/mixers.py). transformers is never patched: the weights are read from its modules, and
 the projections a layer applies to the same input are concatenated into one matrix (a copy: one GEMM instead of
 three or four).
@@ -124,7 +124,7 @@ def head_weights(language_model: Any, proj: torch.nn.Linear, softcap: float | No
     return Head(language_model.norm.weight.detach(), _dense(proj), softcap, float(language_model.norm.eps))
 
 
-# ---- dense pieces: (tokens, hidden) in, row-local, no knowledge of chunk boundaries except ``seqpos`` ----
+# ---- dense pieces: (tokens, hidden) in, row-local, no knowledge of prompt boundaries except ``seqpos`` ----
 
 def mlp_block(ops: Ops, mlp: Mlp, hidden: torch.Tensor, eps: float) -> torch.Tensor:
     normed = ops.rms_norm(hidden, mlp.norm, eps)

@@ -1,8 +1,8 @@
-"""Layout of one pack: chunks concatenated into one padding-free sequence, and the host buffer that describes it.
+"""Layout of one pack: prompts concatenated into one padding-free sequence, and the host buffer that describes it.
 
-Pure CPU code (unit-tested without a GPU). A pack is the chunks in order, ``cu_seqlens`` at their boundaries, a
-position within its chunk for every token (the convolution never reads across a boundary), M-RoPE positions that
-restart at 0 for every chunk, and the marker rows the head reads. With static buckets the pack is padded to the
+Pure CPU code (unit-tested without a GPU). A pack is the prompts in order, ``cu_seqlens`` at their boundaries, a
+position within its prompt for every token (the convolution never reads across a boundary), M-RoPE positions that
+restart at 0 for every prompt, and the marker rows the head reads. With static buckets the pack is padded to the
 bucket's size: the tail rows are inert (position 0, never read by a real row, never passed to the attention or
 delta-rule kernels, which see the real tokens only).
 
@@ -20,9 +20,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ..model.engine import Chunk
+from ..model.engine import Prompt
 
-GDN_CHUNK = 64  # the gated delta rule kernels' chunk size (fla's default)
+GDN_CHUNK = 64  # the gated delta rule kernels' chunk size (fla's default): the only 'chunk' of this project
 _ALIGN = 64  # region offsets in int64 elements: keeps every device view 16-byte aligned
 
 
@@ -40,7 +40,7 @@ def row_capacity(bucket: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each chunk of a pack lies and what the forward computes for it."""
+    """Where each prompt of a pack lies and what the forward computes for it."""
 
     lengths: tuple[int, ...]
     questions: tuple[int, ...]
@@ -49,7 +49,7 @@ class Layout:
     bucket: int | None
 
     def __post_init__(self) -> None:
-        assert self.lengths and all(n > 0 for n in self.lengths), "a pack holds non-empty chunks"
+        assert self.lengths and all(n > 0 for n in self.lengths), "a pack holds non-empty prompts"
         assert self.capacity >= self.tokens and self.rows_capacity >= self.rows
 
     @property
@@ -82,10 +82,10 @@ class Layout:
         return sum(-(-n // GDN_CHUNK) for n in self.lengths)
 
 
-def plan(chunks: Sequence[Chunk], buckets: Sequence[int]) -> Layout:
-    """The layout of ``chunks``: in the smallest bucket that holds them (and their rows), else eager."""
-    lengths = tuple(chunk.length for chunk in chunks)
-    questions = tuple(len(chunk.questions) for chunk in chunks)
+def lay_out(prompts: Sequence[Prompt], buckets: Sequence[int]) -> Layout:
+    """The layout of ``prompts``: in the smallest bucket that holds them (and their rows), else eager."""
+    lengths = tuple(prompt.length for prompt in prompts)
+    questions = tuple(len(prompt.questions) for prompt in prompts)
     tokens, rows = sum(lengths), sum(questions)
     bucket = choose_bucket(tokens, buckets)
     if bucket is not None and rows > row_capacity(bucket):
@@ -96,7 +96,7 @@ def plan(chunks: Sequence[Chunk], buckets: Sequence[int]) -> Layout:
 
 
 def gdn_chunk_indices(lengths: Sequence[int]) -> np.ndarray:
-    """(chunks, 2) [sequence, chunk within it] for every 64-token chunk: what fla computes from cu_seqlens on the
+    """(chunks, 2) [prompt, chunk within it] for every 64-token chunk of the delta rule: what fla computes from cu_seqlens on the
     host. Handing it over avoids fla's device-to-host copy."""
     counts = np.array([-(-n // GDN_CHUNK) for n in lengths], dtype=np.int64)
     seq = np.repeat(np.arange(len(lengths), dtype=np.int64), counts)
@@ -108,14 +108,14 @@ def gdn_chunk_indices(lengths: Sequence[int]) -> np.ndarray:
 RopeIndex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def chunk_positions(chunk: Chunk, rope_index: RopeIndex | None) -> np.ndarray:
-    """(3, length) M-RoPE positions of one chunk, from 0: the text positions, or the backbone's
-    ``get_rope_index`` where the chunk holds images."""
-    if not chunk.has_images:
-        return np.broadcast_to(np.arange(chunk.length, dtype=np.int64), (3, chunk.length))
-    assert rope_index is not None and chunk.mm_token_type_ids is not None, "image chunks need M-RoPE positions"
-    positions, _ = rope_index(chunk.input_ids[None], chunk.mm_token_type_ids[None],
-                              image_grid_thw=chunk.image_grid_thw)
+def prompt_positions(prompt: Prompt, rope_index: RopeIndex | None) -> np.ndarray:
+    """(3, length) M-RoPE positions of one prompt, from 0: the text positions, or the backbone's
+    ``get_rope_index`` where the prompt holds images."""
+    if not prompt.has_images:
+        return np.broadcast_to(np.arange(prompt.length, dtype=np.int64), (3, prompt.length))
+    assert rope_index is not None and prompt.mm_token_type_ids is not None, "image prompts need M-RoPE positions"
+    positions, _ = rope_index(prompt.input_ids[None], prompt.mm_token_type_ids[None],
+                              image_grid_thw=prompt.image_grid_thw)
     return positions[:, 0].numpy().astype(np.int64, copy=False)
 
 
@@ -144,7 +144,7 @@ class Regions:
             cursor += -(-size // _ALIGN) * _ALIGN
         return cls(capacity=capacity, size=cursor, **offsets)
 
-    def fill(self, buffer: np.ndarray, layout: Layout, chunks: Sequence[Chunk], positions: Sequence[np.ndarray],
+    def fill(self, buffer: np.ndarray, layout: Layout, prompts: Sequence[Prompt], positions: Sequence[np.ndarray],
              pad_id: int) -> None:
         """Write ``layout`` into ``buffer`` (a host view of the flat buffer). Tails up to the capacities are reset
         so that a bucket's inert rows read position 0 and marker row 0."""
@@ -152,7 +152,7 @@ class Regions:
         cap, rcap, tokens, rows = layout.capacity, layout.rows_capacity, layout.tokens, layout.rows
         starts = layout.cu_seqlens[:-1]
         ids = buffer[self.ids: self.ids + cap]
-        ids[:tokens] = np.concatenate([chunk.input_ids.numpy() for chunk in chunks])
+        ids[:tokens] = np.concatenate([prompt.input_ids.numpy() for prompt in prompts])
         ids[tokens:] = pad_id
         pos = buffer[self.positions: self.positions + 3 * self.capacity].reshape(3, self.capacity)
         pos[:, :tokens] = np.concatenate(positions, axis=1)
@@ -161,7 +161,7 @@ class Regions:
         seqpos[:tokens] = np.concatenate([np.arange(n, dtype=np.int64) for n in layout.lengths])
         seqpos[tokens:] = 0
         marker = buffer[self.rows: self.rows + rcap]
-        marker[:rows] = np.concatenate([chunk.rows.numpy() + start for chunk, start in zip(chunks, starts)])
+        marker[:rows] = np.concatenate([prompt.rows.numpy() + start for prompt, start in zip(prompts, starts)])
         marker[rows:] = 0
         count = len(layout.lengths)
         buffer[self.cu: self.cu + count + 1] = layout.cu_seqlens

@@ -1,4 +1,4 @@
-"""The token mixers that read chunk boundaries: Gated DeltaNet (fla) and varlen attention (torch), and a plain
+"""The token mixers that read prompt boundaries: Gated DeltaNet (fla) and varlen attention (torch), and a plain
 torch stand-in of both for CPU tests.
 
 These run eagerly between the dense pieces (also when the pieces replay as CUDA graphs): their launch shapes
@@ -26,17 +26,17 @@ import torch.nn.functional as F
 from .errors import ALTERNATIVE, FastPathUnavailable
 
 class Boundaries(NamedTuple):
-    cu: torch.Tensor  # (chunks + 1,) int32 on the device
+    cu: torch.Tensor  # (prompts + 1,) int32 on the device
     cu_long: torch.Tensor  # the same, int64 (fla)
     cu_host: torch.Tensor  # the same on the host (FlashQLA's context is prepared from it; fla's cu_seqlens_cpu)
-    chunk_index: torch.Tensor  # (gdn chunks, 2) int64 on the device
+    chunk_index: torch.Tensor  # (delta-rule chunks, 2) int64 on the device
     max_length: int
-    cu_rows: torch.Tensor  # (chunks + 1,) int32: marker rows per chunk (pruned last layer)
+    cu_rows: torch.Tensor  # (prompts + 1,) int32: marker rows per prompt (pruned last layer)
     max_rows: int
 
 
 def boundaries_of(lengths: Sequence[int], device: torch.device | str) -> Boundaries:
-    """The boundaries of one pack of chunks of these lengths with one marker row each, copied to ``device``: for
+    """The boundaries of one pack of prompts of these lengths with one marker row each, copied to ``device``: for
     the mixers alone in tests and benchmarks (the engine views its per-pack layout buffer instead)."""
     from .layout import gdn_chunk_indices
 
@@ -52,14 +52,14 @@ class Mixers(Protocol):
     def gated_delta(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
                     beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:
         """(T, Hk, Dk) x2 (unit length per head), (T, Hv, Dv), (T, Hv) x2 -> (T, Hv, Dv); the state restarts at
-        every chunk."""
+        every prompt."""
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
                   bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
-        """(Tq, H, D), (T, Hkv, D) x2 -> (Tq, H, D) within each chunk; ``rows_only``: queries are marker rows."""
+        """(Tq, H, D), (T, Hkv, D) x2 -> (Tq, H, D) within each prompt; ``rows_only``: queries are marker rows."""
 
     def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
-        """Chunk lengths of packs (at most ``budget`` tokens) that together reach every kernel variant the mixers
+        """Prompt lengths of packs (at most ``budget`` tokens) that together reach every kernel variant the mixers
         compile on first use: the engine runs them before it reports ready."""
 
 
@@ -125,7 +125,7 @@ class FlashQLA:
         return context
 
     def variant(self, lengths: Sequence[int], heads: int) -> tuple[bool, int]:
-        """The compiled kernels a pack of these chunk lengths runs: split across the card or not (the split adds
+        """The compiled kernels a pack of these prompt lengths runs: split across the card or not (the split adds
         kernels of its own), and the tile width the main kernel picks from its grid (sequences or split parts x
         heads against the card's size), read through FlashQLA's own cost model of that rule."""
         cu = torch.tensor([0, *itertools.accumulate(lengths)])
@@ -145,9 +145,9 @@ class FlashQLA:
             return min(parts, -(-units // heads))
 
     def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
-        """One pack (chunk lengths, at most ``budget`` tokens) per variant a pack can reach: one chunk of every
-        length (the long ones split), each split chunk beside 1, 2, 3 ... short ones, and 1, 2, 3 ... short
-        chunks, up to the count whose grid fills the card (more run the same kernels)."""
+        """One pack (prompt lengths, at most ``budget`` tokens) per variant a pack can reach: one prompt of every
+        length (the long ones split), each split prompt beside 1, 2, 3 ... short ones, and 1, 2, 3 ... short
+        prompts, up to the count whose grid fills the card (more run the same kernels)."""
         step = self._chunk
         most = -(-torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count // heads) + 1
         candidates = [[step] * count for count in range(1, most + 1)]
@@ -196,8 +196,8 @@ class CudaMixers:
         self._native_gqa = "enable_gqa" in inspect.signature(self._varlen).parameters
 
     def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
-        """Packs (chunk lengths) that reach every delta-rule kernel variant: FlashQLA's (see there); through fla,
-        packs of 1, 2, 4 ... 128 chunks."""
+        """Packs (prompt lengths) that reach every delta-rule kernel variant: FlashQLA's (see there); through fla,
+        packs of 1, 2, 4 ... 128 prompts."""
         if self.flash_qla is not None:
             return self.flash_qla.variant_packs(heads, budget)
         counts = [count for count in (2 ** i for i in range(8)) if count <= budget]
@@ -228,7 +228,7 @@ class CudaMixers:
 
 
 class TorchMixers:
-    """The same two mixers one chunk at a time in plain torch (transformers' own delta rule, SDPA): the CPU
+    """The same two mixers one prompt at a time in plain torch (transformers' own delta rule, SDPA): the CPU
     stand-in the unit tests run the packed forward with."""
 
     def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
@@ -254,11 +254,11 @@ class TorchMixers:
         cu_q = bounds.cu_rows.tolist() if rows_only else cu
         groups = query.shape[1] // key.shape[1]
         out = torch.empty_like(query)
-        for chunk in range(len(cu) - 1):
-            qs, ks = slice(cu_q[chunk], cu_q[chunk + 1]), slice(cu[chunk], cu[chunk + 1])
-            chunk_query = query[qs].transpose(0, 1)[None]
-            chunk_key, chunk_value = (tensor[ks].repeat_interleave(groups, dim=1).transpose(0, 1)[None]
-                                      for tensor in (key, value))
-            out[qs] = F.scaled_dot_product_attention(chunk_query, chunk_key, chunk_value, scale=scale,
+        for prompt in range(len(cu) - 1):
+            qs, ks = slice(cu_q[prompt], cu_q[prompt + 1]), slice(cu[prompt], cu[prompt + 1])
+            prompt_query = query[qs].transpose(0, 1)[None]
+            prompt_key, prompt_value = (tensor[ks].repeat_interleave(groups, dim=1).transpose(0, 1)[None]
+                                        for tensor in (key, value))
+            out[qs] = F.scaled_dot_product_attention(prompt_query, prompt_key, prompt_value, scale=scale,
                                                      is_causal=causal)[0].transpose(0, 1)
         return out

@@ -94,7 +94,7 @@ def conv_silu(inputs: torch.Tensor, weight: torch.Tensor, seqpos: torch.Tensor) 
     """Depthwise causal convolution over packed (tokens, channels) rows, then SiLU.
 
     ``weight`` is (channels, taps); tap ``taps - 1`` multiplies the current token. A token at position ``p`` of its
-    chunk (``seqpos``) reads only the ``min(p, taps - 1)`` tokens before it, so no chunk sees its neighbour: this is
+    prompt (``seqpos``) reads only the ``min(p, taps - 1)`` tokens before it, so no prompt sees its neighbour: this is
     what the reference's zero left-padding computes for each prompt on its own. Sums in fp32, rounded to the input
     dtype before the activation as ``causal_conv1d_fn`` does.
     """

@@ -204,7 +204,7 @@ def _merge_adapter(model: torch.nn.Module, path: Path, subfolder: str) -> torch.
     return model
 
 
-def load(path: str | Path, device: str = "auto", dtype: str = "auto", max_chunk_tokens: int | None = None
+def load(path: str | Path, device: str = "auto", dtype: str = "auto", max_prompt_tokens: int | None = None
          ) -> DecisionModel:
     """Load ``path`` offline; errors name what is wrong with the directory."""
     path = Path(path)
@@ -232,7 +232,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "auto", max_chunk_
     text_config = model.config.text_config
     text_config = getattr(text_config, "text_config", text_config)
     max_length = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 20)
-    if max_chunk_tokens:
-        max_length = min(max_length, max_chunk_tokens)
+    if max_prompt_tokens:
+        max_length = min(max_length, max_prompt_tokens)
     return DecisionModel(model=model, decision_config=model.decision_config, processor=processor,
                          name=path.name, multimodal=multimodal, max_length=max_length)

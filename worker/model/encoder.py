@@ -1,7 +1,7 @@
-"""Request -> prompts -> chunks, with transformers.decision's own rendering (``prepare_inputs``).
+"""Request -> prompts, with transformers.decision's own rendering (``prepare_inputs``).
 
-A chunk is one prompt: the unit the engines pack. A template that reads ``questions`` renders one prompt for all
-questions; a request whose prompt is longer than the model reads is split into chunks of its questions, each of
+A prompt is one prompt: the unit the engines pack. A template that reads ``questions`` renders one prompt for all
+questions; a request whose prompt is longer than the model reads is split into prompts of its questions, each of
 which fits. Nothing is ever truncated: a state too long even for one question is refused with the token counts.
 Images arrive inline (base64) only and are decoded here under a pixel limit; the worker never opens a path or URL.
 """
@@ -24,7 +24,7 @@ from transformers.utils.chat_template_utils import _get_template_variables
 from producer.schema import ErrorCode, Request, RequestError
 
 from .checkpoint import DecisionModel, RenderSpec
-from .engine import Chunk
+from .engine import Prompt
 
 _PIL_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
 
@@ -104,8 +104,8 @@ class Encoder:
         self.renders_state = "state" in _get_template_variables(template)
         self.max_token_chars = max(len(token) for token in tokenizer.get_vocab()) or 1
 
-    def plan(self, request: Request, names: Sequence[str] | None = None) -> list[Chunk]:
-        """The chunks of ``request`` (or of its questions ``names``), each at most ``max_length`` tokens."""
+    def prompts(self, request: Request, names: Sequence[str] | None = None) -> list[Prompt]:
+        """The prompts of ``request`` (or of its questions ``names``), each at most ``max_length`` tokens."""
         body = request.template_input()
         hostile = _control_token_in_keys(body, self.control_tokens)
         if hostile:
@@ -125,17 +125,17 @@ class Encoder:
                 raise RequestError(ErrorCode.INVALID_REQUEST, "assets: this model reads text only")
             body["assets"] = decode_images({n: a.data_base64 for n, a in request.assets.items()},
                                            self.max_image_pixels)
-        chunks = self._render(body)
-        if all(chunk.length <= self.max_length for chunk in chunks):
-            return chunks
+        prompts = self._render(body)
+        if all(prompt.length <= self.max_length for prompt in prompts):
+            return prompts
         if not self.one_prompt_for_all or len(body["questions"]) == 1:
-            longest = max(chunks, key=lambda chunk: chunk.length)
+            longest = max(prompts, key=lambda prompt: prompt.length)
             raise RequestError(ErrorCode.STATE_TOO_LONG, (
                 f"the prompt of question {longest.questions[0].name!r} has {longest.length} tokens; this model "
                 f"reads at most {self.max_length} per prompt"))
         return self._split(body)
 
-    def _render(self, body: dict[str, Any]) -> list[Chunk]:
+    def _render(self, body: dict[str, Any]) -> list[Prompt]:
         try:
             prompts = prepare_inputs(self.config, body, self.processor)
         except (ValueError, TemplateError, TypeError) as error:
@@ -151,12 +151,12 @@ class Encoder:
                     raise RequestError(ErrorCode.INVALID_REQUEST, (
                         f"Question {question.name!r}: this model's head scores at most {limit} options "
                         f"for a {question.type} question, got {len(question.options)}"))
-        return [_chunk(inputs, questions) for inputs, questions in prompts]
+        return [_prompt(inputs, questions) for inputs, questions in prompts]
 
     def _length(self, body: dict[str, Any], names: Sequence[str]) -> int:
         return sum(c.length for c in self._render(_subset(body, names)))
 
-    def _split(self, body: dict[str, Any]) -> list[Chunk]:
+    def _split(self, body: dict[str, Any]) -> list[Prompt]:
         """Greedy grouping of questions by their estimated token cost; each group is rendered and checked."""
         names = list(body["questions"])
         single: dict[str, int] = {}
@@ -177,12 +177,12 @@ class Encoder:
                 used = shared
             groups[-1].append(name)
             used += cost
-        chunks: list[Chunk] = []
+        prompts: list[Prompt] = []
         for group in groups:
-            chunks.extend(self._fit(body, group))
-        return chunks
+            prompts.extend(self._fit(body, group))
+        return prompts
 
-    def _fit(self, body: dict[str, Any], names: list[str]) -> list[Chunk]:
+    def _fit(self, body: dict[str, Any], names: list[str]) -> list[Prompt]:
         rendered = self._render(_subset(body, names))
         if len(names) == 1 or all(c.length <= self.max_length for c in rendered):
             return rendered
@@ -220,10 +220,10 @@ def _subset(body: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
     return {**body, "questions": {n: body["questions"][n] for n in names}}
 
 
-def _chunk(inputs: dict[str, Any], questions: list[Question]) -> Chunk:
+def _prompt(inputs: dict[str, Any], questions: list[Question]) -> Prompt:
     mm = inputs.get("mm_token_type_ids")
     grid = inputs.get("image_grid_thw")
-    return Chunk(
+    return Prompt(
         input_ids=inputs["input_ids"][0].contiguous(),
         rows=(inputs["marks"] - 1).contiguous(),
         questions=tuple(questions),

@@ -1,5 +1,5 @@
-"""The engine contract: what the queue stages hand an engine (``Chunk``), and what every engine offers them
-(``Engine``: run one pack of chunks, get head scores back as a ``PackRun``).
+"""The engine contract: what the queue stages hand an engine (``Prompt``), and what every engine offers them
+(``Engine``: run one pack of prompts, get head scores back as a ``PackRun``).
 
 ``launch`` starts a pack and returns at once where the device allows (the GPU works while the daemon forms the
 next pack); ``Pending.wait`` returns the scores. The reference engine computes synchronously.
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Chunk:
+class Prompt:
     """One prompt of a request: what an engine needs to score its questions."""
 
     input_ids: torch.Tensor  # (length,) int64
@@ -39,9 +39,9 @@ class Chunk:
 
 @dataclass(frozen=True)
 class PackRun:
-    """What one forward pass did: per-chunk head scores and the facts the metrics report."""
+    """What one forward pass did: per-prompt head scores and the facts the metrics report."""
 
-    scores: list[torch.Tensor]  # per chunk: (questions, verbalizers) float32 on the CPU
+    scores: list[torch.Tensor]  # per prompt: (questions, verbalizers) float32 on the CPU
     tokens: int  # real prompt tokens in the pack
     capacity: int  # tokens the pass computed (bucket size, or batch x longest for padded batches)
     bucket: int | None  # the static bucket it ran in, None when eager
@@ -69,9 +69,9 @@ class Engine(Protocol):
 
     @property
     def max_pack_tokens(self) -> int:
-        """Token budget the packer fills; a single chunk longer than this still runs (eagerly, alone)."""
+        """Token budget the packer fills; a single prompt longer than this still runs (eagerly, alone)."""
 
     def warmup(self) -> None:
         """Compile and capture everything up front, before the worker reports ready."""
 
-    def launch(self, chunks: list[Chunk]) -> Pending: ...
+    def launch(self, prompts: list[Prompt]) -> Pending: ...
