@@ -31,7 +31,7 @@ def request(request_id: str | None = None, **extra) -> bytes:
 def own_keys(ids) -> set[bytes]:
     """What work on these requests may write: the work and dead-letter streams, the heartbeats, their own keys."""
     shared = {KEYS.requests, KEYS.parts, KEYS.dead, KEYS.workers()}
-    return {key.encode() for key in shared | {make(i) for i in ids for make in (KEYS.result, KEYS.parts, KEYS.body)}}
+    return {key.encode() for key in shared | {make(i) for i in ids for make in (KEYS.result, KEYS.shares, KEYS.body)}}
 
 
 class Watched:
@@ -142,7 +142,7 @@ def test_bad_part_entries_answer_their_request_or_are_dead_lettered(watched):
     report = settle(client.redis, client.keys, ["forged-1", "forged-2", "forged-3"], timeout=60).assert_ok()
     assert error_of(report, "forged-1") == ("invalid_request", "field 'part' is 7, outside 0..1")
     assert error_of(report, "forged-2")[1].startswith("field 'questions' is not a list")
-    assert error_of(report, "forged-3")[1].startswith("field 'reply_to' is not a field of prompts entries")
+    assert error_of(report, "forged-3")[1].startswith("field 'reply_to' is not a field of chunks entries")
     dead = [fields for _, fields in client.redis.xrange(client.keys.dead) if fields[b"entry_id"].decode() in orphans]
     assert len(dead) == 2 and all(b"request_id" in fields[b"reason"] for fields in dead)
     assert written.keys() <= own_keys(["forged-1", "forged-2", "forged-3"])
