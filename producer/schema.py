@@ -287,6 +287,11 @@ def describe(error: ValidationError) -> str:
 
 def parse_request(raw: str | bytes) -> Request:
     """Parse a request entry body; raises ``RequestError`` with a code and a message naming the problem."""
+    return validate(load_json(raw))
+
+
+def load_json(raw: str | bytes) -> dict[str, Any]:
+    """A request body's JSON object, parsed once; raises ``RequestError`` (``invalid_json``) if it is not one."""
     try:
         data = json.loads(raw.decode() if isinstance(raw, bytes) else raw)  # UTF-8 only (json.loads would guess)
     except RecursionError:  # not a ValueError: it would escape as a worker failure, retried, then dead-lettered
@@ -295,6 +300,11 @@ def parse_request(raw: str | bytes) -> Request:
         raise RequestError(ErrorCode.INVALID_JSON, f"body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise RequestError(ErrorCode.INVALID_JSON, f"body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def validate(data: dict[str, Any]) -> Request:
+    """A parsed request body checked against the schema; raises ``RequestError`` naming the problem."""
     if _depth(data) > MAX_DEPTH:
         raise RequestError(ErrorCode.INVALID_REQUEST, f"the request is nested deeper than {MAX_DEPTH} levels")
     try:  # JSON escapes can carry lone surrogates, which no tokenizer can encode

@@ -23,7 +23,9 @@ from producer.invariant import settle
 from producer.keys import NORMAL
 from worker import link as links
 from worker.config import Settings
-from worker.intake import Consumer, Intake
+from worker.consumer import Consumer
+from worker.intake import Intake
+from worker.lifecycle import Lifecycle
 from worker.metrics import Metrics
 from worker.presence import Presence
 
@@ -245,16 +247,19 @@ def test_pending_entries_trimmed_from_the_stream(redis_server, start_worker, tin
     assert "no payload any more" in worker.log.read_text()
 
 
-async def bare_intake(url: str, name: str, accept) -> tuple[Intake, str]:
-    """The worker's intake stage alone, on a real server (no daemon, no model): for races a worker process cannot be
-    made to hit on purpose; and the normal lane's request stream, its group created."""
+async def bare_intake(url: str, name: str, route) -> tuple[Intake, str]:
+    """The worker's intake and held table alone, on a real server (no planner, no model; each entry taken goes to
+    ``route``): for races a worker process cannot be made to hit on purpose; and the normal lane's request stream,
+    its group created."""
     settings = Settings.from_env({}, redis_url=url, claim_idle_ms=60_000)
     client, keys, metrics = links.client(settings), Client(url).keys, Metrics()
     consumer = Consumer(client, keys, name, settings.max_entry_bytes)
     await consumer.ensure_groups()
-    return Intake(consumer, links.Link(client, metrics, give_up=lambda: False, where="test"), settings, metrics,
-                  accept=accept, stopping=threading.Event(),
-                  presence=Presence(client, keys, name, list(consumer.streams), 60_000, {})), keys.requests_in(NORMAL)
+    link = links.Link(client, metrics, give_up=lambda: False, where="test")
+    lifecycle = Lifecycle(keys, settings, metrics, link, consumer, None, None, None, asyncio.get_running_loop())
+    lifecycle._route = route
+    return Intake(consumer, lifecycle, link, settings, metrics, threading.Event(),
+                  Presence(client, keys, name, list(consumer.streams), 60_000, {})), keys.requests_in(NORMAL)
 
 
 def test_a_held_entry_trimmed_between_keep_alive_and_reclaim_is_not_counted_lost(redis_server):
@@ -262,14 +267,14 @@ def test_a_held_entry_trimmed_between_keep_alive_and_reclaim_is_not_counted_lost
     answered from there and is not lost. The race (the trim lands between keep_alive and reclaim) made on purpose:
     keep_alive does nothing here. A trimmed entry nobody holds is still counted."""
     async def scenario() -> float:
-        intake, stream = await bare_intake(redis_server.url, "w-held", accept=lambda delivery: None)
+        intake, stream = await bare_intake(redis_server.url, "w-held", route=lambda delivery: None)
         consumer, client = intake.consumer, intake.consumer.redis
         held_id, orphan_id = [(await client.xadd(stream, {"body": json.dumps({"id": name})})).decode()
                               for name in ("held", "orphan")]
         for delivery in await consumer.read(NORMAL, 10, 100):
             if delivery.request_id == "held":
-                intake.take(delivery, "read")  # the orphan stays pending, held by no one
-        assert set(intake.held) == {(stream, held_id)}
+                intake.lifecycle.take(delivery, "read")  # the orphan stays pending, held by no one
+        assert set(intake.lifecycle.held) == {(stream, held_id)}
         await client.xdel(stream, held_id, orphan_id)
 
         async def no_keep_alive(deliveries) -> None:
@@ -292,15 +297,15 @@ def test_an_entry_trimmed_before_its_retry_is_retried_from_memory(redis_server):
     accepted = []
 
     async def scenario() -> tuple[str, set]:
-        intake, stream = await bare_intake(redis_server.url, "w-retry", accept=accepted.append)
-        consumer, client = intake.consumer, intake.consumer.redis
+        intake, stream = await bare_intake(redis_server.url, "w-retry", route=accepted.append)
+        consumer, client, lifecycle = intake.consumer, intake.consumer.redis, intake.lifecycle
         entry_id = (await client.xadd(stream, {"body": json.dumps({"id": "retried"})})).decode()
         [delivery] = await consumer.read(NORMAL, 10, 100)
-        intake.take(delivery, "read")
+        lifecycle.take(delivery, "read")
         await client.xdel(stream, entry_id)  # trimmed while its first attempt failed
-        await intake.retry(delivery)
+        await lifecycle._retry(delivery, None)  # no planned task: planned again
         await client.aclose()
-        return (stream, entry_id), set(intake.held)
+        return (stream, entry_id), set(lifecycle.held)
 
     entry, held = asyncio.run(scenario())
     assert [(d.request_id, d.deliveries) for d in accepted] == [("retried", 1), ("retried", 2)]
