@@ -30,6 +30,8 @@ from .keys import LANES, MAX_BODY_BYTES, PROTOCOL, Field, Keys
 
 LIBRARY = f"dq_v{PROTOCOL}"
 SUBMIT = f"{LIBRARY}_submit"  # KEYS: a request stream. ARGV: limit (0: none), then id, body per request
+# Revision 1's publication, which no current worker calls: kept while workers of revision 1 may share the library
+# during a rolling upgrade (a revision keeps every function), removed with wire protocol v2 (library dq_v2).
 PUBLISH = f"{LIBRARY}_publish"  # KEYS: result, parts, body. ARGV: result JSON, TTL s. 1 published now, 0 already
 PART = f"{LIBRARY}_part"  # KEYS: parts, result. ARGV: index, count, part JSON, TTL s. -1 done, 0 wait, else all
 # Revision 2: publication that records and tells who published (so that a call re-sent after its answer was lost

@@ -1,6 +1,12 @@
 """This worker's Redis calls on the consumer group: read, recover its own pending entries, reclaim dead consumers'
 entries, keep long work from being reclaimed, claim again for a retry, and the group's stats. Every entry comes
 back as a parsed ``Delivery``; what to do with it is the lifecycle's (lifecycle.py).
+
+The calls that hand entries over (``XREADGROUP >``, ``XAUTOCLAIM``) go through a client that never re-sends a call
+by itself: a reply lost after Redis delivered would leave its entries pending for this live consumer, held by no
+one, and the re-sent call would not return them. Any error there is the caller's doubt: it recovers its own
+pending entries next (``own_pending``), which finds them with ``XPENDING`` (no delivery counter bumped) and takes
+only those it does not hold (``XCLAIM``, which counts the new delivery).
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ from .entries import PARTS, REQUESTS, Delivery, Stream
 class Consumer:
     """One consumer of the worker group, on the shard's work streams: each lane's part and request streams."""
 
-    def __init__(self, redis_client: Any, keys: Keys, name: str, max_entry_bytes: int | None = None) -> None:
+    def __init__(self, redis_client: Any, keys: Keys, name: str, max_entry_bytes: int | None = None,
+                 once: Any = None) -> None:
         self.redis = redis_client
+        self.once = once or redis_client  # a client that never retries a call: for the calls that hand entries over
         self.keys = keys
         self.name = name
         self.max_entry_bytes = max_entry_bytes  # larger entries are refused unparsed (Delivery.parse)
@@ -28,6 +36,10 @@ class Consumer:
             self.streams[keys.parts_in(lane)] = (PARTS, lane)
             self.streams[keys.requests_in(lane)] = (REQUESTS, lane)
         self.lanes = {lane: [key for key, (_, of) in self.streams.items() if of == lane] for lane in LANES}  # read keys
+
+    async def close(self) -> None:  # the client of its own (the shared one is the link's)
+        if self.once is not self.redis:
+            await self.once.aclose()
 
     async def ensure_groups(self) -> bool:
         """Create the group on every work stream (and the streams); True if one had to be created."""
@@ -43,28 +55,44 @@ class Consumer:
 
     async def read(self, lane: Priority, count: int, block_ms: int) -> list[Delivery]:
         """New entries (``>``) of one lane, parts before requests."""
-        reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: ">" for key in self.lanes[lane]},
-                                            count=count, block=block_ms)
+        reply = await self.once.xreadgroup(self.keys.group, self.name, {key: ">" for key in self.lanes[lane]},
+                                           count=count, block=block_ms)
         return [self._parse(text(key), text(entry_id), fields, 1)
                 for key, entries in reply or [] for entry_id, fields in entries]
 
-    async def own_pending(self, lane: Priority, count: int, limit: int,
-                          skip: set[tuple[str, str]]) -> tuple[list[Delivery], bool]:
-        """A lane's entries delivered to this consumer and never acknowledged (a restart, or a reply lost in
-        transit), but those in ``skip`` (stream key, entry id: held already), at most ``limit``; and whether some
-        are left for another turn."""
-        found: list[tuple[str, str, dict]] = []
+    async def own_pending(self, lane: Priority, limit: int, skip: set[tuple[str, str]]
+                          ) -> tuple[list[Delivery], list[tuple[str, str]], bool]:
+        """A lane's entries delivered to this consumer and never acknowledged (a restart, a reply lost in transit),
+        but those in ``skip`` (held already: their counters are not touched), at most ``limit``, claimed again
+        (their counters go up by one: this is a new delivery); (stream key, entry id) of those that had no payload
+        any more; and whether some are left for another turn."""
+        found: list[tuple[str, str]] = []
         for key in self.lanes[lane]:
-            cursor = "0"
+            start = "-"
             while len(found) < limit:
-                reply = await self.redis.xreadgroup(self.keys.group, self.name, {key: cursor}, count=count)
-                entries = reply[0][1] if reply else []
-                if not entries:
+                pending = await self.redis.xpending_range(key, self.keys.group, start, "+", 100, self.name)
+                if not pending:
                     break
-                found += [(key, text(entry_id), fields) for entry_id, fields in entries
-                          if (key, text(entry_id)) not in skip][: limit - len(found)]
-                cursor = text(entries[-1][0])
-        return await self._counted(found), len(found) >= limit
+                ids = [text(entry["message_id"]) for entry in pending]
+                found += [(key, entry_id) for entry_id in ids if (key, entry_id) not in skip][: limit - len(found)]
+                start = "(" + ids[-1]
+        deliveries: list[Delivery] = []
+        gone: list[tuple[str, str]] = []
+        for key in self.lanes[lane]:
+            ids = [entry_id for of, entry_id in found if of == key]
+            if ids:
+                claimed, lost = await self._claim(key, ids)
+                deliveries += claimed
+                gone += lost
+        return deliveries, gone, len(found) >= limit
+
+    async def _claim(self, key: str, ids: list[str]) -> tuple[list[Delivery], list[tuple[str, str]]]:
+        """Own pending entries taken again (XCLAIM: their counters go up); those deleted meanwhile, which Redis 7
+        drops from the pending list instead of returning."""
+        reply = await self.redis.xclaim(key, self.keys.group, self.name, 0, ids)
+        fields = {text(entry_id): values for entry_id, values in reply or [] if values}
+        deliveries = await self._counted([(key, entry_id, fields[entry_id]) for entry_id in ids if entry_id in fields])
+        return deliveries, [(key, entry_id) for entry_id in ids if entry_id not in fields]
 
     async def reclaim(self, lane: Priority, min_idle_ms: int, count: int,
                       limit: int) -> tuple[list[Delivery], list[tuple[str, str]]]:
@@ -76,8 +104,8 @@ class Consumer:
         for key in self.lanes[lane]:
             cursor = "0-0"
             while len(found) < limit:
-                reply = await self.redis.xautoclaim(key, self.keys.group, self.name, min_idle_ms,
-                                                    start_id=cursor, count=min(count, limit - len(found)))
+                reply = await self.once.xautoclaim(key, self.keys.group, self.name, min_idle_ms,
+                                                   start_id=cursor, count=min(count, limit - len(found)))
                 cursor, entries = text(reply[0]), reply[1]
                 gone += [(key, text(entry_id)) for entry_id in (reply[2] if len(reply) > 2 else [])]
                 found += [(key, text(entry_id), fields) for entry_id, fields in entries]
@@ -95,11 +123,8 @@ class Consumer:
 
     async def claim_again(self, delivery: Delivery) -> Delivery | None:
         """Take an own entry again for a retry: bumps its delivery counter. None if it is gone."""
-        reply = await self.redis.xclaim(delivery.key, self.keys.group, self.name, 0, [delivery.entry_id])
-        if not reply or not reply[0][1]:
-            return None
-        [fresh] = await self._counted([(delivery.key, delivery.entry_id, reply[0][1])])
-        return fresh
+        claimed, _ = await self._claim(delivery.key, [delivery.entry_id])
+        return claimed[0] if claimed else None
 
     async def stored_body(self, delivery: Delivery) -> bytes | None:
         """A part's request body, stored when its request fanned out (None: gone)."""
@@ -116,7 +141,7 @@ class Consumer:
         return out
 
     async def _counted(self, found: list[tuple[str, str, dict]]) -> list[Delivery]:
-        """Deliveries with Redis' delivery counters (reads from history and claims bump them)."""
+        """Deliveries with Redis' delivery counters, as the claims that took them left them."""
         if not found:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:

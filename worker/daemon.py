@@ -72,11 +72,11 @@ class Daemon:
         self.stop_deadline = float("inf")
         self.loop = asyncio.new_event_loop()  # runs on the "redis" thread
         client = redis_client(settings)
-        # A call that cannot reach Redis stops retrying once stopping with nothing left to save, or past the drain
-        # (a callable: the link is built before what it asks about).
+        # A call that cannot reach Redis stops retrying once stopping with nothing left to save, or past the drain.
         self.link = Link(client, self.metrics, where=settings.redis_where, give_up=lambda: self.stopping.is_set() and (
             not self.lifecycle.held or time.monotonic() > self.stop_deadline))
-        consumer = Consumer(client, self.keys, settings.consumer_name, settings.max_entry_bytes)
+        consumer = Consumer(client, self.keys, settings.consumer_name, settings.max_entry_bytes,
+                            once=redis_client(settings, retries=0))
         presence = Presence(client, self.keys, settings.consumer_name, list(consumer.streams),
                             settings.consumer_gone_ms, {"model": self.model.name, "engine": self.engine.name})
         self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name)
@@ -92,9 +92,9 @@ class Daemon:
     # ---------------------------------------------------------------- lifecycle (main thread)
 
     def run(self, after_warmup: Any = None, burst: bool = False) -> int:
-        """Serve until stopped (``stop``: SIGTERM, from ``serve``). ``after_warmup``: called once the engine is warm,
-        before ready (benchmarks). ``burst``: stop by itself once every lane's read, begun after the last entry was
-        let go, found nothing new and nothing is held (in-process tests; work added meanwhile is still drained)."""
+        """Serve until ``stop`` (SIGTERM, from ``serve``). ``after_warmup``: called once warm, before ready (benchmarks).
+        ``burst``: stop once nothing is held and every lane's read, begun after the last entry was let go, found
+        nothing new (in-process tests)."""
         redis_thread = threading.Thread(target=self._run_loop, name="redis", daemon=True)
         redis_thread.start()
         self.planner.warmup()
@@ -122,9 +122,8 @@ class Daemon:
         return 0
 
     def _burst_over(self) -> bool:
-        empty_since, lifecycle = self.intake.streams_empty_since, self.lifecycle
-        if not self.stopping.is_set() and not lifecycle.held and empty_since is not None \
-                and empty_since > lifecycle.released_at:
+        empty_since = self.intake.streams_empty_since
+        if not self.lifecycle.held and empty_since is not None and empty_since > self.lifecycle.released_at:
             self.stop()
         return self.stopping.is_set()
 
@@ -213,6 +212,7 @@ class Daemon:
             if self.link.reachable:  # best effort: a heartbeat left behind is forgotten by the others
                 await asyncio.wait_for(self.intake.leave(), timeout=2.0)
             await self.link.close()
+            await self.intake.consumer.close()
         except (asyncio.TimeoutError, *REDIS_ERRORS):
             pass
 

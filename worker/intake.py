@@ -27,6 +27,13 @@ from .presence import Presence
 log = logging.getLogger("worker")
 
 
+def group_gone(error: redis.ResponseError) -> bool:
+    """The group or its stream is gone: NOGROUP; or, on Redis 7.0, a blocked read ended by the stream's deletion
+    (``UNBLOCKED the stream key no longer exists``; Valkey and later Redis answer NOGROUP)."""
+    message = str(error)
+    return "NOGROUP" in message or ("UNBLOCKED" in message and "no longer exists" in message)
+
+
 class Reader:
     """One lane's reader state, for liveness and health."""
 
@@ -34,6 +41,7 @@ class Reader:
         self.turn: float | None = None  # its last turn
         self.reading_since: float | None = None  # it has waited on Redis since (health: Redis' fault)
         self.empty_since: float | None = None  # its last read of new entries, begun then (monotonic), found none
+        self.recover = True  # own pending entries first: at start, and after any doubt (a call's reply may be lost)
 
 
 class Intake:
@@ -44,6 +52,7 @@ class Intake:
         self.stopping = stopping
         self.presence = presence  # the heartbeat, and forgetting the workers and consumers that are gone
         self.readers = {lane: Reader() for lane in LANES}
+        self.recreating = asyncio.Lock()  # one recreation of a lost group, whichever loop noticed first
 
     @property
     def read_turn(self) -> float | None:
@@ -79,7 +88,6 @@ class Intake:
         """One lane: own pending entries first (at start, and after a reply may have been lost), then new ones,
         while the lane has room."""
         settings, reader, lifecycle = self.settings, self.readers[lane], self.lifecycle
-        recover = True
         while not self.stopping.is_set():
             reader.turn = time.time()
             self.metrics.heartbeat.labels("reader").set(self.read_turn or reader.turn)
@@ -94,26 +102,36 @@ class Intake:
                 continue
             reader.reading_since, since = time.time(), time.monotonic()
             try:
-                if recover:  # at most ``room`` of them: the rest on the next turns
-                    deliveries, recover = await self.consumer.own_pending(lane, min(settings.read_count, room), room,
-                                                                          set(lifecycle.held))
+                if reader.recover:  # at most ``room`` of them: the rest on the next turns
+                    deliveries, gone, reader.recover = await self.consumer.own_pending(lane, room, set(lifecycle.held))
+                    self._lost([entry for entry in gone if not lifecycle.known(entry, since)])
                     how = "recovered"
                 else:
                     deliveries = await self.consumer.read(lane, min(settings.read_count, room), settings.block_ms)
                     reader.empty_since, how = None if deliveries else since, "read"
                 self.link.answered()
             except redis.ResponseError as error:
-                if "NOGROUP" not in str(error):
+                if not group_gone(error):
                     raise
                 await self._group_lost()
                 continue
             except REDIS_ERRORS as error:
                 self.link.failed("read", error)
-                recover = True
+                self.doubt()
                 await asyncio.sleep(0.5)
                 continue
             for delivery in deliveries:
                 lifecycle.take(delivery, how, since)
+
+    def doubt(self) -> None:
+        """A call that hands entries over failed: its reply may have been lost after Redis delivered them. Every
+        reader recovers its own pending entries next."""
+        for reader in self.readers.values():
+            reader.recover = True
+
+    def _lost(self, gone: list[tuple[str, str]]) -> None:
+        if lost := self.lifecycle.count_lost(gone):
+            log.error("%d pending entries had no payload any more (trimmed?)", lost)
 
     async def run_maintenance(self) -> None:
         """Until cancelled: keep held entries alive, reclaim dead consumers' entries; stats and heartbeat every 5 s."""
@@ -126,16 +144,18 @@ class Intake:
                 await self.consumer.keep_alive(list(lifecycle.held.values()))
                 since = time.monotonic()
                 reclaimed, gone = [], []
-                for lane in LANES:  # claims beyond a lane's room would exceed --max-inflight
-                    found, lost_here = await self.consumer.reclaim(lane, settings.claim_idle_ms, settings.read_count,
-                                                                   lifecycle.room_in(lane))
+                for lane in LANES if not self.stopping.is_set() else ():  # a drain takes nothing new
+                    try:  # claims beyond a lane's room would exceed --max-inflight
+                        found, lost_here = await self.consumer.reclaim(lane, settings.claim_idle_ms,
+                                                                       settings.read_count, lifecycle.room_in(lane))
+                    except REDIS_ERRORS:
+                        self.doubt()  # what it claimed before the error is pending here, held by no one
+                        raise
                     reclaimed += found
                     gone += lost_here
                 # An entry held in memory (or settled since the reclaim began) is answered from memory, not lost:
                 # a held entry trimmed while it computes can be reported gone before keep_alive drops it.
-                gone = [entry for entry in gone if not lifecycle.known(entry, since)]
-                if lost := lifecycle.count_lost(gone):
-                    log.error("%d pending entries had no payload any more (trimmed?)", lost)
+                self._lost([entry for entry in gone if not lifecycle.known(entry, since)])
                 fresh = [d for d in reclaimed if (d.key, d.entry_id) not in lifecycle.held]
                 if fresh:  # one line per reclaim, not one per entry (a dead worker may have held hundreds)
                     log.info("reclaimed %d entries from consumers idle over %d ms", len(fresh), settings.claim_idle_ms)
@@ -147,7 +167,7 @@ class Intake:
                     last_stats = time.monotonic()
                     await self._report()
             except redis.ResponseError as error:
-                if "NOGROUP" in str(error):  # not left to the reader: it may be waiting for room, not reading
+                if group_gone(error):  # not left to the reader: it may be waiting for room, not reading
                     await self._group_lost()
                 else:  # e.g. OOM refusing the heartbeat: counted, logged once per interval
                     self.link.refused("maintenance", error, stalls=False)
@@ -167,9 +187,10 @@ class Intake:
     async def _group_lost(self) -> None:
         """Redis lost the group (a restart without persistence, a failover to an empty replica): recreate it once,
         whichever loop noticed first, and report the loss."""
-        if await self.link.until(self.consumer.ensure_groups, "create groups"):
-            log.error("consumer group missing (Redis lost its data?): recreated it; entries not yet read are lost")
-            self.metrics.groups_recreated.inc()
+        async with self.recreating:
+            if await self.link.until(self.consumer.ensure_groups, "create groups"):
+                log.error("consumer group missing (Redis lost its data?): recreated it; entries not yet read are lost")
+                self.metrics.groups_recreated.inc()
 
     async def _report(self) -> None:
         """Stream lengths, pending and lag as metrics; this worker's heartbeat; the gone forgotten."""

@@ -69,7 +69,7 @@ def run(model, lengths):
             answered.append(item.task.request_id)
 
     compute = Compute(model, engine, packer, Metrics(), Sink())
-    compute.run(done=lambda: packer.idle)
+    compute.run(done=lambda: not any(packer.lanes.values()))
     assert sorted(answered) == sorted(f"r{i}" for i in range(len(lengths)))  # every prompt answered once
     return engine.events
 

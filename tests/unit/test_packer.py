@@ -80,7 +80,7 @@ def test_normal_work_alone_fills_packs_first_fit_in_order():
     packer = fill(Packer(100, max_wait=0.0), *[item(NORMAL, n, f"n{i}") for i, n in enumerate([60, 50, 30, 40])])
     assert names(packer.next()) == ["n0", "n2"]  # n1 does not fit beside n0; n2 does
     assert names(packer.next()) == ["n1", "n3"]
-    assert packer.idle and packer.next(timeout=0.01) == []
+    assert not any(packer.lanes.values()) and packer.next(timeout=0.01) == []
 
 
 def test_packs_shrink_to_the_high_budget_while_high_work_flows():

@@ -196,7 +196,8 @@ class FastEngine:
         before, self._last_done = self._last_done, done
         graph = layout.bucket is not None and self.graphed is not None
 
-        def finish() -> PackRun:
+        def scores_ready() -> PackRun:
+            """Waits for this pack's scores on the host (the GPU finished it), with its timings."""
             gpu = idle = None
             if began is not None and done is not None:
                 done.synchronize()
@@ -208,7 +209,7 @@ class FastEngine:
             return PackRun(per_prompt, layout.tokens, layout.capacity, layout.bucket, graph,
                            time.perf_counter() - start, gpu, idle)
 
-        pending = Pending(finish)
+        pending = Pending(scores_ready)
         if slot is not None:
             slot.pending = pending
         return pending
