@@ -85,6 +85,9 @@ class Settings:
                                          "than this (its worker is gone)", low=1000)
     max_deliveries: int = _opt(5, "dead-letter an entry delivered more often than this", low=1)
     result_ttl_s: int = _opt(86400, "how long results stay readable", low=1)
+    reply_maxlen: int = _opt(10000, "a reply stream keeps about this many newest replies (approximate MAXLEN)",
+                             low=100)
+    dead_maxlen: int = _opt(100000, "the dead-letter stream keeps about this many newest entries", low=100)
     max_entry_bytes: int = _opt(8 << 20, "larger entries (all fields) are refused with too_large, unparsed", low=1)
     max_image_pixels: int = _opt(4096 * 4096, "a request whose images have more pixels in all is refused "
                                               "(decompression bombs)", low=1)

@@ -131,12 +131,16 @@ class Consumer:
         return await self.redis.get(self.keys.body(delivery.request_id))
 
     async def group_stats(self) -> dict[tuple[Stream, Priority], dict[str, Any]]:
+        """Per work stream: its length, the group's pending count and lag, and ``unread_deleted``: the id past which
+        entries were deleted before the group read them (None: none were), by ``unread_deleted``."""
         out = {}
         for key, stream in self.streams.items():
-            entry: dict[str, Any] = {"length": await self.redis.xlen(key), "pending": 0, "lag": None}
+            info = await self.redis.xinfo_stream(key)
+            entry: dict[str, Any] = {"length": info["length"], "pending": 0, "lag": None, "unread_deleted": None}
             for group in await self.redis.xinfo_groups(key):
                 if text(group["name"]) == self.keys.group:
-                    entry.update(pending=group["pending"], lag=group.get("lag"))
+                    entry.update(pending=group["pending"], lag=group.get("lag"),
+                                 unread_deleted=unread_deleted(info, group))
             out[stream] = entry
         return out
 
@@ -154,3 +158,30 @@ class Consumer:
     def _parse(self, key: str, entry_id: str, fields: dict | None, deliveries: int) -> Delivery:
         kind, lane = self.streams[key]
         return Delivery.parse(kind, key, entry_id, fields or {}, deliveries, self.max_entry_bytes, lane)
+
+
+def entry_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as what it sorts by (milliseconds, sequence)."""
+    millis, _, sequence = entry_id.partition("-")
+    return int(millis), int(sequence or 0)
+
+
+def unread_deleted(stream: dict[str, Any], group: dict[str, Any]) -> str | None:
+    """Whether entries the group never read were deleted (XDEL, or a trim: XADD MAXLEN/MINID, XTRIM), from XINFO
+    STREAM and the group's XINFO GROUPS; the id that shows it, else None. A worker deletes only entries it
+    acknowledged, which the group read: anything past the group's last delivered id was someone else's doing.
+
+    - deleted one by one: the stream's largest deleted id is past the last delivered one;
+    - trimmed (from the head; a trim moves no deleted id): the stream's first entry is past the last delivered one
+      and it holds fewer entries than the group has yet to read (the lag), or none at all though later ones were
+      added."""
+    last = entry_order(text(group["last-delivered-id"]))
+    deleted = text(stream.get("max-deleted-entry-id") or "0-0")
+    if entry_order(deleted) > last:
+        return deleted
+    first = text(stream.get("recorded-first-entry-id") or "0-0")
+    generated = text(stream.get("last-generated-id") or "0-0")
+    if stream["length"] == 0:
+        return generated if entry_order(generated) > last else None
+    lag = group.get("lag")
+    return first if entry_order(first) > last and lag is not None and lag > stream["length"] else None

@@ -79,7 +79,8 @@ class Daemon:
                             once=redis_client(settings, retries=0))
         presence = Presence(client, self.keys, settings.consumer_name, list(consumer.streams),
                             settings.consumer_gone_ms, {"model": self.model.name, "engine": self.engine.name})
-        self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name)
+        self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name, settings.reply_maxlen,
+                                   settings.dead_maxlen)
         self.planner = Planner(self.model, settings)
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
                              settings.high_pack_tokens)

@@ -53,6 +53,7 @@ class Intake:
         self.presence = presence  # the heartbeat, and forgetting the workers and consumers that are gone
         self.readers = {lane: Reader() for lane in LANES}
         self.recreating = asyncio.Lock()  # one recreation of a lost group, whichever loop noticed first
+        self.unread_deleted: dict[tuple[str, str], str] = {}  # per stream: the deleted entry last reported
 
     @property
     def read_turn(self) -> float | None:
@@ -194,7 +195,16 @@ class Intake:
 
     async def _report(self) -> None:
         """Stream lengths, pending and lag as metrics; this worker's heartbeat; the gone forgotten."""
-        self.metrics.streams(await self.consumer.group_stats())
+        stats = await self.consumer.group_stats()
+        self.metrics.streams(stats)
+        for (stream, lane), found in stats.items():
+            deleted = found["unread_deleted"]
+            if deleted is not None and self.unread_deleted.get((stream, lane)) != deleted:
+                self.unread_deleted[stream, lane] = deleted
+                self.metrics.unread_deleted.labels(stream, lane).inc()
+                log.error("entries of the %s lane's %s stream were deleted before the group read them (up to %s): "
+                          "requests lost unanswered; only a user with XADD MAXLEN/MINID, XTRIM or XDEL on the stream "
+                          "can do this (docs/OPERATIONS.md, what the roles cannot stop)", lane, stream, deleted)
         await self.presence.beat(len(self.lifecycle.held))
         consumers, beats = await self.presence.forget_the_gone()
         if consumers or beats:  # one line per clean-up (after a scale-down, several at once)

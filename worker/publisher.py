@@ -50,11 +50,13 @@ class Settlement:
 class Publisher:
     """Settles outcomes in batches: a few pipelined round trips however many there are."""
 
-    def __init__(self, redis_client: Any, keys: Keys, ttl_seconds: int, model: str) -> None:
+    def __init__(self, redis_client: Any, keys: Keys, ttl_seconds: int, model: str, reply_maxlen: int = 10000,
+                 dead_maxlen: int = 100000) -> None:
         self.redis = redis_client
         self.keys = keys
         self.ttl = ttl_seconds
         self.model = model
+        self.reply_maxlen, self.dead_maxlen = reply_maxlen, dead_maxlen  # approximate caps: Redis memory bounded
         self.inline_replies = not isinstance(redis_client, RedisCluster)  # in the publish call (library.PUBLISH_AS)
         self.library_ok = False  # the function library is on the server (readiness): check_library
         self.library_logged = float("-inf")
@@ -99,7 +101,7 @@ class Publisher:
                    if reply and outcome.reply_to and not outcome.replied and not self.inline_replies]
         if replies:  # before the ack: a crash in between replies again on redelivery rather than never
             answers = await self._functions([(library.REPLY, [outcome.reply_to], [
-                outcome.request_id, result.model_dump_json(exclude_none=True), self.ttl])
+                outcome.request_id, result.model_dump_json(exclude_none=True), self.ttl, self.reply_maxlen])
                 for outcome, result in replies])
             for (outcome, _), answer in zip(replies, answers):
                 outcome.replied = True
@@ -131,7 +133,7 @@ class Publisher:
         args = [outcome.result.model_dump_json(exclude_none=True), self.ttl, outcome.publisher]
         if self.inline_replies and outcome.reply_to and not outcome.replied:
             keys.append(outcome.reply_to)
-            args.append(request_id)
+            args += [request_id, self.reply_maxlen]
         return library.PUBLISH_AS, keys, args
 
     async def _functions(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
@@ -213,4 +215,4 @@ class Publisher:
                                   Field.REASON: reason[:2000]}
         for name in (Field.STREAM, Field.LANE, Field.ENTRY_ID, Field.DELIVERIES, Field.REASON):
             fields.pop(name.encode(), None)
-        await self.redis.xadd(self.keys.dead, fields)
+        await self.redis.xadd(self.keys.dead, fields, maxlen=self.dead_maxlen, approximate=True)

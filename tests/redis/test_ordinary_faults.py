@@ -85,3 +85,37 @@ def test_a_drain_takes_no_other_workers_entries(redis_server, inprocess):
     pending = client.redis.xpending_range(keys.requests, keys.group, "-", "+", 100)
     assert sorted(entry["consumer"] for entry in pending) == [b"dead-worker"] * 3
     assert client.redis.xlen(keys.result(busy)) == 1  # its own entry was drained: answered
+
+
+def test_entries_deleted_before_any_worker_read_them_are_detected(redis_server, inprocess):
+    """Fault 2: a producer credential may XADD, and XADD ... MAXLEN 0 trims the stream: ACLs cannot refuse an
+    argument. The loss cannot be undone, but it is seen: the stream's largest deleted id passes the group's last
+    delivered one; counted once per trim (dq_unread_entries_deleted_total, alert DecisionQueueRequestsDeleted)."""
+    client = Client(redis_server.url)
+    keys = client.keys
+    client.submit_many(batch(5, "trimmed"))
+    client.redis.xadd(keys.requests, {"body": "{}"}, maxlen=0, approximate=False)  # a leaked producer key at work
+    assert client.redis.xlen(keys.requests) == 0
+    worker = inprocess(redis_server.url).start()
+    found = dict(stream="requests", priority="normal")
+    wait_for(lambda: worker.metric("dq_unread_entries_deleted_total", **found) == 1, 20, what="the trim detected")
+    [kept] = client.submit_many(batch(1, "kept"))  # delivered and deleted by the worker: no new detection
+    assert settle(client.redis, keys, [kept], timeout=30).assert_ok().results[kept].ok
+    time.sleep(5.5)  # the next report
+    assert worker.metric("dq_unread_entries_deleted_total") == 1
+    worker.stop()
+
+
+def test_reply_and_dead_letter_streams_keep_to_their_caps(redis_server, inprocess):
+    """Fault 4: each reply refreshed its stream's TTL and nothing trimmed it; dead letters were kept for ever. Both
+    are capped now (approximate MAXLEN: a node of up to 100 entries at a time)."""
+    client = Client(redis_server.url)
+    keys = client.keys
+    reply_to = keys.reply_prefix + "busy"
+    ids = client.submit_many([{**request, "reply_to": reply_to} for request in batch(250, "capped")])
+    for n in range(250):  # parts that name no request: dead-lettered unanswered, at once
+        client.redis.xadd(keys.parts, {"part": n})
+    inprocess(redis_server.url, reply_maxlen=100, dead_maxlen=100).burst()
+    report = settle(client.redis, keys, ids, timeout=60).assert_ok()
+    assert all(report.results[i].ok for i in ids)
+    assert 100 <= client.redis.xlen(reply_to) <= 200 and 100 <= client.redis.xlen(keys.dead) <= 200
