@@ -233,6 +233,7 @@ class Job:
     questions: list[str] | None
     lane: Priority
     known: Identity
+    fallback_id: str  # the id when the body names no valid one: a request entry's entry id, a part's own field
     part: bool = False  # a part's request id is its entry's field, whatever the body says
     invalid: str | None = None
     invalid_code: ErrorCode = ErrorCode.INVALID_REQUEST
@@ -241,7 +242,7 @@ class Job:
     def of(cls, delivery: Delivery, stored_body: bytes | None = None) -> Job:
         part = delivery.stream == PARTS
         return cls(stored_body if part else delivery.body, delivery.questions, delivery.lane, delivery.identity,
-                   part, delivery.invalid, delivery.invalid_code)
+                   delivery.request_id if part else delivery.entry_id, part, delivery.invalid, delivery.invalid_code)
 
 
 def identity_of(keys: Keys, job: Job) -> tuple[Identity, dict[str, Any] | None, RequestError | None]:
@@ -253,7 +254,7 @@ def identity_of(keys: Keys, job: Job) -> tuple[Identity, dict[str, Any] | None, 
         body, error = load_json(job.raw), None
     except RequestError as bad:
         body, error = None, bad
-    identity = identify(keys, body, job.known.request_id, job.known.traceparent)
+    identity = identify(keys, body, job.fallback_id, job.known.traceparent)
     if job.part:
         identity = dataclasses.replace(identity, request_id=job.known.request_id)
     return identity, body, error

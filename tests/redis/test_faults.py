@@ -28,6 +28,7 @@ from worker.intake import Intake
 from worker.lifecycle import Lifecycle
 from worker.metrics import Metrics
 from worker.presence import Presence
+from worker.publisher import Publisher
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -256,7 +257,8 @@ async def bare_intake(url: str, name: str, route) -> tuple[Intake, str]:
     consumer = Consumer(client, keys, name, settings.max_entry_bytes)
     await consumer.ensure_groups()
     link = links.Link(client, metrics, give_up=lambda: False, where="test")
-    lifecycle = Lifecycle(keys, settings, metrics, link, consumer, None, None, None, asyncio.get_running_loop())
+    publisher = Publisher(client, keys, 60, "tiny")
+    lifecycle = Lifecycle(keys, settings, metrics, link, consumer, None, None, publisher, asyncio.get_running_loop())
     lifecycle._route = route
     return Intake(consumer, lifecycle, link, settings, metrics, threading.Event(),
                   Presence(client, keys, name, list(consumer.streams), 60_000, {})), keys.requests_in(NORMAL)

@@ -48,7 +48,8 @@ def test_a_request_entry_names_its_id_reply_stream_and_enqueue_time():
 @pytest.mark.parametrize("body", [b"{broken", b"\xff\xfe", b"[1, 2]", b'"text"', b"[" * 5000,
                                   json.dumps({"id": "a{b}"}).encode(), json.dumps({"id": 7}).encode(),
                                   json.dumps({"id": "r-1\n"}).encode(), json.dumps({"id": "x" * 129}).encode(),
-                                  json.dumps({"id": "1700000000999-0"}).encode(),
+                                  json.dumps({"id": "1700000000999-0"}).encode(), b'{"id": "r-1", "state": ',
+                                  b'{"id": "r-1", "state": "\xff"}',
                                   '{"id": "r-1", "state": "\u00e9"}'.encode("utf-16")])
 def test_a_request_without_a_usable_id_is_answered_under_its_entry_id(body):
     """No id, or one that is not valid (a trailing newline, too long, shaped like a stream entry id, a body that
