@@ -41,8 +41,8 @@ class Settings:
                       choices=("auto", "bfloat16", "float16", "float32"))
     engine: str = _opt("auto", "auto (fast on cuda, reference on cpu), fast or reference",
                        choices=("auto", "fast", "reference"))
-    max_prompt_tokens: int = _opt(8192, "longest prompt; a request whose prompt is longer is split by question",
-                                 low=1)
+    max_prompt_tokens: int = _opt(0, "longest prompt (0: the model's context); a request whose prompt is longer is "
+                                     "split by question, a shorter one runs whole", low=0)
     fanout_tokens: int = _opt(8192, "requests with more tokens than this (over several prompts) fan out to all workers",
                               low=1)
     # Packing and the fast path
