@@ -89,7 +89,8 @@ class FastEngine:
         fused = settings.fused_kernels and self.device.type == "cuda" and model.dtype in (torch.bfloat16,
                                                                                          torch.float16)
         self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last, fp8=settings.fp8,
-                                 fp8_layers=settings.fp8_layers, compile=settings.compile,
+                                 fp8_layers=settings.fp8_layers, fp8_matrices=settings.fp8_matrices,
+                                 compile=settings.compile,
                                  compile_pieces=not self.graphs_on, fused=fused)
         self.rope_index = getattr(model.backbone, "get_rope_index", None) if model.multimodal else None
         self.verbalizers = int(model.model.proj.out_features)
@@ -136,10 +137,11 @@ class FastEngine:
         for number, (variant, lengths) in enumerate(variants.items(), 1):
             self._timed(f"delta-rule variant {number} of {len(variants)} ({variant})", lengths)
         self.compile_seconds = time.perf_counter() - start - self.capture_seconds
-        log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices, layers %s), "
+        log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices, layers %s, %s), "
                  "fused kernels %s; capture %.1fs, first packs %.1fs (%d delta-rule variants)", self.buckets or "-",
                  self.settings.compile, self.graphs_on, self.fwd.pruned, self.settings.fp8, self.fwd.fp8_matrices,
-                 self.settings.fp8_layers, self.fwd.fused, self.capture_seconds, self.compile_seconds,
+                 self.settings.fp8_layers, self.settings.fp8_matrices, self.fwd.fused, self.capture_seconds,
+                 self.compile_seconds,
                  len(variants))
 
     def _timed(self, what: str, lengths: Sequence[int]) -> None:
