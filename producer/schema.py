@@ -188,8 +188,8 @@ class Usage(_Open):
     prompts: int = 0  # sequences (prompts) the request was rendered into
     parts: int = 1  # parts it was fanned out into across workers
     # Its one prompt was longer than the model reads: its questions were split over several prompts, whose answers
-    # can differ slightly from one prompt's (docs/PROTOCOL.md, "Read a result").
-    split: bool = False
+    # can differ slightly from one prompt's (docs/PROTOCOL.md, "Read a result"). Absent (None) when it was not.
+    split: bool | None = None
 
 
 class Timings(_Open):
