@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from synthetic import WORKLOADS, packs, padded_batches, probabilities, random_model
+from synthetic import WORKLOADS, packs, padded_batches, precision, probabilities, random_model
 
 from worker.config import Settings
 from worker.fast import FastEngine
@@ -139,7 +139,7 @@ def measure(shape: str = "2b", requests: int = 200, configs: tuple[str, ...] = t
         log(f"{name}: {time.perf_counter() - start:.1f}s {result[name]}")
 
     for name in configs:
-        run(name, **CONFIGS.get(name, {}))
+        run(name, **(CONFIGS[name] if name in CONFIGS else precision(name)))
     if sensitivity and "bf16" in answers:
         # FP8 (``sensitivity`` matrices) in one layer at a time, against bf16 fast: the layers ranked by how far
         # they move the answers; then FP8 in the least sensitive quarter, half and three quarters of them.
@@ -172,7 +172,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="2b", choices=("0.8b", "2b", "4b"))
     parser.add_argument("--requests", type=int, default=200, help="standard requests (three questions each)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join([*CONFIGS, *WEIGHT_ROUNDING])}")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join([*CONFIGS, *WEIGHT_ROUNDING])}, "
+                        "or precision specs (fp8+mlp@12-23: synthetic.precision)")
     parser.add_argument("--sensitivity", default="", help="also rank the layers by FP8 sensitivity for these "
                         "matrices (all, mlp, ...; needs bf16 among the configs) and measure the least sensitive")
     parser.add_argument("--out", default="fidelity-results")
