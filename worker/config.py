@@ -59,7 +59,8 @@ class Settings:
                         choices=("none", "sub", "layer"))
     prune_last: bool = _opt(True, "last layer computes only the marker rows (fast path)")
     fp8: bool = _opt(False, "FP8 rowwise matmuls (fast path, Hopper)")
-    fp8_layers: str = _opt("all", "layers fp8 converts: all, full (full-attention), linear, or indices like 0-5,18")
+    fp8_layers: str = _opt("all", "layers fp8 converts: all, full (full-attention), linear, late (the second half: "
+                                  "within twice bf16's error at 2B), or indices like 0-5,18")
     fp8_matrices: str = _opt("all", "matrices fp8 converts in those layers: all, or some of mlp, attention "
                                     "(full-attention projections), linear (linear-attention projections)")
     fused_kernels: bool = _opt(True, "the fast path's own Triton kernels (convolution, SwiGLU and norm + FP8)")
