@@ -101,8 +101,8 @@ class FlashQLA:
         """The smallest pack (prompt lengths) found per variant, over packs of at most ``budget`` tokens and single
         prompts up to ``longest`` (a prompt over the budget runs alone). FlashQLA decides from chunk counts, so the
         lengths are whole chunks: one long prompt of every length beside 0, 1, 2, 4 ... one-chunk prompts, and 1, 2,
-        4 ... one-chunk prompts alone (about 2000 decisions for a 16k budget; a denser family found nothing more
-        at 4 to 64 heads on an H200, nor did random packs)."""
+        4 ... one-chunk prompts alone (about 2000 decisions for a 16k budget; with FlashQLA 0.1.3's cost model for
+        an H200, a denser family and random packs found nothing more at 4 to 64 heads)."""
         step, most = self._chunk, budget // self._chunk
         found: dict[Variant, list[int]] = {}
 
