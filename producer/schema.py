@@ -187,6 +187,9 @@ class Usage(_Open):
     tokens: int = 0  # prompt tokens the model read, over all prompts
     prompts: int = 0  # sequences (prompts) the request was rendered into
     parts: int = 1  # parts it was fanned out into across workers
+    # Its one prompt was longer than the model reads: its questions were split over several prompts, whose answers
+    # can differ slightly from one prompt's (docs/PROTOCOL.md, "Read a result"). Absent (None) when it was not.
+    split: bool | None = None
 
 
 class Timings(_Open):

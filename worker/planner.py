@@ -111,14 +111,14 @@ _TENSORS = ("input_ids", "rows", "pixel_values", "image_grid_thw", "mm_token_typ
 def _to_arrays(prompt: Prompt) -> dict[str, Any]:
     out: dict[str, Any] = {name: getattr(prompt, name) for name in _TENSORS}
     out = {name: None if value is None else value.numpy() for name, value in out.items()}
-    out["questions"] = prompt.questions
+    out["questions"], out["split"] = prompt.questions, prompt.split
     return out
 
 
 def _from_arrays(fields: dict[str, Any]) -> Prompt:
     import torch
 
-    return Prompt(questions=fields["questions"], **{
+    return Prompt(questions=fields["questions"], split=fields["split"], **{
         name: None if fields[name] is None else torch.from_numpy(fields[name]) for name in _TENSORS})
 
 
