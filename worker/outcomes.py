@@ -31,13 +31,15 @@ class Share:
     prompts: int
     compute_ms: float
     started_ms: int
+    split: bool = False  # a prompt held only some of the request's questions (absent from older workers' shares)
 
     @classmethod
     def of(cls, task: Task) -> Share:
         answers = task.answers
         return cls({n: a.answer for n, a in answers.items()}, {n: a.logits for n, a in answers.items()},
                    {n: a.probabilities for n, a in answers.items()}, {n: a.options for n, a in answers.items()},
-                   task.tokens, len(task.prompts), round(task.compute_seconds * 1000, 3), int(task.delivery.taken * 1000))
+                   task.tokens, len(task.prompts), round(task.compute_seconds * 1000, 3), int(task.delivery.taken * 1000),
+                   any(prompt.split for prompt in task.prompts))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -95,7 +97,8 @@ def ok_result(identity: Identity, shares: list[Share], order: list[str], enqueue
     ordered = {key: {n: merged[key][n] for n in order} for key in merged}
     return Result(
         id=identity.request_id, status="ok", model=model, **ordered, **echo(identity),
-        usage=Usage(tokens=sum(s.tokens for s in shares), prompts=sum(s.prompts for s in shares), parts=len(shares)),
+        usage=Usage(tokens=sum(s.tokens for s in shares), prompts=sum(s.prompts for s in shares), parts=len(shares),
+                    split=any(s.split for s in shares) or None),
         timings=Timings(enqueued_ms=enqueued_ms, started_ms=min(s.started_ms for s in shares),
                         finished_ms=int(time.time() * 1000), compute_ms=round(sum(s.compute_ms for s in shares), 3)))
 

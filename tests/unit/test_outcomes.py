@@ -96,3 +96,12 @@ def test_a_result_is_counted_before_its_entry_is_let_go():
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=10))
     assert counted_at_release == [(1.0, 1.0), (2.0, 2.0), (3.0, 3.0)]
+
+
+def test_a_split_request_says_so_and_an_older_workers_share_still_loads():
+    older = share(["a"], 3, 1).to_json().replace(', "split": false', "")
+    assert '"split"' not in older and Share.from_json(older).split is False
+    whole = ok_result(Identity("r-3"), [share(["a"], 3, 1)], ["a"], 0, "tiny")
+    assert whole.usage.split is None and "split" not in whole.model_dump_json(exclude_none=True)
+    split = Share(**{**share(["b"], 4, 2).__dict__, "split": True})
+    assert ok_result(Identity("r-3"), [share(["a"], 3, 1), split], ["a", "b"], 0, "tiny").usage.split is True

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from producer.keys import Keys
 from producer.schema import Request, Usage
 from worker.config import Settings
 from worker.entries import REQUESTS, Delivery
@@ -17,7 +16,7 @@ CONTEXT = 4096  # the tiny checkpoint's max_position_embeddings
 
 
 def delivery(body: bytes) -> Delivery:
-    return Delivery.parse(Keys(), REQUESTS, "key", "1-0", {b"body": body}, 1)
+    return Delivery.parse(REQUESTS, "key", "1-0", {b"body": body}, 1)
 
 
 def request(questions: int, instructions: str = "Is it so?") -> Request:
