@@ -19,7 +19,7 @@ from .core import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Pro
                    Step, Submittable, WrongResult, prepare)
 from .keys import Keys
 from .library import LibraryUnavailable
-from .schema import Result, ResultError
+from .result import Result, ResultError
 from .servers import Server, UnsupportedServer, acheck, check
 
 __all__ = ["AsyncClient", "Client", "InvalidRequest", "LibraryUnavailable", "Prepared", "QueueFull", "ResultError",

@@ -30,21 +30,20 @@ from .keys import LANES, MAX_BODY_BYTES, PROTOCOL, Field, Keys
 
 LIBRARY = f"dq_v{PROTOCOL}"
 SUBMIT = f"{LIBRARY}_submit"  # KEYS: a request stream. ARGV: limit (0: none), then id, body per request
-# Revision 1's publication, which no current worker calls: kept while workers of revision 1 may share the library
-# during a rolling upgrade (a revision keeps every function), removed with wire protocol v2 (library dq_v2).
+# Revision 1's publication, which no current worker calls: kept for workers of revision 1 during a rolling upgrade
+# (a revision keeps every function); it goes with wire protocol v2 (library dq_v2).
 PUBLISH = f"{LIBRARY}_publish"  # KEYS: result, parts, body. ARGV: result JSON, TTL s. 1 published now, 0 already
 PART = f"{LIBRARY}_part"  # KEYS: parts, result. ARGV: index, count, part JSON, TTL s. -1 done, 0 wait, else all
 # Revision 2: publication that records and tells who published (so that a call re-sent after its answer was lost
 # knows it published), adds the reply in the same call on one server, and clears what a request reusing a published
 # id left; and the reply alone (Redis Cluster, where a reply stream has its own slot). Answers: see the Lua below.
-# Revision 3: a reply stream's length capped (an optional trailing argument of publish_as and reply).
+# Revision 3: a reply stream's length capped (an optional last argument of publish_as and reply).
 PUBLISH_AS = f"{LIBRARY}_publish_as"  # KEYS: result, parts, body[, reply]. ARGV: JSON, TTL s, publisher[, id, cap]
 PART_AS = f"{LIBRARY}_part_as"  # KEYS: result, parts, body. ARGV: index, count, part JSON, TTL s
 REPLY = f"{LIBRARY}_reply"  # KEYS: a reply stream. ARGV: request id, result JSON, TTL s[, cap]. 1, or an error
 FORGET = f"{LIBRARY}_forget"  # KEYS: a work stream. ARGV: group, idle limit ms, own consumer name. Names deleted
 REVISION_FUNCTION = f"{LIBRARY}_revision"  # no keys: this library's REVISION
-# Bump on every change of CODE (tests/unit/test_library_code.py holds each revision's hash).
-REVISION = 3  # 2: publish_as, part_as, reply; the high lane's request stream. 3: reply streams capped
+REVISION = 3  # bumped on every change of CODE (tests/unit/test_library_code.py pins each revision's hash)
 MAX_BATCH = 1000  # requests per submit call: bounds the time Redis spends in one call
 
 

@@ -12,7 +12,9 @@ from typing import Any
 
 import redis
 
-from producer.schema import ErrorCode, Result, Timings, Usage
+from producer.schema import ErrorCode
+
+from producer.result import Result, Timings, Usage
 
 from .entries import Delivery, Identity
 from .tasks import Task

@@ -25,7 +25,7 @@ from redis.asyncio import RedisCluster
 
 from producer import library
 from producer.keys import Field, Keys, text
-from producer.schema import Result
+from producer.result import Result
 
 from .entries import Delivery
 from .link import REDIS_ERRORS

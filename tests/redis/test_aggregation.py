@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from producer import library
 from producer.client import aconnect
 from producer.keys import Keys
-from producer.schema import Result
+from producer.result import Result
 from worker.redis_server import RedisServer
 from worker.entries import PARTS, REQUESTS, Delivery
 from worker.outcomes import Outcome, Share

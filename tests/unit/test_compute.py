@@ -5,7 +5,6 @@ import json
 
 import torch
 
-from producer.keys import Keys
 from producer.schema import Request
 from worker.compute import Compute
 from worker.entries import REQUESTS, Delivery

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from producer.keys import HIGH, NORMAL, Keys
+from producer.keys import HIGH, NORMAL
 from producer.schema import ErrorCode
 from worker.config import Settings
 from worker.entries import PARTS, REQUESTS, Delivery
@@ -86,7 +86,6 @@ def test_planner_processes_leave_when_their_worker_is_killed(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     script = tmp_path / "parent.py"
     script.write_text(

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from producer.schema import Request, Usage
+from producer.schema import Request
+
+from producer.result import Usage
 from worker.config import Settings
 from worker.entries import REQUESTS, Delivery
 from worker.model.encoder import Encoder
