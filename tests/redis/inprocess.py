@@ -11,25 +11,35 @@ codes, TLS, Prometheus scraping and the CLI.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 from faulty_worker import FaultyEngine
 from worker.config import Settings
 from worker.daemon import Daemon
+from worker.health import serve_http
+from worker.redis_server import free_port
 
+NUMBERS = itertools.count()
 # Short waits: a burst run ends one read after the streams empty; a stop drains within seconds.
 QUICK = dict(block_ms=100, drain_timeout_s=10.0, planner_processes=0, device="cpu", engine="reference")
 
 
 class InProcessWorker:
-    def __init__(self, model: Any, redis_url: str, raise_on: str = "", slow_s: float = 0.0,
+    def __init__(self, model: Any, redis_url: str, raise_on: str = "", slow_s: float = 0.0, http: bool = False,
                  **settings: Any) -> None:
+        # Each its own consumer of the group, as each worker process is.
+        settings.setdefault("consumer", f"in-process-{next(NUMBERS)}")
         self.settings = Settings.from_env({}, redis_url=redis_url, **{**QUICK, **settings})
         self.daemon = Daemon(self.settings, model=model)
-        if raise_on or slow_s:  # a poison input, or slow packs: the same injector the fault tests' processes use
-            self.daemon.compute.engine = FaultyEngine(self.daemon.compute.engine, model.tokenizer, raise_on, slow_s)
+        # A poison input, or slow packs: the same injector the fault tests' processes use (its counters: ``faults``).
+        self.faults = FaultyEngine(self.daemon.compute.engine, model.tokenizer, raise_on, slow_s)
+        self.daemon.compute.engine = self.faults
+        self.http = serve_http(self.daemon, free_port(), "127.0.0.1") if http else None  # /healthz, /readyz
         self.exit_code: int | None = None
         self.daemon.exit = self._exit
         self.thread: threading.Thread | None = None
@@ -71,9 +81,27 @@ class InProcessWorker:
         self.daemon.stop()
         return self.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        """Serving, and no fatal error (where a process would have exited)."""
+        return self.exit_code is None and self.thread is not None and self.thread.is_alive()
+
+    def get(self, path: str) -> tuple[int, str]:
+        """GET a path of its health server (``http=True``), as a probe would."""
+        assert self.http is not None, "start it with http=True"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http.server_port}{path}", timeout=2) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
     def join(self, timeout: float) -> InProcessWorker:
         assert self.thread is not None
         self.thread.join(timeout)
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+            self.http = None
         if self.thread.is_alive():
             raise TimeoutError(f"the in-process worker did not stop within {timeout} s")
         if self.error is not None:
