@@ -21,7 +21,7 @@ from typing import Any
 from faulty_worker import FaultyEngine
 from worker.config import Settings
 from worker.daemon import Daemon
-from worker.health import serve_http
+from worker.health import serve_http, status
 from worker.redis_server import free_port
 
 NUMBERS = itertools.count()
@@ -66,7 +66,7 @@ class InProcessWorker:
 
     def wait_ready(self, timeout: float = 60.0) -> InProcessWorker:
         deadline = time.monotonic() + timeout
-        while not (self.daemon.ready.is_set() and self.daemon.link.reachable):
+        while not status(self.daemon.snapshot())["ready"]:  # what /readyz answers
             if time.monotonic() > deadline:
                 raise TimeoutError("the in-process worker is not ready")
             time.sleep(0.02)
@@ -80,6 +80,11 @@ class InProcessWorker:
     def stop(self, timeout: float = 30.0) -> InProcessWorker:
         self.daemon.stop()
         return self.join(timeout)
+
+    @property
+    def port(self) -> int:  # its health server's
+        assert self.http is not None, "start it with http=True"
+        return self.http.server_port
 
     @property
     def alive(self) -> bool:
