@@ -4,8 +4,7 @@
 (a ``Call``, a ``Pipeline``, a ``Function`` call or a ``Load`` of the function library) and is sent the reply, or
 has the error thrown in. The two faces only run those plans against their connection: ``Client`` blocks,
 ``AsyncClient`` awaits. So batching, backpressure, the windowed wait, result parsing and stats are written once,
-and the faces have the same methods. Every request goes through ``Producer.send``: the one place that writes to a
-request stream.
+and the faces have the same methods. ``Producer.send`` is the one place that writes to a request stream.
 
 Submitting is one call of the submit function (producer/library.py) per batch: it checks each id and body size
 and refuses the batch when the request stream holds more than ``max_unfinished`` entries (its length is the
@@ -28,7 +27,7 @@ from pydantic import ValidationError
 
 from . import library
 from .keys import GONE_S, GROUP, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
-from .schema import Request, describe
+from .schema import Request, describe, digest
 from .result import Result
 from .servers import lag_of
 
@@ -237,17 +236,18 @@ class Producer:
         return {r: parse_result(reply[0][1], r) for r, reply in zip(request_ids, replies) if reply}
 
     def decide(self, request: Submittable, timeout: float | None) -> Plan[Result]:
-        [request_id] = yield from self.submit_many([request])
-        results = yield from self.wait_many([request_id], timeout)
-        return results[request_id]
+        """Submit, wait; a stored result of another request under the same id is answered ``id_conflict``."""
+        prepared = prepare(request)
+        [request_id] = yield from self.submit_many([prepared])
+        result = (yield from self.wait_many([request_id], timeout))[request_id]
+        return result.answering(digest(Request.model_validate_json(prepared.body)))
 
     def stats(self) -> Plan[dict[str, Any]]:
         """Totals over every shard, then each shard: for each lane (``lanes``: high, normal) the request and part
         streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``prompts``: both
         lanes together; dead letters; and the live workers. Live: a consumer seen in the last ``GONE_S`` seconds or
-        holding entries, a worker whose heartbeat is younger than that (the gone are not counted, and the workers
-        delete them: worker/presence.py). The lag is the server's, or the length less pending when the server
-        cannot count it (``servers.lag_of``)."""
+        holding entries, a worker whose heartbeat is younger than that (workers delete the gone: presence.py). The
+        lag is the server's, or the length less pending when the server cannot count it (``servers.lag_of``)."""
         shards = []
         for shard in range(self.shards):
             keys, entry = Keys(self.keys.namespace, shard), {"shard": shard}

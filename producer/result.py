@@ -62,6 +62,8 @@ class Result(_Open):
     model: str | None = None
     metadata: dict[str, JsonValue] | None = None  # the request's, echoed
     traceparent: str | None = None  # the request's, echoed
+    digest: str | None = None  # what the request asked (schema.digest): a reused id is told apart by it
+    replay: bool | None = None  # this is the stored result of an earlier request with the same id and digest
 
     @property
     def ok(self) -> bool:
@@ -80,6 +82,14 @@ class Result(_Open):
         self.raise_for_error()
         options = self.options or {}
         return {name: dict(zip(options.get(name, ()), values)) for name, values in (self.probabilities or {}).items()}
+
+    def answering(self, digest: str) -> Result:
+        """This result, if it answers a request with ``digest`` (or predates digests); else an ``id_conflict``
+        error: the id was answered before for another request (docs/PROTOCOL.md, "Reusing an id")."""
+        if self.digest in (None, digest):
+            return self
+        return Result.failure(self.id, ErrorCode.ID_CONFLICT, f"id {self.id} has the result of another request "
+                              f"(its digest {self.digest}, this one's {digest})", digest=digest)
 
     @classmethod
     def failure(cls, request_id: str, code: ErrorCode | str, message: str, **fields: Any) -> Result:

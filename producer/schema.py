@@ -12,6 +12,7 @@ Requests are strict (an unknown field is a mistake worth refusing); results are 
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import re
 from typing import Annotated, Any, Literal, Union
@@ -46,6 +47,7 @@ class ErrorCode(str, enum.Enum):
     DEADLINE_EXCEEDED = "deadline_exceeded"  # expired before compute started
     DEAD_LETTERED = "dead_lettered"  # delivered too often without finishing (a crashing or poison input)
     INTERNAL = "internal_error"  # the worker failed on this input; retried before this result
+    ID_CONFLICT = "id_conflict"  # the id was answered before for a different request: nothing computed
     # Written by the producer's command line for its own output, never by a worker:
     TIMEOUT = "timeout"  # no result within the wait; the request stays queued and its result may still come
     NOT_SENT = "not_sent"  # never enqueued: the queue stayed full
@@ -168,6 +170,17 @@ class Request(_Strict):
             "questions": {name: q.model_dump(exclude_none=True) for name, q in self.questions.items()},
         }
         return body
+
+
+# What a request asks, not how it travels: a resubmission with another reply stream, deadline, lane or trace is the
+# same request.
+DIGESTED = {"state", "questions", "assets", "metadata"}
+
+
+def digest(request: Request) -> str:
+    """A request's digest (32 hex digits), kept in its result: a later request under the same id is a replay of it
+    when their digests match, else a conflict (docs/PROTOCOL.md, "Reusing an id")."""
+    return hashlib.sha256(request.model_dump_json(include=DIGESTED).encode()).hexdigest()[:32]
 
 
 def _metadata_bytes(value: Any) -> int:

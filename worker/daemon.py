@@ -93,7 +93,7 @@ class Daemon:
     # ---------------------------------------------------------------- lifecycle (main thread)
 
     def run(self, after_warmup: Any = None, burst: bool = False) -> int:
-        """Serve until ``stop`` (SIGTERM, from ``serve``). ``after_warmup``: called once warm, before ready (benchmarks).
+        """Serve until ``stop`` (SIGTERM, from ``serve``). ``after_warmup``: once warm, before ready (benchmarks).
         ``burst``: stop once nothing is held and every lane's read, begun after the last entry was let go, found
         nothing new (in-process tests)."""
         redis_thread = threading.Thread(target=self._run_loop, name="redis", daemon=True)

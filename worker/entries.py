@@ -62,6 +62,7 @@ class Identity:
     reply_to: str | None = None
     metadata: dict[str, Any] | None = None
     traceparent: str | None = None
+    digest: str | None = None  # what it asks (schema.digest), once it validated
 
     @property
     def log_fields(self) -> dict[str, str]:

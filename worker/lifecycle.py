@@ -4,7 +4,8 @@ hands compute's results over (``prompt_done``, ``task_failed``, ``task_expired``
     take     held once, however it arrived (read, recovered, reclaimed, retried), then routed: payload trimmed away
              -> acknowledged, counted lost; a part naming no request -> dead-lettered, unanswered; delivered over
              --max-deliveries times -> dead-lettered with an error result; else planned
-    plan     the planner parses the body once (threads or processes): a Task, or a Refusal answered at once
+    plan     the planner parses the body once (threads or processes): a Task, or a Refusal answered at once; an id
+             answered before is a replay or a conflict, not computed again
     queue    a task's prompts to the packer; a task over --fanout-tokens is fanned out as parts instead
     failed   a failed pack: the same task again under a new delivery (its counter up), or dead-lettered
     settle   each outcome published once, replied to, acknowledged; then the entry is let go (``release``)
@@ -27,10 +28,10 @@ from producer.schema import ErrorCode
 
 from .config import Settings
 from .consumer import Consumer
-from .entries import PARTS, Delivery, Identity, Job, Refusal, identity_of
+from .entries import PARTS, REQUESTS, Delivery, Identity, Job, Refusal, identity_of
 from .link import Link
 from .metrics import Metrics
-from .outcomes import Outcome, error_outcome, task_outcome
+from .outcomes import Outcome, answered_before, error_outcome, task_outcome
 from .publisher import Publisher
 from .tasks import Item, Task
 
@@ -41,8 +42,8 @@ if TYPE_CHECKING:  # torch-free at run time: the Redis side loads without the mo
 
 log = logging.getLogger("worker")
 BATCH = 512  # outcomes settled in one go at most
-LOST_REMEMBERED = 10_000  # payload-less entries remembered, so that each is counted once
-SETTLED_REMEMBERED = 10_000  # entries let go lately, remembered so that a read that began before is not taken again
+# Remembered lately: payload-less entries (each counted once), entries let go (a read begun before takes none again)
+LOST_REMEMBERED = SETTLED_REMEMBERED = 10_000
 
 
 class Lifecycle:
@@ -51,8 +52,7 @@ class Lifecycle:
         self.keys, self.settings, self.metrics, self.link, self.loop = keys, settings, metrics, link, loop
         self.consumer, self.planner, self.packer, self.publisher = consumer, planner, packer, publisher
         self.model = publisher.model
-        # (stream key, entry id) -> delivery: planned, queued or computing (ids are unique per stream only)
-        self.held: dict[tuple[str, str], Delivery] = {}
+        self.held: dict[tuple[str, str], Delivery] = {}  # by (stream key, entry id): ids are unique per stream only
         self.held_in = dict.fromkeys(LANES, 0)
         self.room = {lane: asyncio.Event() for lane in LANES}  # set when an entry of the lane is let go
         self.lost: dict[tuple[str, str], None] = {}  # counted as lost, recent ones
@@ -64,8 +64,7 @@ class Lifecycle:
     # ---- the held table
 
     def take(self, delivery: Delivery, how: str, since: float | None = None) -> None:
-        """Hold an entry and route it, once however it arrived. ``since``: when the Redis call that found it began;
-        one let go since then was settled meanwhile (seen pending just before its ack), and is not taken again."""
+        """Hold an entry and route it, once however it arrived; not one let go ``since`` the call that found it."""
         if self._hold(delivery, how, since):
             self._route(delivery)
 
@@ -110,8 +109,7 @@ class Lifecycle:
         return None
 
     def count_lost(self, entries: list[tuple[str, str]]) -> int:
-        """Count payload-less pending entries once each: a reclaim may report an entry that is being acknowledged
-        as lost at the same moment (both saw it in the pending list)."""
+        """Count payload-less pending entries once each (a reclaim and an ack may both see one in the list)."""
         fresh = [entry for entry in entries if entry not in self.lost]
         self.lost.update(dict.fromkeys(fresh))
         while len(self.lost) > LOST_REMEMBERED:
@@ -130,8 +128,7 @@ class Lifecycle:
         elif not delivery.answerable:  # a part that names no request: its result could go nowhere
             asyncio.ensure_future(self._dead_letter(delivery, delivery.invalid or "no request", answer=False))
         elif delivery.deliveries > self.settings.max_deliveries:
-            reason = f"delivered {delivery.deliveries} times without finishing"
-            asyncio.ensure_future(self._dead_letter(delivery, reason))
+            asyncio.ensure_future(self._dead_letter(delivery, f"delivered {delivery.deliveries} times unfinished"))
         else:  # bad fields too: the planner answers them with the identity its parse finds
             asyncio.ensure_future(self._plan(delivery))
 
@@ -147,6 +144,11 @@ class Lifecycle:
             self.metrics.planning.observe(time.perf_counter() - start)
         if isinstance(planned, Refusal):  # bad input, a deadline passed: answered at once, never retried
             self.settle(error_outcome(delivery, planned.identity, planned.code, planned.message, self.model))
+        elif stored := delivery.stream == REQUESTS and await self.link.until(
+                lambda: self.publisher.stored(planned.request_id), "look up"):  # a reused id: no compute
+            outcome = answered_before(planned, stored, self.model)
+            self.metrics.reused_ids.labels("conflict" if outcome.result and outcome.result.error else "replay").inc()
+            self.settle(outcome)
         elif planned.fan_out:
             await self.link.until(lambda: self.publisher.fan_out(planned), "fan out")
             self.metrics.fanouts.inc()
@@ -160,8 +162,7 @@ class Lifecycle:
         for index, prompt in enumerate(task.prompts):
             self.packer.put(Item(task, index, prompt))
 
-    async def _stored_body(self, delivery: Delivery) -> bytes | None:
-        """A part's request body, stored when its request fanned out (None: gone, or not a part)."""
+    async def _stored_body(self, delivery: Delivery) -> bytes | None:  # a part's request body (None: gone)
         if delivery.stream != PARTS or not delivery.answerable:
             return None
         return await self.link.until(lambda: self.consumer.stored_body(delivery), "get body")
@@ -218,8 +219,7 @@ class Lifecycle:
         self._hop(self._task_expired, task)
 
     def _hop(self, callback: Any, *args: Any) -> None:
-        """Onto the loop thread. A stop past its drain deadline closes the loop while a pack may still finish: its
-        entries stay pending, for other workers to reclaim."""
+        """Onto the loop thread; dropped once a stop past its deadline closed it (the entries stay pending)."""
         try:
             self.loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:

@@ -49,6 +49,8 @@ class Metrics:
         self.dead_letters = Counter("dq_dead_letters_total", "Entries moved to the dead-letter stream", registry=r)
         self.retries = Counter("dq_retries_total", "Entries retried after their forward pass failed", registry=r)
         self.fanouts = Counter("dq_fanouts_total", "Over-length requests fanned out as parts", registry=r)
+        self.reused_ids = Counter("dq_reused_ids_total", "Requests whose id was answered before, not computed: "
+                                  "replay (the same request) or conflict (another)", ["outcome"], registry=r)
         self.lost = Counter("dq_lost_entries_total", "Pending entries whose payload was gone (trimmed)", registry=r)
         self.unread_deleted = Counter("dq_unread_entries_deleted_total", "Times entries of a work stream were found "
                                       "deleted before the group read them (a trim: requests lost unanswered)",

@@ -40,8 +40,8 @@ class Share:
         answers = task.answers
         return cls({n: a.answer for n, a in answers.items()}, {n: a.logits for n, a in answers.items()},
                    {n: a.probabilities for n, a in answers.items()}, {n: a.options for n, a in answers.items()},
-                   task.tokens, len(task.prompts), round(task.compute_seconds * 1000, 3), int(task.delivery.taken * 1000),
-                   any(prompt.split for prompt in task.prompts))
+                   task.tokens, len(task.prompts), round(task.compute_seconds * 1000, 3),
+                   int(task.delivery.taken * 1000), any(prompt.split for prompt in task.prompts))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -63,6 +63,7 @@ class Outcome:
     parts: int = 1
     order: list[str] = field(default_factory=list)  # question order of the request, for merging parts
     replied: bool = False  # its reply was written or refused: settling it again does not reply again
+    replay: bool = False  # its id was answered before: only replied to and acknowledged, never published
     refused: redis.ResponseError | None = None  # Redis refused its publication this time: settle it again later
 
     @property
@@ -86,8 +87,8 @@ class Outcome:
 
 
 def echo(identity: Identity) -> dict[str, Any]:
-    """The caller's context a result echoes (valid metadata and traceparent), error results included."""
-    return {"metadata": identity.metadata, "traceparent": identity.traceparent}
+    """What a result echoes of its request, error results included: valid metadata and traceparent, its digest."""
+    return {"metadata": identity.metadata, "traceparent": identity.traceparent, "digest": identity.digest}
 
 
 def ok_result(identity: Identity, shares: list[Share], order: list[str], enqueued_ms: int, model: str) -> Result:
@@ -114,6 +115,19 @@ def task_outcome(task: Task, model: str) -> Outcome:
     names = [q.name for prompt in task.prompts for q in prompt.questions]
     return Outcome(task.delivery, task.identity, result=ok_result(task.identity, [share], names,
                                                                   task.delivery.enqueued_ms, model))
+
+
+def answered_before(task: Task, stored: Result, model: str) -> Outcome:
+    """A request whose id already has a result, not computed: the stored result marked as a replay when it asked
+    the same (or the stored result predates digests), else an ``id_conflict`` error (the stored result stays)."""
+    identity = task.identity
+    if stored.digest in (None, identity.digest):
+        return Outcome(task.delivery, identity, result=stored.model_copy(update={"replay": True}), replay=True)
+    conflict = error_outcome(task.delivery, identity, ErrorCode.ID_CONFLICT,
+                             f"id {identity.request_id} was answered before for a different request (its digest "
+                             f"{stored.digest}, this one's {identity.digest}); send it under a new id", model)
+    conflict.replay = True
+    return conflict
 
 
 def error_outcome(delivery: Delivery, identity: Identity, code: ErrorCode, message: str, model: str) -> Outcome:

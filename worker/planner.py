@@ -10,6 +10,7 @@ wait for a planner in lane order (``LaneQueue``): a high entry never queues behi
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import threading
@@ -19,7 +20,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPool
 from typing import Any, Callable
 
 from producer.keys import HIGH, LANES, NORMAL, Keys, Priority
-from producer.schema import ErrorCode, Request, RequestError, validate
+from producer.schema import ErrorCode, Request, RequestError, digest, validate
 
 from .config import Settings
 from .entries import REQUESTS, Delivery, Identity, Job, Refusal, identity_of
@@ -52,7 +53,7 @@ def plan_entry(encoder: Encoder, settings: Settings, job: Job) -> tuple[Identity
         if request.deadline_ms is not None and time.time() * 1000 > request.deadline_ms:
             late = time.time() * 1000 - request.deadline_ms
             raise RequestError(ErrorCode.DEADLINE_EXCEEDED, f"the deadline passed {late:.0f} ms before compute")
-        return identity, request, encoder.prompts(request, job.questions)
+        return dataclasses.replace(identity, digest=digest(request)), request, encoder.prompts(request, job.questions)
     except RequestError as refused:
         return Refusal(identity, refused.code, refused.message)
 

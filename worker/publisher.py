@@ -66,6 +66,8 @@ class Publisher:
         """Publish, reply, acknowledge. An outcome whose publication Redis refused is left out, with the error in
         ``refused`` (settle it again later). Idempotent: on a connection error the caller settles the batch again."""
         done = Settlement()
+        replays = [outcome for outcome in outcomes if outcome.replay]  # answered before: reply and ack only
+        outcomes = [outcome for outcome in outcomes if not outcome.replay]
         calls = []
         for outcome in outcomes:
             outcome.refused = None
@@ -97,8 +99,10 @@ class Publisher:
                 outcome.replied = True
                 if reply[3] != 1:
                     done.replies_refused.append((outcome, redis.ResponseError(text(reply[3]))))
-        replies = [(outcome, result) for outcome, result, _, reply in settled
-                   if reply and outcome.reply_to and not outcome.replied and not self.inline_replies]
+        settled += [(outcome, outcome.result, False, True) for outcome in replays]
+        # Replies not made by the publish call: on Redis Cluster, and for replays (nothing was published).
+        replies = [(outcome, result) for outcome, result, _, reply in settled if reply and outcome.reply_to
+                   and not outcome.replied and (outcome.replay or not self.inline_replies)]
         if replies:  # before the ack: a crash in between replies again on redelivery rather than never
             answers = await self._functions([(library.REPLY, [outcome.reply_to], [
                 outcome.request_id, result.model_dump_json(exclude_none=True), self.ttl, self.reply_maxlen])
@@ -153,6 +157,11 @@ class Publisher:
             if isinstance(reply, BaseException) and not isinstance(reply, redis.ResponseError):
                 raise reply
         return replies
+
+    async def stored(self, request_id: str) -> Result | None:
+        """The result a request id already has, if any (a reused id)."""
+        [entry] = await self.redis.xrange(self.keys.result(request_id), count=1) or [None]
+        return None if entry is None else Result.model_validate_json(entry[1][Field.BODY.encode()])
 
     async def check_library(self) -> bool:
         """Whether the function library is loaded, loading it if the server lacks it or has an older revision (when

@@ -13,10 +13,11 @@ import time
 
 import pytest
 
-from faults import FANOUT, batch, long_request
+from faults import FANOUT, batch, long_request, wait_for
 from producer.client import Client
 from producer.invariant import settle
 from producer.keys import Field
+from producer.result import Result
 
 pytestmark = pytest.mark.redis
 
@@ -141,4 +142,36 @@ def test_a_bad_field_is_answered_where_the_body_says(redis_server, inprocess):
     assert report.results["extra"].error.code.value == "invalid_request"
     assert report.results["extra"].error.message.startswith("field 'priority' is not a field of requests entries")
     assert client.redis.xlen(keys.reply_prefix + "bad") == 1
+    drained(client)
+
+
+def test_a_reused_id_is_a_replay_or_a_conflict_and_is_not_computed_again(redis_server, inprocess):
+    """A business key reused: the same request again is answered with the stored result marked as a replay; a
+    different request under the id is computed nothing and answered id_conflict, on its reply stream and by the
+    client's decide. The stored result stays the first one's."""
+    client = Client(redis_server.url)
+    keys = client.keys
+    first = {"id": "ticket-0", "state": "Refund me.", "questions": {"refund": {"type": "noul"}},
+             "metadata": {"v": 1}}
+    worker = inprocess(redis_server.url).start()
+    stored = client.decide(first, timeout=30)
+    assert stored.ok and stored.digest and stored.replay is None
+    tokens = worker.metric("dq_tokens_total")
+    again = client.decide({**first, "reply_to": keys.reply_prefix + "again", "deadline_ms": 2 ** 50}, timeout=30)
+    assert again == stored  # the result stream is unchanged: the first one's
+    changed = {**first, "state": "All good now.", "questions": {"tone": {"type": "noul"}},
+               "reply_to": keys.reply_prefix + "changed"}
+    conflict = client.decide(changed, timeout=30)
+    assert conflict.error.code.value == "id_conflict" and stored.digest in conflict.error.message
+    wait_for(lambda: client.redis.xlen(keys.reply_prefix + "changed") == 1, 20, what="the conflict's reply")
+    [(_, replayed)] = client.redis.xrange(keys.reply_prefix + "again")
+    replay = Result.model_validate_json(replayed[b"body"])
+    assert replay.replay is True and replay.answers == stored.answers and replay.metadata == {"v": 1}
+    [(_, refused)] = client.redis.xrange(keys.reply_prefix + "changed")
+    assert Result.model_validate_json(refused[b"body"]).error.code.value == "id_conflict"
+    assert worker.metric("dq_tokens_total") == tokens  # neither was computed
+    assert worker.metric("dq_reused_ids_total", outcome="replay") == 1
+    assert worker.metric("dq_reused_ids_total", outcome="conflict") == 1
+    assert client.redis.xlen(keys.result("ticket-0")) == 1
+    worker.stop()
     drained(client)
