@@ -39,6 +39,7 @@ FIELDS = {
     REQUESTS: {Field.BODY},
     PARTS: {Field.REQUEST_ID, Field.PART, Field.PARTS, Field.QUESTIONS, Field.ENQUEUED_MS, Field.TRACEPARENT},
 }
+AHEAD_MS = 5000  # an enqueue time this far ahead of the worker's clock is not believed (clocks drift a little)
 NUMBER = re.compile(rb"\A[0-9]{1,15}\Z")  # non-negative, no sign, no spaces or underscores, below 2**53
 # A request body's id, where the Python client writes it: first (``_leading_id``).
 LEADING_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*"([A-Za-z0-9._:\-]{1,128})"\s*[,}]')
@@ -102,6 +103,7 @@ class Delivery:
     answerable: bool = True  # False: a part naming no usable request (no result can go anywhere)
     size: int = 0  # bytes of every field name and value
     lane: Priority = NORMAL  # the lane of the stream it is in, which is its priority
+    ahead: bool = False  # its enqueue time was ahead of this worker's clock (a chosen entry id, or clock skew)
 
     @classmethod
     def parse(cls, stream: Stream, key: str, entry_id: str, fields: Mapping[bytes, bytes],
@@ -134,10 +136,14 @@ class Delivery:
             if body is None:
                 problems.append(f"field {Field.BODY!r} is missing")
             request_id = _leading_id(body)
-        return cls(stream, key, entry_id, fields, deliveries, time.time(),
-                   Identity(request_id or entry_id, traceparent=traceparent), enqueued_ms, part, parts, questions,
+        taken = time.time()
+        # An entry id is the producer's to choose (XADD with an id): one ahead of this clock would make queue waits
+        # and latencies 0 for it and every entry after it. Counted (``ahead``), and the wait timed from now instead.
+        ahead = enqueued_ms > taken * 1000 + AHEAD_MS
+        return cls(stream, key, entry_id, fields, deliveries, taken, Identity(request_id or entry_id,
+                   traceparent=traceparent), min(enqueued_ms, int(taken * 1000)), part, parts, questions,
                    problems[0] if problems else None, ErrorCode.TOO_LARGE if too_large else ErrorCode.INVALID_REQUEST,
-                   answerable, size, lane)
+                   answerable, size, lane, ahead)
 
     @property
     def body(self) -> bytes | None:

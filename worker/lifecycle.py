@@ -76,6 +76,7 @@ class Lifecycle:
         metrics = self.metrics
         metrics.inflight.set(len(self.held))
         metrics.entries.labels(delivery.stream, how).inc()
+        metrics.entries_ahead.labels(delivery.stream).inc(int(delivery.ahead))
         if delivery.deliveries > 1:
             metrics.redeliveries.labels(delivery.stream).inc()
         else:
@@ -227,8 +228,7 @@ class Lifecycle:
                 raise
 
     def _prompt_done(self, item: Item, answers: list[Answer], seconds: float) -> None:
-        task = item.task
-        if task.cancelled:
+        if (task := item.task).cancelled:
             return
         task.answers.update({answer.name: answer for answer in answers})
         task.compute_seconds += seconds

@@ -44,6 +44,8 @@ class Metrics:
                                registry=r)
         self.results = Counter("dq_results_total", "Results published, by status and error code",
                                ["status", "code"], registry=r)
+        self.entries_ahead = Counter("dq_entries_ahead_total", "Entries whose enqueue time (entry id) was ahead of "
+                                     "the worker's clock: a producer-chosen id or clock skew", ["stream"], registry=r)
         self.redeliveries = Counter("dq_redeliveries_total", "Entries taken that were delivered before", ["stream"],
                                     registry=r)
         self.dead_letters = Counter("dq_dead_letters_total", "Entries moved to the dead-letter stream", registry=r)
@@ -55,7 +57,8 @@ class Metrics:
         self.unread_deleted = Counter("dq_unread_entries_deleted_total", "Times entries of a work stream were found "
                                       "deleted before the group read them (a trim: requests lost unanswered)",
                                       ["stream", "priority"], registry=r)
-        for stream in Stream:  # from zero: the alert's increase() sees the first detection
+        for stream in Stream:  # from zero: the alerts' increase() sees the first one
+            self.entries_ahead.labels(stream)
             for lane in LANES:
                 self.unread_deleted.labels(stream, lane)
         self.groups_recreated = Counter("dq_groups_recreated_total",

@@ -169,3 +169,15 @@ def test_the_redis_side_of_the_worker_loads_without_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_an_entry_id_ahead_of_the_clock_is_not_believed():
+    """A producer may XADD with an id of its choosing: one far ahead would make this entry's (and every later
+    entry's) queue wait 0. Its enqueue time is capped at when it was taken, and the delivery says so."""
+    import time
+
+    future = int(time.time() * 1000) + 600_000
+    entry = Delivery.parse(REQUESTS, KEYS.requests, f"{future}-0", {b"body": b"{}"}, 1)
+    assert entry.ahead and entry.enqueued_ms <= int(entry.taken * 1000)
+    now = Delivery.parse(REQUESTS, KEYS.requests, f"{int(time.time() * 1000) - 5}-0", {b"body": b"{}"}, 1)
+    assert not now.ahead
