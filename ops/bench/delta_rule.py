@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from worker.fast.mixers import CudaMixers, boundaries_of  # noqa: E402
+from worker.fast.layout import boundaries_of  # noqa: E402
+from worker.fast.mixers import CudaMixers  # noqa: E402
 
 SHAPES = {  # name -> chunk lengths of one pack
     "16k: 32 x 512": [512] * 32,

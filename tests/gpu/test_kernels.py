@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("fla", reason="the fast engine needs flash-linear-attention")
 
-from worker.fast.mixers import CudaMixers, boundaries_of  # noqa: E402
+from worker.fast.layout import boundaries_of  # noqa: E402
+from worker.fast.mixers import CudaMixers  # noqa: E402
 from worker.fast.qla import FlashQLA  # noqa: E402
 
 try:

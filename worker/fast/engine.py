@@ -29,8 +29,8 @@ from .errors import ALTERNATIVE, FastPathUnavailable
 from .forward import COMPILE_MODES, PackedForward
 from .layers import LINEAR
 from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warmer
-from .layout import Layout, Regions, lay_out, prompt_positions, row_capacity
-from .mixers import Boundaries, CudaMixers, Mixers
+from .layout import Boundaries, Layout, Regions, lay_out, prompt_positions, row_capacity
+from .mixers import CudaMixers, Mixers
 
 log = logging.getLogger(__name__)
 SLOTS = 2

@@ -16,7 +16,8 @@ from ..model.checkpoint import DecisionModel
 from . import fp8 as fp8_weights
 from . import layers
 from .layers import FULL, LINEAR
-from .mixers import Boundaries, Mixers
+from .layout import Boundaries
+from .mixers import Mixers
 from .ops import Ops
 
 ROWS = "rows"  # the pruned last layer: queries, output and MLP at marker rows only

@@ -29,7 +29,7 @@ from . import layers
 from .forward import ROWS, PackedForward, compile_piece
 from .layers import FULL, LINEAR
 from .layout import row_capacity
-from .mixers import Boundaries
+from .layout import Boundaries
 from .ops import Ops
 
 Capture = Callable[[Callable[[], None]], Callable[[], None]]

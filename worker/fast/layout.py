@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -168,3 +169,24 @@ class Regions:
         buffer[self.cu_rows: self.cu_rows + count + 1] = layout.cu_rows
         index = gdn_chunk_indices(layout.lengths)
         buffer[self.chunk_index: self.chunk_index + index.size] = index.reshape(-1)
+
+
+class Boundaries(NamedTuple):
+    cu: torch.Tensor  # (prompts + 1,) int32 on the device
+    cu_long: torch.Tensor  # the same, int64 (fla)
+    cu_host: torch.Tensor  # the same on the host (FlashQLA's context is prepared from it; fla's cu_seqlens_cpu)
+    chunk_index: torch.Tensor  # (delta-rule chunks, 2) int64 on the device
+    max_length: int
+    cu_rows: torch.Tensor  # (prompts + 1,) int32: marker rows per prompt (pruned last layer)
+    max_rows: int
+
+
+def boundaries_of(lengths: Sequence[int], device: torch.device | str) -> Boundaries:
+    """The boundaries of one pack of prompts of these lengths with one marker row each, copied to ``device``: for
+    the mixers alone in tests and benchmarks (the engine views its per-pack layout buffer instead)."""
+    cu = [0, *itertools.accumulate(lengths)]
+    cu_long = torch.tensor(cu).to(device, non_blocking=True)
+    cu_rows = torch.arange(len(cu), dtype=torch.int32).to(device, non_blocking=True)
+    index = torch.from_numpy(gdn_chunk_indices(lengths)).to(device, non_blocking=True)
+    return Boundaries(cu=cu_long.int(), cu_long=cu_long, cu_host=torch.tensor(cu), chunk_index=index,
+                      max_length=max(lengths), cu_rows=cu_rows, max_rows=1)

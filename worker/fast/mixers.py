@@ -13,39 +13,15 @@ without fla's dispatch and without a host synchronisation per pack.
 from __future__ import annotations
 
 import inspect
-import itertools
 import os
-from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from .errors import ALTERNATIVE, FastPathUnavailable
+from .layout import Boundaries
 from .qla import FlashQLA
-
-class Boundaries(NamedTuple):
-    cu: torch.Tensor  # (prompts + 1,) int32 on the device
-    cu_long: torch.Tensor  # the same, int64 (fla)
-    cu_host: torch.Tensor  # the same on the host (FlashQLA's context is prepared from it; fla's cu_seqlens_cpu)
-    chunk_index: torch.Tensor  # (delta-rule chunks, 2) int64 on the device
-    max_length: int
-    cu_rows: torch.Tensor  # (prompts + 1,) int32: marker rows per prompt (pruned last layer)
-    max_rows: int
-
-
-def boundaries_of(lengths: Sequence[int], device: torch.device | str) -> Boundaries:
-    """The boundaries of one pack of prompts of these lengths with one marker row each, copied to ``device``: for
-    the mixers alone in tests and benchmarks (the engine views its per-pack layout buffer instead)."""
-    from .layout import gdn_chunk_indices
-
-    cu = [0, *itertools.accumulate(lengths)]
-    cu_long = torch.tensor(cu).to(device, non_blocking=True)
-    cu_rows = torch.arange(len(cu), dtype=torch.int32).to(device, non_blocking=True)
-    index = torch.from_numpy(gdn_chunk_indices(lengths)).to(device, non_blocking=True)
-    return Boundaries(cu=cu_long.int(), cu_long=cu_long, cu_host=torch.tensor(cu), chunk_index=index,
-                      max_length=max(lengths), cu_rows=cu_rows, max_rows=1)
-
 
 class Mixers(Protocol):
     def gated_delta(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from .mixers import Boundaries
+    from .layout import Boundaries
 
 
 class Variant(NamedTuple):
