@@ -107,8 +107,7 @@ class Daemon:
         collect = time.perf_counter()
         gc.collect()
         gc.freeze()
-        log.info("start-up objects frozen: %d (collection %.2fs)", gc.get_freeze_count(),
-                 time.perf_counter() - collect)
+        log.info("start-up objects frozen: %d (collection %.2fs)", gc.get_freeze_count(), time.perf_counter() - collect)
         self.ready.set()
         deadline = time.monotonic() + 2.0  # first contact runs beside the warm-up: normally done by now
         while not self.link.reachable and time.monotonic() < deadline:
