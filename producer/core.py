@@ -229,6 +229,23 @@ class Producer:
                 done.update((yield from self.present(missing[1:])))
         return {r: done[r] for r in waiting}
 
+    def wait_any(self, request_ids: Iterable[str], timeout: float) -> Plan[dict[str, Result]]:
+        """The results of ``request_ids`` that are there now or, when none is, the first to land within ``timeout``
+        seconds (empty: none did). For callers that hand results on as they land (the gateway's batches)."""
+        deadline = time.monotonic() + timeout
+        waiting = list(dict.fromkeys(request_ids))
+        done = yield from self.present(waiting)
+        while not done and waiting and (left := deadline - time.monotonic()) > 0:
+            window = {self.keys.result(r): r for r in waiting[: 1 if self.cluster else WINDOW]}
+            reply = yield Call("xread", (dict.fromkeys(window, "0-0"),),
+                               {"count": 1, "block": max(1, min(BLOCK_MS, int(left * 1000)))})
+            for key, entries in reply or []:
+                request_id = window[key.decode() if isinstance(key, bytes) else key]
+                done[request_id] = parse_result(entries[0][1], request_id)
+            if len(waiting) > len(window):  # those beyond the read's window: a look at them too
+                done.update((yield from self.present(waiting[len(window):])))
+        return done
+
     def present(self, request_ids: list[str]) -> Plan[dict[str, Result]]:
         """The results already there, in one round trip (one key per command: fine on Redis Cluster too)."""
         if not request_ids:
