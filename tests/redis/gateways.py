@@ -2,7 +2,7 @@
 CPU worker (tiny checkpoint), one stack per server binary, shared by every gateway test module of the session.
 
 The keyed gateway's keys, one per case the tests need: ``acme`` (namespace dq, both lanes), ``acme-normal`` (dq,
-normal lane only, 2 requests in flight), ``globex`` (namespace globex: no worker, so its requests stay queued),
+normal lane only, 2 requests in flight), ``globex`` (namespace globex: no worker, so its requests stay queued), ``initech`` (globex too, 4 in flight),
 ``kilo`` (namespace kill: the worker-killed test's own workers).
 """
 
@@ -21,10 +21,12 @@ import httpx
 from worker.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKENS = {name: f"test-token-{name}-0123456789abcdef" for name in ("acme", "acme-normal", "globex", "kilo")}
+TOKENS = {name: f"test-token-{name}-0123456789abcdef" for name in ("acme", "acme-normal", "globex", "initech",
+                                                                  "kilo")}
 KEYS = [{"name": "acme", "token": TOKENS["acme"]},
         {"name": "acme-normal", "token": TOKENS["acme-normal"], "lanes": ["normal"], "max_inflight": 2},
         {"name": "globex", "token": TOKENS["globex"], "namespace": "globex"},
+        {"name": "initech", "token": TOKENS["initech"], "namespace": "globex", "max_inflight": 4},
         {"name": "kilo", "token": TOKENS["kilo"], "namespace": "kill"}]
 # Small limits, so that each refusal is cheap to reach: the tests keep fewer unfinished requests than this in dq.
 LIMITS = {"max_body_bytes": 65536, "max_batch": 20, "max_unfinished": 30, "wait_s": 20, "max_wait_s": 60}
