@@ -77,11 +77,10 @@ def problems(errors: list[dict[str, Any]]) -> tuple[str, str, str]:
     """(code, field, message) of validation errors: invalid_json when the body is not JSON at all."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid", "type": ""}
     if first.get("type") == "json_invalid":
-        where = first.get("loc", ())[-1:] or ("?",)
         return ErrorCode.INVALID_JSON.value, "body", f"the body is not valid JSON: " \
-            f"{str((first.get('ctx') or {}).get('error', ''))[:200]} (at character {where[0]})"
-    if tuple(first.get("loc", ())) == ("body",) and first.get("type") in ("model_attributes_type", "dict_type",
-                                                                           "model_type"):
+            f"{str((first.get('ctx') or {}).get('error', first.get('msg', '')))[:200]}"
+    if field_of(first.get("loc", ())) == "body" and first.get("type") in ("model_attributes_type", "dict_type",
+                                                                          "model_type"):
         return ErrorCode.INVALID_JSON.value, "body", "the body must be a JSON object, sent as application/json"
     code = ErrorCode.INVALID_REQUEST
     lines = [f"{field_of(e.get('loc', ()))}: {str(e.get('msg', ''))[:300]}" for e in errors[:10]]
