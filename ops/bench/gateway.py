@@ -49,6 +49,13 @@ class Http:
         return self
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        try:
+            return await self._post(path, body)
+        except (asyncio.IncompleteReadError, ConnectionError):  # uvicorn closes connections idle for 5 s
+            await self.open()
+            return await self._post(path, body)
+
+    async def _post(self, path: str, body: bytes) -> tuple[int, bytes]:
         self.writer.write(b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
                           b"content-length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
         head = await self.reader.readuntil(b"\r\n\r\n")
@@ -86,8 +93,7 @@ def wait_http(url: str, timeout: float = 180.0) -> None:
 
 async def latency(server: RedisServer, port: int, count: int, rate: float) -> dict:
     client = AsyncClient(server.url)
-    http = [await Http(port).open() for _ in range(8)]
-    free = list(http)
+    free = [await Http(port).open() for _ in range(8)]
     times: dict[str, list[float]] = {"client": [], "gateway": []}
 
     async def one(n: int) -> None:
@@ -95,7 +101,7 @@ async def latency(server: RedisServer, port: int, count: int, rate: float) -> di
                 "questions": QUESTIONS}
         started = time.perf_counter()
         if n % 2:
-            connection = free.pop()
+            connection = free.pop() if free else await Http(port).open()
             status, reply = await connection.post("/v1/decide", json.dumps(body).encode())
             free.append(connection)
             assert status == 200 and json.loads(reply)["status"] == "ok", reply[:300]
