@@ -62,6 +62,8 @@ class Front:
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                self._give_back(state)  # before the caller sees the end: its next call may come at once
             await send(message)
 
         gauge = self.metrics.in_flight.labels(route)
@@ -74,11 +76,14 @@ class Front:
             await self.app(scope, self._counting(receive), sending)
         finally:
             gauge.dec()
-            for name, count in state.pop("held", ()):
-                self.inflight.give_back(name, count)
+            self._give_back(state)  # a call cut short, or one that failed before its last byte
             lane = state.get("lane", "")
             self.metrics.calls.labels(route, lane, str(status[0])).inc()
             self.metrics.seconds.labels(route, lane).observe(time.perf_counter() - started)
+
+    def _give_back(self, state: dict[str, Any]) -> None:
+        for name, count in state.pop("held", ()):
+            self.inflight.give_back(name, count)
 
     def _refuse(self, scope: Scope, route: str, state: dict[str, Any]) -> tuple[int, bytes, dict] | None:
         """401 without a known key, 413 for a declared length over the limit; else None (the call goes on)."""

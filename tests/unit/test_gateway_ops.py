@@ -112,3 +112,12 @@ def test_gateway_alerts_fire_when_they_should_and_stay_quiet_otherwise():
         done = subprocess.run([PROMTOOL, *args], cwd=OPS / "prometheus", capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_gateway_doc_lists_every_setting_and_metric():
+    text = (ROOT / "docs/GATEWAY.md").read_text()
+    for f in own_fields():
+        assert f"`--{f.name.replace('_', '-')}` | `{env_name(f.name)}`" in text, f.name
+    for metric in vars(Metrics()).values():
+        if hasattr(metric, "_name"):
+            assert metric._name in text, metric._name
