@@ -4,8 +4,10 @@
 
 1. latency: the same offered load (``--rate`` decisions per second, open loop, arrivals at even spacing) through
    the Python client (``AsyncClient.decide``) and through the gateway (``POST /v1/decide``), interleaved request by
-   request so that both meet the same worker and Redis; a real CPU worker (tiny checkpoint) answers. Reported: each
-   path's p50/p90/p99, and what the gateway adds at p50 (target: 2 ms at most).
+   request so that both meet the same worker and Redis. A stand-in worker answers at once (``--worker echo``, the
+   default: the model's own time on a shared CPU spreads by more than what is measured), or a real CPU worker on the
+   tiny checkpoint (``--worker tiny``). Reported: each path's p50/p90/p99, and what the gateway adds at p50
+   (target: 2 ms at most).
 2. throughput: ``POST /v1/requests`` (one request per call), ``--connections`` keep-alive connections in a closed
    loop for ``--seconds``, against one gateway process pinned to one core (the load generator and Redis on the
    other cores where there are any); no worker runs. Reported: calls answered 202 per second of wall time and per
@@ -91,7 +93,9 @@ def wait_http(url: str, timeout: float = 180.0) -> None:
     raise TimeoutError(url)
 
 
-async def latency(server: RedisServer, port: int, count: int, rate: float) -> dict:
+async def latency(server: RedisServer, port: int, count: int, rate: float, stand_in: bool) -> dict:
+    stop = asyncio.Event()
+    responder = asyncio.create_task(echo(server.url, stop)) if stand_in else None
     client = AsyncClient(server.url)
     free = [await Http(port).open() for _ in range(8)]
     times: dict[str, list[float]] = {"client": [], "gateway": []}
@@ -119,9 +123,38 @@ async def latency(server: RedisServer, port: int, count: int, rate: float) -> di
         tasks.append(asyncio.create_task(one(n)))
     await asyncio.gather(*tasks)
     await client.close()
-    out = {"rate": rate, "client_ms": summary(times["client"]), "gateway_ms": summary(times["gateway"])}
+    if responder is not None:
+        stop.set()
+        await responder
+    out = {"worker": "echo" if stand_in else "tiny", "rate": rate, "client_ms": summary(times["client"]), "gateway_ms": summary(times["gateway"])}
     out["added_p50_ms"] = round(out["gateway_ms"]["p50"] - out["client_ms"]["p50"], 3)
     return out
+
+
+async def echo(url: str, stop: asyncio.Event) -> None:
+    """A stand-in worker (``--worker echo``): takes each request entry and publishes an ok result at once, through
+    the library's publish function as a worker does, so that the latency phase measures the two paths without the
+    model's own time and its spread (tens of milliseconds on a shared CPU, against the one being measured)."""
+    import redis.asyncio as aioredis
+
+    from producer import library
+    from producer.keys import GROUP, Field, Keys
+
+    keys, r = Keys(), aioredis.Redis.from_url(url)
+    try:
+        await r.xgroup_create(keys.requests, GROUP, id="0", mkstream=True)
+    except Exception:  # noqa: BLE001 - the group is there already
+        pass
+    while not stop.is_set():
+        for _, entries in await r.xreadgroup(GROUP, "echo", {keys.requests: ">"}, count=64, block=100) or []:
+            for entry_id, fields in entries:
+                request_id = json.loads(fields[Field.BODY.encode()])["id"]
+                result = json.dumps({"id": request_id, "status": "ok", "answers": {}})
+                await r.fcall(library.PUBLISH, 3, keys.result(request_id), keys.shares(request_id),
+                              keys.body(request_id), result, 600)
+                await r.xack(keys.requests, GROUP, entry_id)
+                await r.xdel(keys.requests, entry_id)
+    await r.aclose()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -155,7 +188,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for gateway.json and the logs")
     parser.add_argument("--requests", type=int, default=1000, help="decisions per path in the latency phase")
-    parser.add_argument("--rate", type=float, default=50.0, help="decisions per second offered, both paths together")
+    parser.add_argument("--rate", type=float, default=100.0, help="decisions per second offered, both paths together")
+    parser.add_argument("--worker", choices=("echo", "tiny"), default="echo",
+                        help="who answers in the latency phase: a stand-in that answers at once (the gateway's "
+                             "own cost, without the model's spread), or a real CPU worker on the tiny checkpoint")
     parser.add_argument("--seconds", type=float, default=15.0, help="length of the throughput phase")
     parser.add_argument("--connections", type=int, default=32, help="keep-alive connections, throughput phase")
     args = parser.parse_args()
@@ -166,26 +202,31 @@ def main() -> int:
     os.sched_setaffinity(0, other_cpus)  # this process (the load) and what it starts, off the gateway's core
     from worker.model import tiny
 
-    checkpoint = tiny.write(Path(tempfile.mkdtemp()) / "tiny", multimodal=False)
+    checkpoint = tiny.write(Path(tempfile.mkdtemp()) / "tiny", multimodal=False) if args.worker == "tiny" else None
     report: dict = {"cores": len(cores), "python": sys.version.split()[0]}
     with RedisServer(appendonly=False) as server:
         report["server"] = str(server.server)
         metrics, port = free_port(), free_port()
         worker = start([sys.executable, "-m", "worker", "serve", "--checkpoint", str(checkpoint), "--device", "cpu",
-                        "--redis-url", server.url, "--metrics-port", str(metrics)], out / "worker.log", other_cpus)
+                        "--redis-url", server.url, "--metrics-port", str(metrics)], out / "worker.log", other_cpus) \
+            if args.worker == "tiny" else None
         gateway = start([sys.executable, "-m", "producer.gateway", "--redis-url", server.url, "--port", str(port),
-                         "--max-unfinished", "0", "--log-level", "WARNING"], out / "gateway.log", gateway_cpus)
+                         "--max-unfinished", "0", "--log-level", "WARNING"], out / "gateway.log", set(cores))
         try:
-            wait_http(f"http://127.0.0.1:{metrics}/readyz")
-            wait_http(f"http://127.0.0.1:{port}/ready")
-            report["latency"] = asyncio.run(latency(server, port, args.requests, args.rate))
-            worker.terminate()
-            worker.wait(60)
+            if worker is not None:
+                wait_http(f"http://127.0.0.1:{metrics}/readyz")
+            wait_http(f"http://127.0.0.1:{port}/health")
+            report["latency"] = asyncio.run(latency(server, port, args.requests, args.rate, worker is None))
+            if worker is not None:
+                worker.terminate()
+                worker.wait(60)
+            os.sched_setaffinity(gateway.pid, gateway_cpus)  # one core to itself, the load on the others
             report["throughput"] = asyncio.run(throughput(port, gateway.pid, args.seconds, args.connections))
         finally:
             for process in (worker, gateway):
-                process.kill()
-                process.wait(10)
+                if process is not None:
+                    process.kill()
+                    process.wait(10)
     (out / "gateway.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0

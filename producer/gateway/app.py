@@ -25,7 +25,7 @@ from redis.backoff import ExponentialBackoff
 from .. import __version__
 from ..client import AsyncClient
 from ..connection import aconnect
-from ..core import Prepared, QueueFull, prepare
+from ..core import Prepared, QueueFull, ResultTimeout, prepare
 from ..keys import GONE_S, ID_PATTERN, NORMAL, Keys, Priority, beat_age
 from ..schema import ErrorCode, Request, Result, valid_traceparent
 from . import replies
@@ -227,8 +227,11 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         access, prepared = gateway.admit(http, [body], batch=False)
         client = gateway.clients[access.namespace]
         await gateway.submit(access.namespace, prepared)
-        result = await client.wait(prepared[0].id, gateway.wait_for(timeout, [body.deadline_ms]))
-        return replies.result_response(result)
+        request_id = prepared[0].id
+        landed = await client.wait_any([request_id], gateway.wait_for(timeout, [body.deadline_ms]))
+        if request_id not in landed:
+            raise ResultTimeout("no result in time", missing=[request_id])
+        return replies.result_response(landed[request_id])
 
     @app.post("/v1/decide/batch", responses=failures, summary="Decide many; results as they land (NDJSON)",
               openapi_extra=documented("Batch"))
