@@ -25,7 +25,7 @@ from redis.backoff import ExponentialBackoff
 from .. import __version__
 from ..client import AsyncClient
 from ..connection import aconnect
-from ..core import Prepared, QueueFull, ResultTimeout, prepare
+from ..core import Prepared, QueueFull, ResultTimeout, WrongResult, prepare
 from ..keys import GONE_S, ID_PATTERN, NORMAL, Keys, Priority, beat_age
 from ..schema import ErrorCode, Request, Result, valid_traceparent
 from . import replies
@@ -175,11 +175,12 @@ class Gateway:
                 for request_id in landed:
                     yield _line(landed[request_id])
                 pending = [r for r in pending if r not in landed]
-        except redis.RedisError as error:  # the queue went away mid-batch: the rest still get their one line
-            replies.log.warning("Redis, mid-batch: %s: %s", type(error).__name__, error)
+        except (redis.RedisError, WrongResult) as error:  # mid-batch: the rest still get their one line each
+            replies.log.warning("mid-batch: %s: %s", type(error).__name__, error)
+            code = "unavailable" if isinstance(error, redis.RedisError) else ErrorCode.INTERNAL
             for request_id in pending:
-                yield _line(Result.failure(request_id, "unavailable", "the queue became unavailable; the request "
-                                           f"may still be answered: GET /v1/results/{request_id}"))
+                yield _line(Result.failure(request_id, code, "the queue could not be read; the request may still "
+                                           f"be answered: GET /v1/results/{request_id}"))
             return
         for request_id in pending:
             yield _line(Result.failure(request_id, ErrorCode.TIMEOUT, f"no result within {wait:g} s; the request "
