@@ -126,7 +126,8 @@ async def latency(server: RedisServer, port: int, count: int, rate: float, stand
     if responder is not None:
         stop.set()
         await responder
-    out = {"worker": "echo" if stand_in else "tiny", "rate": rate, "client_ms": summary(times["client"]), "gateway_ms": summary(times["gateway"])}
+    out = {"worker": "echo" if stand_in else "tiny", "rate": rate, "client_ms": summary(times["client"]),
+           "gateway_ms": summary(times["gateway"])}
     out["added_p50_ms"] = round(out["gateway_ms"]["p50"] - out["client_ms"]["p50"], 3)
     return out
 

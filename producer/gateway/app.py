@@ -17,8 +17,6 @@ from fastapi import FastAPI, Query
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
@@ -31,6 +29,7 @@ from ..schema import ErrorCode, Request, Result, valid_traceparent
 from . import replies
 from .access import Access, Inflight, Keyring
 from .batcher import Batcher
+from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
 from .front import Front, Metrics
 from .replies import Refused
@@ -41,41 +40,6 @@ DEADLINE_GRACE_S = 2.0
 # hold every call that long while Redis is down).
 RETRIES, RETRY_CAP = 2, 0.2
 NDJSON = "application/x-ndjson"
-
-
-class Batch(BaseModel):
-    """Several requests, each the queue's request JSON."""
-
-    model_config = ConfigDict(extra="forbid")
-    requests: list[Request] = Field(min_length=1)
-
-
-def _shape(value: Any) -> str:
-    return "batch" if isinstance(value, (dict, Batch)) and "requests" in value else "one"
-
-
-Submission = Annotated[Annotated[Request, Tag("one")] | Annotated[Batch, Tag("batch")], Discriminator(_shape)]
-ONE, MANY, EITHER = TypeAdapter(Request), TypeAdapter(Batch), TypeAdapter(Submission)
-
-
-def documented(*models: str) -> dict[str, Any]:
-    """The body's schema for the OpenAPI description (routes parse their own bodies: see ``parse``)."""
-    refs = [{"$ref": f"#/components/schemas/{m}"} for m in models]
-    schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-async def parse(http: HttpRequest, adapter: TypeAdapter[Any]) -> Any:
-    """The body, parsed and validated in one pass (pydantic's JSON parser): a third of a call's cost when FastAPI
-    decoded JSON and then validated the objects. Problems are FastAPI's 422, as if it had validated them."""
-    try:
-        return adapter.validate_json(await http.body())
-    except ValidationError as error:
-        raise RequestValidationError(error.errors(include_url=False)) from None
-
-
-Timeout = Annotated[float | None, Query(gt=0, description="seconds to wait for the results (default: the gateway's "
-                                                          "--wait-s; at most its --max-wait-s)")]
 
 
 class Gateway:
@@ -221,37 +185,41 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
                                                                           "Retry-After"),
         (503, "Redis unreachable"), (504, "no result in time: the id, to fetch later"))}
 
-    @app.post("/v1/decide", responses=failures, summary="Decide one request and wait for its result",
-              openapi_extra=documented("Request"))
-    async def decide(http: HttpRequest, timeout: Timeout = None) -> Response:
+    # The POST routes: plain Starlette routes, described in the OpenAPI document by bodies.describe.
+    async def decide(http: HttpRequest) -> Response:
         body: Request = await parse(http, ONE)
+        asked = seconds(http)  # checked before anything is sent
         access, prepared = gateway.admit(http, [body], batch=False)
         client = gateway.clients[access.namespace]
         await gateway.submit(access.namespace, prepared)
         request_id = prepared[0].id
-        landed = await client.wait_any([request_id], gateway.wait_for(timeout, [body.deadline_ms]))
+        landed = await client.wait_any([request_id], gateway.wait_for(asked, [body.deadline_ms]))
         if request_id not in landed:
             raise ResultTimeout("no result in time", missing=[request_id])
         return replies.result_response(landed[request_id])
 
-    @app.post("/v1/decide/batch", responses=failures, summary="Decide many; results as they land (NDJSON)",
-              openapi_extra=documented("Batch"))
-    async def decide_batch(http: HttpRequest, timeout: Timeout = None) -> StreamingResponse:
+    async def decide_batch(http: HttpRequest) -> Response:
         body: Batch = await parse(http, MANY)
+        asked = seconds(http)
         access, prepared = gateway.admit(http, body.requests, batch=True)
         client = gateway.clients[access.namespace]
         refused = await gateway.submit(access.namespace, prepared, partial=True)
-        wait = gateway.wait_for(timeout, [r.deadline_ms for r in body.requests])
+        wait = gateway.wait_for(asked, [r.deadline_ms for r in body.requests])
         return StreamingResponse(gateway.lines(client, [p.id for p in prepared], refused, wait), media_type=NDJSON)
 
-    @app.post("/v1/requests", status_code=202, responses=failures, summary="Enqueue; answers the ids at once",
-              openapi_extra=documented("Request", "Batch"))
     async def enqueue(http: HttpRequest) -> Response:
         body: Request | Batch = await parse(http, EITHER)
         batch = isinstance(body, Batch)
         access, prepared = gateway.admit(http, body.requests if batch else [body], batch)
         await gateway.submit(access.namespace, prepared)
         return JSONResponse({"ids": [p.id for p in prepared]}, 202)
+
+    posts = [("/v1/decide", "Decide one request and wait for its result", "200", ("Request",), True, decide),
+             ("/v1/decide/batch", "Decide many; results as they land (NDJSON)", "200", ("Batch",), True,
+              decide_batch),
+             ("/v1/requests", "Enqueue; answers the ids at once", "202", ("Request", "Batch"), False, enqueue)]
+    for path, *_, endpoint in posts:
+        app.add_route(path, endpoint, methods=["POST"], include_in_schema=False)
 
     @app.get("/v1/results/{request_id}", responses=failures, summary="A result, waiting up to ?wait= seconds")
     async def result(request_id: str, http: HttpRequest,
@@ -281,13 +249,9 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:  # FastAPI's description, with the bodies' schemas the routes refer to
+        if app.openapi_schema is None:  # FastAPI's description, and the plain routes'
             schema = FastAPI.openapi(app)
-            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (Request, Batch):
-                described = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                schemas.update(described.pop("$defs", {}))
-                schemas[model.__name__] = described
+            describe(schema, [(*post[:5], failures) for post in posts])
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -77,7 +77,8 @@ class GatewayConfig:
     deployment: Deployment = field(default_factory=Deployment, metadata={"help": ""})
     host: str = _opt("127.0.0.1", "address to listen on (without API keys, a loopback address only)")
     port: int = _opt(8080, "port to listen on", low=1, high=65535)
-    api_keys_file: str = _opt("", f"JSON file of API keys (or their JSON in {KEYS_VARIABLE}); none: open, loopback only")
+    api_keys_file: str = _opt("", f"JSON file of API keys (or their JSON in {KEYS_VARIABLE}); none: open, loopback "
+                                  "only")
     max_body_bytes: int = _opt(MAX_BODY_BYTES, "largest request body; larger ones are refused with 413", low=1)
     max_batch: int = _opt(BATCH, f"most requests in one call (at most {BATCH}, the client's batch); more: 413", low=1,
                           high=BATCH)

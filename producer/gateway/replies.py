@@ -31,7 +31,7 @@ JSON = "application/json"
 RESULT_STATUS = {ErrorCode.INVALID_JSON: 422, ErrorCode.INVALID_REQUEST: 422, ErrorCode.INVALID_IMAGE: 422,
                  ErrorCode.STATE_TOO_LONG: 422, ErrorCode.TOO_LARGE: 413, ErrorCode.DEADLINE_EXCEEDED: 504}
 # The question types are a discriminator, not a field the caller wrote; "one" and "batch" are the body's shapes.
-NOT_FIELDS = ("body", "noul", "choice", "score", "one", "batch")
+NOT_FIELDS = ("body", "query", "path", "noul", "choice", "score", "one", "batch")
 
 
 class Refused(Exception):

@@ -2,7 +2,8 @@
 CPU worker (tiny checkpoint), one stack per server binary, shared by every gateway test module of the session.
 
 The keyed gateway's keys, one per case the tests need: ``acme`` (namespace dq, both lanes), ``acme-normal`` (dq,
-normal lane only, 2 requests in flight), ``globex`` (namespace globex: no worker, so its requests stay queued), ``initech`` (globex too, 4 in flight),
+normal lane only, 2 requests in flight), ``globex`` (namespace globex: no worker, so its requests stay queued),
+``initech`` (globex too, 4 in flight),
 ``kilo`` (namespace kill: the worker-killed test's own workers).
 """
 

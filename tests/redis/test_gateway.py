@@ -82,12 +82,16 @@ def test_invalid_input_is_422_with_the_code_and_the_field_and_nothing_is_queued(
         assert reply.status_code == 422 and reply.json()["error"]["field"] == "requests.1.priority"
         reply = http.post("/v1/decide/batch", json={"requests": [request("gw-twice"), request("gw-twice")]})
         assert reply.status_code == 422 and reply.json()["error"]["field"] == "requests.1.id"
+        for timeout in ("0", "-1", "nan", "inf", "soon"):
+            reply = http.post("/v1/decide", params={"timeout": timeout}, json=request("gw-422-t"))
+            assert reply.status_code == 422 and reply.json()["error"]["field"] == "timeout", timeout
     assert stack.gateway.metric("dq_gateway_queued_requests_total") == queued  # refused before sending
 
 
 def test_no_result_in_time_is_504_with_the_id_and_the_result_is_fetchable_later(stack):
     """Namespace globex has no worker: nothing answers in time. The result, published later (as a worker would),
-    is read by the id the 504 gave, by a GET already waiting for it. (A worker killed mid-request: test_gateway_faults.)"""
+    is read by the id the 504 gave, by a GET already waiting for it (a worker killed mid-request:
+    test_gateway_faults)."""
     with stack.gateway.client("globex") as http:
         started = time.monotonic()
         reply = http.post("/v1/decide", params={"timeout": 0.5}, json=request("gw-late-1"))

@@ -57,7 +57,8 @@ def test_keys_come_from_a_file_or_a_variable_and_open_any_address(tmp_path):
     [], {"name": "a"}, [{"name": "a", "token": "short"}], [{"name": "a b", "token": TOKEN}],
     [{"name": "a", "token": TOKEN + " x"}], [{"name": "a", "token": TOKEN, "lanes": []}],
     [{"name": "a", "token": TOKEN, "lanes": ["urgent"]}], [{"name": "a", "token": TOKEN, "namespace": "x:y"}],
-    [{"name": "a", "token": TOKEN, "admin": True}], [{"name": "a", "token": TOKEN}, {"name": "a", "token": TOKEN + "2"}],
+    [{"name": "a", "token": TOKEN, "admin": True}],
+    [{"name": "a", "token": TOKEN}, {"name": "a", "token": TOKEN + "2"}],
     [{"name": "a", "token": TOKEN}, {"name": "b", "token": TOKEN}], [{"name": "a", "token": TOKEN, "max_inflight": 0}],
 ])
 def test_unusable_keys_are_refused_without_echoing_a_token(keys):
