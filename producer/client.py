@@ -13,13 +13,13 @@ from typing import Any, TypeVar
 import redis
 import redis.asyncio as aioredis
 
-from . import library
+from . import arrivals, library
 from .connection import Deployment, aconnect, connect
 from .core import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
                    Step, Submittable, WrongResult, prepare)
 from .keys import Keys
 from .library import LibraryUnavailable
-from .schema import Result, ResultError
+from .result import Result, ResultError
 from .servers import Server, UnsupportedServer, acheck, check
 
 __all__ = ["AsyncClient", "Client", "InvalidRequest", "LibraryUnavailable", "Prepared", "QueueFull", "ResultError",
@@ -86,7 +86,7 @@ class Client(_Face):
     def wait_any(self, request_ids: Iterable[str], timeout: float = 1.0) -> dict[str, Result]:
         """Those of the results that are there; when none is, the first to land within ``timeout`` seconds (empty:
         none did). Results as they land: call again with the ids still missing."""
-        return self._run(self.core.wait_any(request_ids, timeout))
+        return self._run(arrivals.wait_any(self.core, request_ids, timeout))
 
     def decide(self, request: Submittable, timeout: float | None = 60.0) -> Result:
         """Submit and wait."""
@@ -154,7 +154,7 @@ class AsyncClient(_Face):
         return await self._run(self.core.wait_many(request_ids, timeout))
 
     async def wait_any(self, request_ids: Iterable[str], timeout: float = 1.0) -> dict[str, Result]:
-        return await self._run(self.core.wait_any(request_ids, timeout))
+        return await self._run(arrivals.wait_any(self.core, request_ids, timeout))
 
     async def decide(self, request: Submittable, timeout: float | None = 60.0) -> Result:
         return await self._run(self.core.decide(request, timeout))

@@ -8,12 +8,11 @@ and the faces have the same methods. Every request goes through ``Producer.send`
 request stream.
 
 Submitting is one call of the submit function (producer/library.py) per batch: it checks each id and body size
-and refuses the batch when the request stream already holds more than ``max_unfinished`` entries (workers delete
-entries once answered, so its length is the unfinished work). A request goes to its lane's stream (its
-``priority``; absent: normal), so the limit holds per lane: a full normal lane does not refuse high requests.
-Waiting is a blocking ``XREAD`` on the result streams of up to 256 awaited requests at once (each keeps its one
-entry until the TTL: a result published while nobody waited is still there, and can be read again); on Redis
-Cluster, where one read cannot span slots, on the oldest one, then a pipelined look at the others.
+and refuses the batch when the request stream holds more than ``max_unfinished`` entries (its length is the
+unfinished work). A request goes to its lane's stream, so the limit holds per lane.
+Waiting is a blocking ``XREAD`` on the result streams of up to 256 awaited requests at once (a result keeps its
+one entry until its TTL); on Redis Cluster, where one read cannot span slots, on the oldest one, then a pipelined
+look at the others.
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ from pydantic import ValidationError
 
 from . import library
 from .keys import GONE_S, GROUP, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
-from .schema import Request, Result, describe
+from .schema import Request, describe
+from .result import Result
 from .servers import lag_of
 
 BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the time Redis spends in one call
@@ -229,26 +229,6 @@ class Producer:
                 done.update((yield from self.present(missing[1:])))
         return {r: done[r] for r in waiting}
 
-    def wait_any(self, request_ids: Iterable[str], timeout: float) -> Plan[dict[str, Result]]:
-        """The results of ``request_ids`` that are there now or, when none is, the first to land within ``timeout``
-        seconds (empty: none did). For callers that hand results on as they land (the gateway's batches)."""
-        deadline = time.monotonic() + timeout
-        waiting = list(dict.fromkeys(request_ids))
-        # One blocking read over every id answers at once with those already there: no look first (a round trip
-        # less per call), unless the read cannot cover them all (a cluster, more than a window) or must not block.
-        covered = not self.cluster and len(waiting) <= WINDOW and timeout > 0
-        done = {} if covered else (yield from self.present(waiting))
-        while not done and waiting and (left := deadline - time.monotonic()) > 0:
-            window = {self.keys.result(r): r for r in waiting[: 1 if self.cluster else WINDOW]}
-            reply = yield Call("xread", (dict.fromkeys(window, "0-0"),),
-                               {"count": 1, "block": max(1, min(BLOCK_MS, int(left * 1000)))})
-            for key, entries in reply or []:
-                request_id = window[key.decode() if isinstance(key, bytes) else key]
-                done[request_id] = parse_result(entries[0][1], request_id)
-            if len(waiting) > len(window):  # those beyond the read's window: a look at them too
-                done.update((yield from self.present(waiting[len(window):])))
-        return done
-
     def present(self, request_ids: list[str]) -> Plan[dict[str, Result]]:
         """The results already there, in one round trip (one key per command: fine on Redis Cluster too)."""
         if not request_ids:
@@ -309,8 +289,7 @@ class Producer:
 
 
 def _combine(parts: list[dict[str, Any]], consumers: Any = sum) -> dict[str, Any]:
-    """Field-wise sum of stream stats. ``consumers``: how consumer counts combine (``max`` over the lanes of one
-    shard, whose streams the same workers read)."""
+    """Field-wise sum of stream stats; ``consumers`` combines consumer counts (``max`` over one shard's lanes)."""
     out: dict[str, Any] = {}
     for part in parts:
         for name, value in part.items():

@@ -25,7 +25,8 @@ from ..client import AsyncClient
 from ..connection import aconnect
 from ..core import Prepared, QueueFull, ResultTimeout, WrongResult, prepare
 from ..keys import GONE_S, ID_PATTERN, NORMAL, Keys, Priority, beat_age
-from ..schema import ErrorCode, Request, Result, valid_traceparent
+from ..result import Result
+from ..schema import ErrorCode, Request, valid_traceparent
 from . import replies
 from .access import Access, Inflight, Keyring
 from .batcher import Batcher

@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException
 
 from ..core import InvalidRequest, QueueFull, ResultTimeout, WrongResult
 from ..library import LibraryUnavailable
-from ..schema import ErrorCode, Result
+from ..result import Result
+from ..schema import ErrorCode
 from ..servers import UnsupportedServer
 
 log = logging.getLogger("producer.gateway")
