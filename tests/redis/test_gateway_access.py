@@ -16,6 +16,7 @@ import redis
 
 from gateways import ROOT, TOKENS, GatewayProcess, auth, request
 from producer.keys import Keys
+from worker.redis_server import RedisServer
 
 
 def test_a_valid_key_is_needed_and_checked_before_the_body_is_read(stack):
@@ -164,3 +165,31 @@ def test_a_gateway_started_with_keys_from_a_file_serves_them(stack, tmp_path):
                           timeout=30).status_code == 401
     finally:
         gateway.stop()
+
+
+def test_as_the_producer_acl_user_it_queues_reads_and_is_ready_without_seeing_heartbeats(tmp_path):
+    """Compose's set-up: the gateway holds only the producer role of ops/redis_acl.py (submit, read results). It
+    may not read the workers' heartbeats: /ready says so and still answers 200 while Redis answers."""
+    from ops.redis_acl import ROLES, render
+    from producer import library
+
+    passwords = {role: f"test-{role}-password" for role in ROLES}
+    (tmp_path / "users.acl").write_text(render(passwords))
+    with RedisServer("--aclfile", str(tmp_path / "users.acl")) as server:
+        def as_role(role: str) -> str:
+            return f"redis://{role}:{passwords[role]}@127.0.0.1:{server.port}/0"
+
+        library.ensure(redis.Redis.from_url(as_role("admin")))
+        gateway = GatewayProcess(as_role("producer"), tmp_path / "gateway.log").wait_up()
+        try:
+            with gateway.client() as http:
+                ready = http.get("/ready")
+                assert ready.status_code == 200 and ready.json()["workers"]["dq"].startswith("unknown")
+                assert http.post("/v1/requests", json=request("gw-acl-1")).status_code == 202
+                assert http.get("/v1/results/gw-acl-1").status_code == 404
+                body = json.dumps({"id": "gw-acl-1", "status": "ok", "answers": {}})
+                redis.Redis.from_url(as_role("admin")).xadd(Keys().result("gw-acl-1"), {"body": body})
+                assert http.get("/v1/results/gw-acl-1").json()["status"] == "ok"
+                assert http.post("/v1/decide", params={"timeout": 0.3}, json=request("gw-acl-2")).status_code == 504
+        finally:
+            gateway.stop()
