@@ -104,10 +104,14 @@ def test_body_batch_and_in_flight_limits_each_with_its_status(stack):
 def test_in_flight_slots_are_held_while_a_call_waits_and_given_back_when_its_caller_leaves(stack):
     """initech may have 4 requests in flight (namespace globex: nothing answers them). A batch of 4 holds them while
     it waits; its caller goes away; the slots come back (front.py), so the key is not locked out."""
-    with stack.gateway.client("initech", timeout=1.0) as http:
+    queued = stack.gateway.metric("dq_gateway_queued_requests_total")
+    with stack.gateway.client("initech", timeout=3.0) as http:
         waiting = threading.Thread(target=lambda: _give_up(http, [request(f"gw-hold-{i}") for i in range(4)]))
         waiting.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while stack.gateway.metric("dq_gateway_queued_requests_total") < queued + 4:  # admitted: its slots held
+            assert time.monotonic() < deadline, "the batch was not queued"
+            time.sleep(0.05)
         with stack.gateway.client("initech") as other:
             reply = other.post("/v1/decide", params={"timeout": 0.2}, json=request("gw-hold-x"))
             assert reply.status_code == 429 and reply.json()["error"]["code"] == "too_many_in_flight"
