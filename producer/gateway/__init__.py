@@ -3,7 +3,7 @@ the wire protocol (docs/GATEWAY.md). Stateless: it holds no request between call
 behind a load balancer. Torch-free; needs the ``http`` extra (FastAPI, uvicorn, prometheus-client).
 
 config.py (the one settings object, API keys)  access.py (who may do what; in-flight limits)  app.py (the routes)
-batcher.py (concurrent submissions in one call)
+bodies.py (what the POST routes read)  batcher.py (concurrent submissions in one call)
 front.py (the ASGI layer before the routes: authentication, body size, metrics)  replies.py (errors as HTTP
 statuses)  __main__.py (the command)
 """
