@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import redis
 import redis.asyncio as aioredis
 
-from . import library
+from . import arrivals, library
 from .connection import Deployment, aconnect, connect
 from .core import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
                    Step, Submittable, WrongResult, prepare)
@@ -83,6 +83,11 @@ class Client(_Face):
         """Results of all ``request_ids`` by id, in their order; raises ResultTimeout naming how many are missing."""
         return self._run(self.core.wait_many(request_ids, timeout))
 
+    def wait_any(self, request_ids: Iterable[str], timeout: float = 1.0) -> dict[str, Result]:
+        """Those of the results that are there; when none is, the first to land within ``timeout`` seconds (empty:
+        none did). Results as they land: call again with the ids still missing."""
+        return self._run(arrivals.wait_any(self.core, request_ids, timeout))
+
     def decide(self, request: Submittable, timeout: float | None = 60.0) -> Result:
         """Submit and wait."""
         return self._run(self.core.decide(request, timeout))
@@ -147,6 +152,9 @@ class AsyncClient(_Face):
 
     async def wait_many(self, request_ids: Iterable[str], timeout: float | None = 60.0) -> dict[str, Result]:
         return await self._run(self.core.wait_many(request_ids, timeout))
+
+    async def wait_any(self, request_ids: Iterable[str], timeout: float = 1.0) -> dict[str, Result]:
+        return await self._run(arrivals.wait_any(self.core, request_ids, timeout))
 
     async def decide(self, request: Submittable, timeout: float | None = 60.0) -> Result:
         return await self._run(self.core.decide(request, timeout))

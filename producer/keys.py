@@ -30,6 +30,8 @@ ENTRY_ID_SHAPE = re.compile(r"\A[0-9]+-[0-9]+\Z")
 REPLY_SUFFIX = re.compile(r"\A[A-Za-z0-9._:\-]{1,128}\Z")
 # Its shape whatever the namespace (the wire schema's check; a worker also wants its own namespace's prefix).
 REPLY_STREAM = re.compile(r"\A[A-Za-z0-9._:\-]{1,64}:v" + PROTOCOL + r":reply:[A-Za-z0-9._:\-]{1,128}\Z")
+# A namespace, the prefix of every name of a deployment: no braces (hash tags), no colons (the worker's rule).
+NAMESPACE_PATTERN = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
 ANY = "*"  # as a shard or a request id, makes a Keys name a glob pattern (ACL rules); never a valid id
 MAX_BODY_BYTES = 8 << 20  # a request body's largest size: the submit function's cap, the worker's default one
 # A worker whose heartbeat (Keys.workers) is this old, or a group consumer idle this long with nothing pending, is

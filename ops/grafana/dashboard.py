@@ -81,6 +81,27 @@ class Board:
         self.row_height = max(self.row_height, h)
 
 
+def gateway(b: Board) -> None:
+    """The HTTP gateways (dq-gateway), all replicas together (the worker selector does not apply to them)."""
+    calls, apis = "dq_gateway_requests_total", 'route=~"decide|decide_batch|requests|results"'
+    b.row("Gateway (dq-gateway)")
+    b.panel("timeseries", "Gateway calls by route and status",
+            [(f"sum by (route, status) (rate({calls}{{{apis}}}[{RATE}]))", "{{route}} {{status}}")], unit="reqps",
+            stack=True, w=12, description="HTTP calls answered per second: 200/202 answered, 4xx refused (401 key, "
+                                           "403 lane, 413 size, 422 input, 429 full), 503 Redis, 504 late.")
+    b.panel("timeseries", "Gateway latency by route",
+            [(f"histogram_quantile({q}, sum by (le, route) (rate(dq_gateway_request_seconds_bucket{{{apis}}}"
+              f"[{RATE}])))", f"p{int(q * 100)} {{{{route}}}}") for q in (0.5, 0.99)], unit="s", w=12,
+            description="Arrival to last byte: a decide includes the queue and the model; requests is the hop.")
+    b.panel("timeseries", "Gateway calls in flight", [("sum by (route) (dq_gateway_in_flight)", "{{route}}")],
+            unit="short")
+    b.panel("timeseries", "Requests queued through gateways, by lane",
+            [(f"sum by (lane) (rate(dq_gateway_queued_requests_total[{RATE}]))", "{{lane}}")], unit="reqps",
+            stack=True)
+    b.panel("timeseries", "Gateway refusals and failures", [
+        (f'sum by (status) (rate({calls}{{status=~"4..|5.."}}[{RATE}]))', "{{status}}")], unit="reqps", stack=True)
+
+
 def build() -> dict:
     b = Board()
     b.row("Overview")
@@ -183,6 +204,7 @@ def build() -> dict:
     b.panel("table", "Build and model", [(f"dq_build_info{W}", "")], w=24, h=6)
     b.panels[-1]["targets"][0].update(format="table", instant=True)
 
+    gateway(b)
     return {
         "title": "Decision queue", "uid": "decision-queue", "tags": ["decision-queue"], "timezone": "",
         "editable": False, "graphTooltip": 1, "refresh": "30s", "schemaVersion": 39, "version": 1,

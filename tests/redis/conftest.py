@@ -171,3 +171,24 @@ def inprocess(loaded):
     for worker in made:
         if worker.thread is not None and worker.thread.is_alive():
             worker.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway_stacks():
+    """label -> gateways.Stack (a server, a worker, the keyed and the open gateway), one per server binary, shared
+    by the gateway test modules of the session; stopped at its end."""
+    started: dict = {}
+    yield started
+    for stack in started.values():
+        stack.stop()
+
+
+@pytest.fixture
+def stack(server_binary, gateway_stacks, tiny_dir, tmp_path_factory):
+    """This run's binary's gateway stack (tests/redis/gateways.py), started on first use. The tests keep to ids of
+    their own."""
+    from gateways import start_stack
+
+    if server_binary.label not in gateway_stacks:
+        gateway_stacks[server_binary.label] = start_stack(tiny_dir, tmp_path_factory.mktemp("gateway"), WorkerProcess)
+    return gateway_stacks[server_binary.label]

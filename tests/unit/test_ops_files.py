@@ -15,6 +15,7 @@ import pytest
 import yaml
 from prometheus_client import Counter, Histogram
 
+from producer.gateway.front import Metrics as GatewayMetrics
 from producer.keys import GROUP, LANES, Keys
 from worker.config import Settings
 from worker.metrics import Metrics
@@ -35,7 +36,7 @@ def exported() -> dict[str, set[str]]:
     metrics = Metrics()
     out = {sample.name: set(sample.labels) for family in metrics.registry.collect() for sample in family.samples
            if not sample.name.startswith("dq_")}
-    for metric in vars(metrics).values():
+    for metric in [*vars(metrics).values(), *vars(GatewayMetrics()).values()]:
         if not hasattr(metric, "_name"):
             continue
         labels = set(metric._labelnames)

@@ -10,6 +10,7 @@ import pytest
 
 import producer
 from producer.__main__ import parser as producer_parser
+from producer.gateway.__main__ import parser as gateway_parser
 from worker.__main__ import parser as worker_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,8 @@ def test_version_comes_from_the_package_metadata():
     assert copies == []  # the worker's dq_info metric and both --version read producer.__version__
 
 
-@pytest.mark.parametrize("package, command", [("producer", "dq-producer"), ("worker", "dq-worker")])
+@pytest.mark.parametrize("package, command", [("producer", "dq-producer"), ("worker", "dq-worker"),
+                                              ("producer.gateway", "dq-gateway")])
 def test_version_flag_and_documented_entry_points(package, command):
     done = subprocess.run([sys.executable, "-m", package, "--version"], capture_output=True, text=True, timeout=60,
                           cwd=ROOT)
@@ -57,7 +59,8 @@ def _options(parser: argparse.ArgumentParser, path: str = ""):
             yield path, action
 
 
-@pytest.mark.parametrize("make", [producer_parser, worker_parser], ids=["dq-producer", "dq-worker"])
+@pytest.mark.parametrize("make", [producer_parser, worker_parser, gateway_parser],
+                         ids=["dq-producer", "dq-worker", "dq-gateway"])
 def test_every_flag_has_help_showing_its_default_and_no_rst(make):
     top = make()
     flags = list(_options(top))

@@ -1,0 +1,75 @@
+"""dq-gateway (or python -m producer.gateway): the queue behind an HTTP endpoint.
+
+  dq-gateway --redis-url redis://127.0.0.1:6379/0                      open, on 127.0.0.1:8080 only
+  dq-gateway --host 0.0.0.0 --api-keys-file keys.json                  API keys: any address
+
+It takes the producer's connection flags and variables (--redis-url or DQ_REDIS_URL, --namespace, --shards, TLS,
+Redis Cluster) and its own (--host, --port, limits; DQ_GATEWAY_*). Exit codes: 0 stopped, 2 usage (a bad flag,
+variable or keys file: before it listens), 4 Redis unreachable at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .. import __version__
+from ..__main__ import CONNECTION
+from ..connection import Deployment, check_reachable
+from ..keys import PROTOCOL
+from ..lines import UNREACHABLE, USAGE
+from .config import ConfigError, GatewayConfig, add_arguments, load
+
+log = logging.getLogger("producer.gateway")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="dq-gateway", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("--version", action="version",
+                     version=f"dq-gateway {__version__} (decision-queue, wire protocol v{PROTOCOL})")
+    defaults = Deployment()
+    for name, (flags, metavar, text) in CONNECTION.items():
+        default, env = getattr(defaults, name), Deployment.ENV[name]
+        kind: dict = ({"action": "store_true"} if isinstance(default, bool)
+                      else {"type": int, "metavar": metavar} if isinstance(default, int) else {"metavar": metavar})
+        shown = ("on" if default else "off") if isinstance(default, bool) else repr(default)
+        top.add_argument(*flags, dest=name, default=None, help=f"{text} [env {env}, default {shown}]", **kind)
+    add_arguments(top)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config = load(vars(args))
+    except (ConfigError, ValueError) as error:
+        print(f"dq-gateway: {error}", file=sys.stderr)
+        return USAGE
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # a wrong URL or password is said at once, not as a 503 on every call
+        check_reachable(config.deployment)
+    except Exception as error:  # noqa: BLE001 - redis errors and a TLS file that cannot be read alike
+        print(f"dq-gateway: Redis at {config.deployment.safe_url}: {error}", file=sys.stderr)
+        return UNREACHABLE
+    return serve(config)
+
+
+def serve(config: GatewayConfig) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    if not config.keys:
+        log.warning("no API keys: anyone who can reach %s:%d may use the queue (namespace %s); listening on a "
+                    "loopback address only", config.host, config.port, config.deployment.namespace)
+    else:
+        log.info("%d API keys; namespaces %s", len(config.keys), ", ".join(config.namespaces()))
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level.lower(),
+                access_log=False, proxy_headers=False, server_header=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

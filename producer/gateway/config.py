@@ -1,0 +1,201 @@
+"""The gateway's one settings object: the producer's connection settings (``Deployment``: ``--redis-url``,
+``DQ_REDIS_URL``, ...) plus the gateway's own, each a flag (``--max-batch``) and a variable (``DQ_GATEWAY_MAX_BATCH``);
+flags win over the environment, the environment over the defaults. Checked when made: a bad value is a ConfigError
+naming the flag and the variable, and ``dq-gateway`` exits 2 before it listens.
+
+API keys come from a JSON file (``--api-keys-file``) or from ``DQ_GATEWAY_API_KEYS`` (the same JSON): a list of
+``{"name", "token", "namespace", "lanes", "max_inflight"}``. Without keys the gateway is open to whoever reaches
+it, so it then listens on a loopback address only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import ipaddress
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..connection import Deployment
+from ..core import BATCH
+from ..keys import LANES, MAX_BODY_BYTES, NAMESPACE_PATTERN, Priority
+from ..schema import describe
+
+KEYS_VARIABLE = "DQ_GATEWAY_API_KEYS"
+MIN_TOKEN_CHARS = 16  # a guessable token is no key; 32 random URL-safe bytes (secrets.token_urlsafe) is the advice
+
+
+class ConfigError(ValueError):
+    """A setting out of range, or unusable API keys: named by flag and variable, never quoting a token."""
+
+
+class ApiKey(BaseModel):
+    """One key of the keys file. ``namespace``: the deployment whose queue it uses (default the gateway's); a
+    tenant is a namespace, so keys of one namespace share its results. ``lanes``: the priorities it may send."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    token: str = Field(min_length=MIN_TOKEN_CHARS, max_length=512, repr=False)
+    namespace: str | None = None
+    lanes: tuple[Literal["high", "normal"], ...] = Field(default=tuple(str(lane) for lane in LANES), min_length=1)
+    max_inflight: int | None = Field(default=None, ge=1)
+
+    @field_validator("token")
+    @classmethod
+    def _token_characters(cls, value: str) -> str:
+        if not all("!" <= ch <= "~" for ch in value):  # what a bearer header carries: printable ASCII, no space
+            raise ValueError("a token is printable ASCII without spaces")
+        return value
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str | None) -> str | None:
+        if value is not None and not NAMESPACE_PATTERN.match(value):
+            raise ValueError("a namespace is 1 to 64 of A-Z a-z 0-9 . _ -")
+        return value
+
+    @property
+    def digest(self) -> bytes:
+        return hashlib.sha256(self.token.encode()).digest()
+
+    def lane_set(self) -> frozenset[Priority]:
+        return frozenset(Priority(lane) for lane in self.lanes)
+
+
+def _opt(default: Any, help: str, low: float | None = None, high: float | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "low": low, "high": high})
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    deployment: Deployment = field(default_factory=Deployment, metadata={"help": ""})
+    host: str = _opt("127.0.0.1", "address to listen on (without API keys, a loopback address only)")
+    port: int = _opt(8080, "port to listen on", low=1, high=65535)
+    api_keys_file: str = _opt("", f"JSON file of API keys (or their JSON in {KEYS_VARIABLE}); none: open, loopback "
+                                  "only")
+    max_body_bytes: int = _opt(MAX_BODY_BYTES, "largest request body; larger ones are refused with 413", low=1)
+    max_batch: int = _opt(BATCH, f"most requests in one call (at most {BATCH}, the client's batch); more: 413", low=1,
+                          high=BATCH)
+    max_inflight_per_key: int = _opt(256, "requests of one API key being answered at once (a key may say less or "
+                                          "more); beyond: 429", low=1)
+    wait_s: float = _opt(30.0, "how long /v1/decide waits for a result unless the call says (?timeout=); then 504",
+                         low=0.001)
+    max_wait_s: float = _opt(300.0, "the longest wait a call may ask for", low=0.001)
+    max_unfinished: int = _opt(100_000, "backpressure: entries a lane's stream may hold before 429 (0: no limit)",
+                               low=0)
+    log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR")
+    keys: tuple[ApiKey, ...] = field(default=(), metadata={"help": ""})  # read from the file or the variable
+
+    def __post_init__(self) -> None:
+        problems = []
+        for f in fields(self):
+            low, high, value = f.metadata.get("low"), f.metadata.get("high"), getattr(self, f.name)
+            if low is not None and value < low:
+                problems.append(f"{_names(f.name)} must be at least {low:g}, got {value!r}")
+            elif high is not None and value > high:
+                problems.append(f"{_names(f.name)} must be at most {high:g}, got {value!r}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            problems.append(f"{_names('log_level')} must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if not NAMESPACE_PATTERN.match(self.deployment.namespace):
+            problems.append(f"--namespace (DQ_NAMESPACE) must be 1 to 64 of A-Z a-z 0-9 . _ -, got "
+                            f"{self.deployment.namespace!r}")
+        if self.wait_s > self.max_wait_s:
+            problems.append(f"{_names('wait_s')} must be at most {_names('max_wait_s')}")
+        if not self.keys and not loopback(self.host):
+            problems.append(f"without API keys the gateway listens on a loopback address only, not {self.host!r}: "
+                            f"give --api-keys-file (or {KEYS_VARIABLE}), or --host 127.0.0.1")
+        names, digests = [k.name for k in self.keys], {k.digest for k in self.keys}
+        if len(set(names)) < len(names) or len(digests) < len(self.keys):
+            problems.append("API keys must have distinct names and distinct tokens")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def namespace_of(self, key: ApiKey | None) -> str:
+        return (key.namespace if key is not None else None) or self.deployment.namespace
+
+    def namespaces(self) -> list[str]:
+        """Every namespace a caller can reach: the gateway's when open, else its keys'."""
+        return sorted({self.namespace_of(k) for k in self.keys} or {self.deployment.namespace})
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _names(name: str) -> str:
+    return f"--{name.replace('_', '-')} ({env_name(name)})"
+
+
+def env_name(name: str) -> str:
+    return "DQ_GATEWAY_" + name.upper()
+
+
+def own_fields() -> list[Any]:
+    return [f for f in fields(GatewayConfig) if f.name not in ("deployment", "keys")]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The gateway's flags; defaults stay None so that the environment is not shadowed."""
+    for f in own_fields():
+        kind = {"int": int, "float": float}.get(f.type, str)
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, type=kind,
+                            help=f"{f.metadata['help']} [env {env_name(f.name)}, default {f.default!r}]")
+
+
+def parse_keys(text: str, where: str) -> tuple[ApiKey, ...]:
+    """API keys from their JSON text; a ConfigError says what is wrong, never which token."""
+    try:
+        raw = json.loads(text)
+    except ValueError as error:
+        raise ConfigError(f"{where} is not JSON: {error.msg} at line {error.lineno}") from None
+    if not isinstance(raw, list):
+        raise ConfigError(f"{where} must be a JSON list of keys ({{\"name\", \"token\", ...}})")
+    keys = []
+    for index, item in enumerate(raw):
+        try:
+            keys.append(ApiKey.model_validate(item))
+        except ValidationError as error:
+            raise ConfigError(f"{where}, key {index}: {describe(error)}") from None
+    return tuple(keys)
+
+
+def load(values: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """The settings from flag values (None: not given), then the environment, then the defaults."""
+    environ = os.environ if environ is None else environ
+    deployment = Deployment.resolve(environ, **{k: values.get(k) for k in Deployment.ENV})
+    chosen: dict[str, Any] = {}
+    for f in own_fields():
+        value, raw = values.get(f.name), environ.get(env_name(f.name))
+        if value is None and raw is not None:
+            try:
+                value = {"int": int, "float": float}.get(f.type, str)(raw)
+            except ValueError:
+                raise ConfigError(f"{env_name(f.name)}={raw!r} is not a number") from None
+        if value is not None:
+            chosen[f.name] = value
+    path, inline = chosen.get("api_keys_file", ""), environ.get(KEYS_VARIABLE)
+    keys: tuple[ApiKey, ...] = ()
+    if path and inline:
+        raise ConfigError(f"API keys come from --api-keys-file or {KEYS_VARIABLE}, not both")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                keys = parse_keys(handle.read(), f"the API keys file {path}")
+        except OSError as error:
+            raise ConfigError(f"the API keys file cannot be read: {error.strerror}: {path}") from None
+    elif inline:
+        keys = parse_keys(inline, KEYS_VARIABLE)
+    if (path or inline) and not keys:  # a keys file that lists none must not quietly open the gateway
+        raise ConfigError(f"{path or KEYS_VARIABLE} lists no API keys")
+    return GatewayConfig(deployment=deployment, keys=keys, **chosen)

@@ -1,0 +1,148 @@
+"""What the gateway answers, and with which HTTP status: a result as it came, or a refusal shaped like an error
+result (``{"id", "status": "error", "error": {"code", "message", "field"?}}``), so that a caller reads one shape.
+
+The status is the error class: 422 invalid input (the code and the field), 413 too large, 429 the queue or the
+caller's in-flight limit is full (``Retry-After``), 504 no result in time (the id: fetch it later), 503 Redis
+unreachable or refusing the gateway, 401/403 the key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import redis
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from ..core import InvalidRequest, QueueFull, ResultTimeout, WrongResult
+from ..library import LibraryUnavailable
+from ..result import Result
+from ..schema import ErrorCode
+from ..servers import UnsupportedServer
+
+log = logging.getLogger("producer.gateway")
+RETRY_AFTER_S = 1  # a full queue drains at the workers' pace; callers back off from here
+JSON = "application/json"
+# A worker's error result, as an HTTP status: the request's fault (422, 413), time (504), else the service's (500).
+RESULT_STATUS = {ErrorCode.INVALID_JSON: 422, ErrorCode.INVALID_REQUEST: 422, ErrorCode.INVALID_IMAGE: 422,
+                 ErrorCode.STATE_TOO_LONG: 422, ErrorCode.TOO_LARGE: 413, ErrorCode.DEADLINE_EXCEEDED: 504}
+# The question types are a discriminator, not a field the caller wrote; "one" and "batch" are the body's shapes.
+NOT_FIELDS = ("body", "query", "path", "noul", "choice", "score", "one", "batch")
+
+
+class Refused(Exception):
+    """A refusal decided by the gateway: raised anywhere in a route, answered by ``refusal``."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None,
+                 headers: dict[str, str] | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.field = status, code, message, field
+        self.headers, self.extra = headers or {}, extra
+
+
+def error_body(code: str, message: str, request_id: str | None = None, field: str | None = None,
+               **extra: Any) -> bytes:
+    error: dict[str, Any] = {"code": code, "message": message}
+    if field is not None:
+        error["field"] = field
+    return json.dumps({"id": request_id, "status": "error", "error": error, **extra}).encode()
+
+
+def refusal(refused: Refused, request_id: str | None = None) -> Response:
+    return Response(error_body(refused.code, refused.message, request_id, refused.field, **refused.extra),
+                    refused.status, refused.headers, media_type=JSON)
+
+
+def result_status(result: Result) -> int:
+    if result.ok:
+        return 200
+    code = result.error.code if result.error is not None else None
+    return RESULT_STATUS.get(code, 500) if isinstance(code, ErrorCode) else 500
+
+
+def result_response(result: Result) -> Response:
+    return Response(result.model_dump_json(exclude_none=True), result_status(result), media_type=JSON)
+
+
+def field_of(location: tuple[Any, ...] | list[Any]) -> str:
+    """``questions.tone.criteria`` for pydantic's location of a problem in the body."""
+    return ".".join(str(part)[:80] for part in location if part not in NOT_FIELDS) or "body"
+
+
+def problems(errors: list[dict[str, Any]]) -> tuple[str, str, str]:
+    """(code, field, message) of validation errors: invalid_json when the body is not JSON at all."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid", "type": ""}
+    if first.get("type") == "json_invalid":
+        return ErrorCode.INVALID_JSON.value, "body", f"the body is not valid JSON: " \
+            f"{str((first.get('ctx') or {}).get('error', first.get('msg', '')))[:200]}"
+    if field_of(first.get("loc", ())) == "body" and first.get("type") in ("model_attributes_type", "dict_type",
+                                                                          "model_type"):
+        return ErrorCode.INVALID_JSON.value, "body", "the body must be a JSON object, sent as application/json"
+    code = ErrorCode.INVALID_REQUEST
+    lines = [f"{field_of(e.get('loc', ()))}: {str(e.get('msg', ''))[:300]}" for e in errors[:10]]
+    if len(errors) > 10:
+        lines.append(f"and {len(errors) - 10} more problems")
+    return code.value, field_of(first.get("loc", ())), "; ".join(lines)
+
+
+def install(app: FastAPI) -> None:
+    """Every exception a route may raise, answered with its status (one place, so routes stay straight)."""
+
+    async def invalid(_: HttpRequest, error: Exception) -> Response:
+        assert isinstance(error, RequestValidationError)
+        code, field, message = problems(list(error.errors()))
+        return refusal(Refused(422, code, message, field))
+
+    async def refused(_: HttpRequest, error: Exception) -> Response:
+        assert isinstance(error, Refused)
+        return refusal(error)
+
+    async def http(_: HttpRequest, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        detail = error.detail if isinstance(error.detail, dict) else {"code": "http_error", "message": error.detail}
+        return Response(error_body(str(detail.get("code")), str(detail.get("message"))), error.status_code,
+                        getattr(error, "headers", None), media_type=JSON)
+
+    async def invalid_request(_: HttpRequest, error: Exception) -> Response:
+        return refusal(Refused(422, ErrorCode.INVALID_REQUEST.value, str(error)))
+
+    async def full(_: HttpRequest, error: Exception) -> Response:
+        assert isinstance(error, QueueFull)
+        return refusal(Refused(429, "queue_full", f"the queue is full ({error.detail}); retry later",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}, accepted=error.accepted,
+                               refused=error.refused))
+
+    async def timeout(_: HttpRequest, error: Exception) -> Response:
+        assert isinstance(error, ResultTimeout)
+        missing = error.missing[0] if error.missing else None
+        return refusal(Refused(504, ErrorCode.TIMEOUT.value, "no result in time; the request stays queued: "
+                               f"GET /v1/results/{missing}", headers={"Location": f"/v1/results/{missing}"}),
+                       missing)
+
+    async def unreachable(_: HttpRequest, error: Exception) -> Response:
+        log.warning("Redis: %s: %s", type(error).__name__, error)
+        if isinstance(error, redis.ResponseError) and not isinstance(error, (redis.exceptions.NoPermissionError,
+                                                                          redis.AuthenticationError)):
+            return refusal(Refused(500, ErrorCode.INTERNAL.value, "Redis refused a command; see the gateway's log"))
+        return refusal(Refused(503, "unavailable", f"the queue is unavailable: {type(error).__name__}",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}))
+
+    async def library(_: HttpRequest, error: Exception) -> Response:
+        log.error("%s", error)
+        return refusal(Refused(503, "unavailable", "the queue's Redis is not set up for it (see the gateway's log)",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}))
+
+    async def wrong(_: HttpRequest, error: Exception) -> Response:
+        log.error("%s", error)
+        return refusal(Refused(500, ErrorCode.INTERNAL.value, "a result stream holds another request's result"))
+
+    for kind, handler in ((RequestValidationError, invalid), (Refused, refused), (HTTPException, http),
+                          (InvalidRequest, invalid_request), (QueueFull, full), (ResultTimeout, timeout),
+                          (redis.RedisError, unreachable), (LibraryUnavailable, library),
+                          (UnsupportedServer, library), (WrongResult, wrong)):
+        app.add_exception_handler(kind, handler)
