@@ -28,6 +28,7 @@ import redis
 from pydantic import ValidationError
 
 from . import library
+from .errors import DecisionQueueError
 from .keys import GONE_S, GROUP, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
 from .schema import Request, Result, describe
 from .servers import lag_of
@@ -41,7 +42,7 @@ LOAD_TRIES = 5
 T = TypeVar("T")
 
 
-class QueueFull(RuntimeError):
+class QueueFull(DecisionQueueError, RuntimeError):
     """Backpressure: a shard's stream holds more unfinished requests than the producer's limit.
 
     Each batch is all or nothing, and a call stops at the first refused batch: ``accepted`` are the ids enqueued
@@ -54,7 +55,7 @@ class QueueFull(RuntimeError):
         super().__init__(detail + (f"; {len(self.accepted)} of {total} requests accepted" if total else ""))
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(DecisionQueueError, ValueError):
     """The request fails the wire schema; nothing was sent. ``index``: its position in a ``submit_many`` call."""
 
     def __init__(self, message: str, index: int | None = None) -> None:
@@ -62,7 +63,7 @@ class InvalidRequest(ValueError):
         self.index = index
 
 
-class ResultTimeout(TimeoutError):
+class ResultTimeout(DecisionQueueError, TimeoutError):
     """No result within the timeout for ``missing`` (they stay queued; fetch them later); ``results``: those that
     did land, by id."""
 
@@ -134,7 +135,7 @@ Step = Call | Pipeline | Function | Load
 Plan = Generator[Step, Any, T]
 
 
-class WrongResult(RuntimeError):
+class WrongResult(DecisionQueueError, RuntimeError):
     """A request's result stream holds a result for another id: written by something other than a worker (no
     worker publishes one), never handed out as this request's answer."""
 

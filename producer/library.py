@@ -26,6 +26,7 @@ from typing import Any
 
 import redis
 
+from .errors import DecisionQueueError
 from .keys import LANES, MAX_BODY_BYTES, PROTOCOL, Field, Keys
 
 LIBRARY = f"dq_v{PROTOCOL}"
@@ -207,7 +208,7 @@ redis.register_function{{function_name = '{REVISION_FUNCTION}', callback = funct
 """
 
 
-class LibraryUnavailable(RuntimeError):
+class LibraryUnavailable(DecisionQueueError, RuntimeError):
     """The library is not on the server (or an older revision is), and this client's user may not load it."""
 
 

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 
+from .errors import DecisionQueueError
 from .keys import REPLY_STREAM, valid_id
 
 # Question content: text, or any JSON (templates print non-strings as JSON).
@@ -243,7 +244,7 @@ class Result(_Open):
         return cls(id=request_id, status="error", error=ErrorInfo(code=code, message=message), **fields)
 
 
-class ResultError(Exception):
+class ResultError(DecisionQueueError):
     """An error result, raised by ``Result.raise_for_error``: ``code``, ``message`` and the ``result`` itself."""
 
     def __init__(self, result: Result) -> None:
