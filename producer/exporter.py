@@ -35,6 +35,9 @@ OTHER_GAUGES = {
     "dq_exporter_redis_up": "1 when the last read of the queue from Redis succeeded",
     "dq_exporter_read_seconds": "How long the last read of the queue took",
 }
+# Every series this exporter can write -> its labels (tests check the dashboard's and the alerts' names against it).
+EXPORTED = {**{name: ("shard", "stream", "priority") for name in STREAM_GAUGES}, "dq_dead_letter_entries": ("shard",),
+            **{name: () for name in OTHER_GAUGES if name != "dq_dead_letter_entries"}}
 
 
 def _labels(**labels: Any) -> str:

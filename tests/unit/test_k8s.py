@@ -3,12 +3,14 @@ KEDA owns the worker count, the autoscaler's known failure modes are covered, an
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-K8S = Path(__file__).resolve().parents[2] / "ops" / "k8s"
+OPS = Path(__file__).resolve().parents[2] / "ops"
+K8S = OPS / "k8s"
 
 
 def render(path: Path = K8S) -> list[dict]:
@@ -52,6 +54,51 @@ def test_the_autoscaler_never_waits_on_activation_and_bounds_a_failing_trigger()
         assert spec["minReplicaCount"] <= fallback["replicas"] <= spec["maxReplicaCount"]
         # fallback needs AverageValue targets (the redis-streams default): no trigger may say otherwise
         assert all(t.get("metricType", "AverageValue") == "AverageValue" for t in spec["triggers"]), name
+
+
+def with_monitoring(tmp_path: Path) -> Path:
+    """A copy of ops/k8s with the Prometheus Operator's lines of kustomization.yaml switched on."""
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    text = (copy / "kustomization.yaml").read_text()
+    for name in ("monitoring.yaml", "alerts.yaml"):
+        assert f"  # - {name}" in text, name
+        text = text.replace(f"  # - {name}", f"  - {name}")
+    (copy / "kustomization.yaml").write_text(text)
+    return copy
+
+
+def test_the_operator_gets_the_alert_rules_and_scrapes_workers_and_the_exporter(tmp_path):
+    sys.path.insert(0, str(OPS / "prometheus"))
+    import operator_rules
+
+    assert (K8S / "alerts.yaml").read_text() == operator_rules.render(), "python ops/prometheus/operator_rules.py"
+    docs = render(with_monitoring(tmp_path))
+    [rule] = by_kind(docs, "PrometheusRule").values()
+    alerts = {r["alert"] for group in rule["spec"]["groups"] for r in group["rules"]}
+    assert {"DecisionQueueWorkerDown", "DecisionQueueNoReadyWorker", "DecisionQueueLagWithoutWorkers"} <= alerts
+    deployments = by_kind(docs, "Deployment")
+    monitors = by_kind(docs, "PodMonitor")
+    for name in ("dq-worker", "dq-exporter"):
+        labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        [monitor] = [m for m in monitors.values()
+                     if m["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+        port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+        [container] = deployments[name]["spec"]["template"]["spec"]["containers"]
+        assert port in {p["name"] for p in container["ports"]}
+
+
+def test_the_exporter_reads_the_queue_as_the_monitor_user():
+    docs = render()
+    exporter = by_kind(docs, "Deployment")["dq-exporter"]
+    [container] = exporter["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["dq-producer"] and container["args"][0] == "exporter"
+    assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+    env = {e["name"]: e for e in container["env"]}
+    assert env["DQ_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "dq-redis-monitor", "key": "url"}
+    example = [d for d in yaml.safe_load_all((K8S / "secret.example.yaml").read_text())
+               if d["metadata"]["name"] == "dq-redis-monitor"][0]
+    assert example["stringData"]["url"].startswith("rediss://monitor:")
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl to render the kustomization")
