@@ -6,6 +6,7 @@ result, or show queue stats.
   dq-producer submit urgent.jsonl --priority high        the high lane, for lines that do not say
   dq-producer result ID --wait 30
   dq-producer stats
+  dq-producer dead list | requeue ID... | purge --all    dead letters (the admin user)
   dq-producer exporter --port 9401                       queue depth as Prometheus metrics (the monitor user)
 
 Exit codes: 0 every request queued (or, with --wait, answered ok); 1 some refused, answered with an error or timed
@@ -27,7 +28,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import __version__
+from . import __version__, dead
 from .client import Client, QueueFull, ResultTimeout, UnsupportedServer
 from .connection import Deployment, check_reachable
 from .keys import LANES, PROTOCOL
@@ -217,6 +218,7 @@ def parser() -> argparse.ArgumentParser:
     res.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                      help="seconds to wait for it (0: look once) [default 0]")
     res.set_defaults(run=result)
+    dead.add_parser(commands, common)
 
     exp = commands.add_parser("exporter", parents=[common], help="serve the queue's depth as Prometheus metrics",
                               description="Serve /metrics: each shard's and lane's stream lengths, pending, lag and "
