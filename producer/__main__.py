@@ -29,9 +29,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from . import __version__, dead
-from .client import Client, QueueFull, ResultTimeout, UnsupportedServer
+from .client import Client, LibraryUnavailable, QueueFull, ResultTimeout, UnsupportedServer
 from .connection import Deployment, check_reachable
-from .keys import LANES, PROTOCOL
+from .keys import GONE_S, LANES, PROTOCOL
 from .lines import FAILED, OK, UNREACHABLE, USAGE, Line, Report, read_lines
 from .schema import ErrorCode
 
@@ -102,6 +102,8 @@ def _wait(client: Client, lines: list[Line], report: Report, args: argparse.Name
             report.write(line, args.ordered)
     deadline = report.waiting_since = time.monotonic()
     deadline += args.timeout
+    if any(line.state == "queued" for line in lines):
+        _no_worker_warning(client, args.timeout, report.note)
     waiting = [line for line in lines if line.state == "queued"]
     while waiting:
         window = waiting[:1000]
@@ -148,6 +150,14 @@ def exporter(args: argparse.Namespace, client: Client) -> int:
     return OK
 
 
+def _no_worker_warning(client: Client, timeout: float, say: Any) -> None:
+    """Say at once when no worker is alive to answer (or the namespace is mistyped): the wait may be long."""
+    if client.live_workers() == 0:
+        say(f"dq-producer: no live worker in namespace {client.deployment.namespace!r} (no heartbeat in the last "
+            f"{GONE_S} s; is the namespace right?): requests stay queued until one starts; waiting up to "
+            f"{timeout:g} s")
+
+
 def stats(args: argparse.Namespace, client: Client) -> int:
     print(json.dumps(client.stats(), indent=2, default=str))
     return OK
@@ -155,7 +165,10 @@ def stats(args: argparse.Namespace, client: Client) -> int:
 
 def result(args: argparse.Namespace, client: Client) -> int:
     try:
-        found = client.wait(args.id, args.wait) if args.wait else client.fetch(args.id)
+        found = client.fetch(args.id)
+        if found is None and args.wait:
+            _no_worker_warning(client, args.wait, lambda text: print(text, file=sys.stderr))
+            found = client.wait(args.id, args.wait)
     except ResultTimeout:
         found = None
     if found is None:
@@ -263,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedServer as error:
         print(f"dq-producer: {error}", file=sys.stderr)
         return USAGE
+    except LibraryUnavailable as error:  # refusing: the library is missing and this user may not load it
+        print(f"dq-producer: Redis at {deployment.safe_url}: {error}", file=sys.stderr)
+        return UNREACHABLE
     except KeyboardInterrupt:
         print("dq-producer: interrupted", file=sys.stderr)
         return 130

@@ -110,6 +110,10 @@ class Client(_Face):
         """Queue totals and per-shard figures (see ``Producer.stats``)."""
         return self._run(self.core.stats())
 
+    def live_workers(self) -> int | None:
+        """Live workers of the namespace (a heartbeat in the last 30 s); None when the user may not look."""
+        return self._run(self.core.live_workers())
+
     def close(self) -> None:
         self.redis.close()
 
@@ -186,6 +190,9 @@ class AsyncClient(_Face):
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self.core.stats())
+
+    async def live_workers(self) -> int | None:
+        return await self._run(self.core.live_workers())
 
     async def close(self) -> None:
         await self.redis.aclose()

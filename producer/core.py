@@ -271,6 +271,16 @@ class Producer:
         totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
         return {**totals, "shards": shards}
 
+    def live_workers(self) -> Plan[int | None]:
+        """Workers of this namespace whose heartbeat is younger than ``GONE_S`` (any shard); None when this user may
+        not read the heartbeat hash (an aclfile older than the producer's read of it)."""
+        try:
+            beats = yield Call("hgetall", (self.keys.workers(),))
+        except redis.exceptions.NoPermissionError:
+            return None
+        now = time.time()
+        return sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
+
     def _stream_stats(self, stream: str) -> Plan[dict[str, Any]]:
         """One stream's length, and the worker group's pending, lag and consumers on it (once the group exists)."""
         stream_stats = {"length": (yield Call("xlen", (stream,)))}
