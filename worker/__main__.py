@@ -125,7 +125,8 @@ def _check(args: argparse.Namespace) -> int:
             print("dq-worker check: error: no health endpoint to ask: --metrics-port (DQ_METRICS_PORT) is 0, "
                   "so serve runs none; set it for both, or pass --url", file=sys.stderr)
             return 2
-        url = f"http://127.0.0.1:{settings.metrics_port}"
+        host = settings.metrics_host if settings.metrics_host not in ("", "::", "0.0.0.0") else "127.0.0.1"
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{settings.metrics_port}"
     return check(url, "/healthz" if args.live else "/readyz")
 
 

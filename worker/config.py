@@ -93,6 +93,8 @@ class Settings:
                                   low=1)
     # Operations
     metrics_port: int = _opt(0, "serve /metrics, /healthz and /readyz on this port (0: off)", low=0, high=65535)
+    metrics_host: str = _opt("", "address those endpoints bind: an IPv4 or IPv6 address or a name (empty: every "
+                                 "interface, IPv6 and IPv4)")
     log_format: str = _opt("text", "text or json", choices=("text", "json"))
     log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
