@@ -1,12 +1,12 @@
-"""``dq-producer dead``: list, requeue and purge dead letters, the entries workers gave up on (delivered more than
-``--max-deliveries`` times), as the admin user: the dead-letter stream holds request payloads, which no other role
+"""dq-producer dead: list, requeue and purge dead letters, the entries workers gave up on (delivered more than
+--max-deliveries times), as the admin user: the dead-letter stream holds request payloads, which no other role
 may read, and requeue and purge write to the work streams.
 
     dq-producer dead list [--bodies]              one JSON line per dead letter: where it was, why, when
     dq-producer dead requeue DEAD_ID... | --all   back to the stream and lane it came from, to be answered again
     dq-producer dead purge DEAD_ID... | --all     delete them
 
-A requeued request was answered ``dead_lettered``; that result is deleted first (only an error result with that
+A requeued request was answered dead_lettered; that result is deleted first (only an error result with that
 code), so that the worker's new answer is the one published (the first publication of a result wins). A request
 sent without an id is answered under its new entry id. A part entry (of a fanned-out request) is not requeued:
 its request was answered and its stored body may be gone; submit the request again.

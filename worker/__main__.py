@@ -11,6 +11,8 @@ from collections.abc import Callable
 from producer import __version__
 from producer.keys import PROTOCOL
 
+from producer.connection import Deployment
+
 from .config import Settings
 
 
@@ -30,7 +32,8 @@ def _load_functions(args: argparse.Namespace) -> int:
     from producer.servers import UnsupportedServer, check
 
     try:
-        deployment = Deployment.resolve(url=args.redis_url, cluster=args.redis_cluster or None)
+        deployment = Deployment.resolve(url=args.url, cluster=args.cluster or None, tls_ca=args.tls_ca,
+                                        tls_cert=args.tls_cert, tls_key=args.tls_key)
     except ValueError as error:
         print(f"dq-worker load-functions: error: {error}", file=sys.stderr)
         return 2
@@ -64,7 +67,10 @@ def parser() -> argparse.ArgumentParser:
                           help="a qwen3_5_text backbone (no vision tower) [default off]")
     tiny_cmd.set_defaults(run=_tiny)
 
-    serve_cmd = commands.add_parser("serve", help="consume requests from Redis and publish results")
+    serve_cmd = commands.add_parser("serve", help="consume requests from Redis and publish results",
+                                    usage="dq-worker serve --checkpoint DIR [--redis-url URL] [option ...]",
+                                    description="Serve a decision checkpoint from the Redis queue. Every flag is "
+                                                "also a DQ_* variable; flags win over variables.")
     Settings.add_arguments(serve_cmd)
     serve_cmd.set_defaults(run=_serve)
 
@@ -78,12 +84,16 @@ def parser() -> argparse.ArgumentParser:
 
     load_cmd = commands.add_parser(
         "load-functions", help="load the function library producers and workers call (an admin's Redis URL)")
-    load_cmd.add_argument("--redis-url", default=None,
-                          help="a Redis URL whose user may FUNCTION LOAD [env DQ_REDIS_URL, default "
-                               "'redis://127.0.0.1:6379/0']; TLS files from DQ_REDIS_TLS_*")
-    load_cmd.add_argument("--redis-cluster", action="store_true",
-                          help="the URL is a node of a Redis Cluster: load on every primary [env DQ_REDIS_CLUSTER, "
-                               "default off]")
+    from producer.__main__ import CONNECTION  # the same connection flags as serve and dq-producer
+
+    for name in ("url", "cluster", "tls_ca", "tls_cert", "tls_key"):
+        flags, metavar, text = CONNECTION[name]
+        text += " (a user that may FUNCTION LOAD: admin)" if name == "url" else ""
+        text += ": load on every primary" if name == "cluster" else ""
+        default = "'redis://127.0.0.1:6379/0'" if name == "url" else "off" if name == "cluster" else "''"
+        env = Deployment.ENV[name]
+        kind = {"action": "store_true"} if name == "cluster" else {"metavar": metavar}
+        load_cmd.add_argument(*flags, dest=name, default=None, help=f"{text} [env {env}, default {default}]", **kind)
     load_cmd.set_defaults(run=_load_functions)
     return top
 
