@@ -56,16 +56,57 @@ def test_the_autoscaler_never_waits_on_activation_and_bounds_a_failing_trigger()
         assert all(t.get("metricType", "AverageValue") == "AverageValue" for t in spec["triggers"]), name
 
 
-def with_monitoring(tmp_path: Path) -> Path:
-    """A copy of ops/k8s with the Prometheus Operator's lines of kustomization.yaml switched on."""
+def switched_on(tmp_path: Path, *lines: str) -> Path:
+    """A copy of ops/k8s with these commented lines of kustomization.yaml switched on (as its comments say)."""
     copy = tmp_path / "k8s"
     shutil.copytree(K8S, copy)
     text = (copy / "kustomization.yaml").read_text()
-    for name in ("monitoring.yaml", "alerts.yaml"):
-        assert f"  # - {name}" in text, name
-        text = text.replace(f"  # - {name}", f"  - {name}")
+    for line in lines:
+        assert f"# {line}\n" in text, line
+        text = text.replace(f"# {line}\n", f"{line}\n")
     (copy / "kustomization.yaml").write_text(text)
     return copy
+
+
+def with_monitoring(tmp_path: Path) -> Path:
+    return switched_on(tmp_path, "- monitoring.yaml", "- alerts.yaml")
+
+
+def test_every_claim_a_pod_mounts_is_defined():
+    docs = render()
+    claims = by_kind(docs, "PersistentVolumeClaim")
+    for kind in ("Deployment", "StatefulSet"):
+        for name, workload in by_kind(docs, kind).items():
+            for volume in workload["spec"]["template"]["spec"].get("volumes", []):
+                claim = volume.get("persistentVolumeClaim")
+                if claim:
+                    assert claim["claimName"] in claims, f"{name} mounts the undefined claim {claim['claimName']}"
+
+
+def test_the_checkpoint_comes_from_an_image_by_default_or_from_a_claim_many_nodes_can_mount(tmp_path):
+    pod = by_kind(render(), "Deployment")["dq-worker"]["spec"]["template"]["spec"]
+    [init] = pod["initContainers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes["models"] and "emptyDir" in volumes["compile-cache"]  # schedules anywhere
+    assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]
+    docs = render(switched_on(tmp_path, "components:", "  - components/models-pvc",
+                              "  - components/shared-compile-cache"))
+    pod = by_kind(docs, "Deployment")["dq-worker"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "initContainers" not in pod or pod["initContainers"] == []
+    assert volumes["models"] == {"name": "models", "persistentVolumeClaim": {"claimName": "dq-models",
+                                                                               "readOnly": True}}
+    assert volumes["compile-cache"] == {"name": "compile-cache",
+                                        "persistentVolumeClaim": {"claimName": "dq-compile-cache"}}
+    claims = by_kind(docs, "PersistentVolumeClaim")
+    assert claims["dq-models"]["spec"]["accessModes"] == ["ReadOnlyMany"]
+    assert claims["dq-compile-cache"]["spec"]["accessModes"] == ["ReadWriteMany"]
+    for name, workload in by_kind(docs, "Deployment").items():  # what a component mounts, it defines
+        for volume in workload["spec"]["template"]["spec"].get("volumes", []):
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims, name
+
+
 
 
 def test_the_operator_gets_the_alert_rules_and_scrapes_workers_and_the_exporter(tmp_path):
