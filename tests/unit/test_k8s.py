@@ -145,3 +145,38 @@ def test_the_exporter_reads_the_queue_as_the_monitor_user():
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl to render the kustomization")
 def test_rendering_needs_kubectl_only():
     assert {"Deployment", "ScaledObject", "TriggerAuthentication"} <= {d["kind"] for d in render()}
+
+
+def test_each_extra_shard_is_an_overlay_of_the_base_for_its_own_streams(tmp_path):
+    sys.path.insert(0, str(K8S))
+    import shards
+
+    from producer.keys import LANES, Keys
+
+    overlay = OPS / "k8s-shards" / "s1" / "kustomization.yaml"
+    assert overlay.read_text() == shards.overlay(1), "python ops/k8s/shards.py COUNT"
+    copy = tmp_path / "ops"  # with monitoring on in the base: the overlay must not repeat what shards share
+    shutil.copytree(OPS / "k8s-shards", copy / "k8s-shards")
+    monitored = switched_on(tmp_path, "- monitoring.yaml", "- alerts.yaml")
+    shutil.move(str(monitored), copy / "k8s")
+    docs = render(copy / "k8s-shards" / "s1")
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == [
+        ("ConfigMap", "dq-worker-s1"), ("Deployment", "dq-worker-s1"), ("PodDisruptionBudget", "dq-worker-s1"),
+        ("ScaledObject", "dq-worker-s1")]
+    deployment = by_kind(docs, "Deployment")["dq-worker-s1"]
+    assert "replicas" not in deployment["spec"]
+    pod = deployment["spec"]["template"]
+    assert pod["spec"]["containers"][0]["envFrom"] == [{"configMapRef": {"name": "dq-worker-s1"}}]
+    assert by_kind(docs, "ConfigMap")["dq-worker-s1"]["data"]["DQ_SHARD"] == "1"
+    # its selector is its own: shard 0's pods (no shard label) are never shard 1's
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector["decision-queue/shard"] == "1" and selector.items() <= pod["metadata"]["labels"].items()
+    base_pod = by_kind(render(), "Deployment")["dq-worker"]["spec"]["template"]["metadata"]["labels"]
+    assert not selector.items() <= base_pod.items()
+    assert by_kind(docs, "PodDisruptionBudget")["dq-worker-s1"]["spec"]["selector"]["matchLabels"] == selector
+    scaled = by_kind(docs, "ScaledObject")["dq-worker-s1"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "dq-worker-s1"
+    keys = Keys("dq", 1)
+    assert {t["metadata"]["stream"] for t in scaled["spec"]["triggers"]} == {
+        stream for lane in LANES for stream in (keys.requests_in(lane), keys.parts_in(lane))}
+    assert {t["authenticationRef"]["name"] for t in scaled["spec"]["triggers"]} == {"dq-redis-monitor"}  # shared
