@@ -28,7 +28,7 @@ import redis
 from pydantic import ValidationError
 
 from . import library
-from .errors import DecisionQueueError
+from .errors import InvalidRequest, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here, imported from here
 from .keys import GONE_S, GROUP, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
 from .schema import Request, Result, describe
 from .servers import lag_of
@@ -40,37 +40,6 @@ WINDOW = 256  # result streams one blocking read waits on (any of them landing w
 # in between (restarts, failovers, FUNCTION FLUSH in a row): a few tries, then the error goes to the caller.
 LOAD_TRIES = 5
 T = TypeVar("T")
-
-
-class QueueFull(DecisionQueueError, RuntimeError):
-    """Backpressure: a shard's stream holds more unfinished requests than the producer's limit.
-
-    Each batch is all or nothing, and a call stops at the first refused batch: ``accepted`` are the ids enqueued
-    before it (their results will come), ``refused`` the ids not enqueued (send them again later), in input order.
-    """
-
-    def __init__(self, detail: str, accepted: Sequence[str] = (), refused: Sequence[str] = ()) -> None:
-        self.detail, self.accepted, self.refused = detail, list(accepted), list(refused)
-        total = len(self.accepted) + len(self.refused)
-        super().__init__(detail + (f"; {len(self.accepted)} of {total} requests accepted" if total else ""))
-
-
-class InvalidRequest(DecisionQueueError, ValueError):
-    """The request fails the wire schema; nothing was sent. ``index``: its position in a ``submit_many`` call."""
-
-    def __init__(self, message: str, index: int | None = None) -> None:
-        super().__init__(message if index is None else f"request {index}: {message}")
-        self.index = index
-
-
-class ResultTimeout(DecisionQueueError, TimeoutError):
-    """No result within the timeout for ``missing`` (they stay queued; fetch them later); ``results``: those that
-    did land, by id."""
-
-    def __init__(self, message: str, results: Mapping[str, Result] | None = None,
-                 missing: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.results, self.missing = dict(results or {}), list(missing)
 
 
 class Prepared(NamedTuple):
@@ -133,11 +102,6 @@ class Load:
 
 Step = Call | Pipeline | Function | Load
 Plan = Generator[Step, Any, T]
-
-
-class WrongResult(DecisionQueueError, RuntimeError):
-    """A request's result stream holds a result for another id: written by something other than a worker (no
-    worker publishes one), never handed out as this request's answer."""
 
 
 def parse_result(fields: Mapping[bytes, bytes], request_id: str) -> Result:

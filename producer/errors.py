@@ -1,10 +1,17 @@
-"""The one base of every error the producer raises (``DecisionQueueError``), and the error for a Redis that cannot
-be reached at first contact. Each error keeps its other base (``ValueError``, ``TimeoutError``, redis-py's
-``ConnectionError``...), so code that caught those still does."""
+"""The errors the producer raises, under one base (``DecisionQueueError``): the client's own here (the library's
+``LibraryUnavailable``, the server check's ``UnsupportedServer`` and ``ResultError`` beside the code that raises
+them). Each keeps its other base (``ValueError``, ``TimeoutError``, redis-py's ``ConnectionError``...), so code that
+caught those still does."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
 import redis
+
+if TYPE_CHECKING:
+    from .schema import Result
 
 
 class DecisionQueueError(Exception):
@@ -14,3 +21,39 @@ class DecisionQueueError(Exception):
 class RedisUnreachable(DecisionQueueError, redis.ConnectionError):
     """Redis did not answer the first contact (refused, unresolvable, or silent for the socket timeout): raised
     once, without the retries meant for a restarting server, naming the URL (password hidden) and the cause."""
+
+
+class QueueFull(DecisionQueueError, RuntimeError):
+    """Backpressure: a shard's stream holds more unfinished requests than the producer's limit.
+
+    Each batch is all or nothing, and a call stops at the first refused batch: ``accepted`` are the ids enqueued
+    before it (their results will come), ``refused`` the ids not enqueued (send them again later), in input order.
+    """
+
+    def __init__(self, detail: str, accepted: Sequence[str] = (), refused: Sequence[str] = ()) -> None:
+        self.detail, self.accepted, self.refused = detail, list(accepted), list(refused)
+        total = len(self.accepted) + len(self.refused)
+        super().__init__(detail + (f"; {len(self.accepted)} of {total} requests accepted" if total else ""))
+
+
+class InvalidRequest(DecisionQueueError, ValueError):
+    """The request fails the wire schema; nothing was sent. ``index``: its position in a ``submit_many`` call."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message if index is None else f"request {index}: {message}")
+        self.index = index
+
+
+class ResultTimeout(DecisionQueueError, TimeoutError):
+    """No result within the timeout for ``missing`` (they stay queued; fetch them later); ``results``: those that
+    did land, by id."""
+
+    def __init__(self, message: str, results: Mapping[str, Result] | None = None,
+                 missing: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.results, self.missing = dict(results or {}), list(missing)
+
+
+class WrongResult(DecisionQueueError, RuntimeError):
+    """A request's result stream holds a result for another id: written by something other than a worker (no
+    worker publishes one), never handed out as this request's answer."""

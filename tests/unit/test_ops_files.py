@@ -15,6 +15,7 @@ import pytest
 import yaml
 from prometheus_client import Counter, Histogram
 
+from producer.exporter import EXPORTED
 from producer.keys import GROUP, LANES, Keys
 from worker.config import Settings
 from worker.metrics import Metrics
@@ -31,10 +32,7 @@ def load(path: Path) -> list:
 
 
 def exported() -> dict[str, set[str]]:
-    """Every sample name the worker (the process and Python collectors' too) or the queue exporter can export ->
-    its label names."""
-    from producer.exporter import EXPORTED
-
+    """Every sample name a worker (with the process and Python collectors) or the exporter exports -> its labels."""
     metrics = Metrics()
     out = {sample.name: set(sample.labels) for family in metrics.registry.collect() for sample in family.samples
            if not sample.name.startswith("dq_")}
