@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from .keys import LANES, Field, Keys, Priority
+from .keys import LANES, Field, Keys, Priority, valid_id
 from .lines import FAILED, OK, USAGE
 from .schema import ErrorCode
 
@@ -42,7 +42,8 @@ def _request_id(fields: dict[bytes, bytes]) -> str | None:
         given = json.loads(fields.get(Field.BODY.encode(), b""))
     except ValueError:
         return None
-    return given.get("id") if isinstance(given, dict) and isinstance(given.get("id"), str) else None
+    # only an id a worker would answer under: a hostile one never names a key to look at or delete
+    return given.get("id") if isinstance(given, dict) and valid_id(given.get("id")) else None
 
 
 def entries(connection: Any, keys: Keys) -> Iterator[tuple[str, dict[bytes, bytes]]]:
