@@ -3,7 +3,7 @@
 may read, and requeue and purge write to the work streams.
 
     dq-producer dead list [--bodies]              one JSON line per dead letter: where it was, why, when
-    dq-producer dead requeue DEAD_ID... | --all   back to the stream and lane it came from, to be answered again
+    dq-producer dead requeue DEAD_ID... | --all   back to the stream and lane it came from (--shard N: one shard), to be answered again
     dq-producer dead purge DEAD_ID... | --all     delete them
 
 A requeued request was answered dead_lettered; that result is deleted first (only an error result with that
@@ -105,29 +105,35 @@ def requeue_one(connection: Any, keys: Keys, dead_id: str, fields: dict[bytes, b
     return {"dead_id": dead_id, "requeued": target, "request_id": request_id}
 
 
-def _chosen(connection: Any, namespace: str, shards: int, ids: list[str], every: bool
-            ) -> Iterator[tuple[Keys, str, dict[bytes, bytes] | None]]:
-    """The dead letters asked for, by shard; an id found in no shard comes with None."""
+def _chosen(connection: Any, namespace: str, shards: list[int], ids: list[str], every: bool
+            ) -> Iterator[tuple[Keys, str, dict[bytes, bytes] | str]]:
+    """The dead letters asked for, by shard; an id found in no shard, or in several (each shard's stream numbers
+    its own entries), comes with why it is not taken."""
     for dead_id in ids:
-        for shard in range(shards):
-            keys = Keys(namespace, shard)
-            found = connection.xrange(keys.dead, dead_id, dead_id)
-            if found:
-                yield keys, dead_id, found[0][1]
-                break
+        found = [(shard, entry) for shard in shards
+                 for entry in connection.xrange(Keys(namespace, shard).dead, dead_id, dead_id)]
+        if len(found) == 1:
+            yield Keys(namespace, found[0][0]), dead_id, found[0][1][1]
         else:
-            yield Keys(namespace, 0), dead_id, None
+            yield Keys(namespace, shards[0]), dead_id, (
+                "no such dead letter" if not found else
+                f"in shards {', '.join(str(shard) for shard, _ in found)}: say which with --shard")
     if every:
-        for shard in range(shards):
+        for shard in shards:
             keys = Keys(namespace, shard)
             for dead_id, fields in list(entries(connection, keys)):  # read before changing the stream
                 yield keys, dead_id, fields
 
 
 def run(args: argparse.Namespace, client: Any) -> int:
-    connection, namespace, shards = client.redis, client.deployment.namespace, client.shards
+    connection, namespace = client.redis, client.deployment.namespace
+    if args.shard is not None and not 0 <= args.shard < client.shards:
+        print(f"dq-producer dead: --shard {args.shard} is not one of the {client.shards} shards (--shards)",
+              file=sys.stderr)
+        return USAGE
+    shards = list(range(client.shards)) if args.shard is None else [args.shard]
     if args.action == "list":
-        for shard in range(shards):
+        for shard in shards:
             for dead_id, fields in entries(connection, Keys(namespace, shard)):
                 print(json.dumps(describe(dead_id, shard, fields, args.bodies), ensure_ascii=False))
         return OK
@@ -136,8 +142,8 @@ def run(args: argparse.Namespace, client: Any) -> int:
         return USAGE
     done = skipped = 0
     for keys, dead_id, fields in _chosen(connection, namespace, shards, args.ids, args.all):
-        if fields is None:
-            outcome: dict[str, Any] = {"dead_id": dead_id, "skipped": "no such dead letter"}
+        if isinstance(fields, str):
+            outcome: dict[str, Any] = {"dead_id": dead_id, "skipped": fields}
         elif args.action == "purge":
             outcome = {"dead_id": dead_id, "purged": bool(connection.xdel(keys.dead, dead_id))}
         else:
@@ -167,6 +173,8 @@ def add_parser(commands: Any, common: argparse.ArgumentParser) -> None:
     dead.add_argument("action", choices=("list", "requeue", "purge"), help="what to do")
     dead.add_argument("ids", nargs="*", metavar="DEAD_ID", help="dead-letter entry ids (as list shows them)")
     dead.add_argument("--all", action="store_true", help="every dead letter of every shard [default off]")
+    dead.add_argument("--shard", type=int, default=None, metavar="N",
+                      help="only this shard's dead letters (ids are numbered per shard) [default: every shard]")
     dead.add_argument("--bodies", action="store_true",
                       help="list: the entry's own fields too (request payloads) [default off]")
     dead.set_defaults(run=checked)

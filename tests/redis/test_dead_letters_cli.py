@@ -67,14 +67,19 @@ def test_dead_letters_are_listed_requeued_and_purged_by_the_admin_only(tmp_path)
             refused = cli("list", "--redis-url", url[role])
             assert refused.returncode == 1 and "need the admin user" in refused.stderr, (role, refused.stderr)
 
-        requeued = cli("requeue", crashed, part, answered, "9-9", "--redis-url", url["admin"], "--shards", "2")
+        # each shard's stream numbers its own entries: an id in two shards is not guessed at
+        admin.xadd(s0.dead, {"stream": "requests"}, id="9999999999999-5")
+        admin.xadd(s1.dead, {"stream": "requests"}, id="9999999999999-5")
+        requeued = cli("requeue", crashed, answered, "9-9", "9999999999999-5", "--redis-url", url["admin"], "--shards", "2")
         assert requeued.returncode == 1, requeued.stderr  # some were skipped, and said why
         outcomes = {o["dead_id"]: o for o in map(json.loads, requeued.stdout.splitlines())}
         assert outcomes[crashed] == {"dead_id": crashed, "requeued": s0.requests_in(HIGH), "request_id": "r-1"}
-        assert "submit the request again" in outcomes[part]["skipped"]
         assert "is answered (ok)" in outcomes[answered]["skipped"]
         assert outcomes["9-9"]["skipped"] == "no such dead letter"
+        assert outcomes["9999999999999-5"]["skipped"] == "in shards 0, 1: say which with --shard"
         assert requeued.stderr.splitlines()[-1] == "4 dead letters: 1 requeued, 3 skipped"
+        one = cli("requeue", part, "--shard", "1", "--redis-url", url["admin"], "--shards", "2")
+        assert "submit the request again" in json.loads(one.stdout)["skipped"]
         [(_, fields)] = admin.xrange(s0.requests_in(HIGH))
         assert fields == {b"body": body.encode()}  # the entry as it was, without the dead letter's own fields
         assert admin.exists(s0.result("r-1")) == 0  # the new answer will be the one published
@@ -82,5 +87,5 @@ def test_dead_letters_are_listed_requeued_and_purged_by_the_admin_only(tmp_path)
 
         assert cli("requeue", "--redis-url", url["admin"]).returncode == 2  # ids or --all
         purged = cli("purge", "--all", "--redis-url", url["admin"], "--shards", "2")
-        assert purged.returncode == 0 and purged.stderr.splitlines()[-1] == "3 dead letters: 3 purged"
+        assert purged.returncode == 0 and purged.stderr.splitlines()[-1] == "5 dead letters: 5 purged"
         assert admin.xlen(s0.dead) == admin.xlen(s1.dead) == 0
