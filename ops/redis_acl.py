@@ -50,7 +50,7 @@ ROLES = {
     ),
     "worker": (
         "{connect} +fcall +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|delconsumer "
-        "+xinfo|groups +xinfo|consumers +xlen ~{requests} ~{high_requests} ~{part_stream} ~{high_part_stream} "
+        "+xinfo|groups +xinfo|consumers +xinfo|stream +xlen ~{requests} ~{high_requests} ~{part_stream} ~{high_part_stream} "
         "(+xadd +xlen ~{part_stream} ~{high_part_stream} ~{dead}) "  # fan-out parts, dead letters
         "(+set +get ~{bodies}) "  # a fanned-out request's body
         "(+hset +hdel +hget +hgetall +hlen ~{workers}) "  # heartbeats

@@ -2,7 +2,7 @@
 
 Replays the exact Redis traffic of a request through the real code, without torch: producers send with
 ``AsyncClient.send`` (the submit function, batches of 500) and wait with ``wait_many`` (pipelined XRANGE + blocking
-XREAD); consumers are the worker's Redis faces, ``worker.intake.Consumer.read`` (XREADGROUP over prompts and
+XREAD); consumers are the worker's Redis faces, ``worker.consumer.Consumer.read`` (XREADGROUP over prompts and
 requests, each entry parsed into a Delivery) and ``worker.publisher.Publisher.settle`` (the publish function, XACK,
 XDEL) with a result shaped like a real one. Nothing is computed: the consumers answer at once.
 
@@ -33,8 +33,10 @@ import redis  # noqa: E402
 from producer import library  # noqa: E402
 from producer.client import AsyncClient, Prepared, aconnect, prepare  # noqa: E402
 from producer.keys import NORMAL, Keys  # noqa: E402
-from worker.intake import Consumer  # noqa: E402
-from worker.publisher import Outcome, Publisher, ok_result  # noqa: E402
+from worker.consumer import Consumer  # noqa: E402
+from worker.entries import Identity  # noqa: E402
+from worker.outcomes import Outcome, Share, ok_result  # noqa: E402
+from worker.publisher import Publisher  # noqa: E402
 
 
 def request(number: int, state_bytes: int, questions: int) -> dict:
@@ -44,16 +46,16 @@ def request(number: int, state_bytes: int, questions: int) -> dict:
                               "criteria": {"calm": "polite", "angry": None, "neutral": None}} for n in names}}
 
 
-def share(questions: int) -> dict:
+def share(questions: int) -> Share:
     """A part's share of a result with ``questions`` 3-option questions: about the size a worker publishes."""
     names = [f"q{k}" for k in range(questions)]
     options = ["calm", "angry", "neutral"]
     probabilities = [0.7123456, 0.2123456, 0.0753088]
-    return {"answers": {n: {"type": "choice", "choice": "calm", "confidence": 0.7123456,
-                            "probabilities": dict(zip(options, probabilities))} for n in names},
-            "logits": {n: [1.234567, 0.123456, -1.234567] for n in names},
-            "probabilities": {n: probabilities for n in names}, "options": {n: options for n in names},
-            "tokens": 120 * questions, "prompts": 1, "compute_ms": 3.2, "started_ms": int(time.time() * 1000)}
+    return Share(answers={n: {"type": "choice", "choice": "calm", "confidence": 0.7123456,
+                              "probabilities": dict(zip(options, probabilities))} for n in names},
+                 logits={n: [1.234567, 0.123456, -1.234567] for n in names},
+                 probabilities={n: probabilities for n in names}, options={n: options for n in names},
+                 tokens=120 * questions, prompts=1, compute_ms=3.2, started_ms=int(time.time() * 1000))
 
 
 async def consumer(index: int, url: str, keys: Keys, read_count: int, questions: int, stop: asyncio.Event,
@@ -62,11 +64,11 @@ async def consumer(index: int, url: str, keys: Keys, read_count: int, questions:
     reader = Consumer(client, keys, f"bench-{os.getpid()}-{index}")
     publisher = Publisher(client, keys, 3600, "bench")
     # One result built once, renamed per request: the load generator spends its CPU on Redis calls, not pydantic.
-    template = ok_result("x", [share(questions)], [f"q{k}" for k in range(questions)], 0, "bench")
+    template = ok_result(Identity("x"), [share(questions)], [f"q{k}" for k in range(questions)], 0, "bench")
     settled = 0
     while not stop.is_set():
         deliveries = await reader.read(NORMAL, read_count, 200)
-        outcomes = [Outcome(delivery, None, result=template.model_copy(update={"id": delivery.request_id}))
+        outcomes = [Outcome(delivery, delivery.identity, result=template.model_copy(update={"id": delivery.request_id}))
                     for delivery in deliveries]
         if outcomes:
             await publisher.settle(outcomes)

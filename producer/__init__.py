@@ -1,5 +1,6 @@
 """The decision-queue producer and wire contract: ``producer.client`` (Client, AsyncClient), ``producer.schema``
-(requests, results, error codes) and ``producer.keys`` (every Redis name). Needs redis and pydantic, not torch."""
+(requests, error codes), ``producer.result`` (results) and ``producer.keys`` (every Redis name). Needs redis and
+pydantic, not torch."""
 
 from importlib.metadata import PackageNotFoundError, version
 

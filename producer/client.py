@@ -24,7 +24,7 @@ from .core import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Pro
 from .errors import DecisionQueueError, RedisUnreachable
 from .keys import Keys
 from .library import LibraryUnavailable
-from .schema import Result, ResultError
+from .result import Result, ResultError
 from .servers import Server, UnsupportedServer, acheck, check
 
 __all__ = ["AsyncClient", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "Prepared",

@@ -8,12 +8,11 @@ and the faces have the same methods. Every request goes through ``Producer.send`
 request stream.
 
 Submitting is one call of the submit function (producer/library.py) per batch: it checks each id and body size
-and refuses the batch when the request stream already holds more than ``max_unfinished`` entries (workers delete
-entries once answered, so its length is the unfinished work). A request goes to its lane's stream (its
-``priority``; absent: normal), so the limit holds per lane: a full normal lane does not refuse high requests.
-Waiting is a blocking ``XREAD`` on the result streams of up to 256 awaited requests at once (each keeps its one
-entry until the TTL: a result published while nobody waited is still there, and can be read again); on Redis
-Cluster, where one read cannot span slots, on the oldest one, then a pipelined look at the others.
+and refuses the batch when the request stream holds more than ``max_unfinished`` entries (its length is the
+unfinished work). A request goes to its lane's stream, so the limit holds per lane.
+Waiting is a blocking ``XREAD`` on the result streams of up to 256 awaited requests at once (a result keeps its
+one entry until its TTL); on Redis Cluster, where one read cannot span slots, on the oldest one, then a pipelined
+look at the others.
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ from pydantic import ValidationError
 from . import library
 from .errors import InvalidRequest, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here, imported from here
 from .keys import GONE_S, GROUP, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
-from .schema import Request, Result, describe
+from .schema import Request, describe
+from .result import Result
 from .servers import lag_of
 
 BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the time Redis spends in one call
@@ -264,8 +264,7 @@ class Producer:
 
 
 def _combine(parts: list[dict[str, Any]], consumers: Any = sum) -> dict[str, Any]:
-    """Field-wise sum of stream stats. ``consumers``: how consumer counts combine (``max`` over the lanes of one
-    shard, whose streams the same workers read)."""
+    """Field-wise sum of stream stats; ``consumers`` combines consumer counts (``max`` over one shard's lanes)."""
     out: dict[str, Any] = {}
     for part in parts:
         for name, value in part.items():

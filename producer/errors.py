@@ -1,6 +1,5 @@
-"""The errors the producer raises, under one base (``DecisionQueueError``): the client's own here (the library's
-``LibraryUnavailable``, the server check's ``UnsupportedServer`` and ``ResultError`` beside the code that raises
-them). Each keeps its other base (``ValueError``, ``TimeoutError``, redis-py's ``ConnectionError``...), so code that
+"""The errors the producer raises, under one base (``DecisionQueueError``): the client's own here (the server
+check's ``UnsupportedServer`` and the result's ``ResultError`` beside the code that raises them). Each keeps its other base (``ValueError``, ``TimeoutError``, redis-py's ``ConnectionError``...), so code that
 caught those still does."""
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from typing import TYPE_CHECKING
 import redis
 
 if TYPE_CHECKING:
-    from .schema import Result
+    from .result import Result
 
 
 class DecisionQueueError(Exception):
@@ -57,3 +56,7 @@ class ResultTimeout(DecisionQueueError, TimeoutError):
 class WrongResult(DecisionQueueError, RuntimeError):
     """A request's result stream holds a result for another id: written by something other than a worker (no
     worker publishes one), never handed out as this request's answer."""
+
+
+class LibraryUnavailable(DecisionQueueError, RuntimeError):
+    """The library is not on the server (or an older revision is), and this client's user may not load it."""

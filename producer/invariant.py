@@ -19,7 +19,7 @@ import redis
 from pydantic import ValidationError
 
 from .keys import LANES, NORMAL, Field, Keys
-from .schema import Result
+from .result import Result
 
 BATCH = 1000  # result streams read per pipelined round trip
 

@@ -157,6 +157,12 @@ def shard_of(request_id: str, shards: int) -> int:
     return value % shards
 
 
+def text(value: Any) -> str:
+    """A name or value as Redis answers it (bytes, unless the client decodes) as text; bytes that are not UTF-8 are
+    replaced, never raised on: stream names and consumer names come from anyone who can write."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
 def beat_age(raw: Any, now: float) -> float:
     """Seconds since a worker wrote a heartbeat of ``Keys.workers`` (``{"ts": ...}``; unreadable: infinitely old)."""
     try:

@@ -26,23 +26,25 @@ from typing import Any
 
 import redis
 
-from .errors import DecisionQueueError
+from .errors import LibraryUnavailable
 from .keys import LANES, MAX_BODY_BYTES, PROTOCOL, Field, Keys
 
 LIBRARY = f"dq_v{PROTOCOL}"
 SUBMIT = f"{LIBRARY}_submit"  # KEYS: a request stream. ARGV: limit (0: none), then id, body per request
+# Revision 1's publication, which no current worker calls: kept for workers of revision 1 during a rolling upgrade
+# (a revision keeps every function); it goes with wire protocol v2 (library dq_v2).
 PUBLISH = f"{LIBRARY}_publish"  # KEYS: result, parts, body. ARGV: result JSON, TTL s. 1 published now, 0 already
 PART = f"{LIBRARY}_part"  # KEYS: parts, result. ARGV: index, count, part JSON, TTL s. -1 done, 0 wait, else all
 # Revision 2: publication that records and tells who published (so that a call re-sent after its answer was lost
 # knows it published), adds the reply in the same call on one server, and clears what a request reusing a published
 # id left; and the reply alone (Redis Cluster, where a reply stream has its own slot). Answers: see the Lua below.
-PUBLISH_AS = f"{LIBRARY}_publish_as"  # KEYS: result, parts, body[, reply]. ARGV: JSON, TTL s, publisher[, id]
+# Revision 3: a reply stream's length capped (an optional last argument of publish_as and reply).
+PUBLISH_AS = f"{LIBRARY}_publish_as"  # KEYS: result, parts, body[, reply]. ARGV: JSON, TTL s, publisher[, id, cap]
 PART_AS = f"{LIBRARY}_part_as"  # KEYS: result, parts, body. ARGV: index, count, part JSON, TTL s
-REPLY = f"{LIBRARY}_reply"  # KEYS: a reply stream. ARGV: request id, result JSON, TTL s. 1, or an error
+REPLY = f"{LIBRARY}_reply"  # KEYS: a reply stream. ARGV: request id, result JSON, TTL s[, cap]. 1, or an error
 FORGET = f"{LIBRARY}_forget"  # KEYS: a work stream. ARGV: group, idle limit ms, own consumer name. Names deleted
 REVISION_FUNCTION = f"{LIBRARY}_revision"  # no keys: this library's REVISION
-# Bump on every change of CODE (tests/unit/test_library_code.py holds each revision's hash).
-REVISION = 2  # 2: publish_as, part_as, reply; the high lane's request stream
+REVISION = 3  # bumped on every change of CODE (tests/unit/test_library_code.py pins each revision's hash)
 MAX_BATCH = 1000  # requests per submit call: bounds the time Redis spends in one call
 
 
@@ -139,12 +141,18 @@ local function stored(keys)
 end
 
 -- Add a reply, refreshing the stream's TTL: 1, or why Redis refused (a key of another type is left untouched, no
--- entry and no TTL; an ACL). Never raises: a reply must not undo what the call did before it.
-local function add_reply(key, id, body, ttl)
+-- entry and no TTL; an ACL). Never raises: a reply must not undo what the call did before it. ``cap`` (revision 3,
+-- optional): the stream keeps about that many newest replies (approximate MAXLEN: trimmed a node at a time).
+local function add_reply(key, id, body, ttl, cap)
   local kind = redis.pcall('TYPE', key)
   if kind.err then return kind.err end
   if kind.ok ~= 'stream' and kind.ok ~= 'none' then return 'WRONGTYPE the reply stream is a ' .. kind.ok end
-  local added = redis.pcall('XADD', key, '*', '{Field.REPLY_ID}', id, '{Field.BODY}', body)
+  local added
+  if tonumber(cap) then
+    added = redis.pcall('XADD', key, 'MAXLEN', '~', cap, '*', '{Field.REPLY_ID}', id, '{Field.BODY}', body)
+  else
+    added = redis.pcall('XADD', key, '*', '{Field.REPLY_ID}', id, '{Field.BODY}', body)
+  end
   if type(added) == 'table' and added.err then return added.err end
   redis.pcall('EXPIRE', key, ttl)
   return 1
@@ -160,7 +168,7 @@ local function publish_as(keys, args)
   redis.call('EXPIRE', keys[1], args[2])
   redis.call('DEL', keys[2], keys[3])
   local replied = 0
-  if keys[4] then replied = add_reply(keys[4], args[4], args[1], args[2]) end
+  if keys[4] then replied = add_reply(keys[4], args[4], args[1], args[2], args[5]) end
   return {{'published', args[3], '', replied}}
 end
 
@@ -176,7 +184,7 @@ local function part_as(keys, args)
 end
 
 local function reply(keys, args)
-  local answer = add_reply(keys[1], args[1], args[2], args[3])
+  local answer = add_reply(keys[1], args[1], args[2], args[3], args[4])
   if answer == 1 then return 1 end
   return redis.error_reply(answer)
 end
@@ -206,10 +214,6 @@ redis.register_function('{REPLY}', reply)
 redis.register_function{{function_name = '{REVISION_FUNCTION}', callback = function() return REVISION end,
                          flags = {{'no-writes'}}}}
 """
-
-
-class LibraryUnavailable(DecisionQueueError, RuntimeError):
-    """The library is not on the server (or an older revision is), and this client's user may not load it."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from .core import InvalidRequest, Prepared, prepare
-from .schema import ErrorCode, Result
+from .schema import ErrorCode
+from .result import Result
 
 # The exit codes of dq-producer (README "Command line").
 OK, FAILED, USAGE, QUEUE_FULL, UNREACHABLE = 0, 1, 2, 3, 4

@@ -1,12 +1,12 @@
-"""The wire format shared by producers and workers: a System One request, its result, and error codes.
+"""The wire format shared by producers and workers: a System One request and the error codes of its result
+(the result itself: result.py).
 
 A request is ``{"state": ..., "questions": {name: question}, "assets": {...}}`` plus queue fields (``id``,
 ``reply_to``, ``deadline_ms``, ``priority``) and caller context echoed in its result (``metadata``,
 ``traceparent``). Validation errors name the field and the problem, so a producer can fix its input from the error
 result alone.
 
-Requests are strict (an unknown field is a mistake worth refusing); results are open (a field added by a newer
-worker is kept, not refused), so producers already deployed keep reading results when workers move ahead.
+Requests are strict (an unknown field is a mistake worth refusing); results are open (result.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 
-from .errors import DecisionQueueError
 from .keys import REPLY_STREAM, valid_id
 
 # Question content: text, or any JSON (templates print non-strings as JSON).
@@ -30,7 +29,6 @@ MAX_ASSETS = 16
 MAX_NAME_CHARS = 128
 MAX_DEPTH = 64  # JSON nesting; templates render nested values recursively (~150 levels exhaust Python's stack)
 IMAGE_FORMATS = ("png", "jpeg", "jpg", "webp", "gif", "bmp")
-MAX_ERROR_CHARS = 2000  # an error result's message: bounded whatever the request (a list of every problem is not)
 MAX_PROBLEMS = 10  # validation problems named in one message; the rest are counted
 MAX_METADATA_BYTES = 4096  # compact UTF-8 JSON; echoed in every result, so kept to what a tag or an id needs
 # W3C Trace Context: version-traceid-parentid-flags, lowercase hex; version ff and all-zero ids are invalid.
@@ -55,12 +53,6 @@ class ErrorCode(str, enum.Enum):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Open(BaseModel):
-    """Results and their parts: unknown fields are accepted and kept (``model_extra``), written out again."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
 
 
 class NoulQuestion(_Strict):
@@ -178,82 +170,6 @@ class Request(_Strict):
         return body
 
 
-class ErrorInfo(_Open):
-    # A code this version does not know (a newer worker's) stays a plain string.
-    code: Annotated[ErrorCode | str, Field(union_mode="left_to_right")]
-    message: str
-
-
-class Usage(_Open):
-    tokens: int = 0  # prompt tokens the model read, over all prompts
-    prompts: int = 0  # sequences (prompts) the request was rendered into
-    parts: int = 1  # parts it was fanned out into across workers
-
-
-class Timings(_Open):
-    enqueued_ms: int | None = None  # from the stream entry id
-    started_ms: int | None = None  # first worker picked it up
-    finished_ms: int | None = None  # result published
-    compute_ms: float | None = None  # forward time of the packs it rode in (summed over parts)
-
-
-class Result(_Open):
-    """The one result of a request: ``ok`` with answers, or ``error`` with a code and a message.
-
-    ``result.ok`` tells which; ``result.raise_for_error()`` turns an error into a ``ResultError`` and returns an ok
-    result, so ``client.decide(request).raise_for_error().answers`` reads an answer or raises.
-    """
-
-    id: str
-    status: Literal["ok", "error"]
-    answers: dict[str, dict[str, Any]] | None = None
-    logits: dict[str, list[float]] | None = None  # raw head scores per question, in option order
-    probabilities: dict[str, list[float]] | None = None  # softmax(logits / temperature), in option order
-    options: dict[str, list[str]] | None = None  # the option names, in the order of logits and probabilities
-    usage: Usage | None = None
-    timings: Timings | None = None
-    error: ErrorInfo | None = None
-    model: str | None = None
-    metadata: dict[str, JsonValue] | None = None  # the request's, echoed
-    traceparent: str | None = None  # the request's, echoed
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    def raise_for_error(self) -> Result:
-        """This result if it is ok; else raises ``ResultError`` with its code and message."""
-        if not self.ok:
-            raise ResultError(self)
-        return self
-
-    @property
-    def option_probabilities(self) -> dict[str, dict[str, float]]:
-        """Probabilities by question, then by option name: ``result.option_probabilities["tone"]["calm"]``.
-        Raises ``ResultError`` for an error result (it has none)."""
-        self.raise_for_error()
-        options = self.options or {}
-        return {name: dict(zip(options.get(name, ()), values)) for name, values in (self.probabilities or {}).items()}
-
-    @classmethod
-    def failure(cls, request_id: str, code: ErrorCode | str, message: str, **fields: Any) -> Result:
-        """An error result; its message cut to ``MAX_ERROR_CHARS`` (its size must not grow with the request's)."""
-        if len(message) > MAX_ERROR_CHARS:
-            kept = MAX_ERROR_CHARS - 40  # room for the note
-            message = f"{message[:kept]} ... ({len(message) - kept} more characters)"
-        return cls(id=request_id, status="error", error=ErrorInfo(code=code, message=message), **fields)
-
-
-class ResultError(DecisionQueueError):
-    """An error result, raised by ``Result.raise_for_error``: ``code``, ``message`` and the ``result`` itself."""
-
-    def __init__(self, result: Result) -> None:
-        error = result.error or ErrorInfo(code=ErrorCode.INTERNAL, message="error result without details")
-        self.result, self.code, self.message = result, error.code, error.message
-        code = self.code.value if isinstance(self.code, ErrorCode) else self.code
-        super().__init__(f"request {result.id}: {code}: {self.message}")
-
-
 def _metadata_bytes(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
 
@@ -288,6 +204,11 @@ def describe(error: ValidationError) -> str:
 
 def parse_request(raw: str | bytes) -> Request:
     """Parse a request entry body; raises ``RequestError`` with a code and a message naming the problem."""
+    return validate(load_json(raw))
+
+
+def load_json(raw: str | bytes) -> dict[str, Any]:
+    """A request body's JSON object, parsed once; raises ``RequestError`` (``invalid_json``) if it is not one."""
     try:
         data = json.loads(raw.decode() if isinstance(raw, bytes) else raw)  # UTF-8 only (json.loads would guess)
     except RecursionError:  # not a ValueError: it would escape as a worker failure, retried, then dead-lettered
@@ -296,6 +217,11 @@ def parse_request(raw: str | bytes) -> Request:
         raise RequestError(ErrorCode.INVALID_JSON, f"body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise RequestError(ErrorCode.INVALID_JSON, f"body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def validate(data: dict[str, Any]) -> Request:
+    """A parsed request body checked against the schema; raises ``RequestError`` naming the problem."""
     if _depth(data) > MAX_DEPTH:
         raise RequestError(ErrorCode.INVALID_REQUEST, f"the request is nested deeper than {MAX_DEPTH} levels")
     try:  # JSON escapes can carry lone surrogates, which no tokenizer can encode

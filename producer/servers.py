@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import DecisionQueueError
+from .keys import text
 
 MINIMUM = {"redis": (7, 0), "valkey": (7, 2)}
 NAMES = {"redis": "Redis", "valkey": "Valkey"}
@@ -25,10 +26,6 @@ def supported() -> str:
 
 class UnsupportedServer(DecisionQueueError, RuntimeError):
     """The server is older than the project supports (or does not say what it is)."""
-
-
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -65,9 +62,9 @@ def from_hello(reply: Any) -> Server:
     """The server of a ``HELLO`` reply (a map in RESP3, a flat list of pairs in RESP2)."""
     if isinstance(reply, (list, tuple)):
         reply = dict(zip(reply[::2], reply[1::2]))
-    fields = {_text(k): v for k, v in dict(reply).items()}
-    family = _text(fields.get("server", "")).lower()
-    return Server(family if family in MINIMUM else family or "unknown", version_tuple(_text(fields.get("version", ""))))
+    fields = {text(k): v for k, v in dict(reply).items()}
+    family = text(fields.get("server", "")).lower()
+    return Server(family if family in MINIMUM else family or "unknown", version_tuple(text(fields.get("version", ""))))
 
 
 def require(server: Server, where: str = "") -> Server:

@@ -47,8 +47,8 @@ class Settings:
                       choices=("auto", "bfloat16", "float16", "float32"))
     engine: str = _opt("auto", "auto (fast on cuda, reference on cpu), fast or reference",
                        choices=("auto", "fast", "reference"))
-    max_prompt_tokens: int = _opt(8192, "longest prompt; a request whose prompt is longer is split by question",
-                                 low=1)
+    max_prompt_tokens: int = _opt(0, "longest prompt (0: the model's context); a request whose prompt is longer is "
+                                     "split by question, a shorter one runs whole", low=0)
     fanout_tokens: int = _opt(8192, "requests with more tokens than this (over several prompts) fan out to all workers",
                               low=1)
     # Packing and the fast path
@@ -65,7 +65,10 @@ class Settings:
                         choices=("none", "sub", "layer"))
     prune_last: bool = _opt(True, "last layer computes only the marker rows (fast path)")
     fp8: bool = _opt(False, "FP8 rowwise matmuls (fast path, Hopper)")
-    fp8_layers: str = _opt("all", "layers fp8 converts: all, full (full-attention), linear, or indices like 0-5,18")
+    fp8_layers: str = _opt("all", "layers fp8 converts: all, full (full-attention), linear, late (the second half: "
+                                  "within twice bf16's error at 2B), or indices like 0-5,18")
+    fp8_matrices: str = _opt("all", "matrices fp8 converts in those layers: all, or some of mlp, attention "
+                                    "(full-attention projections), linear (linear-attention projections)")
     fused_kernels: bool = _opt(True, "the fast path's own Triton kernels (convolution, SwiGLU and norm + FP8)")
     compile_cache: str = _opt("", "directory for compiled kernels (Inductor, Triton, TileLang); empty: their defaults")
     planner_threads: int = _opt(2, "threads that validate, render and tokenize requests", low=1)
@@ -91,6 +94,9 @@ class Settings:
                                          "than this (its worker is gone)", low=1000)
     max_deliveries: int = _opt(5, "dead-letter an entry delivered more often than this", low=1)
     result_ttl_s: int = _opt(86400, "how long results stay readable", low=1)
+    reply_maxlen: int = _opt(10000, "a reply stream keeps about this many newest replies (approximate MAXLEN)",
+                             low=100)
+    dead_maxlen: int = _opt(100000, "the dead-letter stream keeps about this many newest entries", low=100)
     max_entry_bytes: int = _opt(8 << 20, "larger entries (all fields) are refused with too_large, unparsed", low=1)
     max_image_pixels: int = _opt(4096 * 4096, "a request whose images have more pixels in all is refused "
                                               "(decompression bombs)", low=1)

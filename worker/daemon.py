@@ -1,19 +1,9 @@
-"""The worker daemon: the stages wired together, their threads, signals and drain.
+"""The worker daemon: the stages wired together, their threads, signals and drain. The words for what passes
+through (entry, request, part, delivery, task, prompt, pack, outcome, ...) are defined in the README's layout.
 
-One request, from its XADD to its result stream:
-
-    intake.py    XREADGROUP; the entry parsed once (entries.py) and held           ─┐
-    daemon.py    _accept: trimmed, too often delivered, bad field, or to plan        │ asyncio thread
-                 _plan: planner.py renders and tokenizes (threads or processes)     │
-                        -> a Task: its prompts into the work queue, or fanned out   ─┘
-    packer.py    prompts -> packs within the token budget, high priority first      ─┐ main (GPU) thread
-    compute.py   packs -> engine -> read-out -> answers, to results' sink          ─┘
-    results.py   answers gathered per task; publisher.py: result published once    ── asyncio thread
-                 (FCALL) with its reply, XACK, XDEL; intake lets the entry go
-
-Failures take one path (``_failed``): retried until ``--max-deliveries``, then dead-lettered with an error result.
-Queue state lives on the asyncio thread only. SIGTERM stops reading, finishes and acknowledges what is in flight,
-and exits 0.
+Threads: the Redis loop thread (asyncio) runs intake.py (readers, maintenance) and lifecycle.py (every held entry
+and task, from taken to let go); the planner's threads or processes parse, render and tokenize; the main thread
+runs compute.py (packs on the GPU). SIGTERM stops reading, finishes and settles what is held, and exits 0.
 """
 
 from __future__ import annotations
@@ -30,14 +20,14 @@ from typing import Any
 
 from producer import __version__
 from producer.keys import Keys
-from producer.schema import ErrorCode, RequestError
 from producer.servers import UnsupportedServer
 
 from .compute import Compute
 from .config import Settings
-from .entries import PARTS, Delivery, reply_stream
+from .consumer import Consumer
 from .health import Snapshot
-from .intake import Consumer, Intake
+from .intake import Intake
+from .lifecycle import Lifecycle
 from .link import REDIS_ERRORS, Link, first_contact
 from .link import client as redis_client
 from .metrics import Metrics
@@ -47,8 +37,7 @@ from .model.reference import ReferenceAdapter
 from .packer import Packer
 from .planner import Planner
 from .presence import Presence
-from .results import Publisher, Results, error_outcome
-from .tasks import Item
+from .publisher import Publisher
 
 log = logging.getLogger("worker")
 
@@ -68,6 +57,9 @@ def create_engine(model: checkpoint.DecisionModel, settings: Settings) -> Engine
 
 
 class Daemon:
+    # How a fatal error ends the process (no drain can help): replaced by in-process tests, which must not end too.
+    exit = staticmethod(os._exit)
+
     def __init__(self, settings: Settings, model: checkpoint.DecisionModel | None = None) -> None:
         self.settings = settings
         self.keys = Keys(settings.namespace, settings.shard)
@@ -82,27 +74,28 @@ class Daemon:
         client = redis_client(settings)
         # A call that cannot reach Redis stops retrying once stopping with nothing left to save, or past the drain.
         self.link = Link(client, self.metrics, where=settings.redis_where, give_up=lambda: self.stopping.is_set() and (
-            not self.intake.held or self._past_deadline()))
-        consumer = Consumer(client, self.keys, settings.consumer_name, settings.max_entry_bytes)
+            not self.lifecycle.held or time.monotonic() > self.stop_deadline))
+        consumer = Consumer(client, self.keys, settings.consumer_name, settings.max_entry_bytes,
+                            once=redis_client(settings, retries=0))
         presence = Presence(client, self.keys, settings.consumer_name, list(consumer.streams),
                             settings.consumer_gone_ms, {"model": self.model.name, "engine": self.engine.name})
-        self.intake = Intake(consumer, self.link, settings, self.metrics, accept=self._accept, stopping=self.stopping,
-                             presence=presence)
-        self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name)
-        self.results = Results(self.publisher, self.link, self.loop, self.metrics, release=self.intake.release,
-                               fail=self._failed)
+        self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name, settings.reply_maxlen,
+                                   settings.dead_maxlen)
         self.planner = Planner(self.model, settings)
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
                              settings.high_pack_tokens)
-        self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.results)
+        self.lifecycle = Lifecycle(self.keys, settings, self.metrics, self.link, consumer, self.planner, self.packer,
+                                   self.publisher, self.loop)
+        self.intake = Intake(consumer, self.lifecycle, self.link, settings, self.metrics, self.stopping, presence)
+        self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.lifecycle)
         self.metrics.built(__version__, self.model.name, self.engine.name, str(self.model.device))
 
     # ---------------------------------------------------------------- lifecycle (main thread)
 
-    def run(self, after_warmup: Any = None) -> int:
-        """Serve until SIGTERM. ``after_warmup``: called once the engine is warm, before ready (benchmarks)."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+    def run(self, after_warmup: Any = None, burst: bool = False) -> int:
+        """Serve until ``stop`` (SIGTERM, from ``serve``). ``after_warmup``: called once warm, before ready (benchmarks).
+        ``burst``: stop once nothing is held and every lane's read, begun after the last entry was let go, found
+        nothing new (in-process tests)."""
         redis_thread = threading.Thread(target=self._run_loop, name="redis", daemon=True)
         redis_thread.start()
         self.planner.warmup()
@@ -123,11 +116,17 @@ class Daemon:
         log.info("%s: model %s, engine %s on %s, consumer %s", "ready" if self.link.reachable else
                  f"warm, ready once Redis at {self.link.where} answers", self.model.name, self.engine.name,
                  self.model.device, self.settings.consumer_name)
-        self.compute.run(lambda: self.stopping.is_set() and self._drained())
+        self.compute.run(lambda: (self._burst_over() if burst else self.stopping.is_set()) and self._drained())
         redis_thread.join(timeout=max(5.0, self.settings.drain_timeout_s))
         self.planner.shutdown()
-        self._last_word(len(self.intake.held))
+        self._last_word(len(self.lifecycle.held))
         return 0
+
+    def _burst_over(self) -> bool:
+        empty_since = self.intake.streams_empty_since
+        if not self.lifecycle.held and empty_since is not None and empty_since > self.lifecycle.released_at:
+            self.stop()
+        return self.stopping.is_set()
 
     def _last_word(self, held: int) -> None:
         """What the stop left behind, saying only what this worker knows."""
@@ -156,23 +155,20 @@ class Daemon:
         return Snapshot(beats={name: beat for name, beat in beats.items() if beat is not None},
                         reading_since=self.intake.reading_since, loop_running=self.loop.is_running(),
                         redis_ok=self.link.reachable, library_ok=self.publisher.library_ok,
-                        ready=self.ready.is_set(), inflight=len(self.intake.held),
+                        ready=self.ready.is_set(), inflight=len(self.lifecycle.held),
                         stopping=self.stopping.is_set(), block_ms=self.settings.block_ms,
-                        refusing=self.link.refusing, oldest_taken=self.intake.oldest_taken(),
-                        settled_at=self.intake.settled_at, stall_s=self.settings.stall_timeout_s)
+                        refusing=self.link.refusing, oldest_taken=self.lifecycle.oldest_taken(),
+                        settled_at=self.lifecycle.settled_at, stall_s=self.settings.stall_timeout_s)
 
-    def _on_signal(self, signum: int, _frame: Any) -> None:
+    def on_signal(self, signum: int, _frame: Any = None) -> None:
         if self.stopping.is_set():
             log.warning("second signal: exiting without draining")
-            os._exit(1)
-        log.info("%s: draining %d in-flight entries", signal.Signals(signum).name, len(self.intake.held))
+            self.exit(1)
+        log.info("%s: draining %d in-flight entries", signal.Signals(signum).name, len(self.lifecycle.held))
         self.stop()
 
-    def _past_deadline(self) -> bool:
-        return time.monotonic() > self.stop_deadline
-
     def _drained(self) -> bool:
-        return not self.intake.held or self._past_deadline()
+        return not self.lifecycle.held or time.monotonic() > self.stop_deadline
 
     # ---------------------------------------------------------------- asyncio thread
 
@@ -182,12 +178,12 @@ class Daemon:
             self.loop.run_until_complete(self._main())
         except UnsupportedServer as error:  # the same settings would fail the same way: no restart loop
             log.error("cannot serve: %s", error)
-            os._exit(2)
+            self.exit(2)
         except Exception:  # noqa: BLE001 - e.g. a client bug on a reconnect: the worker would never read again
             if not self.stopping.is_set():
                 log.critical("the Redis loop failed: exiting so that the supervisor restarts this worker",
                              exc_info=True)
-                os._exit(70)
+                self.exit(70)
             raise
         finally:
             self.loop.close()
@@ -198,8 +194,8 @@ class Daemon:
             await self.intake.start()
         except REDIS_ERRORS:  # stopped before Redis ever answered: nothing was taken, nothing to settle
             return
-        loops = [asyncio.create_task(self.results.run()), asyncio.create_task(self.intake.run_maintenance()),
-                 asyncio.create_task(self.results.watch_library())]
+        loops = [asyncio.create_task(self.lifecycle.run()), asyncio.create_task(self.intake.run_maintenance()),
+                 asyncio.create_task(self.publisher.watch_library())]
         reader = asyncio.create_task(self.intake.run_reader())  # until stopping
         while not (self.stopping.is_set() or reader.done()):
             await asyncio.sleep(0.1)
@@ -217,62 +213,9 @@ class Daemon:
             if self.link.reachable:  # best effort: a heartbeat left behind is forgotten by the others
                 await asyncio.wait_for(self.intake.leave(), timeout=2.0)
             await self.link.close()
+            await self.intake.consumer.close()
         except (asyncio.TimeoutError, *REDIS_ERRORS):
             pass
-
-    def _accept(self, delivery: Delivery) -> None:
-        """Every entry taken (read, recovered, reclaimed, retried) comes here once."""
-        if delivery.payload_gone:  # pending, but trimmed away: nothing to answer with
-            log.error("entry %s of %s has no payload any more (trimmed?): acknowledged", delivery.entry_id,
-                      delivery.key, extra=delivery.log_fields)
-            self.intake.count_lost([(delivery.key, delivery.entry_id)])
-            asyncio.ensure_future(self.results.ack_only(delivery))
-        elif not delivery.answerable:  # a part that names no request: its result could go nowhere
-            asyncio.ensure_future(self.results.dead_letter(delivery, delivery.invalid or "no request", answer=False))
-        elif delivery.deliveries > self.settings.max_deliveries:
-            asyncio.ensure_future(self.results.dead_letter(
-                delivery, f"delivered {delivery.deliveries} times without finishing"))
-        else:  # a bad field too: answered at once, from _plan (a part's reply stream is in its stored body)
-            asyncio.ensure_future(self._plan(delivery))
-
-    async def _plan(self, delivery: Delivery) -> None:
-        start = time.perf_counter()
-        body = None
-        try:
-            if delivery.stream == PARTS:  # a part: its request's body was stored when it fanned out
-                body = await self.intake.stored_body(delivery)
-            if delivery.invalid:  # bad input: never retried
-                raise RequestError(delivery.invalid_code, delivery.invalid)
-            if delivery.stream == PARTS and body is None:
-                raise RequestError(ErrorCode.INTERNAL, "the request body of this part is gone (Redis lost it?)")
-            task = await asyncio.wrap_future(self.planner.submit(delivery, body))
-        except RequestError as error:
-            reply_to = delivery.reply_to if delivery.stream != PARTS else reply_stream(self.keys, body)
-            self.results.settle(error_outcome(delivery, error.code, error.message, self.model.name,
-                                              reply_to=reply_to))
-            return
-        except Exception as error:  # noqa: BLE001 - a planner bug must not take the daemon down
-            log.exception("planning %s failed", delivery.entry_id, extra=delivery.log_fields)
-            self._failed(delivery, f"{type(error).__name__}: {error}")
-            return
-        finally:
-            self.metrics.planning.observe(time.perf_counter() - start)
-        if task.fan_out:
-            await self.link.until(lambda: self.publisher.fan_out(task), "fan out")
-            self.metrics.fanouts.inc()
-            log.debug("fanned %s out in %d parts", delivery.request_id, len(task.fan_out), extra=delivery.log_fields)
-            self.intake.release(delivery)
-            return
-        for index, prompt in enumerate(task.prompts):
-            self.packer.put(Item(task, index, prompt))
-
-    def _failed(self, delivery: Delivery, reason: str) -> None:
-        """Retry (the delivery counter goes up) until the cap, then dead-letter with an error result."""
-        if delivery.deliveries >= self.settings.max_deliveries:
-            asyncio.ensure_future(self.results.dead_letter(delivery, reason))
-        else:
-            self.metrics.retries.inc()
-            asyncio.ensure_future(self.intake.retry(delivery))
 
 
 def serve(settings: Settings) -> int:
@@ -303,4 +246,6 @@ def serve(settings: Settings) -> int:
         except OSError as error:
             log.error("cannot serve metrics on port %d: %s", settings.metrics_port, error)
             return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, daemon.on_signal)
     return daemon.run()

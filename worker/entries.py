@@ -1,15 +1,19 @@
-"""Stream entries as this worker takes them: each one parsed once, when taken, into a typed ``Delivery``.
+"""Stream entries as this worker takes them: each one's fields parsed once, when taken, into a typed ``Delivery``;
+and the ``Identity`` of the request an entry answers.
 
 Every field of every entry is a producer's (or anyone's who can write the stream). Each field has one parser
 below, and a field no parser knows is refused; a bad field does not stop the parse: its reason is kept in
-``Delivery.invalid`` and the daemon answers the entry's request with it at once, so a delivery always names the
-request it answers (``answerable``: a part without a usable request id names none, and is dead-lettered).
-Torch-free: the Redis side of the worker (intake, results) and the tools that measure it import this without the
-model.
+``Delivery.invalid`` and the entry's request is answered with it at once (``answerable``: a part without a usable
+request id names no request, and is dead-lettered). A request entry's body is not parsed here, on the Redis loop
+thread, where a large one (images) would stall every read: the planner parses it once, off that thread, and the
+request's identity (id, reply stream, echoed context) comes from that parse (``identify``). Until then a delivery
+names its request by a bounded look at the body's first bytes, or by its entry id. Torch-free: the Redis side of
+the worker and the tools that measure it import this without the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import re
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from producer.keys import ID_PATTERN, NORMAL, Field, Keys, Priority, valid_id
-from producer.schema import MAX_NAME_CHARS, MAX_QUESTIONS, ErrorCode, valid_metadata, valid_traceparent
+from producer.schema import (MAX_NAME_CHARS, MAX_QUESTIONS, ErrorCode, RequestError, load_json, valid_metadata,
+                             valid_traceparent)
 
 
 class Stream(enum.StrEnum):
@@ -35,7 +40,7 @@ FIELDS = {
     PARTS: {Field.REQUEST_ID, Field.PART, Field.PARTS, Field.QUESTIONS, Field.ENQUEUED_MS, Field.TRACEPARENT},
 }
 NUMBER = re.compile(rb"\A[0-9]{1,15}\Z")  # non-negative, no sign, no spaces or underscores, below 2**53
-# The request id of an entry too large to parse: only where the Python client writes it, first (exact, no scan).
+# A request body's id, where the Python client writes it: first (``_leading_id``).
 LEADING_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*"([A-Za-z0-9._:\-]{1,128})"\s*[,}]')
 T = TypeVar("T")
 
@@ -49,6 +54,34 @@ class BadField(ValueError):
 
 
 @dataclass(frozen=True)
+class Identity:
+    """Who a request is and what its result carries back: the id its result is published under, its reply stream
+    (one of this deployment's), and the caller's context an answer echoes (each only when valid)."""
+
+    request_id: str
+    reply_to: str | None = None
+    metadata: dict[str, Any] | None = None
+    traceparent: str | None = None
+
+    @property
+    def log_fields(self) -> dict[str, str]:
+        """What log lines about this request carry (``log.error(..., extra=identity.log_fields)``)."""
+        return {"request_id": self.request_id, **({"traceparent": self.traceparent} if self.traceparent else {})}
+
+
+def identify(keys: Keys, body: Any, fallback_id: str, traceparent: str | None = None) -> Identity:
+    """A request's identity from its parsed body (any value at all: these decide where even the error result of
+    a bad request goes, and what it echoes): the body's valid ``id``, else ``fallback_id``; ``reply_to`` when it is
+    one of this deployment's reply streams; valid metadata and traceparent (``traceparent``: a part's own, first)."""
+    if not isinstance(body, dict):
+        return Identity(fallback_id, traceparent=traceparent)
+    candidate, reply_to = body.get("id"), body.get("reply_to")
+    return Identity(candidate if valid_id(candidate) else fallback_id,
+                    reply_to if keys.is_reply_stream(reply_to) else None, valid_metadata(body.get("metadata")),
+                    traceparent or valid_traceparent(body.get("traceparent")))
+
+
+@dataclass(frozen=True)
 class Delivery:
     """One stream entry as Redis handed it to this consumer, its fields parsed."""
 
@@ -58,8 +91,7 @@ class Delivery:
     fields: Mapping[bytes, bytes]  # as Redis gave them: the body is read from here, dead letters copy them all
     deliveries: int  # Redis' delivery counter, this delivery included
     taken: float  # when this worker took it (s since the epoch)
-    request_id: str  # the id its result is published under
-    reply_to: str | None  # a reply stream of this deployment the result is also written to
+    identity: Identity  # a part's, from its fields; a request entry's before its body is parsed (module doc)
     enqueued_ms: int
     part: int = 0  # part entries: which part of the request, of how many, and the part's question names
     parts: int = 1
@@ -68,15 +100,10 @@ class Delivery:
     invalid_code: ErrorCode = ErrorCode.INVALID_REQUEST  # the error result's code when it cannot
     answerable: bool = True  # False: a part naming no usable request (no result can go anywhere)
     size: int = 0  # bytes of every field name and value
-    # The caller's context, when valid (a bad one fails the request with invalid_request in the planner): echoed in
-    # its result, even an error result, and the traceparent in this worker's log lines about the request. A part's
-    # metadata is in its request's stored body; its traceparent is a field of its entry (optional).
-    metadata: dict[str, Any] | None = None
-    traceparent: str | None = None
     lane: Priority = NORMAL  # the lane of the stream it is in, which is its priority
 
     @classmethod
-    def parse(cls, keys: Keys, stream: Stream, key: str, entry_id: str, fields: Mapping[bytes, bytes],
+    def parse(cls, stream: Stream, key: str, entry_id: str, fields: Mapping[bytes, bytes],
               deliveries: int, max_bytes: int | None = None, lane: Priority = NORMAL) -> Delivery:
         """Every field parsed here, once; a bad one leaves a usable fallback and its reason in ``invalid``. An
         entry over ``max_bytes`` (all fields counted) is refused before its body is parsed."""
@@ -91,28 +118,25 @@ class Delivery:
             problems.append(f"field {unknown[0][:40]!r} is not a field of {stream} entries "
                             f"({', '.join(sorted(FIELDS[stream]))})")
         enqueued_ms = int(entry_id.split("-")[0])  # a Redis entry id starts with its time in ms
-        part, parts, questions, answerable, metadata, traceparent = 0, 1, None, True, None, None
+        part, parts, questions, answerable, traceparent = 0, 1, None, True, None
         if stream == PARTS:
             request_id = _checked(problems, lambda: _request_id(fields), None)
             answerable = request_id is not None
-            reply_to = None  # a part's reply stream is its request's, in the stored body
             enqueued_ms = _checked(problems, lambda: _integer(fields, Field.ENQUEUED_MS), enqueued_ms)
             parts = _checked(problems, lambda: _integer(fields, Field.PARTS, 1, MAX_QUESTIONS), 1)
             part = _checked(problems, lambda: _integer(fields, Field.PART, 0, parts - 1), 0)
             questions = _checked(problems, lambda: _names(fields, Field.QUESTIONS), [])
             raw_trace = fields.get(Field.TRACEPARENT.encode())  # only for logs: a bad one is left out, not fatal
             traceparent = valid_traceparent(raw_trace.decode(errors="replace")) if raw_trace else None
-        elif too_large:
-            request_id, reply_to = _leading_id(fields.get(Field.BODY.encode())) or entry_id, None
         else:
             body = fields.get(Field.BODY.encode())
             if body is None:
                 problems.append(f"field {Field.BODY!r} is missing")
-            request_id, reply_to, metadata, traceparent = _identity(keys, body, entry_id)
-        return cls(stream, key, entry_id, fields, deliveries, time.time(), request_id or entry_id, reply_to,
-                   enqueued_ms, part, parts, questions, problems[0] if problems else None,
-                   ErrorCode.TOO_LARGE if too_large else ErrorCode.INVALID_REQUEST, answerable, size, metadata,
-                   traceparent, lane)
+            request_id = _leading_id(body)
+        return cls(stream, key, entry_id, fields, deliveries, time.time(),
+                   Identity(request_id or entry_id, traceparent=traceparent), enqueued_ms, part, parts, questions,
+                   problems[0] if problems else None, ErrorCode.TOO_LARGE if too_large else ErrorCode.INVALID_REQUEST,
+                   answerable, size, lane)
 
     @property
     def body(self) -> bytes | None:
@@ -120,9 +144,16 @@ class Delivery:
         return self.fields.get(Field.BODY.encode())
 
     @property
+    def request_id(self) -> str:
+        return self.identity.request_id
+
+    def again(self) -> Delivery:
+        """This entry delivered once more, from memory (a retry of an entry trimmed while held)."""
+        return dataclasses.replace(self, deliveries=self.deliveries + 1, taken=time.time())
+
+    @property
     def log_fields(self) -> dict[str, str]:
-        """What log lines about this entry's request carry (``log.error(..., extra=delivery.log_fields)``)."""
-        return {"request_id": self.request_id, **({"traceparent": self.traceparent} if self.traceparent else {})}
+        return self.identity.log_fields
 
     @property
     def payload_gone(self) -> bool:
@@ -178,27 +209,52 @@ def _names(fields: Mapping[bytes, bytes], name: str) -> list[str]:
 
 
 def _leading_id(body: bytes | None) -> str | None:
+    """The id of a request body, only where the Python client writes it, first: an exact match on its first bytes,
+    no scan, whatever the body's size."""
     found = LEADING_ID.match(body[:200]) if body else None
     return found.group(1).decode() if found and valid_id(found.group(1).decode()) else None
 
 
-def _identity(keys: Keys, body: bytes | None, entry_id: str
-              ) -> tuple[str, str | None, dict[str, Any] | None, str | None]:
-    """A request's result id (the body's valid ``id``, else the entry id), its reply stream (``reply_to`` when it
-    is one of this deployment's), and its valid metadata and traceparent. Any body at all: these decide where even
-    an error result goes, and what it echoes."""
+@dataclass(frozen=True)
+class Refusal:
+    """An entry answered at once with an error result (bad input, a deadline passed): never retried."""
+
+    identity: Identity
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True)
+class Job:
+    """What planning one entry needs: its request body (a part's is stored apart), which of its questions (a part's
+    share), its lane, and what its delivery knows (the identity so far; why it cannot be processed, if so)."""
+
+    raw: bytes | None
+    questions: list[str] | None
+    lane: Priority
+    known: Identity
+    fallback_id: str  # the id when the body names no valid one: a request entry's entry id, a part's own field
+    part: bool = False  # a part's request id is its entry's field, whatever the body says
+    invalid: str | None = None
+    invalid_code: ErrorCode = ErrorCode.INVALID_REQUEST
+
+    @classmethod
+    def of(cls, delivery: Delivery, stored_body: bytes | None = None) -> Job:
+        part = delivery.stream == PARTS
+        return cls(stored_body if part else delivery.body, delivery.questions, delivery.lane, delivery.identity,
+                   delivery.request_id if part else delivery.entry_id, part, delivery.invalid, delivery.invalid_code)
+
+
+def identity_of(keys: Keys, job: Job) -> tuple[Identity, dict[str, Any] | None, RequestError | None]:
+    """The request's identity from one parse of its body, the parsed body, and why it is not a JSON object. A body
+    too large to take is not parsed: its identity is what the delivery read of it."""
+    if job.raw is None or job.invalid_code == ErrorCode.TOO_LARGE:
+        return job.known, None, None
     try:
-        value = json.loads(body.decode() if body is not None else "")  # UTF-8 only, as the planner reads it
-    except (ValueError, RecursionError):
-        value = None
-    if not isinstance(value, dict):
-        return entry_id, None, None, None
-    candidate, reply_to = value.get("id"), value.get("reply_to")
-    return (candidate if valid_id(candidate) else entry_id, reply_to if keys.is_reply_stream(reply_to) else None,
-            valid_metadata(value.get("metadata")), valid_traceparent(value.get("traceparent")))
-
-
-def reply_stream(keys: Keys, body: bytes | None) -> str | None:
-    """The reply stream a request body names, when it is one of this deployment's (a part's, from its stored
-    body: for its error results, which may come before the body is planned)."""
-    return _identity(keys, body, "")[1]
+        body, error = load_json(job.raw), None
+    except RequestError as bad:
+        body, error = None, bad
+    identity = identify(keys, body, job.fallback_id, job.known.traceparent)
+    if job.part:
+        identity = dataclasses.replace(identity, request_id=job.known.request_id)
+    return identity, body, error

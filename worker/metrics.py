@@ -20,6 +20,8 @@ from producer.keys import LANES
 from producer.schema import ErrorCode
 from producer.servers import lag_of
 
+from .entries import Stream
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 FORWARD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5, 10, 30)
 FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -48,6 +50,12 @@ class Metrics:
         self.retries = Counter("dq_retries_total", "Entries retried after their forward pass failed", registry=r)
         self.fanouts = Counter("dq_fanouts_total", "Over-length requests fanned out as parts", registry=r)
         self.lost = Counter("dq_lost_entries_total", "Pending entries whose payload was gone (trimmed)", registry=r)
+        self.unread_deleted = Counter("dq_unread_entries_deleted_total", "Times entries of a work stream were found "
+                                      "deleted before the group read them (a trim: requests lost unanswered)",
+                                      ["stream", "priority"], registry=r)
+        for stream in Stream:  # from zero: the alert's increase() sees the first detection
+            for lane in LANES:
+                self.unread_deleted.labels(stream, lane)
         self.groups_recreated = Counter("dq_groups_recreated_total",
                                         "Consumer groups recreated because Redis lost them", registry=r)
         self.redis_errors = Counter("dq_redis_errors_total", "Failed Redis calls, by operation", ["op"], registry=r)

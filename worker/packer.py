@@ -51,11 +51,6 @@ class Packer:
                 self.high_seen = time.monotonic()
             self.ready.notify()
 
-    @property
-    def idle(self) -> bool:
-        with self.ready:
-            return not self._queued()
-
     def next(self, timeout: float = 0.25, wait: bool = True) -> list[Item]:
         """The next pack (possibly empty after ``timeout`` with no work). ``wait=False``: take what is there."""
         with self.ready:

@@ -1,5 +1,6 @@
-"""Entry -> task: validate, check size and deadline, render and tokenize, beside the GPU; and whether the task
-fans out (a request too long for one worker in good time is sent back as parts any worker may take).
+"""Entry -> task: the body parsed once (its identity too), validated, its deadline checked, rendered and tokenized,
+beside the GPU; and whether the task fans out (a request too long for one worker in good time is sent back as parts
+any worker may take).
 
 Planning is mostly Python (templates, validation): in threads it competes with the GPU thread for the GIL, so a
 busy GPU worker plans in separate processes (``--planner-processes``), each with its own encoder built from the
@@ -17,40 +18,43 @@ from collections import deque
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Callable
 
-from producer.keys import HIGH, LANES, NORMAL, Field, Keys, Priority
-from producer.schema import ErrorCode, Request, RequestError, parse_request
+from producer.keys import HIGH, LANES, NORMAL, Keys, Priority
+from producer.schema import ErrorCode, Request, RequestError, validate
 
 from .config import Settings
-from .entries import REQUESTS, Delivery
+from .entries import REQUESTS, Delivery, Identity, Job, Refusal, identity_of
 from .model.checkpoint import DecisionModel, RenderSpec
 from .model.encoder import Encoder
 from .model.engine import Prompt
 from .tasks import Task
 
 
-def plan_entry(encoder: Encoder, settings: Settings, raw: bytes | None, questions: list[str] | None,
-               lane: Priority = NORMAL) -> tuple[Request, list[Prompt]]:
-    """A request body (of a request entry, or stored for a part) planned whole, or only the part's ``questions``;
-    ``lane``: the lane of the stream the entry is in. Raises RequestError (answered at once, never retried) for bad
-    input and expired deadlines."""
-    if raw is None:
-        raise RequestError(ErrorCode.INVALID_REQUEST, f"the entry has no {Field.BODY!r} field")
-    if len(raw) > settings.max_entry_bytes:
-        raise RequestError(ErrorCode.TOO_LARGE,
-                           f"the entry is {len(raw)} bytes; this worker takes at most {settings.max_entry_bytes}")
-    request = parse_request(raw)
+def plan_entry(encoder: Encoder, settings: Settings, job: Job) -> tuple[Identity, Request, list[Prompt]] | Refusal:
+    """A request body planned whole, or only a part's questions: the request, its prompts, and the identity from the
+    same parse; or a Refusal (bad input, an expired deadline). A planner bug raises."""
     keys = Keys(settings.namespace)
-    if request.reply_to is not None and not keys.is_reply_stream(request.reply_to):
-        raise RequestError(ErrorCode.INVALID_REQUEST, f"reply_to must be a reply stream of this deployment: "
-                                                      f"{keys.reply_prefix} then 1-128 of A-Z a-z 0-9 . _ : -")
-    if request.priority is not None and request.priority != lane:  # the stream is the lane: a mismatch is a bug
-        raise RequestError(ErrorCode.INVALID_REQUEST,
-                           f"priority: {request.priority!r} was sent to the {lane} lane's stream; send it to the "
-                           f"{request.priority} lane's stream, or leave priority out to be served in this one")
-    if request.deadline_ms is not None and time.time() * 1000 > request.deadline_ms:
-        late = time.time() * 1000 - request.deadline_ms
-        raise RequestError(ErrorCode.DEADLINE_EXCEEDED, f"the deadline passed {late:.0f} ms before compute")
-    return request, encoder.prompts(request, questions)
+    identity, body, error = identity_of(keys, job)
+    if job.invalid is not None:
+        return Refusal(identity, job.invalid_code, job.invalid)
+    if body is None and error is None:  # a part whose request body is gone
+        return Refusal(identity, ErrorCode.INTERNAL, "the request body of this part is gone (Redis lost it?)")
+    try:
+        if error is not None:
+            raise error
+        request = validate(body or {})
+        if request.reply_to is not None and not keys.is_reply_stream(request.reply_to):
+            raise RequestError(ErrorCode.INVALID_REQUEST, f"reply_to must be a reply stream of this deployment: "
+                                                          f"{keys.reply_prefix} then 1-128 of A-Z a-z 0-9 . _ : -")
+        if request.priority is not None and request.priority != job.lane:  # the stream is the lane
+            raise RequestError(ErrorCode.INVALID_REQUEST,
+                               f"priority: {request.priority!r} was sent to the {job.lane} lane's stream; send it to "
+                               f"the {request.priority} lane's stream, or leave priority out to be served in this one")
+        if request.deadline_ms is not None and time.time() * 1000 > request.deadline_ms:
+            late = time.time() * 1000 - request.deadline_ms
+            raise RequestError(ErrorCode.DEADLINE_EXCEEDED, f"the deadline passed {late:.0f} ms before compute")
+        return identity, request, encoder.prompts(request, job.questions)
+    except RequestError as refused:
+        return Refusal(identity, refused.code, refused.message)
 
 
 def part_groups(task: Task, budget: int) -> list[list[str]]:
@@ -89,13 +93,13 @@ def _init_process(spec: RenderSpec, settings: Settings, parent: int) -> None:
     _PROCESS_ENCODER, _PROCESS_SETTINGS = Encoder(spec, settings.max_image_pixels), settings
 
 
-def _plan_in_process(raw: bytes | None, questions: list[str] | None, lane: Priority) -> Any:
+def _plan_in_process(job: Job) -> Any:
     assert _PROCESS_ENCODER is not None and _PROCESS_SETTINGS is not None
-    try:
-        request, prompts = plan_entry(_PROCESS_ENCODER, _PROCESS_SETTINGS, raw, questions, lane)
-    except RequestError as error:
-        return (error.code, error.message)
-    return request, [_to_arrays(prompt) for prompt in prompts]
+    planned = plan_entry(_PROCESS_ENCODER, _PROCESS_SETTINGS, job)
+    if isinstance(planned, Refusal):
+        return planned
+    identity, request, prompts = planned
+    return identity, request, [_to_arrays(prompt) for prompt in prompts]
 
 
 # Tensors cross the process boundary as numpy arrays, pickled by value: torch's own reduction shares each tensor
@@ -107,14 +111,14 @@ _TENSORS = ("input_ids", "rows", "pixel_values", "image_grid_thw", "mm_token_typ
 def _to_arrays(prompt: Prompt) -> dict[str, Any]:
     out: dict[str, Any] = {name: getattr(prompt, name) for name in _TENSORS}
     out = {name: None if value is None else value.numpy() for name, value in out.items()}
-    out["questions"] = prompt.questions
+    out["questions"], out["split"] = prompt.questions, prompt.split
     return out
 
 
 def _from_arrays(fields: dict[str, Any]) -> Prompt:
     import torch
 
-    return Prompt(questions=fields["questions"], **{
+    return Prompt(questions=fields["questions"], split=fields["split"], **{
         name: None if fields[name] is None else torch.from_numpy(fields[name]) for name in _TENSORS})
 
 
@@ -179,8 +183,7 @@ class LaneQueue:
 
 
 class Planner:
-    """``submit`` returns a future of the entry's Task (``fan_out`` set when it is to be sent out as parts); bad
-    input fails the future with RequestError."""
+    """Plans entries beside the GPU: each body parsed once, rendered and tokenized, off the Redis loop thread."""
 
     def __init__(self, model: DecisionModel, settings: Settings) -> None:
         self.model, self.settings = model, settings
@@ -208,16 +211,15 @@ class Planner:
             encoder = self._local.encoder = Encoder(self.model, self.settings.max_image_pixels)
         return encoder
 
-    def _plan_in_thread(self, raw: bytes | None, questions: list[str] | None, lane: Priority
-                        ) -> tuple[Request, list[Prompt]]:
-        return plan_entry(self._encoder(), self.settings, raw, questions, lane)
+    def _plan_in_thread(self, job: Job) -> tuple[Identity, Request, list[Prompt]] | Refusal:
+        return plan_entry(self._encoder(), self.settings, job)
 
-    def submit(self, delivery: Delivery, body: bytes | None = None) -> Future[Task]:
-        """``body``: a part's request body (stored apart); a request entry carries its own."""
-        out: Future[Task] = Future()
+    def submit(self, delivery: Delivery, stored_body: bytes | None = None) -> Future[Task | Refusal]:
+        """The entry's Task, or its Refusal; a planner bug fails the future. ``stored_body``: a part's request body
+        (stored apart when its request fanned out)."""
+        out: Future[Task | Refusal] = Future()
         work = _plan_in_process if self.processes > 0 else self._plan_in_thread
-        inner = self.queue.submit(delivery.lane, work, body if body is not None else delivery.body,
-                                  delivery.questions, delivery.lane)
+        inner = self.queue.submit(delivery.lane, work, Job.of(delivery, stored_body))
 
         def done(finished: Future) -> None:
             try:
@@ -225,13 +227,14 @@ class Planner:
             except BaseException as error:  # noqa: BLE001 - handed to the caller as is
                 out.set_exception(error)
                 return
-            if isinstance(value, tuple) and isinstance(value[0], ErrorCode):
-                out.set_exception(RequestError(*value))
+            if isinstance(value, Refusal):
+                out.set_result(value)
                 return
-            request, prompts = value
+            identity, request, prompts = value
             if self.processes > 0:
                 prompts = [_from_arrays(prompt) for prompt in prompts]
-            task = Task(delivery=delivery, request=request, prompts=prompts, remaining=len(prompts))
+            task = Task(delivery=delivery, identity=identity, request=request, prompts=prompts,
+                        remaining=len(prompts))
             task.fan_out = self._fan_out(task)
             out.set_result(task)
 

@@ -18,11 +18,7 @@ import time
 from typing import Any
 
 from producer import library
-from producer.keys import GONE_S, Keys, beat_age
-
-
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+from producer.keys import GONE_S, Keys, beat_age, text
 
 
 class Presence:
@@ -40,14 +36,14 @@ class Presence:
         """Delete dead consumers (nothing pending, idle past the limit) and stale heartbeats; both lists of names."""
         consumers: list[str] = []
         for key in self.streams:
-            consumers += [_text(name) for name in
+            consumers += [text(name) for name in
                           await self.redis.fcall(library.FORGET, 1, key, self.keys.group, self.gone_ms, self.name)]
         now = time.time()
         beats = await self.redis.hgetall(self.keys.workers())
-        stale = [name for name, raw in beats.items() if beat_age(raw, now) > GONE_S and _text(name) != self.name]
+        stale = [name for name, raw in beats.items() if beat_age(raw, now) > GONE_S and text(name) != self.name]
         if stale:
             await self.redis.hdel(self.keys.workers(), *stale)
-        return sorted(set(consumers)), sorted(_text(name) for name in stale)
+        return sorted(set(consumers)), sorted(text(name) for name in stale)
 
     async def leave(self) -> None:
         """Take this worker's heartbeat out (a clean stop)."""

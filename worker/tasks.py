@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from producer.keys import Priority
 from producer.schema import Request
 
-from .entries import Delivery
+from .entries import Delivery, Identity
 
 if TYPE_CHECKING:
     from .model.engine import Prompt
@@ -24,6 +24,7 @@ class Task:
     """The work of one entry: a whole request, or one part of a fanned-out request."""
 
     delivery: Delivery
+    identity: Identity  # from the same parse as ``request``
     request: Request
     prompts: list[Prompt] = field(default_factory=list)
     fan_out: list[list[str]] = field(default_factory=list)  # question names per part, when it fans out (planner)
@@ -34,15 +35,7 @@ class Task:
 
     @property
     def request_id(self) -> str:
-        return self.delivery.request_id
-
-    @property
-    def part(self) -> int:
-        return self.delivery.part
-
-    @property
-    def parts(self) -> int:
-        return self.delivery.parts
+        return self.identity.request_id
 
     @property
     def tokens(self) -> int:

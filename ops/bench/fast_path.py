@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from synthetic import WORKLOADS, packs, padded_batches, probabilities, random_model, warmup_batches  # noqa: E402
+from synthetic import (WORKLOADS, packs, padded_batches, precision, probabilities, random_model,  # noqa: E402
+                       warmup_batches)
 
 from worker.config import Settings  # noqa: E402
 from worker.fast import FastEngine  # noqa: E402
@@ -127,8 +128,9 @@ def run_one(spec: str, args: argparse.Namespace, cache: dict) -> dict:
     requests = WORKLOADS[workload](rng, COUNTS[workload] if not args.quick else 64)
     prompts = [c for r in requests for c in r.prompts]
     compile_mode = {"default": "layer", "nograph": "layer", "eager": "none"}[variant]
-    settings = Settings(compile=compile_mode, cuda_graphs=variant == "default", fp8=dtype == "fp8",
-                        prune_last=True, buckets=args.buckets, pack_tokens=args.pack_tokens)
+    fp8 = precision(dtype)  # bf16, fp8, fp8+mlp, fp8+mlp@12-23 ... (synthetic.precision)
+    settings = Settings(compile=compile_mode, cuda_graphs=variant == "default", prune_last=True,
+                        buckets=args.buckets, pack_tokens=args.pack_tokens, **fp8)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -150,7 +152,7 @@ def run_one(spec: str, args: argparse.Namespace, cache: dict) -> dict:
               "warmup_s": round(engine.compile_seconds, 1)}
     sample = [c for g in groups[:4] for c in g]
     probs = probabilities(sample, [s for g in groups[:4] for s in engine.launch(g).wait().scores])
-    if dtype == "fp8" and (shape, workload) in cache.get("bf16_probs", {}):
+    if fp8 and (shape, workload) in cache.get("bf16_probs", {}):
         pairs = list(zip(probs, cache["bf16_probs"][(shape, workload)]))
         result["fp8_vs_bf16_max_prob_diff"] = max(float((a - b).abs().max()) for a, b in pairs)
         result["fp8_vs_bf16_flip_rate"] = sum(int(a.argmax() != b.argmax()) for a, b in pairs) / len(pairs)
@@ -199,7 +201,8 @@ def summary(results: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default="2b:standard:bf16,2b:standard:fp8",
-                        help="comma-separated shape:workload:dtype[:variant] (variant: default, nograph, eager)")
+                        help="comma-separated shape:workload:dtype[:variant] (dtype: bf16, fp8, fp8+mlp, "
+                             "fp8+mlp+attention@12-23 ...; variant: default, nograph, eager)")
     parser.add_argument("--buckets", default="2048,4096,8192,16384")
     parser.add_argument("--pack-tokens", type=int, default=16384)
     parser.add_argument("--profile", default="", help="the runs to profile (comma-separated)")

@@ -174,3 +174,13 @@ def warmup_batches(batches: list[list[Prompt]]) -> list[list[Prompt]]:
     for batch in batches:
         seen.setdefault(len(batch), batch)
     return list(seen.values())
+
+
+def precision(spec: str) -> dict:
+    """Settings fields of a precision spec: ``bf16``, or ``fp8[+FAMILY...][@LAYERS]`` (``fp8+mlp@12-23``: FP8 for
+    the MLPs of layers 12-23; --fp8-matrices and --fp8-layers)."""
+    spec, _, layers = spec.partition("@")
+    base, *families = spec.split("+")
+    if base != "fp8":
+        return {}
+    return {"fp8": True, "fp8_matrices": ",".join(families) or "all", "fp8_layers": layers or "all"}

@@ -1,4 +1,4 @@
-"""FlashQLA called directly (worker/fast/mixers.py) equals the same kernels reached through fla's dispatch, and
+"""FlashQLA called directly (worker/fast/qla.py) equals the same kernels reached through fla's dispatch, and
 prepares each pack without waiting for the GPU.
 
 Packs: many short sequences (no intra-card split), one long sequence and a few uneven ones (FlashQLA splits long
@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("fla", reason="the fast engine needs flash-linear-attention")
 
-from worker.fast.mixers import CudaMixers, FlashQLA, boundaries_of  # noqa: E402
+from worker.fast.mixers import CudaMixers, boundaries_of  # noqa: E402
+from worker.fast.qla import FlashQLA  # noqa: E402
 
 try:
     FlashQLA()
@@ -72,28 +73,33 @@ def test_direct_flash_qla_equals_fla_and_does_not_synchronise(name):
     assert torch.equal(first, again)
 
 
-@pytest.mark.parametrize("heads", [16, 32])  # the 2B and 4B shapes' value heads
+@pytest.mark.parametrize("heads", [16, 32, 48])  # the 2B and 4B shapes' value heads, and one more
 def test_the_warm_up_packs_reach_every_variant_that_traffic_reaches(heads):
     """FlashQLA compiles a kernel variant per (split across the card or not, tile width) on first use: the packs
     the engine runs before it reports ready (CudaMixers.variant_packs) reach every variant that packs of standard
-    and long-tail chunks, up to 16k tokens, reach."""
+    and long-tail prompts up to the 16k budget reach, and single prompts over it (they run alone)."""
     import math
     import random
 
+    budget, longest = 16384, 65536
     mixers = CudaMixers()
-    warm = mixers.variant_packs(heads, 16384)
-    assert all(sum(lengths) <= 16384 for lengths in warm)
-    warmed = {mixers.flash_qla.variant(lengths, heads) for lengths in warm}
-    rng = random.Random(0)
-    reached = set()
-    for _ in range(2000):
+    warm = mixers.variant_packs(heads, budget, longest)
+    assert all(sum(lengths) <= budget or len(lengths) == 1 for lengths in warm.values())
+    assert all(mixers.flash_qla.variant(lengths, heads) == variant for variant, lengths in warm.items())
+    rng = random.Random(heads)
+    reached = {}
+    for _ in range(3000):
         lengths: list[int] = []
         stop = rng.randint(1, 40)
         while len(lengths) < stop:
             n = rng.randint(256, 768) if rng.random() < 0.5 else int(
-                min(8192, max(32, math.exp(rng.gauss(math.log(224), 1.82)))))
-            if sum(lengths) + n > 16384:
+                min(budget, max(32, math.exp(rng.gauss(math.log(224), 1.82)))))
+            if sum(lengths) + n > budget:
                 break
             lengths.append(n)
-        reached.add(mixers.flash_qla.variant(lengths or [16384], heads))
-    assert reached <= warmed, reached - warmed
+        if rng.random() < 0.02:
+            lengths = [rng.randint(budget + 1, longest)]
+        reached.setdefault(mixers.flash_qla.variant(lengths or [budget], heads), lengths)
+    missed = {variant: lengths for variant, lengths in reached.items() if variant not in warm}
+    print("RESULT", {"heads": heads, "warmed": [str(v) for v in warm], "reached": [str(v) for v in reached]})
+    assert not missed, f"traffic reaches variants the warm-up never runs: {missed}"

@@ -150,3 +150,24 @@ def module_worker(server_binary, module_servers, tiny_dir, tmp_path_factory, req
         module_servers[server_binary.label] = (server, worker)
         worker.wait_ready()
     return module_servers[server_binary.label]
+
+
+@pytest.fixture
+def inprocess(loaded):
+    """``inprocess(redis_url, **settings)``: an InProcessWorker (tests/redis/inprocess.py) on the tiny checkpoint,
+    not started; every one started is stopped at the test's end. ``max_prompt_tokens`` picks the model's load."""
+    from inprocess import InProcessWorker
+
+    made: list[InProcessWorker] = []
+
+    def make(redis_url: str, max_prompt_tokens: int | None = None, **settings: object) -> InProcessWorker:
+        if max_prompt_tokens is not None:
+            settings["max_prompt_tokens"] = max_prompt_tokens
+        worker = InProcessWorker(loaded("repo", max_prompt_tokens), redis_url, **settings)
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in made:
+        if worker.thread is not None and worker.thread.is_alive():
+            worker.stop()

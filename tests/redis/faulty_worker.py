@@ -38,6 +38,8 @@ class FaultyEngine:
         self.marker = marker
         self.slow_s = slow_s
         self.name = inner.name
+        self.slow_packs = self.poisoned_packs = 0  # how many happened (in-process tests wait on these)
+        self.poisoned_sizes: list[int] = []  # the prompts of each poisoned pack
 
     @property
     def max_pack_tokens(self) -> int:
@@ -48,12 +50,16 @@ class FaultyEngine:
 
     def launch(self, prompts):
         if self.slow_s:
+            self.slow_packs += 1
             log.info("fault: slow pack of %d prompts started (%.1f s)", len(prompts), self.slow_s)
             time.sleep(self.slow_s)
         poisoned = self.marker and any(self.marker in self.tokenizer.decode(c.input_ids) for c in prompts)
         pending = self.inner.launch(prompts)
         if not poisoned:
             return pending
+
+        self.poisoned_packs += 1
+        self.poisoned_sizes.append(len(prompts))
 
         def fail():
             log.warning("fault: pack of %d prompts raises (poison)", len(prompts))

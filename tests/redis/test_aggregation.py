@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from producer import library
 from producer.client import aconnect
 from producer.keys import Keys
-from producer.schema import Result
+from producer.result import Result
 from worker.redis_server import RedisServer
 from worker.entries import PARTS, REQUESTS, Delivery
-from worker.publisher import Outcome, Publisher
+from worker.outcomes import Outcome, Share
+from worker.publisher import Publisher
 
 pytestmark = pytest.mark.redis
 
@@ -34,13 +35,12 @@ def server():
         yield server
 
 
-def share(index: int, names: list[str]) -> dict:
+def share(index: int, names: list[str]) -> Share:
     """A part's share of the result, as a worker computes it; marked with its part index."""
-    return {"answers": {n: {"type": "noul", "noul": 0.5, "part": index} for n in names},
-            "logits": {n: [float(index), 0.0] for n in names},
-            "probabilities": {n: [0.5, 0.5] for n in names},
-            "options": {n: ["true", "false"] for n in names},
-            "tokens": 10 + index, "prompts": 1, "compute_ms": 1.5, "started_ms": 1000 + index}
+    return Share(answers={n: {"type": "noul", "noul": 0.5, "part": index} for n in names},
+                 logits={n: [float(index), 0.0] for n in names}, probabilities={n: [0.5, 0.5] for n in names},
+                 options={n: ["true", "false"] for n in names}, tokens=10 + index, prompts=1, compute_ms=1.5,
+                 started_ms=1000 + index)
 
 
 @st.composite
@@ -70,7 +70,7 @@ async def deliver(r, keys: Keys, consumer: str, fields: dict) -> Delivery:
     """A real prompt-stream entry taken by ``consumer``, so that acknowledging it is checked too."""
     await r.xadd(keys.parts, fields)
     [[_, [(entry_id, got)]]] = await r.xreadgroup(keys.group, consumer, {keys.parts: ">"}, count=1)
-    return Delivery.parse(keys, PARTS, keys.parts, entry_id.decode(), got, 1)
+    return Delivery.parse(PARTS, keys.parts, entry_id.decode(), got, 1)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -92,14 +92,14 @@ def test_parts_in_any_order_and_any_number_of_times_publish_one_complete_result(
             d = await deliver(r, keys, f"w{who}", {"request_id": request_id, "part": index, "parts": len(sizes),
                                                    "questions": json.dumps(names[index]), "enqueued_ms": 0})
             assert d.invalid is None and (d.request_id, d.part, d.parts) == (request_id, index, len(sizes))
-            outcomes[who].append(Outcome(d, None, part=(index, len(sizes), share(index, names[index])),
-                                         order=question_order))
+            outcomes[who].append(Outcome(d, d.identity, share=share(index, names[index]), part=index,
+                                         parts=len(sizes), order=question_order))
 
         async def settle(who: int) -> list:
             publisher = Publisher(workers[who], keys, TTL, "tiny")
             done = []
             for group in batches(outcomes[who], cuts[who]):
-                done += await publisher.settle(group)
+                done += (await publisher.settle(group)).settled
             return done
 
         done = sum(await asyncio.gather(settle(0), settle(1)), [])
@@ -141,12 +141,12 @@ def test_whole_results_published_several_times_keep_the_first(server, publicatio
         for n, (who, status) in enumerate(publications):
             body = json.dumps({"id": request_id})
             entry_id = (await workers[0].xadd(keys.requests, {"body": body})).decode()
-            d = Delivery.parse(keys, REQUESTS, keys.requests, entry_id, {b"body": body.encode()}, 1)
-            outcomes[who].append(Outcome(d, None, result=result(n, status)))
+            d = Delivery.parse(REQUESTS, keys.requests, entry_id, {b"body": body.encode()}, 1)
+            outcomes[who].append(Outcome(d, d.identity, result=result(n, status)))
 
         async def settle(who: int) -> list:
             publisher = Publisher(workers[who], keys, TTL, "tiny")
-            return sum([await publisher.settle(b) for b in batches(outcomes[who], cuts)], [])
+            return sum([(await publisher.settle(b)).settled for b in batches(outcomes[who], cuts)], [])
 
         done = sum(await asyncio.gather(settle(0), settle(1)), [])
         for w in workers:

@@ -13,7 +13,8 @@ import redis
 
 from ops.redis_acl import ROLES, render
 from producer.keys import HIGH, NORMAL, Field, Keys
-from producer.schema import ErrorCode, Result
+from producer.result import Result
+from producer.schema import ErrorCode
 from worker.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis

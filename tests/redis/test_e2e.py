@@ -1,4 +1,5 @@
-"""End to end: real redis-server, real worker processes on the tiny checkpoint (CPU), the real producer."""
+"""End to end: a real redis-server, real workers on the tiny checkpoint (CPU; in process but for kill -9), the real
+producer."""
 
 import pytest
 import torch
@@ -43,10 +44,10 @@ def result_entries(client: Client, request_id: str) -> int:
     return client.redis.xlen(client.keys.result(request_id))
 
 
-def test_many_requests_through_two_workers(redis_server, start_worker, tiny_dir, loaded):
+def test_many_requests_through_two_workers(redis_server, inprocess, loaded):
     # Parts of over-length requests must spread: each worker holds one entry at a time.
     settings = dict(max_prompt_tokens=220, fanout_tokens=200, read_count=1, max_inflight=1)
-    workers = [start_worker(tiny_dir, redis_server.url, **settings) for _ in range(2)]
+    workers = [inprocess(redis_server.url, **settings).start() for _ in range(2)]
     client = Client(redis_server.url)
     batch = requests(40)
     batch.append({"id": "image", "state": "Look at img-1.", "questions": QUESTIONS,
@@ -78,9 +79,9 @@ def test_many_requests_through_two_workers(redis_server, start_worker, tiny_dir,
     assert client.redis.xlen(client.keys.requests) == 0 and client.redis.xlen(client.keys.parts) == 0
 
 
-def test_long_request_parts_equal_the_reference(redis_server, start_worker, tiny_dir, loaded):
+def test_long_request_parts_equal_the_reference(redis_server, inprocess, loaded):
     # Planning in processes here (threads elsewhere): the same prompts either way.
-    start_worker(tiny_dir, redis_server.url, max_prompt_tokens=220, fanout_tokens=200, planner_processes=2)
+    inprocess(redis_server.url, max_prompt_tokens=220, fanout_tokens=200, planner_processes=2).start()
     many = {f"q{i}": {"type": "noul", "instructions": f"Is statement {i} true?"} for i in range(20)}
     request = {"id": "long", "state": "Some state.", "questions": many}
     result = Client(redis_server.url).decide(request, timeout=120)
@@ -91,7 +92,7 @@ def test_long_request_parts_equal_the_reference(redis_server, start_worker, tiny
         assert result.probabilities[name] == pytest.approx(expected[name], abs=1e-4)
 
 
-def test_dead_letters(redis_server, start_worker, tiny_dir):
+def test_dead_letters(redis_server, inprocess):
     client = Client(redis_server.url)
     keys = client.keys
     client.redis.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
@@ -102,7 +103,7 @@ def test_dead_letters(redis_server, start_worker, tiny_dir):
     [(entry_id, _)] = client.redis.xrange(keys.requests)
     for _ in range(5):
         client.redis.xclaim(keys.requests, keys.group, "crashy", 0, [entry_id])
-    worker = start_worker(tiny_dir, redis_server.url, claim_idle_ms=300, max_deliveries=5)
+    worker = inprocess(redis_server.url, claim_idle_ms=300, max_deliveries=5).start()
     result = client.wait(entry, timeout=60)
     assert result.error.code.value == "dead_lettered" and "deliveries" in result.error.message
     [(_, fields)] = client.redis.xrange(keys.dead)

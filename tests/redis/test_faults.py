@@ -1,4 +1,6 @@
-"""Faults, with real redis-server processes and real worker processes (tiny checkpoint, CPU).
+"""Faults, with real redis-server processes and real workers (tiny checkpoint, CPU): worker processes where the
+fault is a signal (SIGTERM, SIGSTOP, kill -9) or the test reads the process's own log, else the same daemon in the
+test's process (tests/redis/inprocess.py).
 
 Every test ends with the invariant (producer/invariant.py): each submitted request has exactly one result, ok or
 an error with a code, and the queue is drained. Faults in the forward pass come from tests/redis/faulty_worker.py:
@@ -23,9 +25,12 @@ from producer.invariant import settle
 from producer.keys import NORMAL
 from worker import link as links
 from worker.config import Settings
-from worker.intake import Consumer, Intake
+from worker.consumer import Consumer
+from worker.intake import Intake
+from worker.lifecycle import Lifecycle
 from worker.metrics import Metrics
 from worker.presence import Presence
+from worker.publisher import Publisher
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -39,24 +44,21 @@ def slow(seconds: float) -> dict:
 # ---------------------------------------------------------------- the forward pass fails or is slow
 
 
-def test_poison_prompt_is_retried_to_the_cap_then_dead_lettered_and_its_pack_mates_answered(
-        redis_server, start_worker, tiny_dir):
+def test_poison_prompt_is_retried_to_the_cap_then_dead_lettered_and_its_pack_mates_answered(redis_server, inprocess):
     client = Client(redis_server.url)
     requests = batch(12, "mate")
     requests.insert(5, {"id": "poison", "state": "This one carries POISON-7f3a inside.",
                         "questions": {"q": {"type": "noul"}}})
     ids = client.submit_many(requests)  # queued before the worker starts: its first read takes them all at once
-    worker = start_worker(tiny_dir, redis_server.url, entry=FAULTY, env={"DQ_FAULT_RAISE": "POISON-7f3a"},
-                          max_deliveries=3, max_wait_ms=300)
+    worker = inprocess(redis_server.url, raise_on="POISON-7f3a", max_deliveries=3, max_wait_ms=300).burst()
     report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
 
     poison = report.results["poison"]
     assert poison.error.code.value == "dead_lettered"
     assert "3 deliveries" in poison.error.message and "injected fault" in poison.error.message
     assert all(report.results[r].ok for r in ids if r != "poison")
-    log = worker.log.read_text()
-    shared = [int(line.split("pack of ")[1].split()[0]) for line in log.splitlines() if "raises (poison)" in line]
-    assert max(shared) > 1, log[-3000:]  # it failed a pack that others rode in, and they were still answered
+    shared = worker.faults.poisoned_sizes
+    assert max(shared) > 1, shared  # it failed a pack that others rode in, and they were still answered
     assert shared.count(1) == 3  # bisected down to itself once per delivery: 1 + 2 retries, then the cap
     assert worker.metric("dq_retries_total") == 2 and worker.metric("dq_dead_letters_total") == 1
     [(_, dead)] = client.redis.xrange(client.keys.dead)
@@ -64,13 +66,13 @@ def test_poison_prompt_is_retried_to_the_cap_then_dead_lettered_and_its_pack_mat
     assert json.loads(dead[b"body"])["id"] == "poison"  # the original entry, for an operator to look at
 
 
-def test_pack_slower_than_the_claim_idle_time_is_not_stolen(redis_server, start_worker, tiny_dir):
+def test_pack_slower_than_the_claim_idle_time_is_not_stolen(redis_server, inprocess):
     client = Client(redis_server.url)
     # Packs of 3 s against a claim idle time of 1.5 s (kept alive every 375 ms: margin for a loaded CI machine).
-    holder = start_worker(tiny_dir, redis_server.url, read_count=4, max_inflight=4, claim_idle_ms=1500, **slow(3.0))
+    holder = inprocess(redis_server.url, read_count=4, max_inflight=4, claim_idle_ms=1500, slow_s=3.0).start()
     ids = client.submit_many(batch(12, "slow"))
-    wait_log(holder, "fault: slow pack")
-    other = start_worker(tiny_dir, redis_server.url, claim_idle_ms=1500)  # reclaims anything idle over 1.5 s
+    wait_for(lambda: holder.faults.slow_packs, what="a slow pack")
+    other = inprocess(redis_server.url, claim_idle_ms=1500).start()  # reclaims anything idle over 1.5 s
     report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
     assert all(r.ok for r in report.results.values())
     assert holder.metric("dq_packs_total") >= 1  # the slow worker did answer some (packs of 3 s > 1.5 s idle)
@@ -142,12 +144,12 @@ def test_redis_killed_and_restarted_with_aof_workers_and_producers_carry_on(redi
         assert worker.process.poll() is None and worker.get("/readyz")[0] == 200
 
 
-def test_redis_restarted_without_persistence_recreates_the_group_and_reports_the_loss(
-        redis_server, start_worker, tiny_dir):
+def test_redis_restarted_without_persistence_recreates_the_group_and_reports_the_loss(redis_server, inprocess,
+                                                                                        caplog):
     client = Client(redis_server.url)
-    worker = start_worker(tiny_dir, redis_server.url, read_count=2, max_inflight=2, **slow(1.5), **FAST_RECLAIM)
+    worker = inprocess(redis_server.url, read_count=2, max_inflight=2, slow_s=1.5, http=True, **FAST_RECLAIM).start()
     before = client.submit_many(batch(8, "lost"))
-    wait_log(worker, "fault: slow pack")
+    wait_for(lambda: worker.faults.slow_packs, what="a slow pack")
     redis_server.stop(kill=True)
     redis_server.wipe()  # everything gone: streams, the group, its pending entries, results
     redis_server.start()
@@ -162,12 +164,12 @@ def test_redis_restarted_without_persistence_recreates_the_group_and_reports_the
     assert all(r.ok for r in report.results.values())
     assert set(after) <= set(report.results)
     assert worker.metric("dq_groups_recreated_total") >= 1
-    assert "consumer group missing" in worker.log.read_text()
-    assert worker.process.poll() is None and worker.get("/readyz")[0] == 200
+    assert "consumer group missing" in caplog.text  # the ERROR line RELIABILITY.md promises
+    assert worker.alive and worker.get("/readyz")[0] == 200
 
 
-def test_redis_paused_longer_than_the_socket_timeout(redis_server, start_worker, tiny_dir):
-    worker = start_worker(tiny_dir, redis_server.url, claim_idle_ms=2000)
+def test_redis_paused_longer_than_the_socket_timeout(redis_server, inprocess):
+    worker = inprocess(redis_server.url, claim_idle_ms=2000, http=True).start()
     client = Client(redis_server.url)
     ids = client.submit_many(batch(40, "pause"))
     wait_for(lambda: client.fetch(ids[0]), what="a first result")
@@ -177,7 +179,7 @@ def test_redis_paused_longer_than_the_socket_timeout(redis_server, start_worker,
     more = client.submit_many(batch(10, "resumed"))
     report = settle(client.redis, client.keys, ids + more, timeout=120).assert_ok()
     assert all(r.ok for r in report.results.values())
-    assert worker.process.poll() is None and worker.get("/readyz")[0] == 200
+    assert worker.alive and worker.get("/readyz")[0] == 200
 
 
 def test_function_flush_mid_run(redis_server, start_worker, tiny_dir):
@@ -220,7 +222,7 @@ def test_function_flush_mid_run(redis_server, start_worker, tiny_dir):
 # ---------------------------------------------------------------- entries trimmed or delivered twice
 
 
-def test_pending_entries_trimmed_from_the_stream(redis_server, start_worker, tiny_dir):
+def test_pending_entries_trimmed_from_the_stream(redis_server, inprocess, caplog):
     client = Client(redis_server.url)
     keys = client.keys
     for stream in (keys.requests, keys.parts):
@@ -230,10 +232,10 @@ def test_pending_entries_trimmed_from_the_stream(redis_server, start_worker, tin
     client.redis.xreadgroup(keys.group, "dead-consumer", {keys.requests: ">"}, count=3)
     client.redis.xreadgroup(keys.group, "w-trim", {keys.requests: ">"}, count=2)  # the worker's own name
     client.redis.xtrim(keys.requests, maxlen=0, approximate=False)
-    worker = start_worker(tiny_dir, redis_server.url, consumer="w-trim", **slow(2.0), **FAST_RECLAIM)
+    worker = inprocess(redis_server.url, consumer="w-trim", slow_s=2.0, **FAST_RECLAIM).start()
     # And an entry trimmed while the worker computes it: its payload is in memory, it is answered.
     held = client.submit_many(batch(3, "held"))
-    wait_log(worker, "fault: slow pack")
+    wait_for(lambda: worker.faults.slow_packs, what="a slow pack")
     for entry_id, _ in client.redis.xrange(keys.requests):
         client.redis.xdel(keys.requests, entry_id)
     report = settle(client.redis, keys, gone + held, timeout=60, allow_missing=gone).assert_ok(allow_missing=gone)
@@ -241,20 +243,24 @@ def test_pending_entries_trimmed_from_the_stream(redis_server, start_worker, tin
     assert all(report.results[r].ok for r in held)
     time.sleep(1.0)  # a few more reclaim rounds: the loss must be counted once per entry, whichever path saw it
     lost = worker.metric("dq_lost_entries_total")
-    assert lost == 5, worker.log.read_text()[-6000:]  # ... but reported
-    assert "no payload any more" in worker.log.read_text()
+    assert lost == 5, caplog.text[-6000:]  # ... but reported
+    assert "no payload any more" in caplog.text  # the ERROR line RELIABILITY.md promises
 
 
-async def bare_intake(url: str, name: str, accept) -> tuple[Intake, str]:
-    """The worker's intake stage alone, on a real server (no daemon, no model): for races a worker process cannot be
-    made to hit on purpose; and the normal lane's request stream, its group created."""
+async def bare_intake(url: str, name: str, route) -> tuple[Intake, str]:
+    """The worker's intake and held table alone, on a real server (no planner, no model; each entry taken goes to
+    ``route``): for races a worker process cannot be made to hit on purpose; and the normal lane's request stream,
+    its group created."""
     settings = Settings.from_env({}, redis_url=url, claim_idle_ms=60_000)
     client, keys, metrics = links.client(settings), Client(url).keys, Metrics()
     consumer = Consumer(client, keys, name, settings.max_entry_bytes)
     await consumer.ensure_groups()
-    return Intake(consumer, links.Link(client, metrics, give_up=lambda: False, where="test"), settings, metrics,
-                  accept=accept, stopping=threading.Event(),
-                  presence=Presence(client, keys, name, list(consumer.streams), 60_000, {})), keys.requests_in(NORMAL)
+    link = links.Link(client, metrics, give_up=lambda: False, where="test")
+    publisher = Publisher(client, keys, 60, "tiny")
+    lifecycle = Lifecycle(keys, settings, metrics, link, consumer, None, None, publisher, asyncio.get_running_loop())
+    lifecycle._route = route
+    return Intake(consumer, lifecycle, link, settings, metrics, threading.Event(),
+                  Presence(client, keys, name, list(consumer.streams), 60_000, {})), keys.requests_in(NORMAL)
 
 
 def test_a_held_entry_trimmed_between_keep_alive_and_reclaim_is_not_counted_lost(redis_server):
@@ -262,14 +268,14 @@ def test_a_held_entry_trimmed_between_keep_alive_and_reclaim_is_not_counted_lost
     answered from there and is not lost. The race (the trim lands between keep_alive and reclaim) made on purpose:
     keep_alive does nothing here. A trimmed entry nobody holds is still counted."""
     async def scenario() -> float:
-        intake, stream = await bare_intake(redis_server.url, "w-held", accept=lambda delivery: None)
+        intake, stream = await bare_intake(redis_server.url, "w-held", route=lambda delivery: None)
         consumer, client = intake.consumer, intake.consumer.redis
         held_id, orphan_id = [(await client.xadd(stream, {"body": json.dumps({"id": name})})).decode()
                               for name in ("held", "orphan")]
         for delivery in await consumer.read(NORMAL, 10, 100):
             if delivery.request_id == "held":
-                intake.take(delivery, "read")  # the orphan stays pending, held by no one
-        assert set(intake.held) == {(stream, held_id)}
+                intake.lifecycle.take(delivery, "read")  # the orphan stays pending, held by no one
+        assert set(intake.lifecycle.held) == {(stream, held_id)}
         await client.xdel(stream, held_id, orphan_id)
 
         async def no_keep_alive(deliveries) -> None:
@@ -292,26 +298,25 @@ def test_an_entry_trimmed_before_its_retry_is_retried_from_memory(redis_server):
     accepted = []
 
     async def scenario() -> tuple[str, set]:
-        intake, stream = await bare_intake(redis_server.url, "w-retry", accept=accepted.append)
-        consumer, client = intake.consumer, intake.consumer.redis
+        intake, stream = await bare_intake(redis_server.url, "w-retry", route=accepted.append)
+        consumer, client, lifecycle = intake.consumer, intake.consumer.redis, intake.lifecycle
         entry_id = (await client.xadd(stream, {"body": json.dumps({"id": "retried"})})).decode()
         [delivery] = await consumer.read(NORMAL, 10, 100)
-        intake.take(delivery, "read")
+        lifecycle.take(delivery, "read")
         await client.xdel(stream, entry_id)  # trimmed while its first attempt failed
-        await intake.retry(delivery)
+        await lifecycle._retry(delivery, None)  # no planned task: planned again
         await client.aclose()
-        return (stream, entry_id), set(intake.held)
+        return (stream, entry_id), set(lifecycle.held)
 
     entry, held = asyncio.run(scenario())
     assert [(d.request_id, d.deliveries) for d in accepted] == [("retried", 1), ("retried", 2)]
     assert held == {entry} and accepted[1].body == accepted[0].body
 
 
-def test_the_same_part_delivered_twice_is_published_once(redis_server, start_worker, tiny_dir):
+def test_the_same_part_delivered_twice_is_published_once(redis_server, inprocess):
     """Duplicate entries in the parts stream (a fan-out retried after a lost reply) and duplicate requests."""
     client = Client(redis_server.url)
     keys = client.keys
-    start_worker(tiny_dir, redis_server.url)
     request = long_request("twice", questions=6)
     body = json.dumps(request)
     client.redis.set(keys.body("twice"), body)
@@ -320,6 +325,7 @@ def test_the_same_part_delivered_twice_is_published_once(redis_server, start_wor
         client.redis.xadd(keys.parts, {"request_id": "twice", "part": index, "parts": len(groups),
                                         "questions": json.dumps(groups[index]), "enqueued_ms": 0})
     ids = ["twice"] + client.submit_many([request | {"id": "dup"}] * 3)  # the same request three times
+    inprocess(redis_server.url).burst()
     report = settle(client.redis, keys, ids, timeout=60).assert_ok()
     result = report.results["twice"]
     assert result.ok and list(result.answers) == list(request["questions"]) and result.usage.parts == 3

@@ -113,8 +113,8 @@ def check(worker, live: bool = False) -> int:
     return subprocess.run(args + (["--live"] if live else []), capture_output=True, timeout=60, cwd=ROOT).returncode
 
 
-def test_redis_outage_makes_the_worker_unready_never_dead(redis_server, start_worker, tiny_dir):
-    worker = start_worker(tiny_dir, redis_server.url)
+def test_redis_outage_makes_the_worker_unready_never_dead(redis_server, inprocess):
+    worker = inprocess(redis_server.url, http=True).start()
     assert worker.get("/healthz")[0] == 200 and worker.get("/readyz")[0] == 200
     assert check(worker) == 0 and check(worker, live=True) == 0
     client = Client(redis_server.url)

@@ -12,7 +12,7 @@ import time
 import pytest
 import redis
 
-from faults import batch, wait_for, wait_log
+from faults import batch, wait_for
 from producer.client import Client
 from producer.keys import GONE_S
 
@@ -31,7 +31,7 @@ def stats(url: str) -> dict:
     return json.loads(done.stdout)
 
 
-def test_the_gone_are_forgotten_and_stats_count_the_living(redis_server, start_worker, tiny_dir):
+def test_the_gone_are_forgotten_and_stats_count_the_living(redis_server, start_worker, tiny_dir, inprocess):
     client = Client(redis_server.url)
     keys, r = client.keys, client.redis
     # A worker that ran and was killed: its consumer and its heartbeat stay behind.
@@ -52,8 +52,9 @@ def test_the_gone_are_forgotten_and_stats_count_the_living(redis_server, start_w
         "dead-worker", "died-holding"}
 
     # A live worker that would reclaim only after a minute: the holder keeps its consumer while it holds.
-    live = start_worker(tiny_dir, redis_server.url, consumer="live", consumer_gone_ms=2000, claim_idle_ms=60000)
-    wait_log(live, "forgot workers that are gone: consumers dead-worker", timeout=60)
+    inprocess(redis_server.url, consumer="live", consumer_gone_ms=2000, claim_idle_ms=60000).start()
+    wait_for(lambda: "dead-worker" not in consumers(r, keys.requests, keys.group), timeout=60,
+             what="dead-worker forgotten")
     # From every stream, but not necessarily in the round that logged: each lane's reader last touched its streams at
     # its own time (up to a BLOCK apart), and the streams are checked one after the other, so the high lane's may
     # cross the idle limit a round before these ones.

@@ -1,6 +1,7 @@
-"""Priority lanes with real redis-server and worker processes (tiny checkpoint, CPU): high requests answered ahead
-of a normal backlog, normal work still served under a flood of high work, the lane rule for plain XADDs, and every
-guarantee (exactly one result, reclaim, dead letters, deadlines, fan-out) in both lanes."""
+"""Priority lanes with a real redis-server and real workers (tiny checkpoint, CPU; in process, but for kill -9):
+high requests answered ahead of a normal backlog, normal work still served under a flood of high work, the lane rule
+for plain XADDs, and every guarantee (exactly one result, reclaim, dead letters, deadlines, fan-out) in both
+lanes."""
 
 from __future__ import annotations
 
@@ -32,9 +33,8 @@ def answered(client: Client, ids: list[str]) -> int:
 # ---------------------------------------------------------------- high ahead of normal, normal never starved
 
 
-def test_a_high_request_enqueued_after_5000_normal_ones_finishes_before_30_percent_of_them(
-        redis_server, start_worker, tiny_dir):
-    worker = start_worker(tiny_dir, redis_server.url)
+def test_a_high_request_enqueued_after_5000_normal_ones_finishes_before_30_percent_of_them(redis_server, inprocess):
+    worker = inprocess(redis_server.url).start()
     client = Client(redis_server.url, max_unfinished=0)
     bulk = client.submit_many(batch(5000, "bulk"))
     [urgent] = client.submit_many(lane(batch(1, "urgent"), HIGH))
@@ -50,12 +50,11 @@ def test_a_high_request_enqueued_after_5000_normal_ones_finishes_before_30_perce
 
 
 def test_a_worker_holding_max_inflight_normal_entries_still_takes_a_high_request_into_its_next_pack(
-        redis_server, start_worker, tiny_dir):
-    worker = start_worker(tiny_dir, redis_server.url, read_count=4, max_inflight=4, entry=FAULTY,
-                          env={"DQ_FAULT_SLOW_S": "1"})
+        redis_server, inprocess):
+    worker = inprocess(redis_server.url, read_count=4, max_inflight=4, slow_s=1.0).start()
     client = Client(redis_server.url)
     bulk = client.submit_many(batch(20, "held"))
-    wait_log(worker, "fault: slow pack")  # the first pack: the four normal entries the worker may hold
+    wait_for(lambda: worker.faults.slow_packs, what="the first pack: the four normal entries the worker may hold")
     assert worker.metric("dq_inflight_entries") == 4
     [urgent] = client.submit_many(lane(batch(1, "urgent"), HIGH))
     result = client.wait(urgent, timeout=60)
@@ -64,8 +63,8 @@ def test_a_worker_holding_max_inflight_normal_entries_still_takes_a_high_request
     settle(client.redis, client.keys, bulk + [urgent], timeout=90).assert_ok()
 
 
-def test_normal_work_keeps_its_share_under_a_steady_flood_of_high_work(redis_server, start_worker, tiny_dir):
-    worker = start_worker(tiny_dir, redis_server.url, normal_share=0.1)
+def test_normal_work_keeps_its_share_under_a_steady_flood_of_high_work(redis_server, inprocess):
+    worker = inprocess(redis_server.url, normal_share=0.1).start()
     client, feeder = Client(redis_server.url, max_unfinished=0), Client(redis_server.url, max_unfinished=0)
     high_stream, stop, lows = client.keys.requests_in(HIGH), threading.Event(), []
 
@@ -116,7 +115,7 @@ def test_the_client_and_the_command_line_route_by_priority_and_stats_show_each_l
 
 
 def test_a_plain_xadd_is_served_in_the_lane_of_its_stream_and_a_body_naming_the_other_lane_is_refused(
-        redis_server, start_worker, tiny_dir):
+        redis_server, inprocess):
     client = Client(redis_server.url)
     keys = client.keys
     [base] = batch(1, "x")
@@ -129,7 +128,7 @@ def test_a_plain_xadd_is_served_in_the_lane_of_its_stream_and_a_body_naming_the_
     }
     for request_id, (where, body) in added.items():
         client.redis.xadd(keys.requests_in(where), {"body": json.dumps({**body, "id": request_id})})
-    worker = start_worker(tiny_dir, redis_server.url)
+    worker = inprocess(redis_server.url).start()
     report = settle(client.redis, keys, list(added), timeout=60).assert_ok()
     results = report.results
     assert results["high-unsaid"].ok and results["high-said"].ok
@@ -166,15 +165,14 @@ def test_kill_9_mid_pack_the_other_worker_reclaims_and_finishes(redis_server, st
 
 
 @pytest.mark.parametrize("priority", LANES)
-def test_poison_is_dead_lettered_with_its_lane_and_a_past_deadline_answered_at_once(
-        redis_server, start_worker, tiny_dir, priority):
+def test_poison_is_dead_lettered_with_its_lane_and_a_past_deadline_answered_at_once(redis_server, inprocess, priority):
     client = Client(redis_server.url)
     requests = lane(batch(6, "mate"), priority)
     requests.append({"id": "poison", "state": "This one carries POISON-7f3a inside.", "priority": str(priority),
                      "questions": {"q": {"type": "noul"}}})
     requests.append({**requests[0], "id": "late", "deadline_ms": int(time.time() * 1000) - 1000})
     ids = client.submit_many(requests)
-    start_worker(tiny_dir, redis_server.url, entry=FAULTY, env={"DQ_FAULT_RAISE": "POISON-7f3a"}, max_deliveries=2)
+    inprocess(redis_server.url, raise_on="POISON-7f3a", max_deliveries=2).burst()
     report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
     assert report.results["poison"].error.code.value == "dead_lettered"
     assert report.results["late"].error.code.value == "deadline_exceeded"
@@ -184,9 +182,9 @@ def test_poison_is_dead_lettered_with_its_lane_and_a_past_deadline_answered_at_o
 
 
 @pytest.mark.parametrize("priority", LANES)
-def test_the_parts_of_a_fanned_out_request_stay_in_its_lane(redis_server, start_worker, tiny_dir, priority):
+def test_the_parts_of_a_fanned_out_request_stay_in_its_lane(redis_server, inprocess, priority):
     client = Client(redis_server.url)
-    workers = [start_worker(tiny_dir, redis_server.url, read_count=1, max_inflight=1, **FANOUT) for _ in range(2)]
+    workers = [inprocess(redis_server.url, read_count=1, max_inflight=1, **FANOUT).start() for _ in range(2)]
     ids = client.submit_many([{**long_request(f"long-{k}"), "priority": str(priority)} for k in range(2)])
     report = settle(client.redis, client.keys, ids, timeout=120).assert_ok()
     assert all(r.ok and r.usage.parts > 1 for r in report.results.values())

@@ -13,7 +13,7 @@ import pytest
 
 from producer.client import AsyncClient, Client, InvalidRequest, QueueFull, ResultTimeout, WrongResult
 from producer.keys import Keys, shard_of
-from producer.schema import Result
+from producer.result import Result
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUEST = {"state": "hello", "questions": {"q": {"type": "noul", "instructions": "ok?"}}}

@@ -1,4 +1,4 @@
-"""Redis refusing or dropping what a worker writes, with real redis-server and worker processes: a reply stream
+"""Redis refusing or dropping what a worker writes, with a real redis-server and real workers: a reply stream
 that cannot be written, connections killed under the worker, memory full while fanning out. Nothing wedges,
 nothing is lost or under-counted, and the worker's health says what is going on. And a reclaiming worker stays
 within --max-inflight."""
@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import redis
-from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log, wait_released
+from faults import FANOUT, batch, long_request, wait_for, wait_released
 
 from producer.client import Client
 from producer.invariant import settle
@@ -57,14 +57,14 @@ def test_a_reply_stream_that_cannot_be_written_wedges_nothing(redis_server, star
     assert readiness(worker)["code"] == 200
 
 
-def test_replies_are_not_lost_when_connections_drop(redis_server, start_worker, tiny_dir):
+def test_replies_are_not_lost_when_connections_drop(redis_server, inprocess):
     """Every client connection killed every 10 ms while a worker publishes: redis-py re-sends a pipeline whose
     answer was lost, and the publication it re-runs must still know that it published (it once answered
     'already published', and no reply was sent). Each request: one result, and one reply."""
     client = Client(redis_server.url)
     reply = KEYS.reply_prefix + "storm"
     ids = client.submit_many(replying(batch(400, "storm"), reply))
-    worker = start_worker(tiny_dir, redis_server.url, ready=False, claim_idle_ms=2000)
+    worker = inprocess(redis_server.url, claim_idle_ms=2000).start(ready=False)
     admin = redis.Redis.from_url(redis_server.url)
     done = threading.Event()
     kills = 0
@@ -126,14 +126,13 @@ def test_out_of_memory_while_fanning_out_is_retried_and_reported(redis_server, s
     assert worker.log.read_text().count("redis refused fan out") == 1
 
 
-def test_work_that_cannot_progress_makes_the_worker_unready_within_the_bound(redis_server, start_worker, tiny_dir):
+def test_work_that_cannot_progress_makes_the_worker_unready_within_the_bound(redis_server, inprocess):
     """Publication refused (the ACL-less stand-in: Redis out of memory): unready within seconds; a pack that takes
     longer than --stall-timeout-s: unready, then ready again once it settles."""
     client = Client(redis_server.url)
-    worker = start_worker(tiny_dir, redis_server.url, entry=FAULTY, env={"DQ_FAULT_SLOW_S": "6"},
-                          stall_timeout_s=2)
+    worker = inprocess(redis_server.url, slow_s=6.0, stall_timeout_s=2, http=True).start()
     ids = client.submit_many(batch(2, "stall"))
-    wait_log(worker, "fault: slow pack")
+    wait_for(lambda: worker.faults.slow_packs, what="a slow pack")
     started = time.monotonic()
     state = wait_for(lambda: (lambda s: s if s["code"] == 503 else None)(readiness(worker)), timeout=10,
                      what="unready")
@@ -142,7 +141,7 @@ def test_work_that_cannot_progress_makes_the_worker_unready_within_the_bound(red
     wait_for(lambda: readiness(worker)["code"] == 200, timeout=10, what="ready again")
 
     more = client.submit_many(batch(2, "refused"))
-    wait_log(worker, "fault: slow pack", count=2)
+    wait_for(lambda: worker.faults.slow_packs >= 2, what="the second slow pack")
     client.redis.config_set("maxmemory", 1)  # the publication that follows the pack is refused
     try:
         state = wait_for(lambda: (lambda s: s if s["refusing"] else None)(readiness(worker)), timeout=30,
@@ -154,13 +153,13 @@ def test_work_that_cannot_progress_makes_the_worker_unready_within_the_bound(red
     wait_for(lambda: readiness(worker)["code"] == 200, timeout=30, what="ready again")
 
 
-def test_a_reclaiming_worker_stays_within_max_inflight(redis_server, start_worker, tiny_dir):
+def test_a_reclaiming_worker_stays_within_max_inflight(redis_server, inprocess):
     client = Client(redis_server.url)
     client.redis.xgroup_create(KEYS.requests, KEYS.group, id="0", mkstream=True)
     ids = client.submit_many(batch(24, "reclaimed"))
     client.redis.xreadgroup(KEYS.group, "gone", {KEYS.requests: ">"}, count=100)  # a consumer that then died
-    worker = start_worker(tiny_dir, redis_server.url, consumer="w-limit", max_inflight=4, read_count=8,
-                          claim_idle_ms=1000, entry=FAULTY, env={"DQ_FAULT_SLOW_S": "0.3"})
+    worker = inprocess(redis_server.url, consumer="w-limit", max_inflight=4, read_count=8, claim_idle_ms=1000,
+                       slow_s=0.3).start()
     most = 0
     while not all(client.fetch(r) for r in ids):
         held = {c["name"]: c["pending"] for c in client.redis.xpending(KEYS.requests, KEYS.group)["consumers"]}

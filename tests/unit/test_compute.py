@@ -5,7 +5,6 @@ import json
 
 import torch
 
-from producer.keys import Keys
 from producer.schema import Request
 from worker.compute import Compute
 from worker.entries import REQUESTS, Delivery
@@ -51,8 +50,8 @@ def items(model, lengths):
     for i, n in enumerate(lengths):
         prompt = Prompt(input_ids=torch.zeros(n, dtype=torch.long), rows=torch.tensor([n - 1]),
                       questions=template.questions)
-        entry = Delivery.parse(Keys(), REQUESTS, "k", f"{i}-0", {b"body": json.dumps({"id": f"r{i}"}).encode()}, 1)
-        task = Task(entry, request, prompts=[prompt], remaining=1)
+        entry = Delivery.parse(REQUESTS, "k", f"{i}-0", {b"body": json.dumps({"id": f"r{i}"}).encode()}, 1)
+        task = Task(entry, entry.identity, request, prompts=[prompt], remaining=1)
         out.append(Item(task, 0, prompt))
     return out
 
@@ -69,7 +68,7 @@ def run(model, lengths):
             answered.append(item.task.request_id)
 
     compute = Compute(model, engine, packer, Metrics(), Sink())
-    compute.run(done=lambda: packer.idle)
+    compute.run(done=lambda: not any(packer.lanes.values()))
     assert sorted(answered) == sorted(f"r{i}" for i in range(len(lengths)))  # every prompt answered once
     return engine.events
 
@@ -89,11 +88,11 @@ def test_a_pack_finishing_after_a_stop_closed_the_loop_is_dropped_not_raised():
     are dropped (the entries stay pending, reclaimed elsewhere); it once ended the worker with exit 1 and a traceback."""
     import asyncio
 
-    from worker.results import Results
+    from worker.lifecycle import Lifecycle
 
-    results = Results.__new__(Results)  # only the hand-over is exercised
-    results.loop = asyncio.new_event_loop()
-    results.loop.close()
-    results.prompt_done(None, [], 0.0)
-    results.task_failed(None, "x")
-    results.task_expired(None)
+    lifecycle = Lifecycle.__new__(Lifecycle)  # only the hand-over is exercised
+    lifecycle.loop = asyncio.new_event_loop()
+    lifecycle.loop.close()
+    lifecycle.prompt_done(None, [], 0.0)
+    lifecycle.task_failed(None, "x")
+    lifecycle.task_expired(None)

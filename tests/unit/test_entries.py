@@ -1,5 +1,6 @@
 """Stream entries parsed once, when taken (worker/entries.py): what a delivery names, and a clear reason for each bad
-field. And the Redis side of the worker loads without the model's libraries."""
+field; a request's identity from the one parse of its body (``identity_of``, the planner's). And the Redis side of
+the worker loads without the model's libraries."""
 
 import json
 import subprocess
@@ -10,7 +11,8 @@ import pytest
 
 from producer.keys import Keys
 from producer.schema import ErrorCode
-from worker.entries import PARTS, REQUESTS, Delivery
+from worker.entries import PARTS, REQUESTS, Delivery, Identity
+from worker.entries import Job, identity_of
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = Keys("dq")
@@ -19,12 +21,16 @@ REPLY = KEYS.reply_prefix + "mine"
 
 def request(body: bytes | None, **extra: bytes) -> Delivery:
     fields = {b"body": body} if body is not None else {}
-    return Delivery.parse(KEYS, REQUESTS, KEYS.requests, "1700000000123-4", {**fields, **_encoded(extra)}, 1)
+    return Delivery.parse(REQUESTS, KEYS.requests, "1700000000123-4", {**fields, **_encoded(extra)}, 1)
+
+
+def identity(entry: Delivery, stored_body: bytes | None = None) -> Identity:
+    return identity_of(KEYS, Job.of(entry, stored_body))[0]
 
 
 def part(**fields: bytes) -> Delivery:
     good = {"request_id": b"r-1", "part": b"1", "parts": b"3", "questions": b'["a", "b"]', "enqueued_ms": b"1234"}
-    return Delivery.parse(KEYS, PARTS, KEYS.parts, "1700000000999-0", _encoded({**good, **fields}), 2)
+    return Delivery.parse(PARTS, KEYS.parts, "1700000000999-0", _encoded({**good, **fields}), 2)
 
 
 def _encoded(fields: dict[str, bytes | None]) -> dict[bytes, bytes]:
@@ -33,7 +39,8 @@ def _encoded(fields: dict[str, bytes | None]) -> dict[bytes, bytes]:
 
 def test_a_request_entry_names_its_id_reply_stream_and_enqueue_time():
     entry = request(json.dumps({"id": "r-1", "reply_to": REPLY, "state": "x"}).encode())
-    assert (entry.request_id, entry.reply_to, entry.enqueued_ms) == ("r-1", REPLY, 1700000000123)
+    assert (entry.request_id, entry.enqueued_ms) == ("r-1", 1700000000123)  # its leading id: not parsed here
+    assert identity(entry) == Identity("r-1", REPLY)
     assert entry.invalid is None and entry.questions is None and (entry.part, entry.parts) == (0, 1)
     assert entry.body is not None and not entry.payload_gone and entry.stream == "requests"
 
@@ -41,13 +48,14 @@ def test_a_request_entry_names_its_id_reply_stream_and_enqueue_time():
 @pytest.mark.parametrize("body", [b"{broken", b"\xff\xfe", b"[1, 2]", b'"text"', b"[" * 5000,
                                   json.dumps({"id": "a{b}"}).encode(), json.dumps({"id": 7}).encode(),
                                   json.dumps({"id": "r-1\n"}).encode(), json.dumps({"id": "x" * 129}).encode(),
-                                  json.dumps({"id": "1700000000999-0"}).encode(),
+                                  json.dumps({"id": "1700000000999-0"}).encode(), b'{"id": "r-1", "state": ',
+                                  b'{"id": "r-1", "state": "\xff"}',
                                   '{"id": "r-1", "state": "\u00e9"}'.encode("utf-16")])
 def test_a_request_without_a_usable_id_is_answered_under_its_entry_id(body):
     """No id, or one that is not valid (a trailing newline, too long, shaped like a stream entry id, a body that
     is not UTF-8): the entry id names the request."""
     entry = request(body)
-    assert entry.request_id == "1700000000123-4" and entry.reply_to is None
+    assert identity(entry) == Identity("1700000000123-4")
     assert entry.invalid is None  # the body itself is the planner's to judge, with an error result
 
 
@@ -55,12 +63,12 @@ def test_a_request_without_a_usable_id_is_answered_under_its_entry_id(body):
                                       "dq:v1:reply:a{b}", "dq:v1:reply:x\n", "dq:v1:reply:a b",
                                       "dq:v1:reply:" + "x" * 129, "dq:v1:result:{x:reply:y}", "dq:v1:reply"])
 def test_only_this_deployments_reply_streams_are_replied_to(reply_to):
-    assert request(json.dumps({"id": "r-1", "reply_to": reply_to}).encode()).reply_to is None
+    assert identity(request(json.dumps({"id": "r-1", "reply_to": reply_to}).encode())).reply_to is None
 
 
 def test_a_reply_stream_at_the_length_limit_is_replied_to():
     longest = KEYS.reply_prefix + "a.b_c:d-" * 16
-    assert request(json.dumps({"id": "r-1", "reply_to": longest}).encode()).reply_to == longest
+    assert identity(request(json.dumps({"id": "r-1", "reply_to": longest}).encode())).reply_to == longest
 
 
 def test_a_request_entry_has_one_field():
@@ -69,8 +77,8 @@ def test_a_request_entry_has_one_field():
     for extra in ({"enqueued_ms": b"soon"}, {"enqueued_ms": b"1"}, {"priority": b"9"}):
         entry = request(body, **extra)
         assert entry.invalid.startswith(f"field {next(iter(extra))!r} is not a field of requests entries")
-        assert (entry.request_id, entry.reply_to, entry.answerable) == ("r-1", REPLY, True)
-    entry = Delivery.parse(KEYS, REQUESTS, KEYS.requests, "1-1", {b"\xff\xfe": b"x", b"body": body}, 1)
+        assert (identity(entry), entry.answerable) == (Identity("r-1", REPLY), True)
+    entry = Delivery.parse(REQUESTS, KEYS.requests, "1-1", {b"\xff\xfe": b"x", b"body": body}, 1)
     assert "is not a field" in entry.invalid and entry.request_id == "r-1"
     entry = request(None, other=b"field")
     assert entry.invalid.startswith("field 'other' is not a field") and entry.request_id == "1700000000123-4"
@@ -78,20 +86,24 @@ def test_a_request_entry_has_one_field():
 
 def test_every_field_counts_towards_the_size_limit_and_a_large_entry_is_not_parsed():
     body = json.dumps({"id": "big-1", "reply_to": REPLY, "state": "x"}).encode()
-    small = Delivery.parse(KEYS, REQUESTS, KEYS.requests, "5-0", {b"body": body}, 1, max_bytes=1000)
+    small = Delivery.parse(REQUESTS, KEYS.requests, "5-0", {b"body": body}, 1, max_bytes=1000)
     assert small.invalid is None and small.size == len(body) + 4
-    big = Delivery.parse(KEYS, REQUESTS, KEYS.requests, "5-0", {b"body": body, b"pad": b"x" * 2000}, 1,
+    big = Delivery.parse(REQUESTS, KEYS.requests, "5-0", {b"body": body, b"pad": b"x" * 2000}, 1,
                          max_bytes=1000)
     assert big.invalid.startswith("the entry is 2") and big.invalid_code == ErrorCode.TOO_LARGE
-    assert big.request_id == "big-1" and big.reply_to is None  # the leading id only (as the client writes it)
+    assert identity(big) == Identity("big-1")  # the leading id only (as the client writes it): never parsed
     later = json.dumps({"state": "x" * 2000, "id": "big-2"}).encode()
-    assert Delivery.parse(KEYS, REQUESTS, KEYS.requests, "5-0", {b"body": later}, 1, 1000).request_id == "5-0"
+    assert Delivery.parse(REQUESTS, KEYS.requests, "5-0", {b"body": later}, 1, 1000).request_id == "5-0"
 
 
 def test_a_prompt_entry_names_its_request_part_and_questions():
     entry = part()
     assert (entry.request_id, entry.part, entry.parts, entry.questions) == ("r-1", 1, 3, ["a", "b"])
-    assert entry.enqueued_ms == 1234 and entry.reply_to is None and entry.invalid is None
+    assert entry.enqueued_ms == 1234 and entry.invalid is None
+    # Its reply stream and context are its request's, from the body stored when it fanned out; its id is its own.
+    stored = json.dumps({"id": "other", "reply_to": REPLY, "metadata": {"k": 1}}).encode()
+    assert identity(entry, stored) == Identity("r-1", REPLY, {"k": 1})
+    assert identity(entry, None) == Identity("r-1")  # the stored body is gone
     assert entry.body is None and entry.deliveries == 2
 
 
@@ -131,29 +143,29 @@ TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def test_the_callers_context_is_read_once_and_only_when_valid():
-    entry = request(json.dumps({"id": "r-1", "state": "x", "metadata": {"tenant": "acme"}, "traceparent": TRACE,
-                                "questions": "not even questions"}).encode())
-    assert (entry.metadata, entry.traceparent) == ({"tenant": "acme"}, TRACE)  # kept for the error result's echo
-    assert entry.log_fields == {"request_id": "r-1", "traceparent": TRACE}
+    found = identity(request(json.dumps({"id": "r-1", "state": "x", "metadata": {"tenant": "acme"},
+                                         "traceparent": TRACE, "questions": "not even questions"}).encode()))
+    assert (found.metadata, found.traceparent) == ({"tenant": "acme"}, TRACE)  # kept for the error result's echo
+    assert found.log_fields == {"request_id": "r-1", "traceparent": TRACE}
     for bad in ({"metadata": ["a"], "traceparent": TRACE.upper()}, {"metadata": {"k": "x" * 5000}, "traceparent": 7},
                 {"metadata": "tenant", "traceparent": TRACE + "\n"}):
-        entry = request(json.dumps({"id": "r-2", "state": "x", **bad}).encode())
-        assert (entry.metadata, entry.traceparent) == (None, None) and entry.log_fields == {"request_id": "r-2"}
+        found = identity(request(json.dumps({"id": "r-2", "state": "x", **bad}).encode()))
+        assert (found.metadata, found.traceparent) == (None, None) and found.log_fields == {"request_id": "r-2"}
     # A part carries its request's traceparent as a field of its own (for logs; a bad one is only left out).
-    assert part(traceparent=TRACE.encode()).traceparent == TRACE
-    assert part(traceparent=b"\xff junk").traceparent is None and part(traceparent=b"junk").invalid is None
-    assert part().traceparent is None and part().metadata is None
+    assert part(traceparent=TRACE.encode()).identity.traceparent == TRACE
+    assert part(traceparent=b"\xff junk").identity.traceparent is None and part(traceparent=b"junk").invalid is None
+    assert part().identity == Identity("r-1")
 
 
 def test_a_trimmed_entry_has_no_payload():
-    assert Delivery.parse(KEYS, PARTS, KEYS.parts, "1-0", {}, 3).payload_gone
+    assert Delivery.parse(PARTS, KEYS.parts, "1-0", {}, 3).payload_gone
 
 
 def test_the_redis_side_of_the_worker_loads_without_torch():
     """Intake, results, publication and the entries (and the Redis benchmark built on them) import no torch, PIL or
     transformers: ops/redis_bench.py runs where the model's libraries are not installed."""
-    code = ("import sys; sys.path.insert(0, 'ops'); import worker.intake, worker.results, worker.publisher, "
-            "worker.entries, redis_bench; print(sorted(m for m in ('torch', 'PIL', 'transformers') if m in sys.modules))")
+    code = ("import sys; sys.path.insert(0, 'ops'); import worker.intake, worker.lifecycle, worker.publisher, "
+            "worker.outcomes, worker.entries, redis_bench; print(sorted(m for m in ('torch', 'PIL', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -196,6 +196,23 @@ def test_fp8_converts_every_eligible_matrix(loaded):
     assert fp8.count(converted) == 6  # qkv (and its q and kv row views), o_proj, the MLP's gate_up and down
 
 
+def test_fp8_matrices_picks_the_families(loaded):
+    from worker.fast import layers
+
+    model = loaded("repo")
+    full = layers.full_layer(next(x for x in model.language_model.layers if x.block_type == "full_attention"))[0]
+    linear = layers.linear_layer(next(x for x in model.language_model.layers if x.block_type != "full_attention"))[0]
+    mlp = fp8.chosen_families("mlp")
+    assert fp8.count(fp8.convert(full, mlp)) == 2 and isinstance(fp8.convert(full, mlp).qkv, ops.Dense)
+    converted = fp8.convert(linear, mlp)
+    assert fp8.count(converted) == 2 and converted.in_proj is linear.in_proj and converted.gates is None
+    attention = fp8.convert(full, fp8.chosen_families("attention,linear"))
+    assert isinstance(attention.o_proj, ops.Fp8) and isinstance(attention.mlp.down, ops.Dense)
+    assert fp8.chosen_families("all") == frozenset(fp8.FAMILIES)
+    with pytest.raises(ValueError, match="fp8_matrices"):
+        fp8.chosen_families("mlp,gates")
+
+
 # ---- the packed forward against the reference engine ----
 
 @pytest.mark.parametrize("name", ["repo", "repo-text", "judge"])

@@ -50,6 +50,7 @@ def test_fp8_layers_names_layers_by_kind_or_index():
     assert fp8.chosen_layers("all", kinds) == set(range(8))
     assert fp8.chosen_layers("full", kinds) == {3, 7}
     assert fp8.chosen_layers("Linear", kinds) == {0, 1, 2, 4, 5, 6}
+    assert fp8.chosen_layers("late", kinds) == {4, 5, 6, 7}  # the second half, the least sensitive
     assert fp8.chosen_layers("0-2, 7", kinds) == {0, 1, 2, 7}
     for bad in ("8", "x", "3-", ""):
         with pytest.raises(ValueError, match="fp8_layers"):

@@ -13,8 +13,21 @@ from hypothesis import strategies as st
 from fuzz_requests import _deep, bodies
 from producer.schema import ErrorCode, RequestError
 from worker.config import Settings
+from worker.entries import REQUESTS, Delivery, Job
 from worker.model.encoder import Encoder
-from worker.planner import plan_entry
+from worker.planner import Refusal
+from worker.planner import plan_entry as planned
+
+
+def plan_entry(encoder: Encoder, config: Settings, raw: bytes, questions: None):
+    """A body through the worker's real path, from its stream entry (size checked there) to its prompts; a refusal
+    raised as a RequestError."""
+    delivery = Delivery.parse(REQUESTS, "k", "1-0", {b"body": raw}, 1, config.max_entry_bytes)
+    out = planned(encoder, config, Job.of(delivery))
+    if isinstance(out, Refusal):
+        raise RequestError(out.code, out.message)
+    _, request, prompts = out
+    return request, prompts
 
 
 @pytest.fixture(scope="module")

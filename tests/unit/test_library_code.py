@@ -11,6 +11,7 @@ from producer import library
 REVISIONS = {
     1: "551d18b9babcaca2",
     2: "92a0e75cffd7b6f0",  # publish_as, part_as, reply; the high lane's request stream (docs/PROTOCOL.md)
+    3: "9d0a1bb4ce5b0bbc",  # a reply stream's length capped: publish_as and reply take it last (optional)
 }
 
 

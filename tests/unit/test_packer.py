@@ -1,9 +1,7 @@
-"""Packs filled high-priority first, with a share kept for normal work (worker/packer.py); planning in lane order
-(worker/planner.py LaneQueue)."""
+"""Packs filled high-priority first, with a share kept for normal work (worker/packer.py)."""
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -12,16 +10,15 @@ from producer.schema import Request
 from worker.entries import REQUESTS, Delivery
 from worker.model.engine import Prompt
 from worker.packer import Packer
-from worker.planner import LaneQueue
 from worker.tasks import Item, Task
 
 REQUEST = Request.model_validate({"state": "x", "questions": {"spam": {"type": "noul"}}})
 
 
 def item(lane, tokens: int, name: str) -> Item:
-    entry = Delivery.parse(Keys(), REQUESTS, Keys().requests_in(lane), "1-0", {b"body": b"{}"}, 1, lane=lane)
+    entry = Delivery.parse(REQUESTS, Keys().requests_in(lane), "1-0", {b"body": b"{}"}, 1, lane=lane)
     prompt = Prompt(input_ids=torch.zeros(tokens, dtype=torch.long), rows=torch.tensor([tokens - 1]), questions=())
-    task = Task(entry, REQUEST, prompts=[prompt], remaining=1)
+    task = Task(entry, entry.identity, REQUEST, prompts=[prompt], remaining=1)
     task.name = name  # for the assertions
     return Item(task, 0, prompt)
 
@@ -83,7 +80,7 @@ def test_normal_work_alone_fills_packs_first_fit_in_order():
     packer = fill(Packer(100, max_wait=0.0), *[item(NORMAL, n, f"n{i}") for i, n in enumerate([60, 50, 30, 40])])
     assert names(packer.next()) == ["n0", "n2"]  # n1 does not fit beside n0; n2 does
     assert names(packer.next()) == ["n1", "n3"]
-    assert packer.idle and packer.next(timeout=0.01) == []
+    assert not any(packer.lanes.values()) and packer.next(timeout=0.01) == []
 
 
 def test_packs_shrink_to_the_high_budget_while_high_work_flows():
@@ -103,41 +100,3 @@ def test_a_partly_filled_pack_waits_at_most_max_wait_for_more():
     start = time.monotonic()
     pack = packer.next()
     assert set(names(pack)) == {"n0", "h0"} and 0.15 < time.monotonic() - start < 1.0
-
-
-def test_planning_jobs_start_in_lane_order():
-    gate, started = threading.Event(), []
-    pool = ThreadPoolExecutor(1)
-    lanes = LaneQueue(pool, depth=1, normal_share=0.1)
-
-    def job(name: str) -> str:
-        started.append(name)
-        gate.wait(10)
-        return name
-
-    futures = [lanes.submit(NORMAL, job, f"n{i}") for i in range(5)] + [lanes.submit(HIGH, job, "h")]
-    gate.set()
-    assert [f.result(timeout=10) for f in futures] == ["n0", "n1", "n2", "n3", "n4", "h"]
-    assert started == ["n0", "h", "n1", "n2", "n3", "n4"]  # n0 was running; h overtook the waiting ones
-    pool.shutdown()
-
-
-def test_waiting_normal_planning_jobs_get_their_share_of_the_starts():
-    gate, started = threading.Event(), []
-    pool = ThreadPoolExecutor(1)
-    lanes = LaneQueue(pool, depth=1, normal_share=0.25)
-
-    def job(name: str) -> str:
-        started.append(name)
-        gate.wait(10)
-        return name
-
-    futures = [lanes.submit(HIGH, job, "first")]
-    futures += [lanes.submit(NORMAL, job, f"n{i}") for i in range(3)] + [lanes.submit(HIGH, job, f"h{i}")
-                                                                        for i in range(12)]
-    gate.set()
-    for future in futures:
-        future.result(timeout=10)
-    order = started[1:]
-    assert [i for i, name in enumerate(order) if name.startswith("n")] == [3, 7, 11]  # every 4th start
-    pool.shutdown()

@@ -1,22 +1,26 @@
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from producer.keys import Keys
-from producer.schema import ErrorCode, RequestError
+from producer.keys import HIGH, NORMAL
+from producer.schema import ErrorCode
 from worker.config import Settings
 from worker.entries import PARTS, REQUESTS, Delivery
-from worker.planner import Planner
+from worker.planner import LaneQueue, Planner, Refusal
 
 BODY = {"id": "p-1", "state": "Refund please.", "questions": {
     "spam": {"type": "noul"}, "tone": {"type": "choice", "criteria": {"calm": None, "angry": None}}}}
 
 
-def delivery(body: bytes, stream: str = REQUESTS, **fields: bytes) -> Delivery:
-    return Delivery.parse(Keys(), stream, "key", "1-0",
-                          {b"body": body, **{name.encode(): value for name, value in fields.items()}}, 1)
+def delivery(body: bytes | None, stream: str = REQUESTS, max_bytes: int | None = None, **fields: bytes) -> Delivery:
+    own = {b"body": body} if body is not None else {}
+    return Delivery.parse(stream, "key", "1-0", {**own, **{name.encode(): value for name, value in fields.items()}},
+                          1, max_bytes)
 
 
 @pytest.fixture(scope="module", params=["threads", "processes"])
@@ -30,28 +34,50 @@ def planner(request, loaded):
 
 def test_plans_a_request_into_a_task(planner):
     task = planner.submit(delivery(json.dumps(BODY).encode())).result(timeout=60)
-    assert task.request_id == "p-1" and task.parts == 1 and task.remaining == len(task.prompts) == 1
+    assert task.request_id == "p-1" and task.delivery.parts == 1 and task.remaining == len(task.prompts) == 1
     [prompt] = task.prompts
     assert [q.name for q in prompt.questions] == ["spam", "tone"]
     assert prompt.input_ids.dtype == torch.long and prompt.length > 10
 
 
 def test_parts_plan_only_their_questions(planner):
-    part = delivery(b"", PARTS, request_id=b"p-1", part=b"1", parts=b"2", questions=b'["tone"]')
-    task = planner.submit(part, json.dumps(BODY).encode()).result(timeout=60)
-    assert (task.part, task.parts) == (1, 2) and task.request_id == "p-1"
+    part = delivery(None, PARTS, request_id=b"p-1", part=b"1", parts=b"2", questions=b'["tone"]',
+                    enqueued_ms=b"5")
+    task = planner.submit(part, json.dumps({**BODY, "reply_to": "dq:v1:reply:r", "metadata": {"k": 1}}).encode()
+                          ).result(timeout=60)
+    assert (task.delivery.part, task.delivery.parts) == (1, 2) and task.request_id == "p-1"
+    # Its request's identity comes from the stored body: where its share's result replies, what it echoes.
+    assert (task.identity.reply_to, task.identity.metadata) == ("dq:v1:reply:r", {"k": 1})
     assert [q.name for c in task.prompts for q in c.questions] == ["tone"]
 
 
-@pytest.mark.parametrize("body, code", [
-    (b"{broken", ErrorCode.INVALID_JSON),
-    (json.dumps({**BODY, "state": "x" * 6000}).encode(), ErrorCode.TOO_LARGE),
-    (json.dumps({**BODY, "deadline_ms": 1}).encode(), ErrorCode.DEADLINE_EXCEEDED),
+@pytest.mark.parametrize("body, code, request_id", [
+    (b"{broken", ErrorCode.INVALID_JSON, "1-0"),
+    (json.dumps({**BODY, "state": "x" * 6000}).encode(), ErrorCode.TOO_LARGE, "p-1"),  # the leading id, unparsed
+    (json.dumps({"pad": "x" * 6000, **BODY}).encode(), ErrorCode.TOO_LARGE, "1-0"),  # its id is not first
+    (json.dumps({**BODY, "deadline_ms": 1}).encode(), ErrorCode.DEADLINE_EXCEEDED, "p-1"),
+    (json.dumps({**BODY, "questions": {}}).encode(), ErrorCode.INVALID_REQUEST, "p-1"),
+    (json.dumps({**BODY, "reply_to": "someone:else"}).encode(), ErrorCode.INVALID_REQUEST, "p-1"),
 ])
-def test_bad_entries_fail_with_their_code(planner, body, code):
-    with pytest.raises(RequestError) as error:
-        planner.submit(delivery(body)).result(timeout=60)
-    assert error.value.code == code and error.value.message
+def test_bad_entries_are_refused_with_their_code_and_identity(planner, body, code, request_id):
+    refusal = planner.submit(delivery(body, max_bytes=5000)).result(timeout=60)
+    assert isinstance(refusal, Refusal) and refusal.code == code and refusal.message
+    assert refusal.identity.request_id == request_id
+
+
+def test_a_bad_field_is_answered_with_the_identity_the_body_gives(planner):
+    refusal = planner.submit(delivery(json.dumps({**BODY, "reply_to": "dq:v1:reply:r"}).encode(), other=b"x")
+                             ).result(timeout=60)
+    assert isinstance(refusal, Refusal) and refusal.message.startswith("field 'other' is not a field")
+    assert (refusal.identity.request_id, refusal.identity.reply_to) == ("p-1", "dq:v1:reply:r")
+
+
+def test_a_part_whose_request_body_is_gone_is_refused_as_internal(planner):
+    part = delivery(None, PARTS, request_id=b"p-9", part=b"0", parts=b"2", questions=b'["tone"]',
+                    enqueued_ms=b"5")
+    refusal = planner.submit(part, None).result(timeout=60)
+    assert isinstance(refusal, Refusal) and refusal.code == ErrorCode.INTERNAL
+    assert refusal.identity.request_id == "p-9"
 
 
 def test_planner_processes_leave_when_their_worker_is_killed(tmp_path):
@@ -60,7 +86,6 @@ def test_planner_processes_leave_when_their_worker_is_killed(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     script = tmp_path / "parent.py"
     script.write_text(
@@ -88,3 +113,43 @@ def test_planner_processes_leave_when_their_worker_is_killed(tmp_path):
         time.sleep(0.1)
     os.kill(child, signal.SIGKILL)
     raise AssertionError("the planner process outlived its worker")
+
+
+# ---- LaneQueue: planning jobs wait in lane order
+
+def test_planning_jobs_start_in_lane_order():
+    gate, started = threading.Event(), []
+    pool = ThreadPoolExecutor(1)
+    lanes = LaneQueue(pool, depth=1, normal_share=0.1)
+
+    def job(name: str) -> str:
+        started.append(name)
+        gate.wait(10)
+        return name
+
+    futures = [lanes.submit(NORMAL, job, f"n{i}") for i in range(5)] + [lanes.submit(HIGH, job, "h")]
+    gate.set()
+    assert [f.result(timeout=10) for f in futures] == ["n0", "n1", "n2", "n3", "n4", "h"]
+    assert started == ["n0", "h", "n1", "n2", "n3", "n4"]  # n0 was running; h overtook the waiting ones
+    pool.shutdown()
+
+
+def test_waiting_normal_planning_jobs_get_their_share_of_the_starts():
+    gate, started = threading.Event(), []
+    pool = ThreadPoolExecutor(1)
+    lanes = LaneQueue(pool, depth=1, normal_share=0.25)
+
+    def job(name: str) -> str:
+        started.append(name)
+        gate.wait(10)
+        return name
+
+    futures = [lanes.submit(HIGH, job, "first")]
+    futures += [lanes.submit(NORMAL, job, f"n{i}") for i in range(3)] + [lanes.submit(HIGH, job, f"h{i}")
+                                                                        for i in range(12)]
+    gate.set()
+    for future in futures:
+        future.result(timeout=10)
+    order = started[1:]
+    assert [i for i, name in enumerate(order) if name.startswith("n")] == [3, 7, 11]  # every 4th start
+    pool.shutdown()

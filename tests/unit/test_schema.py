@@ -2,7 +2,9 @@ import json
 
 import pytest
 
-from producer.schema import ErrorCode, Request, RequestError, Result, parse_request
+from producer.schema import ErrorCode, Request, RequestError, parse_request
+
+from producer.result import Result
 
 GOOD = {"state": "hi", "questions": {"spam": {"type": "noul", "instructions": "Spam?"}}}
 
@@ -161,7 +163,7 @@ def test_results_accept_fields_they_do_not_know_and_keep_them():
 
 
 def test_ok_raise_for_error_and_probabilities_by_option():
-    from producer.schema import ResultError
+    from producer.result import ResultError
 
     result = Result(id="r", status="ok", answers={"tone": {}}, probabilities={"tone": [0.75, 0.25], "spam": [0.5, 0.5]},
                     options={"tone": ["calm", "angry"], "spam": ["true", "false"]})

@@ -89,7 +89,8 @@ class FastEngine:
         fused = settings.fused_kernels and self.device.type == "cuda" and model.dtype in (torch.bfloat16,
                                                                                          torch.float16)
         self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last, fp8=settings.fp8,
-                                 fp8_layers=settings.fp8_layers, compile=settings.compile,
+                                 fp8_layers=settings.fp8_layers, fp8_matrices=settings.fp8_matrices,
+                                 compile=settings.compile,
                                  compile_pieces=not self.graphs_on, fused=fused)
         self.rope_index = getattr(model.backbone, "get_rope_index", None) if model.multimodal else None
         self.verbalizers = int(model.model.proj.out_features)
@@ -113,29 +114,43 @@ class FastEngine:
 
     def warmup(self) -> None:
         """Capture every bucket's graphs (largest first, one pool), then run a pack through each path so that
-        compilation and the mixers' JIT happen now rather than on the first request."""
+        compilation and the mixers' JIT happen now rather than on the first request. Each stage is logged as it
+        goes (minutes on a cold machine)."""
         start = time.perf_counter()
+        log.info("warm-up: compiling and capturing buckets %s (compile %s)", self.buckets or "-", self.settings.compile)
         with torch.inference_mode():  # as the packs run: compiled guards include the grad mode
             self._capture()
         self.capture_seconds = time.perf_counter() - start
         sizes = self.buckets or (min(512, self._budget), self._budget)
         for size in sizes:  # every bucket's graphs replayed once (their first launch uploads them)
-            self.launch(self._dummy_pack([size // 2, size - size // 2])).wait()
+            self._timed(f"first pack of bucket {size}", [size // 2, size - size // 2])
         # The delta rule's kernels come in variants (FlashQLA: split across the card or not, and the tile width its
-        # grid size picks), each JIT-compiled on first use (15-25 s on an H200): one pack for each variant that
-        # any pack of at most the budget can reach, now rather than under traffic (worker/fast/mixers.py).
+        # grid size picks), each JIT-compiled on first use (15-50 s on an H200): one pack for each variant that
+        # any pack of at most the budget, or one prompt up to the longest, can reach (worker/fast/qla.py).
         heads = next((stage.dims.v_heads for stage in self.fwd.stages if stage.kind == LINEAR), 0)
-        variants = self.fwd.mixers.variant_packs(heads, self._budget) if heads else []
-        for lengths in variants:
-            self.launch(self._dummy_pack(lengths)).wait()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        began = time.perf_counter()
+        longest = max(self.model.max_length, self._budget)
+        variants = self.fwd.mixers.variant_packs(heads, self._budget, longest) if heads else {}
+        log.info("warm-up: %d delta-rule variants at %d value heads (decided in %.1fs): %s", len(variants), heads,
+                 time.perf_counter() - began, "; ".join(f"{v}: {len(p)} prompts, {sum(p)} tokens"
+                                                         for v, p in variants.items()))
+        for number, (variant, lengths) in enumerate(variants.items(), 1):
+            self._timed(f"delta-rule variant {number} of {len(variants)} ({variant})", lengths)
         self.compile_seconds = time.perf_counter() - start - self.capture_seconds
-        log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices, layers %s), "
+        log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices, layers %s, %s), "
                  "fused kernels %s; capture %.1fs, first packs %.1fs (%d delta-rule variants)", self.buckets or "-",
                  self.settings.compile, self.graphs_on, self.fwd.pruned, self.settings.fp8, self.fwd.fp8_matrices,
-                 self.settings.fp8_layers, self.fwd.fused, self.capture_seconds, self.compile_seconds,
+                 self.settings.fp8_layers, self.settings.fp8_matrices, self.fwd.fused, self.capture_seconds,
+                 self.compile_seconds,
                  len(variants))
+
+    def _timed(self, what: str, lengths: Sequence[int]) -> None:
+        """One warm-up pack, run to completion and logged with its time."""
+        began = time.perf_counter()
+        self.launch(self._dummy_pack(lengths)).wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("warm-up: %s, %d tokens: %.1fs", what, sum(lengths), time.perf_counter() - began)
 
     def _capture(self) -> None:
         if self.graphs_on:
@@ -143,7 +158,7 @@ class FastEngine:
                            self.device, self.model.dtype)
             self.graphed = GraphedForward(self.fwd, ws, compile_layers=self.settings.compile == "layer")
             capture, warm = self._capture_with or (cuda_capture(torch.cuda.graph_pool_handle()), cuda_warmer())
-            self.graphed.capture(self.buckets, self._static_inputs, capture, warm)
+            self.graphed.capture(self.buckets, self._static_inputs, capture, warm, log=log)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the warm-up stream's cached blocks; the graphs keep their pool
 
@@ -196,7 +211,8 @@ class FastEngine:
         before, self._last_done = self._last_done, done
         graph = layout.bucket is not None and self.graphed is not None
 
-        def finish() -> PackRun:
+        def scores_ready() -> PackRun:
+            """Waits for this pack's scores on the host (the GPU finished it), with its timings."""
             gpu = idle = None
             if began is not None and done is not None:
                 done.synchronize()
@@ -208,7 +224,7 @@ class FastEngine:
             return PackRun(per_prompt, layout.tokens, layout.capacity, layout.bucket, graph,
                            time.perf_counter() - start, gpu, idle)
 
-        pending = Pending(finish)
+        pending = Pending(scores_ready)
         if slot is not None:
             slot.pending = pending
         return pending

@@ -78,9 +78,10 @@ def configure_compile() -> None:
 
 class PackedForward:
     def __init__(self, model: DecisionModel, mixers: Mixers, *, prune_last: bool = True, fp8: bool = False,
-                 fp8_layers: str = "all", compile: str = "none", compile_pieces: bool = True,
-                 fused: bool = False) -> None:
-        """``fp8_layers``: which layers ``fp8`` converts (worker/fast/fp8.py: chosen_layers). ``compile_pieces``:
+                 fp8_layers: str = "all", fp8_matrices: str = "all", compile: str = "none",
+                 compile_pieces: bool = True, fused: bool = False) -> None:
+        """``fp8_layers``, ``fp8_matrices``: which layers and families of matrices ``fp8`` converts
+        (worker/fast/fp8.py: chosen_layers, chosen_families). ``compile_pieces``:
         with ``compile="layer"``, also compile the eager pieces (off when the pieces run from CUDA graphs, which
         compile their own variants). ``fused``: the project's Triton kernels (worker/fast/fused.py) where they
         apply."""
@@ -93,10 +94,11 @@ class PackedForward:
         assert getattr(config, "hidden_act", "silu") in ("silu", "swish"), "Qwen3.5's MLP is SwiGLU"
         self.stages: list[Stage] = []
         chosen = fp8_weights.chosen_layers(fp8_layers, [layer.block_type for layer in lm.layers]) if fp8 else set()
+        families = fp8_weights.chosen_families(fp8_matrices)
         for index, layer in enumerate(lm.layers):
             weights, dims = (layers.linear_layer(layer) if layer.block_type == LINEAR else layers.full_layer(layer))
             if index in chosen:
-                weights = fp8_weights.convert(weights)
+                weights = fp8_weights.convert(weights, families)
             self.stages.append(Stage(layer.block_type, weights, dims))
         # Pruning the last layer is exact only when a marker row sees all keys of its prompt (noncausal).
         self.pruned = prune_last and not self.causal and self.stages[-1].kind == FULL

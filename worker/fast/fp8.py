@@ -6,9 +6,10 @@ engine of the same model is unchanged.
 
 What stays in bf16: the linear layers' gate projections (in_proj_b and in_proj_a, which set the delta rule's write
 strength and decay, whose error would compound along each prompt; published FP8 recipes for Qwen3.5 and Qwen3-Next
-leave them unquantised too), the decision head, the embeddings, and every layer that ``layers`` leaves out: FP8 is
-opt-in per layer, because at the 2B shape its rounding moves the answers about ten times as much as bf16's own
-(docs/BENCHMARKS.md, FP8 fidelity).
+leave them unquantised too), the decision head, the embeddings, every layer that ``layers`` leaves out and every
+family of matrices that ``families`` leaves out (``--fp8-matrices``: the MLPs carry most of the GEMM time): FP8 is
+opt-in per layer and family, because at the 2B shape its rounding moves the answers about ten times as much as
+bf16's own (docs/BENCHMARKS.md, FP8 fidelity).
 """
 
 from __future__ import annotations
@@ -50,36 +51,55 @@ def rows(matrix: Fp8, start: int, stop: int) -> Fp8:
 
 def chosen_layers(spec: str, kinds: Sequence[str]) -> set[int]:
     """The layers an ``fp8_layers`` setting names: "all", "full" (the full-attention layers), "linear" (the
-    linear-attention ones), or comma-separated layer indices and ranges ("0-5,18")."""
+    linear-attention ones), "late" (the second half: FP8's rounding in a layer moves the answers less the later the
+    layer, at the 2B shape from 0.057 in layer 0 to 0.003 in layer 23), or comma-separated layer indices and
+    ranges ("0-5,18")."""
     spec = spec.strip().lower()
     named = {"all": None, "full": FULL, "linear": LINEAR}
+    if spec == "late":
+        return set(range(len(kinds) // 2, len(kinds)))
     if spec in named:
         return {i for i, kind in enumerate(kinds) if named[spec] in (None, kind)}
     chosen: set[int] = set()
     for part in filter(None, (p.strip() for p in spec.split(","))):
         first, dash, last = part.partition("-")
         if not (first.isdigit() and (last.isdigit() or not dash) and int(last or first) >= int(first)):
-            raise ValueError(f"fp8_layers must be all, full, linear or layer indices like 0-5,18; got {spec!r}")
+            raise ValueError(f"fp8_layers must be all, full, linear, late or layer indices like 0-5,18; got {spec!r}")
         chosen.update(range(int(first), int(last or first) + 1))
     if not chosen or max(chosen) >= len(kinds):
         raise ValueError(f"fp8_layers {spec!r} names no layer of this model's {len(kinds)} (0-{len(kinds) - 1})")
     return chosen
 
 
-def convert(weights: Any) -> Any:
-    """The same weights tuple with every eligible ``Dense`` quantized (nested tuples included); a linear layer's
-    gate rows stay bf16, apart."""
-    if isinstance(weights, LinearAttn) and weights.gates is None:
+FAMILIES = ("mlp", "attention", "linear")  # SwiGLU MLPs; full-attention projections; linear-attention projections
+
+
+def chosen_families(spec: str) -> frozenset[str]:
+    """The matrix families an ``fp8_matrices`` setting names: "all", or any of ``FAMILIES`` comma-separated."""
+    names = {part.strip() for part in spec.lower().split(",") if part.strip()}
+    if names == {"all"}:
+        return frozenset(FAMILIES)
+    if not names or not names <= set(FAMILIES):
+        raise ValueError(f"fp8_matrices must be all, or some of {', '.join(FAMILIES)} comma-separated; got {spec!r}")
+    return frozenset(names)
+
+
+def convert(weights: Any, families: frozenset[str] = frozenset(FAMILIES)) -> Any:
+    """The same weights tuple with every eligible ``Dense`` of the chosen ``families`` quantized (nested tuples
+    included); a linear layer's gate rows stay bf16, apart."""
+    if isinstance(weights, (LinearAttn, FullAttn)) and "mlp" in families:
+        weights = weights._replace(mlp=convert(weights.mlp))
+    if isinstance(weights, LinearAttn) and weights.gates is None and "linear" in families:
         split = weights.in_proj.weight.shape[0] - 2 * weights.a_log.shape[0]  # b and a: a row per value head
         weight, bias = weights.in_proj
         main = Dense(weight[:split], None if bias is None else bias[:split])
-        rest = {name: convert(getattr(weights, name)) for name in ("out_proj", "mlp")}
+        rest = {"out_proj": convert(weights.out_proj)}
         if not eligible(main):
             return weights._replace(**rest)
         # Contiguous copies of the gate rows, so that the full bf16 matrix is freed.
         gates = Dense(weight[split:].contiguous(), None if bias is None else bias[split:].contiguous())
         return weights._replace(in_proj=quantize(main), gates=gates, **rest)
-    if isinstance(weights, FullAttn):
+    if isinstance(weights, FullAttn) and "attention" in families:
         # q and kv are row ranges of qkv: slice the quantized matrix instead of keeping bf16 copies alive.
         qkv = quantize(weights.qkv) if eligible(weights.qkv) else weights.qkv
         q_rows = weights.q.weight.shape[0]
@@ -87,8 +107,9 @@ def convert(weights: Any) -> Any:
             query, key_value = rows(qkv, 0, q_rows), rows(qkv, q_rows, qkv.qweight.shape[0])
         else:
             query, key_value = weights.q, weights.kv
-        rest = {name: convert(getattr(weights, name)) for name in ("o_proj", "mlp")}
-        return weights._replace(qkv=qkv, q=query, kv=key_value, **rest)
+        return weights._replace(qkv=qkv, q=query, kv=key_value, o_proj=convert(weights.o_proj))
+    if isinstance(weights, (LinearAttn, FullAttn)):
+        return weights
     if isinstance(weights, Dense):
         return quantize(weights) if eligible(weights) else weights
     if isinstance(weights, tuple) and hasattr(weights, "_fields"):

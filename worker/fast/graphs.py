@@ -18,6 +18,8 @@ values: the prologue zeroes their hidden state and, once per pack, the mixers' o
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -174,14 +176,22 @@ class GraphedForward:
         return out
 
     def capture(self, buckets: Sequence[int], inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                capture: Capture, warm: Callable[[Callable[[], None]], None]) -> None:
+                capture: Capture, warm: Callable[[Callable[[], None]], None], log: logging.Logger | None = None
+                ) -> None:
         """Largest bucket first. ``inputs(bucket)`` gives its static seqpos and rows views; ``warm`` runs a piece
-        once before capture (compilation and lazy library set-up must not happen inside a capture)."""
-        for bucket in sorted(buckets, reverse=True):
+        once before capture (compilation and lazy library set-up must not happen inside a capture). ``log``: each
+        bucket's time (compilation makes the first one long on a cold machine)."""
+        order = sorted(buckets, reverse=True)
+        for number, bucket in enumerate(order, 1):
+            began = time.perf_counter()
             pieces = self.pieces(bucket, *inputs(bucket))
             for piece in pieces:
                 warm(piece)
+            compiled = time.perf_counter() - began
             self.graphs[bucket] = [capture(piece) for piece in pieces]
+            if log is not None:
+                log.info("warm-up: bucket %d (%d of %d): %d pieces compiled and run in %.1fs, captured in %.1fs",
+                         bucket, number, len(order), len(pieces), compiled, time.perf_counter() - began - compiled)
 
     def prologue(self, bucket: int, hidden: torch.Tensor, positions: torch.Tensor, rows: int) -> None:
         """Embeddings of the real tokens into the static hidden state and RoPE tables for the bucket's rows; inert

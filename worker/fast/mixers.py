@@ -6,10 +6,8 @@ depend on the boundaries. The boundaries come in a ``Boundaries`` built once per
 device buffer; its tensors are fresh views for every pack because fla and FlashQLA cache host-side preparation by
 tensor identity, and a reused tensor object would hand them the previous pack's boundaries.
 
-On Hopper and Blackwell with FlashQLA installed, the delta rule calls FlashQLA's forward directly (``FlashQLA``):
-through fla, every layer call paid fla's dispatch, an autograd function and FlashQLA's own per-pack preparation,
-which reads ``cu_seqlens`` back from the GPU (a host synchronisation per pack). Here that preparation is done once
-per pack from the host copy of the boundaries, with FlashQLA's own helpers, so no call waits for the GPU.
+On Hopper and Blackwell with FlashQLA installed, the delta rule calls FlashQLA's forward directly (worker/fast/qla.py),
+without fla's dispatch and without a host synchronisation per pack.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ALTERNATIVE, FastPathUnavailable
+from .qla import FlashQLA
 
 class Boundaries(NamedTuple):
     cu: torch.Tensor  # (prompts + 1,) int32 on the device
@@ -58,9 +57,10 @@ class Mixers(Protocol):
                   bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
         """(Tq, H, D), (T, Hkv, D) x2 -> (Tq, H, D) within each prompt; ``rows_only``: queries are marker rows."""
 
-    def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
-        """Prompt lengths of packs (at most ``budget`` tokens) that together reach every kernel variant the mixers
-        compile on first use: the engine runs them before it reports ready."""
+    def variant_packs(self, heads: int, budget: int, longest: int = 0) -> dict[Any, list[int]]:
+        """Variant -> prompt lengths of a pack (at most ``budget`` tokens, or one prompt of up to ``longest``): packs
+        that together reach every kernel variant the mixers compile on first use; the engine runs them before it
+        reports ready."""
 
 
 def _varlen_attn() -> Any:
@@ -81,94 +81,6 @@ def _chunk_gated_delta_rule() -> Any:
             f"(pip install 'flash-linear-attention>=0.6' 'fla-core>=0.6', or the project's [gpu] extra; "
             f"import failed: {error}): {ALTERNATIVE}") from None
     return chunk_gated_delta_rule
-
-
-class FlashQLA:
-    """FlashQLA's chunked forward, its per-pack context (the intra-card split of long sequences, chunk offsets and
-    indices) prepared on the host from ``Boundaries.cu_host`` instead of read back from the GPU."""
-
-    def __init__(self) -> None:
-        # Importing it raises on GPUs it has no kernels for (ValueError), as well as where it is missing.
-        from flash_qla.ops.gated_delta_rule.chunk import CHUNK_SIZE, chunk_gated_delta_rule_fwd
-        from flash_qla.ops.gated_delta_rule.chunk.cp import FlashQLACPContext, build_cp_context
-        from flash_qla.utils.index import prepare_varlen_metadata
-
-        self._chunk, self._forward, self._context_type = CHUNK_SIZE, chunk_gated_delta_rule_fwd, FlashQLACPContext
-        self._build, self._attach = build_cp_context, prepare_varlen_metadata
-        self._pack: Boundaries | None = None
-        self._context: Any = None
-
-    @staticmethod
-    def supports(query: torch.Tensor, value: torch.Tensor) -> bool:
-        return query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] == value.shape[-1] == 128
-
-    def context(self, bounds: Boundaries, heads: int) -> Any:
-        """The pack's context, built at its first layer (all layers of a pack share ``bounds``)."""
-        if self._pack is bounds:
-            return self._context
-        # FlashQLA decides the split from the lengths alone; given host boundaries it builds host tensors.
-        host = self._build(bounds.cu_host, enable_intra=True, num_v_heads=heads, chunk_size=self._chunk,
-                           is_train=False)
-        cu = self._attach(bounds.cu_long, bounds.cu_host)
-        if not host.is_intra:
-            context = self._context_type(cu_seqlens=cu)
-        else:
-            def device(tensor: torch.Tensor) -> torch.Tensor:
-                return tensor.to(cu.device, non_blocking=True)
-
-            split = self._attach(device(host.intra_cp_cu_seqlens), host.intra_cp_cu_seqlens)
-            context = self._context_type(
-                is_intra=True, cu_seqlens=cu, intra_cp_cu_seqlens=split, seq_map_r2c=device(host.seq_map_r2c),
-                seq_map_c2r=device(host.seq_map_c2r), ht_mask=device(host.ht_mask),
-                ht_mask_bwd=device(host.ht_mask_bwd))
-        self._pack, self._context = bounds, context
-        return context
-
-    def variant(self, lengths: Sequence[int], heads: int) -> tuple[bool, int]:
-        """The compiled kernels a pack of these prompt lengths runs: split across the card or not (the split adds
-        kernels of its own), and the tile width the main kernel picks from its grid (sequences or split parts x
-        heads against the card's size), read through FlashQLA's own cost model of that rule."""
-        cu = torch.tensor([0, *itertools.accumulate(lengths)])
-        host = self._build(cu, enable_intra=True, num_v_heads=heads, chunk_size=self._chunk, is_train=False)
-        parts = len(host.intra_cp_cu_seqlens) - 1 if host.is_intra else len(lengths)
-        return bool(host.is_intra), self._tile(parts, heads)
-
-    @staticmethod
-    def _tile(parts: int, heads: int) -> int:
-        units = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        try:
-            from flash_qla.ops.gated_delta_rule.chunk.cp.autocp import launch
-
-            return launch.launch_config(launch.BACKEND_OF[launch.current_arch()], "fused_fwd",
-                                        launch.LaunchShape(heads, parts, units)).block_DV
-        except (ImportError, AttributeError, KeyError, ValueError):  # another version: every count below a full card
-            return min(parts, -(-units // heads))
-
-    def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
-        """One pack (prompt lengths, at most ``budget`` tokens) per variant a pack can reach: one prompt of every
-        length (the long ones split), each split prompt beside 1, 2, 3 ... short ones, and 1, 2, 3 ... short
-        prompts, up to the count whose grid fills the card (more run the same kernels)."""
-        step = self._chunk
-        most = -(-torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count // heads) + 1
-        candidates = [[step] * count for count in range(1, most + 1)]
-        for n in range(1, budget // step + 1):
-            candidates.append([step * n])
-            if self.variant([step * n], heads)[0]:
-                candidates += [[step * n] + [step] * extra for extra in range(1, most + 1)
-                               if step * (n + extra) <= budget]
-        found: dict[tuple[bool, int], list[int]] = {}
-        for lengths in candidates:
-            found.setdefault(self.variant(lengths, heads), lengths)
-        return list(found.values())
-
-    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
-                 beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:
-        context = self.context(bounds, value.shape[1])
-        _, _, out, _, _, _ = self._forward(
-            query[None], key[None], value[None], decay[None].contiguous(), beta[None].contiguous(),
-            scale=query.shape[-1] ** -0.5, initial_state=None, cu_seqlens=context.cu_seqlens,
-            output_final_state=False, cp_context=context, is_train=False)
-        return out[0]
 
 
 def _flash_qla() -> FlashQLA | None:
@@ -195,13 +107,13 @@ class CudaMixers:
         # torch < 2.13 has no enable_gqa: the key/value heads are then repeated to the query heads.
         self._native_gqa = "enable_gqa" in inspect.signature(self._varlen).parameters
 
-    def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
-        """Packs (prompt lengths) that reach every delta-rule kernel variant: FlashQLA's (see there); through fla,
-        packs of 1, 2, 4 ... 128 prompts."""
+    def variant_packs(self, heads: int, budget: int, longest: int = 0) -> dict[Any, list[int]]:
+        """Packs (prompt lengths) that reach every delta-rule kernel variant: FlashQLA's (worker/fast/qla.py);
+        through fla, packs of 1, 2, 4 ... 128 prompts."""
         if self.flash_qla is not None:
-            return self.flash_qla.variant_packs(heads, budget)
+            return dict(self.flash_qla.variant_packs(heads, budget, longest))
         counts = [count for count in (2 ** i for i in range(8)) if count <= budget]
-        return [[budget // count] * count for count in counts]
+        return {f"fla, {count} prompts": [budget // count] * count for count in counts}
 
     def gated_delta(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
                     beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:
@@ -231,8 +143,8 @@ class TorchMixers:
     """The same two mixers one prompt at a time in plain torch (transformers' own delta rule, SDPA): the CPU
     stand-in the unit tests run the packed forward with."""
 
-    def variant_packs(self, heads: int, budget: int) -> list[list[int]]:
-        return []  # nothing compiled per pack shape
+    def variant_packs(self, heads: int, budget: int, longest: int = 0) -> dict[Any, list[int]]:
+        return {}  # nothing compiled per pack shape
 
     def gated_delta(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
                     beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:

@@ -1,8 +1,11 @@
 """Request -> prompts, with transformers.decision's own rendering (``prepare_inputs``).
 
 A prompt is one prompt: the unit the engines pack. A template that reads ``questions`` renders one prompt for all
-questions; a request whose prompt is longer than the model reads is split into prompts of its questions, each of
-which fits. Nothing is ever truncated: a state too long even for one question is refused with the token counts.
+questions; a request whose prompt is longer than the model reads (its context, or ``--max-prompt-tokens`` where the
+operator set one) is split into prompts of its questions, each of which fits, and only then: anything that fits
+runs whole (answers move when a prompt is split). Split prompts say so (``Prompt.split``), and so do the prompts
+of a part that holds some of its request's questions. Nothing is ever truncated: a state too long even for one
+question is refused with the token counts.
 Images arrive inline (base64) only and are decoded here under a pixel limit; the worker never opens a path or URL.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import dataclasses
 import io
 import warnings
 from collections.abc import Sequence
@@ -114,7 +118,10 @@ class Encoder:
             missing = [n for n in names if n not in body["questions"]]
             if missing:
                 raise RequestError(ErrorCode.INVALID_REQUEST, f"no question named {missing[0]!r} in the request")
+            subset = self.one_prompt_for_all and len(names) < len(body["questions"])
             body["questions"] = {n: body["questions"][n] for n in names}
+        else:
+            subset = False
         state_chars = text_length(body["state"]) if self.renders_state else 0
         if state_chars > self.max_length * self.max_token_chars:
             raise RequestError(ErrorCode.STATE_TOO_LONG, (
@@ -127,13 +134,13 @@ class Encoder:
                                            self.max_image_pixels)
         prompts = self._render(body)
         if all(prompt.length <= self.max_length for prompt in prompts):
-            return prompts
+            return [dataclasses.replace(prompt, split=True) for prompt in prompts] if subset else prompts
         if not self.one_prompt_for_all or len(body["questions"]) == 1:
             longest = max(prompts, key=lambda prompt: prompt.length)
             raise RequestError(ErrorCode.STATE_TOO_LONG, (
                 f"the prompt of question {longest.questions[0].name!r} has {longest.length} tokens; this model "
                 f"reads at most {self.max_length} per prompt"))
-        return self._split(body)
+        return [dataclasses.replace(prompt, split=True) for prompt in self._split(body)]
 
     def _render(self, body: dict[str, Any]) -> list[Prompt]:
         try:

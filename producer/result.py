@@ -1,0 +1,101 @@
+"""The result of a request, as producers read it: ``ok`` with answers, or ``error`` with a code and a message.
+
+Results are open: a field added by a newer worker is kept, not refused (``model_extra``, written out again), so
+producers already deployed keep reading results when workers move ahead.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from .errors import DecisionQueueError
+from .schema import ErrorCode
+
+MAX_ERROR_CHARS = 2000  # an error result's message: bounded whatever the request (a list of every problem is not)
+
+
+class _Open(BaseModel):
+    """Results and their parts: unknown fields are accepted and kept (``model_extra``), written out again."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class ErrorInfo(_Open):
+    # A code this version does not know (a newer worker's) stays a plain string.
+    code: Annotated[ErrorCode | str, Field(union_mode="left_to_right")]
+    message: str
+
+
+class Usage(_Open):
+    tokens: int = 0  # prompt tokens the model read, over all prompts
+    prompts: int = 0  # sequences (prompts) the request was rendered into
+    parts: int = 1  # parts it was fanned out into across workers
+    # Its one prompt was longer than the model reads: its questions were split over several prompts, whose answers
+    # can differ slightly from one prompt's (docs/PROTOCOL.md, "Read a result"). Absent (None) when it was not.
+    split: bool | None = None
+
+
+class Timings(_Open):
+    enqueued_ms: int | None = None  # from the stream entry id
+    started_ms: int | None = None  # first worker picked it up
+    finished_ms: int | None = None  # result published
+    compute_ms: float | None = None  # forward time of the packs it rode in (summed over parts)
+
+
+class Result(_Open):
+    """The one result of a request: ``ok`` with answers, or ``error`` with a code and a message.
+
+    ``result.ok`` tells which; ``result.raise_for_error()`` turns an error into a ``ResultError`` and returns an ok
+    result, so ``client.decide(request).raise_for_error().answers`` reads an answer or raises.
+    """
+
+    id: str
+    status: Literal["ok", "error"]
+    answers: dict[str, dict[str, Any]] | None = None
+    logits: dict[str, list[float]] | None = None  # raw head scores per question, in option order
+    probabilities: dict[str, list[float]] | None = None  # softmax(logits / temperature), in option order
+    options: dict[str, list[str]] | None = None  # the option names, in the order of logits and probabilities
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: ErrorInfo | None = None
+    model: str | None = None
+    metadata: dict[str, JsonValue] | None = None  # the request's, echoed
+    traceparent: str | None = None  # the request's, echoed
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def raise_for_error(self) -> Result:
+        """This result if it is ok; else raises ``ResultError`` with its code and message."""
+        if not self.ok:
+            raise ResultError(self)
+        return self
+
+    @property
+    def option_probabilities(self) -> dict[str, dict[str, float]]:
+        """Probabilities by question, then by option name: ``result.option_probabilities["tone"]["calm"]``.
+        Raises ``ResultError`` for an error result (it has none)."""
+        self.raise_for_error()
+        options = self.options or {}
+        return {name: dict(zip(options.get(name, ()), values)) for name, values in (self.probabilities or {}).items()}
+
+    @classmethod
+    def failure(cls, request_id: str, code: ErrorCode | str, message: str, **fields: Any) -> Result:
+        """An error result; its message cut to ``MAX_ERROR_CHARS`` (its size must not grow with the request's)."""
+        if len(message) > MAX_ERROR_CHARS:
+            kept = MAX_ERROR_CHARS - 40  # room for the note
+            message = f"{message[:kept]} ... ({len(message) - kept} more characters)"
+        return cls(id=request_id, status="error", error=ErrorInfo(code=code, message=message), **fields)
+
+
+class ResultError(DecisionQueueError):
+    """An error result, raised by ``Result.raise_for_error``: ``code``, ``message`` and the ``result`` itself."""
+
+    def __init__(self, result: Result) -> None:
+        error = result.error or ErrorInfo(code=ErrorCode.INTERNAL, message="error result without details")
+        self.result, self.code, self.message = result, error.code, error.message
+        code = self.code.value if isinstance(self.code, ErrorCode) else self.code
+        super().__init__(f"request {result.id}: {code}: {self.message}")

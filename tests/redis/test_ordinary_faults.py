@@ -1,0 +1,121 @@
+"""Ordinary faults never change an answer, in process against each supported server: dropped connections do not
+count as deliveries; a deleted stream or a flushed server costs the group once, never the worker; a drain takes
+nothing new. Each test names the defect it covers (its number in docs/RELIABILITY.md's list of faults)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from faults import batch, wait_for
+from producer.client import Client
+from producer.invariant import settle
+
+pytestmark = pytest.mark.redis
+
+
+def kill_others(client: Client) -> int:
+    """CLIENT KILL every connection but the test's own: the worker's, mid-call."""
+    mine = client.redis.client_id()
+    killed = 0
+    for connection in client.redis.client_list():
+        if int(connection["id"]) != mine:
+            killed += client.redis.client_kill_filter(_id=connection["id"])
+    return killed
+
+
+def test_dropped_connections_do_not_count_as_deliveries(redis_server, inprocess):
+    """Faults 1 and 6: after a failed call the reader recovers its own pending entries; those it holds are not
+    read again, so their delivery counters stay at 1 however many times the connection drops. A held entry whose
+    counter grew would be dead-lettered as poison after a later crash."""
+    client = Client(redis_server.url)
+    ids = client.submit_many(batch(6, "held"))
+    worker = inprocess(redis_server.url, slow_s=4.0, max_wait_ms=1, max_deliveries=2).start()
+    wait_for(lambda: len(worker.daemon.lifecycle.held) == 6, 20, what="six held entries")
+    killed = 0
+    for _ in range(4):  # each time the worker has reconnected (its readers retry after 0.5 s)
+        killed += kill_others(client)
+        time.sleep(0.7)
+    assert killed >= 4
+    pending = client.redis.xpending_range(client.keys.requests, client.keys.group, "-", "+", 100)
+    assert len(pending) == 6 and {entry["times_delivered"] for entry in pending} == {1}
+    report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    assert all(report.results[i].ok for i in ids)
+    worker.stop()
+    assert worker.metric("dq_dead_letters_total") == 0 and worker.metric("dq_redis_errors_total") > 0
+    assert worker.exit_code is None
+
+
+def test_a_deleted_stream_or_flushed_server_recreates_the_group_once_and_the_worker_serves_on(redis_server,
+                                                                                             inprocess):
+    """Faults 5 and 16: a blocked read answered 'UNBLOCKED the stream key no longer exists' (Redis 7.0) or NOGROUP
+    (Valkey) recreates the group; it once ended every worker of the shard with exit 70 on Redis 7.0. Both lanes'
+    readers and the maintenance loop notice a FLUSHALL at once: the loss is counted once."""
+    client = Client(redis_server.url)
+    worker = inprocess(redis_server.url, block_ms=2000).start()
+    time.sleep(0.3)  # both lanes' readers are blocked in XREADGROUP now
+    client.redis.delete(client.keys.requests)
+    wait_for(lambda: worker.metric("dq_groups_recreated_total") == 1, 20, what="the group recreated")
+    client.redis.flushall()
+    wait_for(lambda: worker.metric("dq_groups_recreated_total") == 2, 20, what="the group recreated again")
+    time.sleep(1.0)
+    assert worker.metric("dq_groups_recreated_total") == 2 and worker.exit_code is None
+    [request_id] = client.submit_many(batch(1, "after"))
+    assert settle(client.redis, client.keys, [request_id], timeout=30).assert_ok().results[request_id].ok
+    worker.stop()
+    assert worker.exit_code is None
+
+
+def test_a_drain_takes_no_other_workers_entries(redis_server, inprocess):
+    """Fault 13: while draining, the maintenance loop keeps its own entries alive but reclaims nothing."""
+    client = Client(redis_server.url)
+    keys = client.keys
+    worker = inprocess(redis_server.url, slow_s=3.0, max_wait_ms=1, claim_idle_ms=300).start()
+    [busy] = client.submit_many(batch(1, "busy"))
+    wait_for(lambda: worker.daemon.lifecycle.held, 20, what="a held entry")
+    worker.daemon.stop()
+    time.sleep(0.3)  # a read in flight when the stop came has ended
+    for request in batch(3, "orphan"):  # a dead worker's entries, idle past --claim-idle-ms while this one drains
+        client.submit(request)
+    client.redis.xreadgroup(keys.group, "dead-worker", {keys.requests: ">"})
+    time.sleep(1.2)
+    worker.join(30)
+    assert worker.metric("dq_entries_read_total", how="reclaimed") == 0
+    pending = client.redis.xpending_range(keys.requests, keys.group, "-", "+", 100)
+    assert sorted(entry["consumer"] for entry in pending) == [b"dead-worker"] * 3
+    assert client.redis.xlen(keys.result(busy)) == 1  # its own entry was drained: answered
+
+
+def test_entries_deleted_before_any_worker_read_them_are_detected(redis_server, inprocess):
+    """Fault 2: a producer credential may XADD, and XADD ... MAXLEN 0 trims the stream: ACLs cannot refuse an
+    argument. The loss cannot be undone, but it is seen: the stream's largest deleted id passes the group's last
+    delivered one; counted once per trim (dq_unread_entries_deleted_total, alert DecisionQueueRequestsDeleted)."""
+    client = Client(redis_server.url)
+    keys = client.keys
+    client.submit_many(batch(5, "trimmed"))
+    client.redis.xadd(keys.requests, {"body": "{}"}, maxlen=0, approximate=False)  # a leaked producer key at work
+    assert client.redis.xlen(keys.requests) == 0
+    worker = inprocess(redis_server.url).start()
+    found = dict(stream="requests", priority="normal")
+    wait_for(lambda: worker.metric("dq_unread_entries_deleted_total", **found) == 1, 20, what="the trim detected")
+    [kept] = client.submit_many(batch(1, "kept"))  # delivered and deleted by the worker: no new detection
+    assert settle(client.redis, keys, [kept], timeout=30).assert_ok().results[kept].ok
+    time.sleep(5.5)  # the next report
+    assert worker.metric("dq_unread_entries_deleted_total") == 1
+    worker.stop()
+
+
+def test_reply_and_dead_letter_streams_keep_to_their_caps(redis_server, inprocess):
+    """Fault 4: each reply refreshed its stream's TTL and nothing trimmed it; dead letters were kept for ever. Both
+    are capped now (approximate MAXLEN: a node of up to 100 entries at a time)."""
+    client = Client(redis_server.url)
+    keys = client.keys
+    reply_to = keys.reply_prefix + "busy"
+    ids = client.submit_many([{**request, "reply_to": reply_to} for request in batch(250, "capped")])
+    for n in range(250):  # parts that name no request: dead-lettered unanswered, at once
+        client.redis.xadd(keys.parts, {"part": n})
+    inprocess(redis_server.url, reply_maxlen=100, dead_maxlen=100).burst()
+    report = settle(client.redis, keys, ids, timeout=60).assert_ok()
+    assert all(report.results[i].ok for i in ids)
+    assert 100 <= client.redis.xlen(reply_to) <= 200 and 100 <= client.redis.xlen(keys.dead) <= 200

@@ -1,0 +1,124 @@
+"""How an entry ends, as plain data: a task's answers as a result or as one part's share of its request's result,
+an error result, and the parts of a fanned-out request merged into one result. Pure and torch-free: the lifecycle
+builds outcomes, the publisher (the Redis side) stores them; unit tests check the merge without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from producer.schema import ErrorCode
+
+from producer.result import Result, Timings, Usage
+
+from .entries import Delivery, Identity
+from .tasks import Task
+
+
+@dataclass(frozen=True)
+class Share:
+    """A task's answers, per question name: a whole request's, or one part's share of a fanned-out request's
+    (stored as JSON in the request's share hash, Keys.shares, until the last part merges them)."""
+
+    answers: dict[str, Any]
+    logits: dict[str, Any]
+    probabilities: dict[str, Any]
+    options: dict[str, Any]
+    tokens: int
+    prompts: int
+    compute_ms: float
+    started_ms: int
+    split: bool = False  # a prompt held only some of the request's questions (absent from older workers' shares)
+
+    @classmethod
+    def of(cls, task: Task) -> Share:
+        answers = task.answers
+        return cls({n: a.answer for n, a in answers.items()}, {n: a.logits for n, a in answers.items()},
+                   {n: a.probabilities for n, a in answers.items()}, {n: a.options for n, a in answers.items()},
+                   task.tokens, len(task.prompts), round(task.compute_seconds * 1000, 3), int(task.delivery.taken * 1000),
+                   any(prompt.split for prompt in task.prompts))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Share:
+        return cls(**json.loads(raw))
+
+
+@dataclass
+class Outcome:
+    """How one entry ended: a result for its request, or (for a part) the part's share of it."""
+
+    delivery: Delivery
+    identity: Identity  # the request it answers: the id, the reply stream, the context its result echoes
+    result: Result | None = None  # the request's result (whole requests and errors; a last part, once merged)
+    share: Share | None = None  # a part's share of a fanned-out request, until the last part merges them
+    part: int = 0
+    parts: int = 1
+    order: list[str] = field(default_factory=list)  # question order of the request, for merging parts
+    replied: bool = False  # its reply was written or refused: settling it again does not reply again
+    refused: redis.ResponseError | None = None  # Redis refused its publication this time: settle it again later
+
+    @property
+    def request_id(self) -> str:
+        return self.identity.request_id
+
+    @property
+    def reply_to(self) -> str | None:
+        return self.identity.reply_to
+
+    @property
+    def publisher(self) -> str:
+        """Who publishes: this delivery of this entry (stream, entry id, delivery count)."""
+        entry = self.delivery
+        return f"{entry.stream} {entry.entry_id} {entry.deliveries}"
+
+    def merge(self, shares: list[Share], model: str) -> None:
+        """The last part: every part's share merged into the request's whole result, to publish from now on."""
+        self.result = ok_result(self.identity, shares, self.order, self.delivery.enqueued_ms, model)
+        self.share = None
+
+
+def echo(identity: Identity) -> dict[str, Any]:
+    """The caller's context a result echoes (valid metadata and traceparent), error results included."""
+    return {"metadata": identity.metadata, "traceparent": identity.traceparent}
+
+
+def ok_result(identity: Identity, shares: list[Share], order: list[str], enqueued_ms: int, model: str) -> Result:
+    """The result of a request answered in one or more shares, its questions in the request's order."""
+    merged: dict[str, dict[str, Any]] = {key: {} for key in ("answers", "logits", "probabilities", "options")}
+    for share in shares:
+        for key, values in merged.items():
+            values.update(getattr(share, key))
+    ordered = {key: {n: merged[key][n] for n in order} for key in merged}
+    return Result(
+        id=identity.request_id, status="ok", model=model, **ordered, **echo(identity),
+        usage=Usage(tokens=sum(s.tokens for s in shares), prompts=sum(s.prompts for s in shares), parts=len(shares),
+                    split=any(s.split for s in shares) or None),
+        timings=Timings(enqueued_ms=enqueued_ms, started_ms=min(s.started_ms for s in shares),
+                        finished_ms=int(time.time() * 1000), compute_ms=round(sum(s.compute_ms for s in shares), 3)))
+
+
+def task_outcome(task: Task, model: str) -> Outcome:
+    """A computed task: a whole request's result, or a part's share (merged by whichever part finishes last)."""
+    order, share = list(task.request.questions), Share.of(task)
+    if task.delivery.parts > 1:
+        return Outcome(task.delivery, task.identity, share=share, part=task.delivery.part,
+                       parts=task.delivery.parts, order=order)
+    names = [q.name for prompt in task.prompts for q in prompt.questions]
+    return Outcome(task.delivery, task.identity, result=ok_result(task.identity, [share], names,
+                                                                  task.delivery.enqueued_ms, model))
+
+
+def error_outcome(delivery: Delivery, identity: Identity, code: ErrorCode, message: str, model: str) -> Outcome:
+    """An error result for the entry's request."""
+    timings = Timings(enqueued_ms=delivery.enqueued_ms, started_ms=int(delivery.taken * 1000),
+                      finished_ms=int(time.time() * 1000))
+    return Outcome(delivery, identity, result=Result.failure(identity.request_id, code, message, timings=timings,
+                                                             model=model, **echo(identity)))
