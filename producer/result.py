@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from .errors import DecisionQueueError
 from .schema import ErrorCode
 
 MAX_ERROR_CHARS = 2000  # an error result's message: bounded whatever the request (a list of every problem is not)
@@ -100,7 +101,7 @@ class Result(_Open):
         return cls(id=request_id, status="error", error=ErrorInfo(code=code, message=message), **fields)
 
 
-class ResultError(Exception):
+class ResultError(DecisionQueueError):
     """An error result, raised by ``Result.raise_for_error``: ``code``, ``message`` and the ``result`` itself."""
 
     def __init__(self, result: Result) -> None:

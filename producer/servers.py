@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import DecisionQueueError
 from .keys import text
 
 MINIMUM = {"redis": (7, 0), "valkey": (7, 2)}
@@ -23,7 +24,7 @@ def supported() -> str:
     return " or ".join(f"{NAMES[family]} >= {'.'.join(map(str, version))}" for family, version in MINIMUM.items())
 
 
-class UnsupportedServer(RuntimeError):
+class UnsupportedServer(DecisionQueueError, RuntimeError):
     """The server is older than the project supports (or does not say what it is)."""
 
 

@@ -7,9 +7,12 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from producer import __version__
 from producer.keys import PROTOCOL
+
+from producer.connection import Deployment
 
 from .config import Settings
 
@@ -30,7 +33,9 @@ def _load_functions(args: argparse.Namespace) -> int:
     from producer.servers import UnsupportedServer, check
 
     try:
-        deployment = Deployment.resolve(url=args.redis_url, cluster=args.redis_cluster or None)
+        deployment = Deployment.resolve(url=args.url, cluster=args.cluster or None, tls_ca=args.tls_ca,
+                                        tls_cert=args.tls_cert, tls_key=args.tls_key, namespace=args.namespace,
+                                        shards=args.shards)
     except ValueError as error:
         print(f"dq-worker load-functions: error: {error}", file=sys.stderr)
         return 2
@@ -39,13 +44,36 @@ def _load_functions(args: argparse.Namespace) -> int:
         try:
             check(client, deployment.safe_url)
             loaded = library.ensure(client)
+            created = _create_groups(client, deployment)
         finally:
             client.close()
     except (library.LibraryUnavailable, UnsupportedServer, redis.RedisError) as error:
         print(f"dq-worker load-functions: {deployment.safe_url}: {error}", file=sys.stderr)
         return 1
-    print(f"{library.LIBRARY} revision {loaded.revision} {loaded.action} on {deployment.safe_url}")
+    print(f"{library.LIBRARY} revision {loaded.revision} {loaded.action} on {deployment.safe_url}; "
+          f"{created} of {4 * deployment.shards} work streams' consumer group created (the rest were there)")
     return 0
+
+
+def _create_groups(client: Any, deployment: Any) -> int:
+    """Every shard's work streams and the workers' group, made before any worker runs: an autoscaler that polls a
+    stream or group that does not exist errors or, in some KEDA releases, scales without bound (keda#7447).
+    Workers create the same at start (from id 0: nothing already queued is skipped)."""
+    import redis
+
+    from producer.keys import LANES, Keys
+
+    created = 0
+    for shard in range(deployment.shards):
+        keys = Keys(deployment.namespace, shard)
+        for stream in [name for lane in LANES for name in (keys.requests_in(lane), keys.parts_in(lane))]:
+            try:
+                client.xgroup_create(stream, keys.group, id="0", mkstream=True)
+                created += 1
+            except redis.ResponseError as error:
+                if "BUSYGROUP" not in str(error):
+                    raise
+    return created
 
 
 def parser() -> argparse.ArgumentParser:
@@ -64,7 +92,10 @@ def parser() -> argparse.ArgumentParser:
                           help="a qwen3_5_text backbone (no vision tower) [default off]")
     tiny_cmd.set_defaults(run=_tiny)
 
-    serve_cmd = commands.add_parser("serve", help="consume requests from Redis and publish results")
+    serve_cmd = commands.add_parser("serve", help="consume requests from Redis and publish results",
+                                    usage="dq-worker serve --checkpoint DIR [--redis-url URL] [option ...]",
+                                    description="Serve a decision checkpoint from the Redis queue. Every flag is "
+                                                "also a DQ_* variable; flags win over variables.")
     Settings.add_arguments(serve_cmd)
     serve_cmd.set_defaults(run=_serve)
 
@@ -78,12 +109,19 @@ def parser() -> argparse.ArgumentParser:
 
     load_cmd = commands.add_parser(
         "load-functions", help="load the function library producers and workers call (an admin's Redis URL)")
-    load_cmd.add_argument("--redis-url", default=None,
-                          help="a Redis URL whose user may FUNCTION LOAD [env DQ_REDIS_URL, default "
-                               "'redis://127.0.0.1:6379/0']; TLS files from DQ_REDIS_TLS_*")
-    load_cmd.add_argument("--redis-cluster", action="store_true",
-                          help="the URL is a node of a Redis Cluster: load on every primary [env DQ_REDIS_CLUSTER, "
-                               "default off]")
+    from producer.__main__ import CONNECTION  # the same connection flags as serve and dq-producer
+
+    for name in ("url", "cluster", "tls_ca", "tls_cert", "tls_key", "namespace", "shards"):
+        flags, metavar, text = CONNECTION[name]
+        text += " (a user that may FUNCTION LOAD: admin)" if name == "url" else ""
+        text += ": load on every primary" if name == "cluster" else ""
+        text = "stream shards of the deployment: each one's work streams and consumer group are created" \
+            if name == "shards" else text
+        default = repr(getattr(Deployment(), name)) if name != "cluster" else "off"
+        env = Deployment.ENV[name]
+        kind = ({"action": "store_true"} if name == "cluster" else {"metavar": metavar, "type": int}
+                if name == "shards" else {"metavar": metavar})
+        load_cmd.add_argument(*flags, dest=name, default=None, help=f"{text} [env {env}, default {default}]", **kind)
     load_cmd.set_defaults(run=_load_functions)
     return top
 
@@ -125,7 +163,8 @@ def _check(args: argparse.Namespace) -> int:
             print("dq-worker check: error: no health endpoint to ask: --metrics-port (DQ_METRICS_PORT) is 0, "
                   "so serve runs none; set it for both, or pass --url", file=sys.stderr)
             return 2
-        url = f"http://127.0.0.1:{settings.metrics_port}"
+        host = settings.metrics_host if settings.metrics_host not in ("", "::", "0.0.0.0") else "127.0.0.1"
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{settings.metrics_port}"
     return check(url, "/healthz" if args.live else "/readyz")
 
 

@@ -26,6 +26,12 @@ class SettingsError(ValueError):
     """A setting out of its range or choices, named by its flag and variable."""
 
 
+# The help's sections: each starts at this field and runs to the next one's (fields keep their order).
+SECTIONS = {"checkpoint": "model", "pack_tokens": "packing, planning and the GPU fast path",
+            "redis_url": "Redis connection", "shard": "queue", "metrics_port": "operations (metrics, health, logs)"}
+ALIASES = {"redis_url": ("--redis",), "redis_cluster": ("--cluster",)}  # dq-producer's spellings too
+
+
 def _opt(default: Any, help: str, choices: tuple[str, ...] = (), low: float | None = None,
          high: float | None = None) -> Any:
     """A field; ``choices`` (matched ignoring case), ``low`` and ``high`` (inclusive) are checked on creation."""
@@ -99,6 +105,8 @@ class Settings:
                                   low=1)
     # Operations
     metrics_port: int = _opt(0, "serve /metrics, /healthz and /readyz on this port (0: off)", low=0, high=65535)
+    metrics_host: str = _opt("", "address those endpoints bind: an IPv4 or IPv6 address or a name (empty: every "
+                                 "interface, IPv6 and IPv4)")
     log_format: str = _opt("text", "text or json", choices=("text", "json"))
     log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -176,15 +184,22 @@ class Settings:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """One flag per field; defaults stay None so that the environment is not shadowed."""
+        """One flag per field, in sections, choices shown; defaults stay None so that the environment is not
+        shadowed."""
+        group: Any = parser
         for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            if f.name in SECTIONS:
+                group = parser.add_argument_group(SECTIONS[f.name])
+            flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ())]
             help_text = f"{f.metadata['help']} [env {cls.env_name(f.name)}, default {f.default!r}]"
             if f.type == "bool":
-                parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
-                                    help=help_text)
+                group.add_argument(*flags, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
+                                   help=help_text)
             else:
-                parser.add_argument(flag, dest=f.name, default=None, type=_parser(f.type), help=help_text)
+                # choices are matched ignoring case when the settings are made: shown here, not enforced
+                shown = {"metavar": "{" + ",".join(f.metadata["choices"]) + "}"} if f.metadata["choices"] else {}
+                group.add_argument(*flags, dest=f.name, default=None, type=_parser(f.type), help=help_text,
+                                   **shown)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:

@@ -241,7 +241,7 @@ def serve(settings: Settings) -> int:
         from .health import serve_http
 
         try:
-            serve_http(daemon, settings.metrics_port)
+            serve_http(daemon, settings.metrics_port, settings.metrics_host)
         except OSError as error:
             log.error("cannot serve metrics on port %d: %s", settings.metrics_port, error)
             return 2

@@ -11,6 +11,7 @@ each request.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import urllib.request
@@ -20,7 +21,11 @@ from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from producer.exporter import http_server
+
 from .metrics import Metrics
+
+log = logging.getLogger("worker")
 
 STALE_SECONDS = 30.0  # a loop that has not turned for this long is stuck (a pack takes far less)
 REDIS_GRACE_SECONDS = 5.0  # a read slower than its BLOCK time by this much: Redis is unreachable (unready)
@@ -74,7 +79,10 @@ def status(state: Snapshot) -> dict[str, Any]:
             "inflight": state.inflight, "stopping": state.stopping}
 
 
-def serve_http(daemon: Watched, port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:
+def serve_http(daemon: Watched, port: int, host: str = "") -> ThreadingHTTPServer:
+    """Serve the endpoints in a thread, on ``host`` (``--metrics-host``; ``""``: every interface, IPv6 and IPv4),
+    and say where. ``/health`` is ``/healthz`` for clients used to TEI's and vLLM's name."""
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
             if self.path == "/metrics":
@@ -82,7 +90,7 @@ def serve_http(daemon: Watched, port: int, host: str = "0.0.0.0") -> ThreadingHT
                 self._send(200, generate_latest(daemon.metrics.registry), CONTENT_TYPE_LATEST)
                 return
             state = status(daemon.snapshot())
-            if self.path == "/healthz":
+            if self.path in ("/healthz", "/health"):
                 self._send(200 if state["live"] else 503, json.dumps(state).encode(), "application/json")
             elif self.path == "/readyz":
                 self._send(200 if state["ready"] else 503, json.dumps(state).encode(), "application/json")
@@ -99,8 +107,11 @@ def serve_http(daemon: Watched, port: int, host: str = "0.0.0.0") -> ThreadingHT
         def log_message(self, *args: Any) -> None:  # scrapes are not state changes
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = http_server(host, port, Handler)
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    bound = server.server_address[0]
+    where = "every interface" if host in ("", "::", "0.0.0.0") else (f"[{bound}]" if ":" in bound else bound)
+    log.info("serving /metrics, /healthz (/health) and /readyz on port %d of %s", server.server_address[1], where)
     return server
 
 

@@ -89,6 +89,10 @@ def _init_process(spec: RenderSpec, settings: Settings, parent: int) -> None:
     global _PROCESS_ENCODER, _PROCESS_SETTINGS
     import torch
 
+    from .logs import setup_logging
+
+    setup_logging(settings.log_format, settings.log_level)  # a planner's lines as the worker's (JSON mode too)
+
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     torch.set_num_threads(1)
     _PROCESS_ENCODER, _PROCESS_SETTINGS = Encoder(spec, settings.max_image_pixels), settings

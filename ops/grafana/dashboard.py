@@ -2,9 +2,10 @@
 
     python ops/grafana/dashboard.py        # after changing a panel here; a test keeps the JSON equal to this output
 
-Panels sum over the selected workers (``$instance``). Queue gauges are reported by every worker of a shard for the
-same streams: they are aggregated per shard, stream and lane (``priority``) with ``max`` (never summed), then summed
-across shards (``queue``). Latency percentiles are of ``ok`` results: error results, answered at once, would pull them
+Panels sum over the selected workers (``$instance``). Queue gauges are reported by every worker of a shard and by the
+queue exporter (``dq-producer exporter``, which reports them when no worker is left) for the same streams: they are
+aggregated per shard, stream and lane (``priority``) with ``max`` (never summed), then summed across shards
+(``queue``); they do not follow the worker selector. Latency percentiles are of ``ok`` results: error results, answered at once, would pull them
 down.
 """
 
@@ -30,10 +31,11 @@ OK = 'status="ok"'
 
 
 def queue(metric: str, by: str = "stream", extra: str = "") -> str:
-    """A queue gauge: one value per shard, stream and lane (every worker of a shard reports it), summed across
-    shards (and lanes, unless ``by`` names ``priority``)."""
-    return f"sum by ({by}) (max by (shard, stream, priority) ({metric}{sel(extra)}))" if by else \
-        f"sum(max by (shard, stream, priority) ({metric}{sel(extra)}))"
+    """A queue gauge: one value per shard, stream and lane (every worker of a shard and the exporter report it),
+    summed across shards (and lanes, unless ``by`` names ``priority``)."""
+    matchers = "{" + extra + "}" if extra else ""
+    return f"sum by ({by}) (max by (shard, stream, priority) ({metric}{matchers}))" if by else \
+        f"sum(max by (shard, stream, priority) ({metric}{matchers}))"
 
 
 def quantiles(metric: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.95, 0.99), extra: str = "") -> list:
@@ -110,9 +112,14 @@ def build() -> dict:
     b.panel(title="Workers ready", targets=[(f"sum(dq_ready{W})", "ready")], **stat)
     b.panel(title="Results / s", targets=[(f"sum(rate(dq_results_total{W}[{RATE}]))", "results/s")], unit="reqps",
             **stat)
-    b.panel(title="Latency p95", targets=quantiles("dq_request_latency_seconds", qs=(0.95,), extra=OK), unit="s",
-            **stat)
-    b.panel(title="Waiting (lag)", targets=[(queue("dq_stream_lag", by=""), "lag")], **stat)
+    b.panel(title="Latency p95 by lane", targets=quantiles("dq_request_latency_seconds", by="priority", qs=(0.95,),
+                                                           extra=OK), unit="s", **stat,
+            description="Enqueue to result, ok results, per lane: includes work read into a worker but not started, "
+                        "which the lag does not show.")
+    b.panel(title="Queue: length and lag", targets=[(queue("dq_stream_length", by=""), "length"),
+                                                    (queue("dq_stream_lag", by=""), "lag")], **stat,
+            description="Length: unfinished entries (taken or not); lag: not yet taken by any worker. A length far "
+                        "above the lag is work held in the workers' prefetch.")
     b.panel(title="Pack fill", targets=[(f"sum(rate(dq_pack_fill_ratio_sum{W}[{RATE}])) / "
                                          f"sum(rate(dq_pack_fill_ratio_count{W}[{RATE}]))", "fill")],
             unit="percentunit", **stat)
@@ -132,6 +139,14 @@ def build() -> dict:
                                                         "{{instance}}")], unit="short")
     b.panel("timeseries", "Forward passes: CUDA graph replays vs eager",
             [(f"sum by (mode) (rate(dq_packs_total{W}[{RATE}]))", "{{mode}}")], unit="ops", stack=True)
+    b.panel("timeseries", "GPU busy", [(
+        f"sum by (instance) (rate(dq_pack_gpu_seconds_sum{W}[{RATE}])) / (sum by (instance) "
+        f"(rate(dq_pack_gpu_seconds_sum{W}[{RATE}])) + sum by (instance) (rate(dq_gpu_idle_seconds_sum{W}[{RATE}])))",
+        "{{instance}}")], unit="percentunit",
+        description="Share of each GPU's time spent on packs (fast engine): the rest it waited for the host to hand "
+                    "over work. Low while the queue is long means the host is the bottleneck (planning, Redis).")
+    b.panel("timeseries", "Fan-outs", [(f"sum(rate(dq_fanouts_total{W}[{RATE}]))", "fanned out")], unit="ops",
+            description="Over-length requests split into parts that any worker takes (--fanout-tokens).")
 
     b.row("Latency")
     b.panel("timeseries", "End to end (enqueue to result)", [
@@ -174,6 +189,11 @@ def build() -> dict:
     b.panel("timeseries", "Lag per shard", [(queue("dq_stream_lag", by="shard"), "shard {{shard}}")], unit="short",
             description="Requests and parts not yet taken, per shard: a shard whose workers fall behind.")
     b.panel("timeseries", "In flight per worker", [(f"dq_inflight_entries{W}", "{{instance}}")], unit="short")
+    b.panel("timeseries", "Dead letters waiting", [("sum by (shard) (dq_dead_letter_entries)", "shard {{shard}}")],
+            unit="short", description="Entries in each shard's dead-letter stream (the queue exporter): list, "
+                                      "requeue or purge them with dq-producer dead.")
+    b.panel("timeseries", "Live workers (heartbeats)", [("max(dq_workers_live)", "live")], unit="short",
+            description="Workers whose heartbeat in Redis is younger than 30 s, as the queue exporter reads them.")
 
     b.row("Errors and recovery")
     b.panel("timeseries", "Error results by code",

@@ -1,4 +1,5 @@
-"""The operator's view with the real tools: a real Prometheus scrapes real workers of two shards, every query of
+"""The operator's view with the real tools: a real Prometheus scrapes real workers of two shards and the queue
+exporter, every query of
 the provisioned dashboard returns the series its panel is meant to show, and the alert rules load and evaluate
 cleanly (skipped without a ``prometheus`` binary: Debian's package brings it)."""
 
@@ -15,6 +16,7 @@ import pytest
 import yaml
 
 from producer.client import Client
+from producer.exporter import Exporter, serve
 from test_e2e import requests
 from worker.redis_server import free_port
 
@@ -80,8 +82,11 @@ def test_a_real_prometheus_scrapes_workers_and_every_panel_shows_its_series(redi
                                                                              prometheus):
     workers = [start_worker(tiny_dir, redis_server.url, shard=shard, max_prompt_tokens=220, fanout_tokens=200)
                for shard in (0, 1)]
-    port = prometheus([f"127.0.0.1:{w.port}" for w in workers])
     client = Client(redis_server.url, shards=2)
+    exporter_port = free_port()
+    exporter = serve(Exporter(Client(redis_server.url, shards=2).stats, redis_server.url), "127.0.0.1",
+                     exporter_port)
+    port = prometheus([f"127.0.0.1:{w.port}" for w in workers] + [f"127.0.0.1:{exporter_port}"])
     many = {f"q{i}": {"type": "noul", "instructions": f"Is statement {i} true?"} for i in range(20)}
     batch = [*requests(40, "p"), {"id": "long", "state": "Some state.", "questions": many},
              {"id": "bad", "state": "x", "questions": {"q": {"type": "choice", "criteria": {
@@ -89,11 +94,11 @@ def test_a_real_prometheus_scrapes_workers_and_every_panel_shows_its_series(redi
     results = client.wait_many(client.submit_many(batch), timeout=120)
     assert results["bad"].error and all(r.ok for i, r in results.items() if i != "bad")
     # Both workers scraped, and the maintenance loops' queue gauges (every 5 s) arrived from both shards.
-    wait_for(lambda: len(query(port, 'dq_stream_lag{stream="requests"}')) == 4  # 2 shards x 2 lanes
+    wait_for(lambda: len(query(port, 'dq_stream_lag{stream="requests"}')) == 8  # 2 shards x 2 lanes, twice
              and sum(float(s["value"][1]) for s in query(port, "dq_results_total")) == len(batch), 60,
              "queue gauges or results not scraped")
     # Enough scrapes of each worker since for rate() over the panels' window to have points to work with.
-    wait_for(lambda: [float(s["value"][1]) >= 5 for s in query(port, "count_over_time(up[30s])")] == [True] * 2, 60,
+    wait_for(lambda: [float(s["value"][1]) >= 5 for s in query(port, "count_over_time(up[30s])")] == [True] * 3, 60,
              "too few scrapes")
 
     board = json.loads((ROOT / "ops/grafana/dashboards/decision-queue.json").read_text())
@@ -113,7 +118,7 @@ def test_a_real_prometheus_scrapes_workers_and_every_panel_shows_its_series(redi
     per_shard = query(port, 'sum by (shard) (max by (shard, stream, priority) (dq_stream_length{instance=~".*"}))')
     assert {s["metric"]["shard"] for s in per_shard} == {"0", "1"}
     lanes = query(port, 'count by (priority) (dq_stream_lag{stream="requests"})')
-    assert {s["metric"]["priority"]: float(s["value"][1]) for s in lanes} == {"high": 2, "normal": 2}
+    assert {s["metric"]["priority"]: float(s["value"][1]) for s in lanes} == {"high": 4, "normal": 4}  # + exporter
     by_status = query(port, "sum by (status) (dq_results_total)")
     assert {s["metric"]["status"]: float(s["value"][1]) for s in by_status} == {"ok": len(batch) - 1, "error": 1}
 
@@ -128,3 +133,4 @@ def test_a_real_prometheus_scrapes_workers_and_every_panel_shows_its_series(redi
     assert {r["name"] for r in rules} == {a["alert"] for a in alerts}
     assert all(r["health"] == "ok" and not r.get("lastError") for r in rules), rules
     assert [r["name"] for r in rules if r["state"] != "inactive"] == []
+    exporter.shutdown()

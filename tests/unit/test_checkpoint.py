@@ -1,5 +1,6 @@
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +98,10 @@ def test_device_and_dtype_options(checkpoints):
     if not torch.cuda.is_available():
         with pytest.raises(CheckpointError, match="CUDA"):
             checkpoint.load(checkpoints["repo-text"], device="cuda")
+
+
+def test_tiny_checkpoints_are_readable_by_every_user(checkpoints):
+    """The image's unprivileged user reads a checkpoint another user wrote (the weights were once 0600)."""
+    for directory in checkpoints.values():
+        for file in Path(directory).iterdir():
+            assert file.stat().st_mode & 0o444 == 0o444, file

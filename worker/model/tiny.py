@@ -160,7 +160,7 @@ def write(directory: str | Path, seed: int = 0, fmt: str = "repo", multimodal: b
         model.decision_config = DecisionConfig(chat_template=TINY_TEMPLATE.strip(),
                                                temperature={"noul": 1.0, "choice": 0.8, "score": 1.25})
         model.save_pretrained(path)
-        return path
+        return _readable(path)
 
     # Backbone-only checkpoints: the backbone's own weights and config, the head in a file of its own.
     backbone_state = {f"model.{k}": v.contiguous() for k, v in model.model.state_dict().items()}
@@ -182,4 +182,13 @@ def write(directory: str | Path, seed: int = 0, fmt: str = "repo", multimodal: b
              "softcap": 30.0}, indent=2) + "\n")
         (path / "calibration.json").write_text(json.dumps(
             {"per_kind": {"noul": 1.0, "choice": 0.9, "score": 1.1}}, indent=2) + "\n")
+    return _readable(path)
+
+
+def _readable(path: Path) -> Path:
+    """Every file readable by all: the weights are written 0600 (a temporary file renamed), which the image's
+    unprivileged user could not read from a checkpoint written by another user (a mounted volume)."""
+    for file in path.iterdir():
+        if file.is_file():
+            file.chmod(file.stat().st_mode | 0o444)
     return path

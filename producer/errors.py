@@ -1,0 +1,62 @@
+"""The errors the producer raises, under one base (``DecisionQueueError``): the client's own here (the server
+check's ``UnsupportedServer`` and the result's ``ResultError`` beside the code that raises them). Each keeps its other base (``ValueError``, ``TimeoutError``, redis-py's ``ConnectionError``...), so code that
+caught those still does."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import redis
+
+if TYPE_CHECKING:
+    from .result import Result
+
+
+class DecisionQueueError(Exception):
+    """Base of every decision-queue error: ``except DecisionQueueError`` catches each one the client raises."""
+
+
+class RedisUnreachable(DecisionQueueError, redis.ConnectionError):
+    """Redis did not answer the first contact (refused, unresolvable, or silent for the socket timeout): raised
+    once, without the retries meant for a restarting server, naming the URL (password hidden) and the cause."""
+
+
+class QueueFull(DecisionQueueError, RuntimeError):
+    """Backpressure: a shard's stream holds more unfinished requests than the producer's limit.
+
+    Each batch is all or nothing, and a call stops at the first refused batch: ``accepted`` are the ids enqueued
+    before it (their results will come), ``refused`` the ids not enqueued (send them again later), in input order.
+    """
+
+    def __init__(self, detail: str, accepted: Sequence[str] = (), refused: Sequence[str] = ()) -> None:
+        self.detail, self.accepted, self.refused = detail, list(accepted), list(refused)
+        total = len(self.accepted) + len(self.refused)
+        super().__init__(detail + (f"; {len(self.accepted)} of {total} requests accepted" if total else ""))
+
+
+class InvalidRequest(DecisionQueueError, ValueError):
+    """The request fails the wire schema; nothing was sent. ``index``: its position in a ``submit_many`` call."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message if index is None else f"request {index}: {message}")
+        self.index = index
+
+
+class ResultTimeout(DecisionQueueError, TimeoutError):
+    """No result within the timeout for ``missing`` (they stay queued; fetch them later); ``results``: those that
+    did land, by id."""
+
+    def __init__(self, message: str, results: Mapping[str, Result] | None = None,
+                 missing: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.results, self.missing = dict(results or {}), list(missing)
+
+
+class WrongResult(DecisionQueueError, RuntimeError):
+    """A request's result stream holds a result for another id: written by something other than a worker (no
+    worker publishes one), never handed out as this request's answer."""
+
+
+class LibraryUnavailable(DecisionQueueError, RuntimeError):
+    """The library is not on the server (or an older revision is), and this client's user may not load it."""

@@ -1,0 +1,144 @@
+"""The queue exporter (``dq-producer exporter``): the queue's depth as Prometheus metrics, read from Redis by
+itself, so that alerts and dashboards see the backlog when no worker is left to report it.
+
+It runs as the read-only ``monitor`` ACL user (counts only: XLEN, XINFO GROUPS/CONSUMERS, the heartbeat hash) and
+reads on each scrape what ``dq-producer stats`` shows. Its stream gauges have the workers' names and labels
+(``dq_stream_length{shard, stream, priority}``...), so the dashboard's and the alerts' ``max by (shard, stream,
+priority)`` takes either source; a stream whose group does not exist yet counts as all lag (nobody took anything).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import redis
+
+from .errors import DecisionQueueError
+
+log = logging.getLogger("producer.exporter")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+STREAM_GAUGES = {  # name: (the stats field, help)
+    "dq_stream_length": ("length", "Entries in the stream (unfinished work)"),
+    "dq_stream_pending": ("pending", "Entries delivered and not acknowledged"),
+    "dq_stream_lag": ("lag", "Entries not yet delivered to any worker"),
+    "dq_stream_consumers": ("consumers", "Group consumers seen lately or holding entries"),
+}
+OTHER_GAUGES = {
+    "dq_dead_letter_entries": "Entries in the shard's dead-letter stream",
+    "dq_workers_live": "Workers whose heartbeat is younger than 30 s",
+    "dq_exporter_redis_up": "1 when the last read of the queue from Redis succeeded",
+    "dq_exporter_read_seconds": "How long the last read of the queue took",
+}
+# Every series this exporter can write -> its labels (tests check the dashboard's and the alerts' names against it).
+EXPORTED = {**{name: ("shard", "stream", "priority") for name in STREAM_GAUGES}, "dq_dead_letter_entries": ("shard",),
+            **{name: () for name in OTHER_GAUGES if name != "dq_dead_letter_entries"}}
+
+
+def _labels(**labels: Any) -> str:
+    return "{" + ",".join(f'{name}="{value}"' for name, value in labels.items()) + "}" if labels else ""
+
+
+def render(stats: dict[str, Any] | None, seconds: float) -> str:
+    """The exposition text of one read (``Client.stats()``'s dict; None: Redis did not answer)."""
+    samples: dict[str, list[str]] = {name: [] for name in (*STREAM_GAUGES, *OTHER_GAUGES)}
+    for shard in (stats or {}).get("shards", []):
+        for lane, streams in shard["lanes"].items():
+            for stream, figures in streams.items():
+                # no group yet: nothing was delivered, everything waits
+                values = {"pending": 0, "lag": figures["length"], "consumers": 0, **figures}
+                for name, (field, _) in STREAM_GAUGES.items():
+                    samples[name].append(f"{name}{_labels(shard=shard['shard'], stream=stream, priority=lane)} "
+                                         f"{values[field]}")
+        samples["dq_dead_letter_entries"].append(f"dq_dead_letter_entries{_labels(shard=shard['shard'])} "
+                                                 f"{shard['dead_letters']}")
+    if stats is not None:
+        samples["dq_workers_live"].append(f"dq_workers_live {stats['workers']}")
+    samples["dq_exporter_redis_up"].append(f"dq_exporter_redis_up {0 if stats is None else 1}")
+    samples["dq_exporter_read_seconds"].append(f"dq_exporter_read_seconds {seconds:.6f}")
+    out = []
+    for name, lines in samples.items():
+        text = STREAM_GAUGES[name][1] if name in STREAM_GAUGES else OTHER_GAUGES[name]
+        out += [f"# HELP {name} {text}", f"# TYPE {name} gauge", *lines]
+    return "\n".join(out) + "\n"
+
+
+class Exporter:
+    """Reads the queue once per scrape (one at a time: concurrent scrapes share the read in progress)."""
+
+    def __init__(self, read: Callable[[], dict[str, Any]], where: str) -> None:
+        self.read, self.where = read, where
+        self.lock = threading.Lock()
+        self.failing = False
+
+    def metrics(self) -> str:
+        with self.lock:
+            start = time.monotonic()
+            try:
+                stats: dict[str, Any] | None = self.read()
+                if self.failing:
+                    log.warning("queue at %s readable again", self.where)
+                self.failing = False
+            except (redis.RedisError, DecisionQueueError) as error:
+                if not self.failing:  # one line per outage, not one per scrape
+                    log.warning("cannot read the queue at %s: %s", self.where, error)
+                stats, self.failing = None, True
+            return render(stats, time.monotonic() - start)
+
+
+def http_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    """A threaded HTTP server on ``host`` (an IPv4 or IPv6 address or name); ``""``: every interface, IPv6 and
+    IPv4 together where the machine has IPv6, else IPv4 only."""
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+
+        def server_bind(self) -> None:
+            if self.address_family == socket.AF_INET6 and host in ("", "::"):
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # dual stack
+            super().server_bind()
+
+    family = socket.AF_INET
+    if host in ("", "::"):
+        family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
+        host = "::" if family == socket.AF_INET6 else "0.0.0.0"
+    elif ":" in host:
+        family = socket.AF_INET6
+    Server.address_family = family
+    try:
+        return Server((host, port), handler)
+    except OSError as error:
+        if family == socket.AF_INET6 and host == "::" and error.errno in (97, 99):  # no IPv6 configured here
+            Server.address_family = socket.AF_INET
+            return Server(("0.0.0.0", port), handler)
+        raise
+
+
+def serve(exporter: Exporter, host: str, port: int) -> ThreadingHTTPServer:
+    """``/metrics`` (the queue), ``/healthz`` (the exporter runs); in a thread."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            if self.path == "/metrics":
+                body, code, kind = exporter.metrics().encode(), 200, CONTENT_TYPE
+            elif self.path in ("/healthz", "/health"):
+                body, code, kind = b"ok\n", 200, "text/plain"
+            else:
+                body, code, kind = b"not found\n", 404, "text/plain"
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:  # scrapes are not events
+            pass
+
+    server = http_server(host, port, Handler)
+    threading.Thread(target=server.serve_forever, name="exporter-http", daemon=True).start()
+    return server

@@ -1,0 +1,66 @@
+"""The worker's HTTP endpoints: bound where --metrics-host says (IPv4, IPv6, or both by default), /health beside
+/healthz, and a log line saying where they are served."""
+
+import logging
+import socket
+import time
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from worker.health import Snapshot, serve_http
+from worker.metrics import Metrics
+from worker.redis_server import free_port
+
+
+class Daemon:
+    def __init__(self, host: str = "") -> None:
+        self.metrics, self.settings = Metrics(), SimpleNamespace(metrics_host=host)
+
+    def snapshot(self) -> Snapshot:
+        now = time.time()
+        return Snapshot(beats={"reader": now, "gpu": now}, reading_since=None, loop_running=True, redis_ok=True,
+                        library_ok=True, ready=True, inflight=0, stopping=False, block_ms=1000)
+
+
+def get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return reply.status
+
+
+def ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_endpoints_answer_on_ipv4_and_ipv6_by_default_with_a_health_alias_and_say_where(caplog):
+    port = free_port()
+    with caplog.at_level(logging.INFO, logger="worker"):
+        server = serve_http(Daemon(), port)
+    try:
+        for path in ("/healthz", "/health", "/readyz", "/metrics"):
+            assert get(f"http://127.0.0.1:{port}{path}") == 200, path
+        if ipv6():
+            assert get(f"http://[::1]:{port}/health") == 200
+        assert f"serving /metrics, /healthz (/health) and /readyz on port {port} of every interface" in caplog.text
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_metrics_host_binds_one_address():
+    port = free_port()
+    server = serve_http(Daemon("127.0.0.1"), port, "127.0.0.1")
+    try:
+        assert get(f"http://127.0.0.1:{port}/healthz") == 200
+        if ipv6():
+            with pytest.raises(OSError):
+                get(f"http://[::1]:{port}/healthz")
+    finally:
+        server.shutdown()
+        server.server_close()
