@@ -49,7 +49,7 @@ ROLES = {
         "(+hgetall %R~{workers})"  # live workers: a wait with none says so at once
     ),
     "worker": (
-        "{connect} +fcall +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|delconsumer "
+        "{connect} +fcall +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|createconsumer +xgroup|delconsumer "
         "+xinfo|groups +xinfo|consumers +xinfo|stream +xlen ~{requests} ~{high_requests} ~{part_stream} ~{high_part_stream} "
         "(+xadd +xlen ~{part_stream} ~{high_part_stream} ~{dead}) "  # fan-out parts, dead letters
         "(+set +get ~{bodies}) "  # a fanned-out request's body

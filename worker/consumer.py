@@ -42,7 +42,9 @@ class Consumer:
             await self.once.aclose()
 
     async def ensure_groups(self) -> bool:
-        """Create the group on every work stream (and the streams); True if one had to be created."""
+        """Create the group on every work stream (and the streams), and this consumer in it: a blocked read does not
+        create it on Redis 7.0, so an idle worker would be no consumer of a quiet stream (stats, the forget
+        function). True if a group had to be created."""
         created = False
         for key in self.streams:
             try:
@@ -51,6 +53,7 @@ class Consumer:
             except redis.ResponseError as error:
                 if "BUSYGROUP" not in str(error):
                     raise
+            await self.redis.xgroup_createconsumer(key, self.keys.group, self.name)
         return created
 
     async def read(self, lane: Priority, count: int, block_ms: int) -> list[Delivery]:

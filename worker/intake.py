@@ -53,6 +53,9 @@ class Intake:
         self.presence = presence  # the heartbeat, and forgetting the workers and consumers that are gone
         self.readers = {lane: Reader() for lane in LANES}
         self.recreating = asyncio.Lock()  # one recreation of a lost group, whichever loop noticed first
+        # Set once every reader has taken back its own pending entries: only then does the maintenance loop reclaim,
+        # so that what a reclaim moves to this consumer is not found again as its own meanwhile.
+        self.recovered = asyncio.Event()
         self.unread_deleted: dict[tuple[str, str], str] = {}  # per stream: the deleted entry last reported
 
     @property
@@ -107,6 +110,8 @@ class Intake:
                     deliveries, gone, reader.recover = await self.consumer.own_pending(lane, room, set(lifecycle.held))
                     self._lost([entry for entry in gone if not lifecycle.known(entry, since)])
                     how = "recovered"
+                    if not any(each.recover for each in self.readers.values()):
+                        self.recovered.set()
                 else:
                     deliveries = await self.consumer.read(lane, min(settings.read_count, room), settings.block_ms)
                     reader.empty_since, how = None if deliveries else since, "read"
@@ -139,6 +144,7 @@ class Intake:
         settings, lifecycle = self.settings, self.lifecycle
         every = max(0.1, min(5.0, settings.claim_idle_ms / 4000))
         last_stats = float("-inf")
+        await self.recovered.wait()
         while True:
             self.metrics.heartbeat.labels("maintenance").set(time.time())
             try:

@@ -31,7 +31,7 @@ def stats(url: str) -> dict:
     return json.loads(done.stdout)
 
 
-def test_the_gone_are_forgotten_and_stats_count_the_living(redis_server, start_worker, tiny_dir, inprocess):
+def test_the_gone_are_forgotten_and_stats_count_the_living(redis_server, start_worker, tiny_dir, server_binary):
     client = Client(redis_server.url)
     keys, r = client.keys, client.redis
     # A worker that ran and was killed: its consumer and its heartbeat stay behind.
@@ -52,7 +52,7 @@ def test_the_gone_are_forgotten_and_stats_count_the_living(redis_server, start_w
         "dead-worker", "died-holding"}
 
     # A live worker that would reclaim only after a minute: the holder keeps its consumer while it holds.
-    inprocess(redis_server.url, consumer="live", consumer_gone_ms=2000, claim_idle_ms=60000).start()
+    start_worker(tiny_dir, redis_server.url, consumer="live", consumer_gone_ms=2000, claim_idle_ms=60000)
     wait_for(lambda: "dead-worker" not in consumers(r, keys.requests, keys.group), timeout=60,
              what="dead-worker forgotten")
     # From every stream, but not necessarily in the round that logged: each lane's reader last touched its streams at
@@ -73,5 +73,9 @@ def test_the_gone_are_forgotten_and_stats_count_the_living(redis_server, start_w
     wait_for(lambda: set(consumers(r, keys.requests, keys.group)) == {"live"}, timeout=30, what="the holder gone")
     wait_for(lambda: not r.hexists(keys.workers(), "dead-worker"), timeout=GONE_S + 30, what="the beat deleted")
     after = stats(redis_server.url)
-    assert after["workers"] == 1 and after["requests"]["consumers"] == 1 and after["chunks"]["consumers"] == 1
+    assert after["workers"] == 1 and after["requests"]["consumers"] == 1
+    # Redis 7.0 refreshes a consumer's idle time only when a read returns entries: an idle worker on a quiet stream
+    # (no part was ever sent here) looks idle there (docs/OPERATIONS.md); 7.2 and Valkey count every read.
+    old = server_binary.server.family == "redis" and server_binary.server.version < (7, 2)
+    assert after["chunks"]["consumers"] in ((0, 1) if old else (1,))  # 7.0: 1 only within 30 s of its creation
     assert set(r.hkeys(keys.workers())) == {b"live"}

@@ -159,7 +159,9 @@ def test_kill_9_mid_pack_the_other_worker_reclaims_and_finishes(redis_server, st
     rest = client.submit_many(lane(batch(8, "kill", start=4), priority))
     report = settle(client.redis, client.keys, first + rest, timeout=90).assert_ok()
     assert all(r.ok for r in report.results.values())
-    assert survivor.metric("dq_entries_read_total", how="reclaimed") == 4
+    assert survivor.metric("dq_entries_read_total", how="reclaimed") == 4, (
+        survivor.metric("dq_entries_read_total", how="recovered"), survivor.metric("dq_redis_errors_total"),
+        survivor.log.read_text()[-3000:])
     wait_released(survivor)
     assert survivor.metric("dq_request_latency_seconds_count", priority=priority) == 12
 
