@@ -1,4 +1,4 @@
-"""Soak: several worker processes and producer threads for a bounded time (about a minute and a half on CPU), one worker
+"""Soak: several worker processes and producer threads for a bounded time (a minute and a half on CPU), one worker
 killed (-9) and replaced midway; throughput is printed, the invariant is asserted. The same code as ops/soak.py,
 which runs it against a real deployment. Deselect with ``-m 'not soak'``."""
 
