@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,9 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def dead_letter(admin: redis.Redis, keys: Keys, fields: dict, stream: str, lane: str, reason: str) -> str:
-    """As worker/publisher.py writes one: the entry's fields, then where it was and why."""
+    """As worker/publisher.py writes one: the entry's fields, then where it was and why. A millisecond apart: entry
+    ids of two shards' streams made in the same one would be equal (a case the test makes on purpose below)."""
+    time.sleep(0.002)
     return admin.xadd(keys.dead, {**fields, Field.STREAM: stream, Field.LANE: lane, Field.ENTRY_ID: "1-1",
                                   Field.DELIVERIES: "6", Field.REASON: reason}).decode()
 

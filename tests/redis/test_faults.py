@@ -282,6 +282,7 @@ def test_a_held_entry_trimmed_between_keep_alive_and_reclaim_is_not_counted_lost
             return None
 
         consumer.keep_alive = no_keep_alive
+        intake.recovered.set()  # no readers here: nothing of its own to take back first
         maintenance = asyncio.ensure_future(intake.run_maintenance())
         await asyncio.sleep(0.5)
         maintenance.cancel()
