@@ -209,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
                      help="seconds to keep retrying while the queue is full and nothing gets in; then the rest is "
                           "not sent and the exit code is 3 (0: give up at once) [default 60]")
     sub.add_argument("--batch", type=_positive, default=500, metavar="N", help="requests per submit call [default 500]")
-    sub.add_argument("--max-unfinished", type=int, default=100_000, metavar="N",
+    sub.add_argument("--max-unfinished", type=_at_least_zero, default=100_000, metavar="N",
                      help="backpressure: the most entries a shard's request stream may hold (0: no limit) "
                           "[default 100000]")
     sub.add_argument("--priority", choices=[str(lane) for lane in LANES], default=None,
@@ -242,6 +242,13 @@ def parser() -> argparse.ArgumentParser:
                      help="address to bind (IPv4 or IPv6) [default '': every interface, IPv6 and IPv4]")
     exp.set_defaults(run=exporter)
     return top
+
+
+def _at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (no limit) or more, got {value}")
+    return value
 
 
 def _positive(text: str) -> int:

@@ -68,6 +68,9 @@ def read_lines(handle: TextIO, priority: str | None = None) -> list[Line]:
         except ValueError as error:
             lines.append(Line.refused(number, f"line-{number}", ErrorCode.INVALID_JSON, f"not JSON: {error}"))
             continue
+        except RecursionError:  # not a ValueError: it once ended the command with a traceback
+            lines.append(Line.refused(number, f"line-{number}", ErrorCode.INVALID_JSON, "nested too deeply"))
+            continue
         if not isinstance(data, dict):
             lines.append(Line.refused(number, f"line-{number}", ErrorCode.INVALID_JSON,
                                       f"a request is a JSON object, got {type(data).__name__}"))
