@@ -1,16 +1,14 @@
 """The errors the producer raises, under one base (``DecisionQueueError``): the client's own here (the server
-check's ``UnsupportedServer`` and the result's ``ResultError`` beside the code that raises them). Each keeps its other base (``ValueError``, ``TimeoutError``, redis-py's ``ConnectionError``...), so code that
-caught those still does."""
+check's ``UnsupportedServer`` and the result's ``ResultError`` beside the code that raises them). Each keeps its
+other base (``ValueError``, ``TimeoutError``, redis-py's ``ConnectionError``...), so code that caught those still
+does. Torch-free and import-light: result.py builds on this module, never the other way round."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import redis
-
-if TYPE_CHECKING:
-    from .result import Result
 
 
 class DecisionQueueError(Exception):
@@ -47,7 +45,7 @@ class ResultTimeout(DecisionQueueError, TimeoutError):
     """No result within the timeout for ``missing`` (they stay queued; fetch them later); ``results``: those that
     did land, by id."""
 
-    def __init__(self, message: str, results: Mapping[str, Result] | None = None,
+    def __init__(self, message: str, results: Mapping[str, Any] | None = None,  # id -> Result
                  missing: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.results, self.missing = dict(results or {}), list(missing)
