@@ -11,12 +11,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from support import http_get
 from worker.redis_server import RedisServer, free_port, test_servers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,11 +56,7 @@ class WorkerProcess:
         self.process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
     def get(self, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as reply:
-                return reply.status, reply.read().decode()
-        except urllib.error.HTTPError as error:
-            return error.code, error.read().decode()
+        return http_get(f"http://127.0.0.1:{self.port}{path}")
 
     def wait_ready(self, timeout: float = 120.0) -> WorkerProcess:
         deadline = time.monotonic() + timeout

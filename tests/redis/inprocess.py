@@ -14,11 +14,10 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 from faulty_worker import FaultyEngine
+from support import http_get
 from worker.config import Settings
 from worker.daemon import Daemon
 from worker.health import serve_http, status
@@ -93,12 +92,7 @@ class InProcessWorker:
 
     def get(self, path: str) -> tuple[int, str]:
         """GET a path of its health server (``http=True``), as a probe would."""
-        assert self.http is not None, "start it with http=True"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http.server_port}{path}", timeout=2) as reply:
-                return reply.status, reply.read().decode()
-        except urllib.error.HTTPError as error:
-            return error.code, error.read().decode()
+        return http_get(f"http://127.0.0.1:{self.port}{path}")
 
     def join(self, timeout: float) -> InProcessWorker:
         assert self.thread is not None

@@ -117,16 +117,21 @@ def test_planner_processes_leave_when_their_worker_is_killed(tmp_path):
 
 # ---- LaneQueue: planning jobs wait in lane order
 
-def test_planning_jobs_start_in_lane_order():
-    gate, started = threading.Event(), []
-    pool = ThreadPoolExecutor(1)
-    lanes = LaneQueue(pool, depth=1, normal_share=0.1)
+
+def gated(normal_share: float):
+    """A LaneQueue over one thread, and a job that records its start and waits for the gate to open."""
+    gate, started, pool = threading.Event(), [], ThreadPoolExecutor(1)
 
     def job(name: str) -> str:
         started.append(name)
         gate.wait(10)
         return name
 
+    return LaneQueue(pool, depth=1, normal_share=normal_share), job, gate, started, pool
+
+
+def test_planning_jobs_start_in_lane_order():
+    lanes, job, gate, started, pool = gated(0.1)
     futures = [lanes.submit(NORMAL, job, f"n{i}") for i in range(5)] + [lanes.submit(HIGH, job, "h")]
     gate.set()
     assert [f.result(timeout=10) for f in futures] == ["n0", "n1", "n2", "n3", "n4", "h"]
@@ -135,15 +140,7 @@ def test_planning_jobs_start_in_lane_order():
 
 
 def test_waiting_normal_planning_jobs_get_their_share_of_the_starts():
-    gate, started = threading.Event(), []
-    pool = ThreadPoolExecutor(1)
-    lanes = LaneQueue(pool, depth=1, normal_share=0.25)
-
-    def job(name: str) -> str:
-        started.append(name)
-        gate.wait(10)
-        return name
-
+    lanes, job, gate, started, pool = gated(0.25)
     futures = [lanes.submit(HIGH, job, "first")]
     futures += [lanes.submit(NORMAL, job, f"n{i}") for i in range(3)] + [lanes.submit(HIGH, job, f"h{i}")
                                                                         for i in range(12)]
