@@ -123,7 +123,7 @@ class Daemon:
 
     def _burst_over(self) -> bool:
         empty_since = self.intake.streams_empty_since
-        if not self.lifecycle.held and empty_since is not None and empty_since > self.lifecycle.released_at:
+        if not self.lifecycle.held and empty_since is not None and empty_since > (self.lifecycle.settled_at or 0.0):
             self.stop()
         return self.stopping.is_set()
 

@@ -40,7 +40,7 @@ class Reader:
     def __init__(self) -> None:
         self.turn: float | None = None  # its last turn
         self.reading_since: float | None = None  # it has waited on Redis since (health: Redis' fault)
-        self.empty_since: float | None = None  # its last read of new entries, begun then (monotonic), found none
+        self.empty_since: float | None = None  # its last read of new entries, begun then (time()), found none
         self.recover = True  # own pending entries first: at start, and after any doubt (a call's reply may be lost)
 
 
@@ -114,7 +114,7 @@ class Intake:
                         self.recovered.set()
                 else:
                     deliveries = await self.consumer.read(lane, min(settings.read_count, room), settings.block_ms)
-                    reader.empty_since, how = None if deliveries else since, "read"
+                    reader.empty_since, how = None if deliveries else reader.reading_since, "read"
                 self.link.answered()
             except redis.ResponseError as error:
                 if not group_gone(error):

@@ -57,8 +57,7 @@ class Lifecycle:
         self.room = {lane: asyncio.Event() for lane in LANES}  # set when an entry of the lane is let go
         self.lost: dict[tuple[str, str], None] = {}  # counted as lost, recent ones
         self.settled: dict[tuple[str, str], float] = {}  # -> when let go (monotonic), recent ones
-        self.settled_at: float | None = None  # when an entry was last let go (health: is work progressing?)
-        self.released_at = float("-inf")  # the same, monotonic
+        self.settled_at: float | None = None  # when an entry was last let go (health; burst runs)
         self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
 
     # ---- the held table
@@ -91,7 +90,7 @@ class Lifecycle:
         if self.held.pop(entry, None) is not None:
             self.held_in[delivery.lane] -= 1
             self.room[delivery.lane].set()
-            self.settled[entry] = self.released_at = time.monotonic()
+            self.settled[entry] = time.monotonic()
             self.settled_at = time.time()
             while len(self.settled) > SETTLED_REMEMBERED:
                 del self.settled[next(iter(self.settled))]
