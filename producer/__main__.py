@@ -38,13 +38,16 @@ from .schema import ErrorCode
 # Connection flags: the worker's names (worker/config.py), so one vocabulary serves both; the first is the flag.
 CONNECTION = {  # field of Deployment: (flags, metavar, help)
     "url": (["--redis-url", "--redis"], "URL",
-            "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user)"),
+            "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user; "
+            "redis+sentinel://host:port,host:port/SERVICE[/db] through Sentinel)"),
     "namespace": (["--namespace"], "NAME", "prefix of every Redis name of the deployment"),
     "cluster": (["--redis-cluster", "--cluster"], None, "the URL is a node of a Redis Cluster"),
     "shards": (["--shards"], "N", "stream shards of the deployment: submit spreads over them, stats shows each"),
     "tls_ca": (["--redis-tls-ca"], "FILE", "CA certificate file that verifies the Redis server (rediss://)"),
     "tls_cert": (["--redis-tls-cert"], "FILE", "client certificate file, when Redis requires one (rediss://)"),
     "tls_key": (["--redis-tls-key"], "FILE", "the client certificate's private key file (rediss://)"),
+    "wait_replicas": (["--wait-replicas"], "N", "durable mode: an enqueue is acknowledged, a result read, once N "
+                      "replicas have it (0: off)"),
 }
 
 
@@ -275,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "exporter":
             check_reachable(deployment)
         with Client(deployment.url, deployment.namespace, cluster=deployment.cluster, shards=deployment.shards,
-                    max_unfinished=getattr(args, "max_unfinished", 0), **deployment.tls_files(), **options) as client:
+                    wait_replicas=deployment.wait_replicas, max_unfinished=getattr(args, "max_unfinished", 0),
+                    **deployment.tls_files(), **options) as client:
             return args.run(args, client)
     except redis.RedisError as error:
         print(f"dq-producer: Redis at {deployment.safe_url}: {error}", file=sys.stderr)

@@ -17,17 +17,17 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import arrivals, library
-from .connection import Deployment, aconnect, connect
+from . import arrivals, library, stats
+from .connection import WAIT_MS, Deployment, aconnect, connect
 from .core import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
                    Step, Submittable, WrongResult, prepare)
-from .errors import DecisionQueueError, RedisUnreachable
+from .errors import DecisionQueueError, NotDurable, RedisUnreachable
 from .keys import Keys
 from .library import LibraryUnavailable
 from .result import Result, ResultError
 from .servers import Server, UnsupportedServer, acheck, check
 
-__all__ = ["AsyncClient", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "Prepared",
+__all__ = ["AsyncClient", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "NotDurable", "Prepared",
            "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout", "UnsupportedServer", "WrongResult",
            "aconnect", "connect", "prepare"]
 T = TypeVar("T")
@@ -44,7 +44,9 @@ class _Face:
 
     Arguments left out come from the worker's ``DQ_*`` variables (``DQ_REDIS_URL``, ``DQ_NAMESPACE``,
     ``DQ_REDIS_CLUSTER``, ``DQ_REDIS_TLS_*``) and ``DQ_SHARDS``, then the defaults. ``max_unfinished``: the
-    backpressure limit per shard (0: none). ``options``: redis-py connection options (e.g. ``ssl_ca_certs``).
+    backpressure limit per shard (0: none). ``wait_replicas`` (``DQ_WAIT_REPLICAS``): durable mode, an enqueue is
+    acknowledged and a result returned only once that many replicas have it, else NotDurable names the ids.
+    ``options``: redis-py connection options (e.g. ``ssl_ca_certs``).
 
     The first call asks the server what it is, once and without retries: a Redis that is down raises
     ``RedisUnreachable`` within the socket timeout (5 s), not after the retries that ride out a restart.
@@ -55,8 +57,9 @@ class _Face:
 
     def __init__(self, url: str | None = None, namespace: str | None = None, max_unfinished: int = 100_000,
                  cluster: bool | None = None, connection: Any = None, shards: int | None = None,
-                 **options: Any) -> None:
-        self.deployment = Deployment.resolve(url=url, namespace=namespace, cluster=cluster, shards=shards)
+                 wait_replicas: int | None = None, **options: Any) -> None:
+        self.deployment = Deployment.resolve(url=url, namespace=namespace, cluster=cluster, shards=shards,
+                                             wait_replicas=wait_replicas)
         self._options = {**self.deployment.tls_files(), **options}
         self._given = connection is not None
         try:  # a cluster client connects here already
@@ -65,7 +68,7 @@ class _Face:
             raise _unreachable(self.deployment.safe_url, error) from None
         cluster = self.deployment.cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
         self.keys = Keys(self.deployment.namespace)
-        self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster)
+        self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster, self.deployment.wait_replicas)
 
     @property
     def shards(self) -> int:
@@ -113,11 +116,11 @@ class Client(_Face):
 
     def stats(self) -> dict[str, Any]:
         """Queue totals and per-shard figures (see ``Producer.stats``)."""
-        return self._run(self.core.stats())
+        return self._run(stats.stats(self.core))
 
     def live_workers(self) -> int | None:
         """Live workers of the namespace (a heartbeat in the last 30 s); None when the user may not look."""
-        return self._run(self.core.live_workers())
+        return self._run(stats.live_workers(self.core))
 
     def close(self) -> None:
         self.redis.close()
@@ -158,6 +161,9 @@ class Client(_Face):
                 reply, error = None, failed
 
     def _do(self, step: Step) -> Any:
+        if isinstance(step, Function) and step.wait:  # WAIT counts its connection's writes: one pipeline
+            with self.redis.pipeline(transaction=False) as pipe:
+                return pipe.fcall(step.name, len(step.keys), *step.keys, *step.args).wait(step.wait, WAIT_MS).execute()
         if isinstance(step, Function):
             return self.redis.fcall(step.name, len(step.keys), *step.keys, *step.args)
         if isinstance(step, Load):  # only when missing: a producer never replaces the workers' revision
@@ -197,10 +203,10 @@ class AsyncClient(_Face):
         return await self._run(self.core.decide(request, timeout))
 
     async def stats(self) -> dict[str, Any]:
-        return await self._run(self.core.stats())
+        return await self._run(stats.stats(self.core))
 
     async def live_workers(self) -> int | None:
-        return await self._run(self.core.live_workers())
+        return await self._run(stats.live_workers(self.core))
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -240,6 +246,10 @@ class AsyncClient(_Face):
                 reply, error = None, failed
 
     async def _do(self, step: Step) -> Any:
+        if isinstance(step, Function) and step.wait:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                return await pipe.fcall(step.name, len(step.keys), *step.keys, *step.args).wait(step.wait,
+                                                                                                 WAIT_MS).execute()
         if isinstance(step, Function):
             return await self.redis.fcall(step.name, len(step.keys), *step.keys, *step.args)
         if isinstance(step, Load):

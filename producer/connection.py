@@ -18,12 +18,16 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
+from . import sentinel
+
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 SOCKET_TIMEOUT = 5.0
 # redis-py's default retry (a few jittered retries) gives up after about a second of refused connections: less
 # than a Redis restart. These ride out ~12 s. A retried call may run twice (lost reply): results are published
 # once whatever happens, and a request enqueued twice is answered once (docs/RELIABILITY.md).
 RETRIES, RETRY_BASE, RETRY_CAP = 16, 0.05, 1.0
+# Durable mode: how long one WAIT for the replicas may take before the write is reported not durable.
+WAIT_MS = 2000
 TLS_OPTIONS = {"tls_ca": "ssl_ca_certs", "tls_cert": "ssl_certfile", "tls_key": "ssl_keyfile"}
 
 
@@ -38,11 +42,12 @@ class Deployment:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    wait_replicas: int = 0  # durable mode: a write counts once this many replicas have it (docs/RELIABILITY.md)
 
     # The worker's variable names (worker/config.py), and DQ_SHARDS: how many shards producers spread over.
     ENV = {"url": "DQ_REDIS_URL", "namespace": "DQ_NAMESPACE", "cluster": "DQ_REDIS_CLUSTER",
            "shards": "DQ_SHARDS", "tls_ca": "DQ_REDIS_TLS_CA", "tls_cert": "DQ_REDIS_TLS_CERT",
-           "tls_key": "DQ_REDIS_TLS_KEY"}
+           "tls_key": "DQ_REDIS_TLS_KEY", "wait_replicas": "DQ_WAIT_REPLICAS"}
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str] | None = None, **given: Any) -> Deployment:
@@ -57,14 +62,17 @@ class Deployment:
             if value is not None:
                 values[field.name] = value
         deployment = cls(**values)
-        if urlsplit(deployment.url).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"a Redis URL starts with redis://, rediss:// or unix://, got {redact(deployment.url)}")
+        if deployment.url.split("://", 1)[0].lower() not in SCHEMES:
+            raise ValueError(f"a Redis URL starts with {', '.join(s + '://' for s in SCHEMES)}, got "
+                             f"{redact(deployment.url)}")
         if problem := url_problem(deployment.url):
             raise ValueError(f"the Redis URL is not usable: {problem}")
         if deployment.shards < 1:
             raise ValueError(f"shards must be at least 1, got {deployment.shards}")
-        if deployment.tls_files() and not deployment.url.startswith("rediss://"):
-            raise ValueError("TLS files (DQ_REDIS_TLS_*) need a rediss:// URL")
+        if deployment.tls_files() and not tls_url(deployment.url):
+            raise ValueError("TLS files (DQ_REDIS_TLS_*) need a rediss:// or rediss+sentinel:// URL")
+        if problem := mode_problem(deployment.url, deployment.cluster, deployment.wait_replicas):
+            raise ValueError(problem)
         return deployment
 
     def tls_files(self) -> dict[str, str]:
@@ -91,9 +99,35 @@ def _convert(variable: str, raw: str, default: Any) -> Any:
     return raw
 
 
+SCHEMES = ("redis", "rediss", "unix", *sentinel.SCHEMES)
+MAX_WAIT_REPLICAS = 16
+
+
+def tls_url(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in ("rediss", "rediss+sentinel")
+
+
+def mode_problem(url: str, cluster: bool, wait_replicas: int) -> str | None:
+    """Why these connection settings do not go together, or None."""
+    if cluster and sentinel.is_sentinel(url):
+        return "a Sentinel URL names a primary and its replicas, not a Redis Cluster: leave out --redis-cluster"
+    if not 0 <= wait_replicas <= MAX_WAIT_REPLICAS:
+        return f"wait_replicas (DQ_WAIT_REPLICAS) must be 0 to {MAX_WAIT_REPLICAS}, got {wait_replicas}"
+    if cluster and wait_replicas:
+        return ("wait_replicas (DQ_WAIT_REPLICAS) is for one primary and its replicas (Sentinel, or a managed "
+                "primary); on Redis Cluster it is not supported yet (docs/RELIABILITY.md)")
+    return None
+
+
 def url_problem(url: str) -> str | None:
     """Why ``url`` is not a Redis URL this client would use as written, or None. Never quotes the URL: a password
     with an unencoded ``/``, ``?`` or ``#`` ends the host part early, and what follows it would be echoed."""
+    if sentinel.is_sentinel(url):
+        try:
+            sentinel.parse(url)
+        except ValueError as error:
+            return str(error)
+        return None
     try:
         parts = urlsplit(url)
         _ = parts.port  # raises ValueError when what follows the user's ":" is not a port
@@ -112,6 +146,8 @@ def url_problem(url: str) -> str | None:
 
 def redact(url: str) -> str:
     """``redis://user:***@host:6379/0`` for ``redis://user:secret@host:6379/0``."""
+    if sentinel.is_sentinel(url):
+        return sentinel.redact(url)
     try:
         parts = urlsplit(url)
         if parts.password is None:
@@ -134,12 +170,16 @@ def _options(retry: Any, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def connect(url: str, cluster: bool = False, **options: Any) -> Any:
-    """A synchronous client (rediss:// URLs give TLS)."""
+    """A synchronous client (rediss:// URLs give TLS; a Sentinel URL, a client of the service's primary)."""
+    if sentinel.is_sentinel(url):
+        return sentinel.master(url, _options(Retry, options))
     return (redis.RedisCluster if cluster else redis.Redis).from_url(url, **_options(Retry, options))
 
 
 def aconnect(url: str, cluster: bool = False, **options: Any) -> Any:
     """An asyncio client, as ``connect``."""
+    if sentinel.is_sentinel(url):
+        return sentinel.master(url, _options(AsyncRetry, options), asyncio=True)
     return (aioredis.RedisCluster if cluster else aioredis.Redis).from_url(url, **_options(AsyncRetry, options))
 
 

@@ -26,11 +26,11 @@ import redis
 from pydantic import ValidationError
 
 from . import library
-from .errors import InvalidRequest, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here, imported from here
-from .keys import GONE_S, GROUP, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
+from .connection import WAIT_MS
+from .errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here
+from .keys import LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, shard_of
 from .schema import Request, describe, digest
 from .result import Result
-from .servers import lag_of
 
 BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the time Redis spends in one call
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
@@ -91,6 +91,7 @@ class Function:
     name: str
     keys: list[str]
     args: list[Any]
+    wait: int = 0  # durable mode: sent with a WAIT for this many replicas; the reply is [its reply, replicas]
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,9 @@ def parse_result(fields: Mapping[bytes, bytes], request_id: str) -> Result:
 class Producer:
     """The producer's logic without I/O: every operation returns a plan that a face runs."""
 
-    def __init__(self, keys: Keys, shards: int, max_unfinished: int, cluster: bool) -> None:
+    def __init__(self, keys: Keys, shards: int, max_unfinished: int, cluster: bool, wait_replicas: int = 0) -> None:
         self.keys, self.shards, self.max_unfinished, self.cluster = keys, shards, max_unfinished, cluster
+        self.wait_replicas = wait_replicas  # durable mode (docs/RELIABILITY.md): WAIT after each write and read
 
     @property
     def batch_size(self) -> int:
@@ -155,7 +157,11 @@ class Producer:
         args = [self.max_unfinished, *(value for item in batch for value in (item.id, item.body))]
         for attempt in range(LOAD_TRIES):
             try:
-                yield Function(library.SUBMIT, [stream], args)
+                reply = yield Function(library.SUBMIT, [stream], args, self.wait_replicas)
+                if self.wait_replicas and reply[1] < self.wait_replicas:
+                    raise NotDurable(f"{len(batch)} requests enqueued on the primary, but {reply[1]} of "
+                                     f"{self.wait_replicas} replicas confirmed them: submit them again under the same "
+                                     f"ids", [item.id for item in batch], reply[1], self.wait_replicas)
                 return
             except redis.ResponseError as error:
                 text = str(error)
@@ -170,6 +176,8 @@ class Producer:
 
     def fetch(self, request_id: str) -> Plan[Result | None]:
         """The result if it is there (non-blocking)."""
+        if self.wait_replicas:
+            return (yield from self.present([request_id])).get(request_id)
         reply = yield Call("xrange", (self.keys.result(request_id),), {"count": 1})
         return parse_result(reply[0][1], request_id) if reply else None
 
@@ -177,28 +185,51 @@ class Producer:
         """Results of all ``request_ids`` in their order; raises ResultTimeout naming how many are missing."""
         deadline = None if timeout is None else time.monotonic() + timeout
         waiting = list(dict.fromkeys(request_ids))
-        done = yield from self.present(waiting)
-        while len(done) < len(waiting):
+        done: dict[str, Result] = {}
+        look, shortfall = waiting, None  # ids to look at, read again with a confirmation in durable mode
+        while True:
+            try:
+                done.update((yield from self.present(look)))
+                shortfall = None
+            except NotDurable as error:  # durable mode: a result replicas have not confirmed is not there yet
+                shortfall = error
             missing = [r for r in waiting if r not in done]
             left = None if deadline is None else deadline - time.monotonic()
+            if not missing:
+                break
             if left is not None and left <= 0:
-                raise ResultTimeout(f"{len(missing)} of {len(waiting)} results not there yet", done, missing)
+                raise shortfall or ResultTimeout(f"{len(missing)} of {len(waiting)} results not there yet", done,
+                                                 missing)
             block = BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
             window = {self.keys.result(r): r for r in missing[: 1 if self.cluster else WINDOW]}
             reply = yield Call("xread", (dict.fromkeys(window, "0-0"),), {"count": 1, "block": block})
+            look = []
             for key, entries in reply or []:
                 request_id = window[key.decode() if isinstance(key, bytes) else key]
-                done[request_id] = parse_result(entries[0][1], request_id)
+                if self.wait_replicas:
+                    look.append(request_id)
+                else:
+                    done[request_id] = parse_result(entries[0][1], request_id)
             if self.cluster and reply:  # one key per read there: when the oldest lands, look at the rest
-                done.update((yield from self.present(missing[1:])))
+                look = missing[1:]
         return {r: done[r] for r in waiting}
 
     def present(self, request_ids: list[str]) -> Plan[dict[str, Result]]:
-        """The results already there, in one round trip (one key per command: fine on Redis Cluster too)."""
+        """The results already there, in one round trip (one key per command: fine on Redis Cluster too). Durable
+        mode: with, on the same connection, an empty PUBLISH (replicated after what was read) and a WAIT for it, so
+        that a result is returned only once the replicas asked for have it; NotDurable names those they lack."""
         if not request_ids:
             return {}
-        replies = yield Pipeline([Call("xrange", (self.keys.result(r),), {"count": 1}) for r in request_ids])
-        return {r: parse_result(reply[0][1], r) for r, reply in zip(request_ids, replies) if reply}
+        calls = [Call("xrange", (self.keys.result(r),), {"count": 1}) for r in request_ids]
+        if self.wait_replicas:
+            calls += [Call("publish", (self.keys.durable, "")), Call("wait", (self.wait_replicas, WAIT_MS))]
+        replies = yield Pipeline(calls)
+        found = {r: parse_result(reply[0][1], r) for r, reply in zip(request_ids, replies) if reply}
+        if self.wait_replicas and found and replies[-1] < self.wait_replicas:
+            raise NotDurable(f"{len(found)} results are on the primary, but {replies[-1]} of {self.wait_replicas} "
+                             f"replicas confirmed them: not returned yet", list(found), replies[-1],
+                             self.wait_replicas)
+        return found
 
     def decide(self, request: Submittable, timeout: float | None) -> Plan[Result]:
         """Submit, wait; a stored result of another request under the same id is answered ``id_conflict``."""
@@ -206,70 +237,3 @@ class Producer:
         [request_id] = yield from self.submit_many([prepared])
         result = (yield from self.wait_many([request_id], timeout))[request_id]
         return result.answering(digest(Request.model_validate_json(prepared.body)))
-
-    def stats(self) -> Plan[dict[str, Any]]:
-        """Totals over every shard, then each shard: for each lane (``lanes``: high, normal) the request and part
-        streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``prompts``: both
-        lanes together; dead letters; and the live workers. Live: a consumer seen in the last ``GONE_S`` seconds or
-        holding entries, a worker whose heartbeat is younger than that (workers delete the gone: presence.py). The
-        lag is the server's, or the length less pending when the server cannot count it (``servers.lag_of``)."""
-        shards = []
-        for shard in range(self.shards):
-            keys, entry = Keys(self.keys.namespace, shard), {"shard": shard}
-            lanes: dict[str, dict[str, Any]] = {}
-            for lane in LANES:  # plain str keys: the dict is printed and dumped as it is
-                lanes[lane.value] = {}
-                for name, stream in (("requests", keys.requests_in(lane)), ("chunks", keys.parts_in(lane))):
-                    lanes[lane.value][name] = yield from self._stream_stats(stream)
-            for name in ("requests", "chunks"):
-                entry[name] = _combine([lanes[lane.value][name] for lane in LANES], consumers=max)
-            entry["lanes"] = lanes
-            entry["dead_letters"] = yield Call("xlen", (keys.dead,))
-            shards.append(entry)
-        totals: dict[str, Any] = {name: _combine([s[name] for s in shards]) for name in ("requests", "chunks")}
-        totals["lanes"] = {lane.value: {name: _combine([s["lanes"][lane.value][name] for s in shards])
-                                        for name in ("requests", "chunks")} for lane in LANES}
-        totals["dead_letters"] = sum(s["dead_letters"] for s in shards)
-        beats = yield Call("hgetall", (self.keys.workers(),))
-        now = time.time()
-        totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
-        return {**totals, "shards": shards}
-
-    def live_workers(self) -> Plan[int | None]:
-        """Workers of this namespace whose heartbeat is younger than ``GONE_S`` (any shard); None when this user may
-        not read the heartbeat hash (an aclfile older than the producer's read of it)."""
-        try:
-            beats = yield Call("hgetall", (self.keys.workers(),))
-        except redis.exceptions.NoPermissionError:
-            return None
-        now = time.time()
-        return sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
-
-    def _stream_stats(self, stream: str) -> Plan[dict[str, Any]]:
-        """One stream's length, and the worker group's pending, lag and consumers on it (once the group exists)."""
-        stream_stats = {"length": (yield Call("xlen", (stream,)))}
-        try:
-            groups = yield Call("xinfo_groups", (stream,))
-        except redis.ResponseError as error:
-            if "no such key" not in str(error).lower():  # NOPERM and the like are the caller's to see
-                raise
-            groups = []
-        for group in groups:
-            if group["name"] in (GROUP, GROUP.encode()):
-                consumers = yield Call("xinfo_consumers", (stream, GROUP))
-                stream_stats.update(pending=group["pending"],
-                                    lag=lag_of(stream_stats["length"], group["pending"], group.get("lag")),
-                                    consumers=sum(1 for c in consumers if c["pending"] or c["idle"] < GONE_S * 1000))
-        return stream_stats
-
-
-def _combine(parts: list[dict[str, Any]], consumers: Any = sum) -> dict[str, Any]:
-    """Field-wise sum of stream stats; ``consumers`` combines consumer counts (``max`` over one shard's lanes)."""
-    out: dict[str, Any] = {}
-    for part in parts:
-        for name, value in part.items():
-            if name == "consumers":
-                out[name] = consumers((out.get(name, 0), value))
-            else:
-                out[name] = None if value is None or out.get(name, 0) is None else out.get(name, 0) + value
-    return out

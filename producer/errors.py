@@ -58,3 +58,13 @@ class WrongResult(DecisionQueueError, RuntimeError):
 
 class LibraryUnavailable(DecisionQueueError, RuntimeError):
     """The library is not on the server (or an older revision is), and this client's user may not load it."""
+
+
+class NotDurable(DecisionQueueError, redis.ResponseError):
+    """Durable mode (``wait_replicas``): fewer replicas than asked confirmed within the wait. ``ids``: the requests
+    concerned. A submit: they are enqueued on the primary but may not survive a failover; submitting them again
+    under the same ids is safe. A read: their results are not returned until replicas have them (wait again)."""
+
+    def __init__(self, message: str, ids: Sequence[str] = (), replicas: int = 0, wanted: int = 0) -> None:
+        super().__init__(message)
+        self.ids, self.replicas, self.wanted = list(ids), replicas, wanted

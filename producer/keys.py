@@ -133,6 +133,11 @@ class Keys:
         """The request JSON of a fanned-out request, read by whichever worker takes one of its parts."""
         return f"{self.base}:body:{{{request_id}}}"
 
+    def durable(self) -> str:
+        """A Pub/Sub channel nobody reads: a durable-mode reader publishes an empty message to it so that its WAIT
+        covers what it read (WAIT counts a connection's own writes, and the replication stream is one order)."""
+        return f"{self.base}:durable"
+
     def workers(self) -> str:
         """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, engine}``, written every 5 s
         (worker/presence.py); beats older than GONE_S are gone and deleted by the live workers."""

@@ -15,11 +15,11 @@ import socket
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from producer.connection import SOCKET_TIMEOUT, redact, url_problem
+from producer.connection import MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT, mode_problem, redact, tls_url, url_problem
 
 DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
 NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a prefix of every key: no braces (hash tags), no colons
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+REDIS_SCHEMES = tuple(f"{scheme}://" for scheme in SCHEMES)
 
 
 class SettingsError(ValueError):
@@ -76,11 +76,14 @@ class Settings:
                                   low=0)
     # Queue
     redis_url: str = _opt("redis://127.0.0.1:6379/0",
-                          "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user)")
+                          "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user; "
+                          "redis+sentinel://host:port,host:port/SERVICE[/db] through Sentinel)")
     redis_cluster: bool = _opt(False, "the URL is a node of a Redis Cluster (the client follows slot moves)")
     redis_tls_ca: str = _opt("", "CA certificate file that verifies the Redis server (rediss://)")
     redis_tls_cert: str = _opt("", "client certificate file, when Redis requires client certificates (rediss://)")
     redis_tls_key: str = _opt("", "the client certificate's private key file (rediss://)")
+    wait_replicas: int = _opt(0, "durable mode: a publication and its acknowledgement count once this many "
+                                 "replicas have them (WAIT; 0: off)", low=0, high=MAX_WAIT_REPLICAS)
     namespace: str = _opt("dq", "prefix of every Redis name of this deployment")
     shard: int = _opt(0, "stream shard this worker reads", low=0)
     consumer: str = _opt("", "consumer name in the group (default: host-pid)")
@@ -129,10 +132,12 @@ class Settings:
         if not NAMESPACE.fullmatch(self.namespace):
             problems.append(("namespace", "1 to 64 of A-Z a-z 0-9 . _ -", self.namespace))
         if not self.redis_url.startswith(REDIS_SCHEMES):
-            problems.append(("redis_url", "a redis://, rediss:// or unix:// URL",  # never echo a password
+            problems.append(("redis_url", "a " + ", ".join(REDIS_SCHEMES) + " URL",  # never echo a password
                              self.redis_url.split(":", 1)[0] + ":..."))
         elif problem := url_problem(self.redis_url):
             problems.append(("redis_url", f"a usable Redis URL: {problem}", "<not shown: it may hold a password>"))
+        elif problem := mode_problem(self.redis_url, self.redis_cluster, self.wait_replicas):
+            problems.append(("redis_url", problem, "<not shown: it may hold a password>"))
         try:
             if not self.bucket_sizes or min(self.bucket_sizes) < 1:
                 raise ValueError
@@ -160,8 +165,8 @@ class Settings:
         files = {"ssl_ca_certs": self.redis_tls_ca, "ssl_certfile": self.redis_tls_cert,
                  "ssl_keyfile": self.redis_tls_key}
         options = {name: path for name, path in files.items() if path}
-        if options and not self.redis_url.startswith("rediss://"):
-            raise ValueError("DQ_REDIS_TLS_* files need a rediss:// URL")
+        if options and not tls_url(self.redis_url):
+            raise ValueError("DQ_REDIS_TLS_* files need a rediss:// or rediss+sentinel:// URL")
         return options
 
     def replace(self, **changes: Any) -> Settings:

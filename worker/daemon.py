@@ -80,7 +80,7 @@ class Daemon:
         presence = Presence(client, self.keys, settings.consumer_name, list(consumer.streams),
                             settings.consumer_gone_ms, {"model": self.model.name, "engine": self.engine.name})
         self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name, settings.reply_maxlen,
-                                   settings.dead_maxlen)
+                                   settings.dead_maxlen, settings.wait_replicas)
         self.planner = Planner(self.model, settings)
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
                              settings.high_pack_tokens)

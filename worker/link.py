@@ -21,6 +21,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from producer.connection import aconnect, connect
+from producer.errors import NotDurable
 from producer.servers import Server, acheck, check
 
 from .config import Settings
@@ -99,6 +100,8 @@ class Link:
             try:
                 result = await call()
             except redis.ResponseError as error:  # e.g. OOM under noeviction, NOPERM: retried, never dropped
+                if isinstance(error, NotDurable):  # replicas did not confirm: the same, and counted apart
+                    self.metrics.not_durable.labels(what).inc()
                 self.refused(what, error)
                 failure: BaseException = error
             except REDIS_ERRORS as error:

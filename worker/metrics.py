@@ -64,6 +64,9 @@ class Metrics:
         self.groups_recreated = Counter("dq_groups_recreated_total",
                                         "Consumer groups recreated because Redis lost them", registry=r)
         self.redis_errors = Counter("dq_redis_errors_total", "Failed Redis calls, by operation", ["op"], registry=r)
+        self.not_durable = Counter("dq_not_durable_total", "Durable mode: writes fewer replicas than --wait-replicas "
+                                   "confirmed in time (retried), by operation", ["op"], registry=r)
+        self.not_durable.labels("publish")  # from zero: the alert's increase() sees the first one
         self.latency = Histogram("dq_request_latency_seconds",
                                  "Enqueue (stream entry id) to result published, by result status and lane",
                                  ["status", "priority"], buckets=LATENCY_BUCKETS, registry=r)

@@ -24,6 +24,8 @@ import redis
 from redis.asyncio import RedisCluster
 
 from producer import library
+from producer.connection import WAIT_MS
+from producer.errors import NotDurable
 from producer.keys import Field, Keys, text
 from producer.result import Result
 
@@ -51,13 +53,14 @@ class Publisher:
     """Settles outcomes in batches: a few pipelined round trips however many there are."""
 
     def __init__(self, redis_client: Any, keys: Keys, ttl_seconds: int, model: str, reply_maxlen: int = 10000,
-                 dead_maxlen: int = 100000) -> None:
+                 dead_maxlen: int = 100000, wait_replicas: int = 0) -> None:
         self.redis = redis_client
         self.keys = keys
         self.ttl = ttl_seconds
         self.model = model
         self.reply_maxlen, self.dead_maxlen = reply_maxlen, dead_maxlen  # approximate caps: Redis memory bounded
         self.inline_replies = not isinstance(redis_client, RedisCluster)  # in the publish call (library.PUBLISH_AS)
+        self.wait_replicas = wait_replicas  # durable mode: publications and acks WAIT for this many replicas
         self.library_ok = False  # the function library is on the server (readiness): check_library
         self.library_logged = float("-inf")
         self._checking: asyncio.Future[bool] | None = None
@@ -111,7 +114,7 @@ class Publisher:
                 outcome.replied = True
                 if isinstance(answer, redis.ResponseError):
                     done.replies_refused.append((outcome, answer))
-        await self.ack([outcome.delivery for outcome, *_ in settled])
+        await self.ack([outcome.delivery for outcome, *_ in settled], durable=True)
         done.settled = [(outcome, result, mine) for outcome, result, mine, _ in settled]
         return done
 
@@ -152,7 +155,11 @@ class Publisher:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for name, keys, args in calls:
                     pipe.fcall(name, len(keys), *keys, *args)
+                if self.wait_replicas:  # on the same connection: WAIT counts the connection's own writes
+                    pipe.wait(self.wait_replicas, WAIT_MS)
                 replies = await pipe.execute(raise_on_error=False)
+            if self.wait_replicas:
+                self._durable(replies.pop(), "publications", len(calls))
         for reply in replies:
             if isinstance(reply, BaseException) and not isinstance(reply, redis.ResponseError):
                 raise reply
@@ -209,12 +216,26 @@ class Publisher:
             await pipe.execute()
         await self.ack([entry])
 
-    async def ack(self, deliveries: list[Delivery]) -> None:
+    async def ack(self, deliveries: list[Delivery], durable: bool = False) -> None:
+        """Acknowledge and delete; ``durable`` (a settlement's acks), with a WAIT in durable mode."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for entry in deliveries:
                 pipe.xack(entry.key, self.keys.group, entry.entry_id)
                 pipe.xdel(entry.key, entry.entry_id)
-            await pipe.execute()
+            if durable and self.wait_replicas and deliveries:
+                pipe.wait(self.wait_replicas, WAIT_MS)
+            replies = await pipe.execute()
+        if durable and self.wait_replicas and deliveries:
+            self._durable(replies[-1], "acknowledgements", len(deliveries))
+
+    def _durable(self, replicas: Any, what: str, count: int) -> None:
+        """Raise NotDurable (a refusal: the link counts it, and the whole settlement is made again, idempotent)
+        unless the replicas asked for confirmed."""
+        if isinstance(replicas, BaseException):
+            raise replicas
+        if int(replicas) < self.wait_replicas:
+            raise NotDurable(f"{count} {what}: {replicas} of {self.wait_replicas} replicas confirmed within "
+                             f"{WAIT_MS} ms", [], int(replicas), self.wait_replicas)
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Copy the entry to the dead-letter stream first: a crash afterwards leaves a duplicate, never a loss. Its

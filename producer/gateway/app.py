@@ -61,7 +61,7 @@ class Gateway:
         for namespace in self.config.namespaces():
             self.clients[namespace] = AsyncClient(deployment.url, namespace, self.config.max_unfinished,
                                                   deployment.cluster, connection=self.connection,
-                                                  shards=deployment.shards)
+                                                  shards=deployment.shards, wait_replicas=deployment.wait_replicas)
             self.batchers[namespace] = Batcher(self.clients[namespace])
         yield
         await self.connection.aclose()

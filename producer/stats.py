@@ -1,0 +1,83 @@
+"""Queue stats, plans of the core (producer/core.py) that both client faces run (``Client.stats``,
+``AsyncClient.stats``, ``live_workers``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from .core import Call, Plan, Producer
+from .keys import GONE_S, GROUP, LANES, Keys, beat_age
+from .servers import lag_of
+
+
+def stats(core: Producer) -> Plan[dict[str, Any]]:
+    """Totals over every shard, then each shard: for each lane (``lanes``: high, normal) the request and part
+    streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``prompts``: both
+    lanes together; dead letters; and the live workers. Live: a consumer seen in the last ``GONE_S`` seconds or
+    holding entries, a worker whose heartbeat is younger than that (workers delete the gone: presence.py). The
+    lag is the server's, or the length less pending when the server cannot count it (``servers.lag_of``)."""
+    shards = []
+    for shard in range(core.shards):
+        keys, entry = Keys(core.keys.namespace, shard), {"shard": shard}
+        lanes: dict[str, dict[str, Any]] = {}
+        for lane in LANES:  # plain str keys: the dict is printed and dumped as it is
+            lanes[lane.value] = {}
+            for name, stream in (("requests", keys.requests_in(lane)), ("chunks", keys.parts_in(lane))):
+                lanes[lane.value][name] = yield from _stream_stats(stream)
+        for name in ("requests", "chunks"):
+            entry[name] = _combine([lanes[lane.value][name] for lane in LANES], consumers=max)
+        entry["lanes"] = lanes
+        entry["dead_letters"] = yield Call("xlen", (keys.dead,))
+        shards.append(entry)
+    totals: dict[str, Any] = {name: _combine([s[name] for s in shards]) for name in ("requests", "chunks")}
+    totals["lanes"] = {lane.value: {name: _combine([s["lanes"][lane.value][name] for s in shards])
+                                    for name in ("requests", "chunks")} for lane in LANES}
+    totals["dead_letters"] = sum(s["dead_letters"] for s in shards)
+    beats = yield Call("hgetall", (core.keys.workers(),))
+    now = time.time()
+    totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
+    return {**totals, "shards": shards}
+
+
+def live_workers(core: Producer) -> Plan[int | None]:
+    """Workers of this namespace whose heartbeat is younger than ``GONE_S`` (any shard); None when this user may
+    not read the heartbeat hash (an aclfile older than the producer's read of it)."""
+    try:
+        beats = yield Call("hgetall", (core.keys.workers(),))
+    except redis.exceptions.NoPermissionError:
+        return None
+    now = time.time()
+    return sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
+
+
+def _stream_stats(stream: str) -> Plan[dict[str, Any]]:
+    """One stream's length, and the worker group's pending, lag and consumers on it (once the group exists)."""
+    stream_stats = {"length": (yield Call("xlen", (stream,)))}
+    try:
+        groups = yield Call("xinfo_groups", (stream,))
+    except redis.ResponseError as error:
+        if "no such key" not in str(error).lower():  # NOPERM and the like are the caller's to see
+            raise
+        groups = []
+    for group in groups:
+        if group["name"] in (GROUP, GROUP.encode()):
+            consumers = yield Call("xinfo_consumers", (stream, GROUP))
+            stream_stats.update(pending=group["pending"],
+                                lag=lag_of(stream_stats["length"], group["pending"], group.get("lag")),
+                                consumers=sum(1 for c in consumers if c["pending"] or c["idle"] < GONE_S * 1000))
+    return stream_stats
+
+
+def _combine(parts: list[dict[str, Any]], consumers: Any = sum) -> dict[str, Any]:
+    """Field-wise sum of stream stats; ``consumers`` combines consumer counts (``max`` over one shard's lanes)."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for name, value in part.items():
+            if name == "consumers":
+                out[name] = consumers((out.get(name, 0), value))
+            else:
+                out[name] = None if value is None or out.get(name, 0) is None else out.get(name, 0) + value
+    return out
