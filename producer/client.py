@@ -17,7 +17,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import arrivals, library, stats
+from . import arrivals, library, sentinel, stats
 from .connection import WAIT_MS, Deployment, aconnect, connect
 from .core import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
                    Step, Submittable, WrongResult, prepare)
@@ -161,6 +161,18 @@ class Client(_Face):
                 reply, error = None, failed
 
     def _do(self, step: Step) -> Any:
+        try:
+            reply = self._send(step)
+        except redis.ResponseError as error:  # "WAIT cannot be used with replica instances": a demoted primary
+            if isinstance(step, Pipeline) and step.wait and "replica" in str(error):
+                sentinel.follow(self.redis)
+                raise NotDurable(f"the node that answered is a replica now: {error}", [], 0, step.wait) from None
+            raise
+        if isinstance(step, (Function, Pipeline)) and step.wait and reply[-1] < step.wait:
+            sentinel.follow(self.redis)  # a replaced primary that still answers: to the promoted one
+        return reply
+
+    def _send(self, step: Step) -> Any:
         if isinstance(step, Function) and step.wait:  # WAIT counts its connection's writes: one pipeline
             with self.redis.pipeline(transaction=False) as pipe:
                 return pipe.fcall(step.name, len(step.keys), *step.keys, *step.args).wait(step.wait, WAIT_MS).execute()
@@ -246,6 +258,18 @@ class AsyncClient(_Face):
                 reply, error = None, failed
 
     async def _do(self, step: Step) -> Any:
+        try:
+            reply = await self._send(step)
+        except redis.ResponseError as error:
+            if isinstance(step, Pipeline) and step.wait and "replica" in str(error):
+                await sentinel.afollow(self.redis)
+                raise NotDurable(f"the node that answered is a replica now: {error}", [], 0, step.wait) from None
+            raise
+        if isinstance(step, (Function, Pipeline)) and step.wait and reply[-1] < step.wait:
+            await sentinel.afollow(self.redis)
+        return reply
+
+    async def _send(self, step: Step) -> Any:
         if isinstance(step, Function) and step.wait:
             async with self.redis.pipeline(transaction=False) as pipe:
                 return await pipe.fcall(step.name, len(step.keys), *step.keys, *step.args).wait(step.wait,

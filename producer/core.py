@@ -82,6 +82,7 @@ class Pipeline:
     """Commands sent in one round trip (no transaction); the reply is the list of their replies."""
 
     calls: list[Call]
+    wait: int = 0  # durable mode: its last call is a WAIT for this many replicas
 
 
 @dataclass(frozen=True)
@@ -222,8 +223,8 @@ class Producer:
             return {}
         calls = [Call("xrange", (self.keys.result(r),), {"count": 1}) for r in request_ids]
         if self.wait_replicas:
-            calls += [Call("publish", (self.keys.durable, "")), Call("wait", (self.wait_replicas, WAIT_MS))]
-        replies = yield Pipeline(calls)
+            calls += [Call("publish", (self.keys.durable(), "")), Call("wait", (self.wait_replicas, WAIT_MS))]
+        replies = yield Pipeline(calls, self.wait_replicas)
         found = {r: parse_result(reply[0][1], r) for r, reply in zip(request_ids, replies) if reply}
         if self.wait_replicas and found and replies[-1] < self.wait_replicas:
             raise NotDurable(f"{len(found)} results are on the primary, but {replies[-1]} of {self.wait_replicas} "

@@ -12,6 +12,7 @@ when the scheme is ``rediss+sentinel``.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -45,7 +46,7 @@ def parse(url: str) -> SentinelUrl:
     if not sep or scheme.lower() not in SCHEMES:
         raise ValueError("a Sentinel URL starts with redis+sentinel:// or rediss+sentinel://")
     netloc, _, path = rest.partition("/")
-    if "?" in path or "#" in path:
+    if "?" in rest or "#" in rest:
         raise ValueError("a Sentinel URL takes no query or fragment (percent-encode ? as %3F, # as %23)")
     credentials, at, hosts = netloc.rpartition("@")
     username = password = None
@@ -92,6 +93,46 @@ def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return dict(options), {name: options[name] for name in shared if name in options}
 
 
+ASK_EVERY_S = 1.0  # how often a pool asks the sentinels where the primary is, at most
+
+
+def _pools() -> tuple[type, type]:
+    """Sentinel connection pools (synchronous, asyncio) that follow a failover at once.
+
+    redis-py's pool asks the sentinels only when it opens a connection, and keeps the ones it has; a primary the
+    sentinels replaced keeps answering until they make it a replica (about 10 s after a planned or a frozen
+    primary's failover: measured, docs/RELIABILITY.md), and writes it takes then are lost. These ask again at most
+    once a second when handing out a connection, and drop one that leads elsewhere than the primary named now."""
+    import redis.asyncio.sentinel as aio
+    import redis.sentinel as sync
+
+    class Following(sync.SentinelConnectionPool):
+        asked = float("-inf")
+
+        def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+            if time.monotonic() - self.asked >= ASK_EVERY_S:
+                self.asked = time.monotonic()
+                self.get_master_address()  # drops idle connections when the primary moved
+            connection = super().get_connection(*args, **kwargs)
+            if connection._sock is not None and (connection.host, connection.port) != self.master_address:
+                connection.disconnect()  # it reconnects, asking the sentinels, when used
+            return connection
+
+    class AsyncFollowing(aio.SentinelConnectionPool):
+        asked = float("-inf")
+
+        async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+            if time.monotonic() - self.asked >= ASK_EVERY_S:
+                self.asked = time.monotonic()
+                await self.get_master_address()
+            connection = await super().get_connection(*args, **kwargs)
+            if connection.is_connected and (connection.host, connection.port) != self.master_address:
+                await connection.disconnect()
+            return connection
+
+    return Following, AsyncFollowing
+
+
 def master(url: str, options: dict[str, Any], asyncio: bool = False) -> Any:
     """A client (synchronous, or asyncio) of the service's primary."""
     if asyncio:
@@ -104,4 +145,23 @@ def master(url: str, options: dict[str, Any], asyncio: bool = False) -> Any:
     tls = {"ssl": True} if target.tls else {}
     sentinel = Sentinel(target.sentinels, sentinel_kwargs={**asked, **tls})
     return sentinel.master_for(target.service, db=target.db, username=target.username, password=target.password,
-                               **tls, **data)
+                               connection_pool_class=_pools()[asyncio], **tls, **data)
+
+
+def follow(client: Any) -> None:
+    """After replicas did not confirm: drop the idle connections, so that the next call asks the sentinels again.
+    A primary they replaced keeps answering until they make it a replica (frozen and let go, or handed over:
+    seconds), and redis-py's pool keeps its connections to it beside new ones to the promoted node. Nothing for a
+    client of any other kind."""
+    from redis.sentinel import SentinelConnectionPool
+
+    if isinstance(getattr(client, "connection_pool", None), SentinelConnectionPool):
+        client.connection_pool.disconnect(inuse_connections=False)
+
+
+async def afollow(client: Any) -> None:
+    """``follow`` for an asyncio client."""
+    from redis.asyncio.sentinel import SentinelConnectionPool
+
+    if isinstance(getattr(client, "connection_pool", None), SentinelConnectionPool):
+        await client.connection_pool.disconnect(inuse_connections=False)

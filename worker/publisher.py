@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from redis.asyncio import RedisCluster
 
-from producer import library
+from producer import library, sentinel
 from producer.connection import WAIT_MS
 from producer.errors import NotDurable
 from producer.keys import Field, Keys, text
@@ -159,7 +159,7 @@ class Publisher:
                     pipe.wait(self.wait_replicas, WAIT_MS)
                 replies = await pipe.execute(raise_on_error=False)
             if self.wait_replicas:
-                self._durable(replies.pop(), "publications", len(calls))
+                await self._durable(replies.pop(), "publications", len(calls))
         for reply in replies:
             if isinstance(reply, BaseException) and not isinstance(reply, redis.ResponseError):
                 raise reply
@@ -226,14 +226,15 @@ class Publisher:
                 pipe.wait(self.wait_replicas, WAIT_MS)
             replies = await pipe.execute()
         if durable and self.wait_replicas and deliveries:
-            self._durable(replies[-1], "acknowledgements", len(deliveries))
+            await self._durable(replies[-1], "acknowledgements", len(deliveries))
 
-    def _durable(self, replicas: Any, what: str, count: int) -> None:
+    async def _durable(self, replicas: Any, what: str, count: int) -> None:
         """Raise NotDurable (a refusal: the link counts it, and the whole settlement is made again, idempotent)
-        unless the replicas asked for confirmed."""
+        unless the replicas asked for confirmed; ask the sentinels again first (a replaced primary)."""
         if isinstance(replicas, BaseException):
             raise replicas
         if int(replicas) < self.wait_replicas:
+            await sentinel.afollow(self.redis)
             raise NotDurable(f"{count} {what}: {replicas} of {self.wait_replicas} replicas confirmed within "
                              f"{WAIT_MS} ms", [], int(replicas), self.wait_replicas)
 

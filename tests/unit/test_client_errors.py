@@ -17,11 +17,12 @@ def test_every_error_the_client_raises_shares_one_base_and_keeps_its_own():
     raised = {name: getattr(client_module, name) for name in client_module.__all__
               if isinstance(getattr(client_module, name), type)
               and issubclass(getattr(client_module, name), BaseException)}
-    assert set(raised) == {"DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "QueueFull",
+    assert set(raised) == {"DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "NotDurable", "QueueFull",
                            "RedisUnreachable", "ResultError", "ResultTimeout", "UnsupportedServer", "WrongResult"}
     assert all(issubclass(error, DecisionQueueError) for error in raised.values())
     assert issubclass(raised["InvalidRequest"], ValueError) and issubclass(raised["ResultTimeout"], TimeoutError)
     assert issubclass(RedisUnreachable, redis.ConnectionError)  # code catching redis-py's error still does
+    assert issubclass(raised["NotDurable"], redis.ResponseError)  # a refusal: the worker's link retries it
 
 
 def test_a_redis_that_is_down_is_one_clear_error_within_the_socket_timeout():

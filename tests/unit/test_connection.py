@@ -19,8 +19,13 @@ def test_arguments_then_environment_then_defaults():
     ({"DQ_SHARDS": "two"}, {}, "DQ_SHARDS='two' is not an integer"),
     ({"DQ_REDIS_CLUSTER": "maybe"}, {}, "DQ_REDIS_CLUSTER='maybe' is not a boolean"),
     ({}, {"shards": 0}, "shards must be at least 1"),
-    ({"DQ_REDIS_TLS_CA": "ca.pem"}, {}, "need a rediss:// URL"),
-    ({}, {"url": "http://h"}, "a Redis URL starts with redis://, rediss:// or unix://, got http://h"),
+    ({"DQ_REDIS_TLS_CA": "ca.pem"}, {}, "need a rediss:// or rediss\\+sentinel:// URL"),
+    ({}, {"url": "http://h"}, "a Redis URL starts with redis://, rediss://, unix://, redis\\+sentinel://, "
+                              "rediss\\+sentinel://, got http://h"),
+    ({"DQ_WAIT_REPLICAS": "one"}, {}, "DQ_WAIT_REPLICAS='one' is not an integer"),
+    ({}, {"wait_replicas": -1}, "wait_replicas .DQ_WAIT_REPLICAS. must be 0 to 16, got -1"),
+    ({}, {"wait_replicas": 1, "cluster": True}, "on Redis Cluster it is not supported yet"),
+    ({}, {"url": "redis+sentinel://h:1/dq", "cluster": True}, "not a Redis Cluster"),
     ({}, {"url": "127.0.0.1:6379"}, "a Redis URL starts with"),
 ])
 def test_bad_values_are_named(environ, given, message):
@@ -28,7 +33,41 @@ def test_bad_values_are_named(environ, given, message):
         Deployment.resolve(environ, **given)
 
 
+def test_a_sentinel_url_is_parsed_once_and_checked():
+    from producer import sentinel
+
+    parsed = sentinel.parse("redis+sentinel://worker:p%40ss@s1:26379,s2,[::1]:26380/mymaster/3")
+    assert parsed == sentinel.SentinelUrl((("s1", 26379), ("s2", 26379), ("::1", 26380)), "mymaster", 3, "worker",
+                                          "p@ss", False)
+    assert sentinel.parse("rediss+sentinel://:secret@s1:1/dq") == sentinel.SentinelUrl((("s1", 1),), "dq", 0,
+                                                                                        None, "secret", True)
+    deployment = Deployment.resolve({"DQ_WAIT_REPLICAS": "1"}, url="redis+sentinel://s1:26379/dq/0")
+    assert (deployment.wait_replicas, deployment.url) == (1, "redis+sentinel://s1:26379/dq/0")
+    assert Deployment.resolve({}, url="rediss+sentinel://s1/dq", tls_ca="ca.pem").tls_files() == {
+        "ssl_ca_certs": "ca.pem"}
+
+
+@pytest.mark.parametrize("url, message", [
+    ("redis+sentinel://s1:26379", "names its service"),
+    ("redis+sentinel://s1:26379/", "names its service"),
+    ("redis+sentinel://s1:26379/my{master}", "names its service"),
+    ("redis+sentinel://s1:26379/dq/zero", "only a database number"),
+    ("redis+sentinel://s1:26379/dq/0/1", "only a database number"),
+    ("redis+sentinel://u:pw@/dq", "each sentinel is host:port"),
+    ("redis+sentinel://s1,,s2/dq", "each sentinel is host:port"),
+    ("redis+sentinel://s1:99999/dq", "port is 1 to 65535"),
+    ("redis+sentinel://u:se?cret@s1/dq", "no query"),
+])
+def test_a_malformed_sentinel_url_is_named_without_its_password(url, message):
+    with pytest.raises(ValueError, match=message) as caught:
+        Deployment.resolve({}, url=url)
+    assert "cret" not in str(caught.value) and "pw" not in str(caught.value)
+
+
 def test_passwords_never_shown():
+    assert redact("redis+sentinel://worker:s3cret@s1:26379,s2:26379/dq/0") == \
+        "redis+sentinel://worker:***@s1:26379,s2:26379/dq/0"
+    assert redact("rediss+sentinel://:s3cret@s1/dq") == "rediss+sentinel://:***@s1/dq"
     assert redact("redis://worker:s3cret@redis:6379/0") == "redis://worker:***@redis:6379/0"
     assert redact("rediss://:s3cret@redis/0") == "rediss://:***@redis/0"
     assert redact("redis://redis:6379/0") == "redis://redis:6379/0"
@@ -43,5 +82,6 @@ def test_the_producer_speaks_the_workers_connection_vocabulary():
 
     worker_variables = {Settings.env_name(field.name) for field in fields(Settings)}
     assert set(Deployment.ENV.values()) - worker_variables == {"DQ_SHARDS"}  # producers spread, a worker reads one
+    assert "DQ_WAIT_REPLICAS" in worker_variables
     worker_flags = {"--" + field.name.replace("_", "-") for field in fields(Settings)}
     assert {flags[0] for flags, _, _ in CONNECTION.values()} - worker_flags == {"--shards"}
