@@ -10,10 +10,12 @@ functions run, on exactly those keys. Selectors (the parenthesised groups) give 
 
 - producer: FCALL the submit function on request streams, either lane's (and the XADD, XLEN it runs),
   XREAD/XRANGE results and reply streams. It cannot read request streams, consume, delete, write results, or run
-  its own Lua. It may read the heartbeat hash (whether any worker is alive), nothing else of the workers'.
+  its own Lua. It may read the heartbeat hash (whether any worker is alive), nothing else of the workers'. Durable
+  mode: WAIT, and PUBLISH on one channel nobody reads (``Keys.durable``: what a reader's WAIT covers).
 - worker: the group commands on the work streams (both lanes'); XADD to part and dead-letter streams; SET/GET
   stored bodies; the heartbeat hash; the publish and part functions and what they run on per-request keys and reply
-  streams. No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work stream.
+  streams; WAIT (durable mode). No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work
+  stream.
 - monitor: counts only: XLEN, XINFO GROUPS/CONSUMERS, XPENDING, INFO, the heartbeat hash. No XINFO STREAM (it
   returns the first and last entries), no XRANGE, no per-request keys.
 - admin: everything, for operators (and for loading the function library).
@@ -46,10 +48,11 @@ ROLES = {
         # the submit function's keys, and the commands it runs (also callable directly: see docs/OPERATIONS.md)
         "{connect} +fcall +xadd +xlen ~{requests} ~{high_requests} "
         "(+xread +xrange %R~{results} %R~{replies}) "
-        "(+hgetall %R~{workers})"  # live workers: a wait with none says so at once
+        "(+hgetall %R~{workers}) "  # live workers: a wait with none says so at once
+        "+wait +publish &{durable}"  # durable mode: WAIT, and the empty PUBLISH a reader's WAIT covers
     ),
     "worker": (
-        "{connect} +fcall +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|createconsumer +xgroup|delconsumer "
+        "{connect} +wait +fcall +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|createconsumer +xgroup|delconsumer "
         "+xinfo|groups +xinfo|consumers +xinfo|stream +xlen ~{requests} ~{high_requests} ~{part_stream} ~{high_part_stream} "
         "(+xadd +xlen ~{part_stream} ~{high_part_stream} ~{dead}) "  # fan-out parts, dead letters
         "(+set +get ~{bodies}) "  # a fanned-out request's body
@@ -80,7 +83,7 @@ def patterns(namespace: str) -> dict[str, str]:
     return {"requests": every.requests, "high_requests": every.requests_in(HIGH), "part_stream": every.parts,
             "high_part_stream": every.parts_in(HIGH), "dead": every.dead, "results": every.result(ANY),
             "shares": every.shares(ANY), "bodies": every.body(ANY), "replies": every.reply_prefix + ANY,
-            "workers": every.workers()}
+            "workers": every.workers(), "durable": every.durable()}
 
 
 def password_hash(password: str) -> str:
