@@ -7,11 +7,17 @@ each kind with N = 0 and N = 1 and writes the table the docs quote."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+import redis
 
 from ops.failover import KINDS, session
+from producer.client import Client, NotDurable
+from producer.keys import Field, Keys
 from producer.library import REVISION
+from producer.result import Result
+from worker.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -24,3 +30,29 @@ def test_durable_mode_loses_nothing_acknowledged_through_each_kind_of_failover(t
     # acknowledged and never answered, read and then lost or changed, left pending, workers exited or wedged
     assert (run.lost, run.read_lost, run.changed, run.pending, run.workers_down) == (0, 0, 0, 0, 0), row
     assert run.library == REVISION  # the promoted node had the library by replication
+
+
+def test_without_its_replica_durable_mode_refuses_and_names_the_ids():
+    """A replica that does not confirm (frozen): the submit raises NotDurable naming its ids, a result that is on
+    the primary alone is not returned; once the replica is back, both go through, the resubmission answered once."""
+    with RedisServer() as primary, RedisServer("--replicaof", "127.0.0.1", str(primary.port)) as replica:
+        client = Client(primary.url, wait_replicas=1)
+        while redis.Redis(port=replica.port).info("replication")["master_link_status"] != "up":
+            time.sleep(0.05)
+        client.submit({"id": "first", "state": "s", "questions": {"q": {"type": "noul"}}})  # the replica confirms
+        replica.pause()
+        try:
+            with pytest.raises(NotDurable) as caught:
+                client.submit_many([{"id": f"r-{n}", "state": "s", "questions": {"q": {"type": "noul"}}}
+                                    for n in range(2)])
+            assert caught.value.ids == ["r-0", "r-1"] and (caught.value.replicas, caught.value.wanted) == (0, 1)
+            body = Result(id="r-0", status="ok", answers={}).model_dump_json()
+            redis.Redis(port=primary.port).xadd(Keys("dq").result("r-0"), {Field.BODY: body})
+            with pytest.raises(NotDurable) as read:
+                client.wait("r-0", timeout=1.0)
+            assert read.value.ids == ["r-0"]
+            assert Client(primary.url).fetch("r-0") is not None  # there, on the primary alone
+        finally:
+            replica.resume()
+        assert client.submit_many([{"id": "r-1", "state": "s", "questions": {"q": {"type": "noul"}}}]) == ["r-1"]
+        assert client.wait("r-0", timeout=10.0).id == "r-0"
