@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from . import __version__, dead
-from .client import Client, LibraryUnavailable, QueueFull, ResultTimeout, UnsupportedServer
+from .client import Client, LibraryUnavailable, NotDurable, QueueFull, ResultTimeout, UnsupportedServer
 from .connection import Deployment, check_reachable
 from .keys import GONE_S, LANES, PROTOCOL
 from .lines import FAILED, OK, UNREACHABLE, USAGE, Line, Report, read_lines
@@ -37,9 +37,8 @@ from .schema import ErrorCode
 
 # Connection flags: the worker's names (worker/config.py), so one vocabulary serves both; the first is the flag.
 CONNECTION = {  # field of Deployment: (flags, metavar, help)
-    "url": (["--redis-url", "--redis"], "URL",
-            "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user; "
-            "redis+sentinel://host:port,host:port/SERVICE[/db] through Sentinel)"),
+    "url": (["--redis-url", "--redis"], "URL", "Redis URL (rediss:// for TLS; redis://user:password@host for an "
+            "ACL user; redis+sentinel://host:port,host:port/SERVICE[/db] through Sentinel)"),
     "namespace": (["--namespace"], "NAME", "prefix of every Redis name of the deployment"),
     "cluster": (["--redis-cluster", "--cluster"], None, "the URL is a node of a Redis Cluster"),
     "shards": (["--shards"], "N", "stream shards of the deployment: submit spreads over them, stats shows each"),
@@ -77,16 +76,16 @@ def _send(client: Client, lines: list[Line], report: Report, args: argparse.Name
             try:
                 client.submit_many([line.prepared for line in window])
                 accepted = Counter(line.id for line in window)
-            except QueueFull as full:
-                accepted = Counter(full.accepted)
-                if full.accepted:
+            except (QueueFull, NotDurable) as full:  # NotDurable: sent again under the same ids (one result each)
+                accepted = Counter(getattr(full, "accepted", ()))
+                why = f"{'queue full' if isinstance(full, QueueFull) else 'replicas not confirming'} for " \
+                      f"{args.queue_timeout:g} s ({getattr(full, 'detail', full)})"
+                if accepted:
                     stalled_since = time.monotonic()
                 elif time.monotonic() - stalled_since >= args.queue_timeout:
                     for line in window + todo[start + args.batch:]:
-                        line.fail("not_sent", ErrorCode.NOT_SENT, f"queue full for {args.queue_timeout:g} s "
-                                                                  f"({full.detail})")
-                    report.note(f"queue full for {args.queue_timeout:g} s ({full.detail}): "
-                                f"{report.count('not_sent')} requests not sent")
+                        line.fail("not_sent", ErrorCode.NOT_SENT, why)
+                    report.note(f"{why}: {report.count('not_sent')} requests not sent")
                     return
                 time.sleep(delay)  # backpressure: wait for the workers to drain the stream
                 delay = min(delay * 2, 2.0)

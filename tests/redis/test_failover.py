@@ -6,6 +6,7 @@ each kind with N = 0 and N = 1 and writes the table the docs quote."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -13,7 +14,7 @@ import pytest
 import redis
 
 from ops.failover import KINDS, session
-from producer.client import Client, NotDurable
+from producer.client import AsyncClient, Client, NotDurable
 from producer.keys import Field, Keys
 from producer.library import REVISION
 from producer.result import Result
@@ -40,6 +41,13 @@ def test_without_its_replica_durable_mode_refuses_and_names_the_ids():
         while redis.Redis(port=replica.port).info("replication")["master_link_status"] != "up":
             time.sleep(0.05)
         client.submit({"id": "first", "state": "s", "questions": {"q": {"type": "noul"}}})  # the replica confirms
+
+        async def asynchronously() -> None:  # the asyncio face pipelines its WAITs the same way
+            async with AsyncClient(primary.url, wait_replicas=1) as face:
+                assert await face.submit({"id": "async", "state": "s", "questions": {"q": {"type": "noul"}}})
+                assert await face.fetch("first") is None
+
+        asyncio.run(asynchronously())
         replica.pause()
         try:
             with pytest.raises(NotDurable) as caught:
