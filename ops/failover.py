@@ -50,6 +50,7 @@ from worker.redis_server import Binary, RedisServer, find, free_port, probe  # n
 SERVICE = "dq"
 DOWN_AFTER_MS = 1000  # the sentinels' down-after-milliseconds: a frozen primary is frozen for twice that
 KINDS = ("kill", "stop", "planned")
+RESULT_WAIT_S = 60.0  # how long a producer waits for a batch's results before it moves on
 WORKER_FLAGS = {"claim_idle_ms": 2000, "read_count": 16, "max_inflight": 64, "max_deliveries": 50,
                 "max_wait_ms": 2}
 
@@ -267,7 +268,8 @@ def produce(url: str, run: Run, prefix: str, stop: threading.Event, lock: thread
             run.acked.update(ids)
             run.enqueue_s.append(acked - started)
         waiting = list(ids)
-        while waiting and not stop.is_set():
+        give_up = time.monotonic() + RESULT_WAIT_S  # a lost request would stall this producer: the checker counts it
+        while waiting and not stop.is_set() and time.monotonic() < give_up:
             try:
                 found = client.wait_many(waiting, timeout=5.0)
             except ResultTimeout as timeout:
