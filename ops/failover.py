@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
+from redis.crc import key_slot  # noqa: E402
 
 from producer.client import Client, NotDurable, ResultTimeout  # noqa: E402
 from producer.invariant import leftovers  # noqa: E402
@@ -48,6 +49,7 @@ from producer.result import Result  # noqa: E402
 from worker.redis_server import Binary, RedisServer, find, free_port, probe  # noqa: E402
 
 SERVICE = "dq"
+SLOTS = 16384
 DOWN_AFTER_MS = 1000  # the sentinels' down-after-milliseconds: a frozen primary is frozen for twice that
 KINDS = ("kill", "stop", "planned")
 RESULT_WAIT_S = 60.0  # how long a producer waits for a batch's results before it moves on
@@ -57,6 +59,8 @@ WORKER_FLAGS = {"claim_idle_ms": 2000, "read_count": 16, "max_inflight": 64, "ma
 
 class Replicated:
     """A primary, a replica and three sentinels on loopback, the nodes' roles followed through failovers."""
+
+    cluster = False
 
     def __init__(self, binary: Binary | None = None) -> None:
         self.binary = binary or find()
@@ -147,6 +151,9 @@ class Replicated:
         self.settle()
         return took
 
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.settle().port)
+
     def close(self) -> None:
         for process in self.sentinels:
             process.kill()
@@ -158,6 +165,106 @@ class Replicated:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+class Clustered:
+    """Redis Cluster: three primaries with one replica each on loopback. A failure kills (-9) the primary of shard
+    0's work streams; the cluster promotes its replica; the old node restarts and rejoins as that one's replica."""
+
+    cluster = True
+
+    def __init__(self, binary: Binary | None = None) -> None:
+        self.binary = binary or find()
+        self.buses = [free_port() for _ in range(6)]
+        # validity factor 0: a replica always stands for election (a replica of an idle primary can otherwise find
+        # its data "too old" and nobody is promoted: seen here on Redis 7.0)
+        self.nodes = [RedisServer("--cluster-port", str(bus), "--cluster-node-timeout", "2000",
+                                  "--cluster-replica-validity-factor", "0", binary=self.binary, cluster=True)
+                      for bus in self.buses]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def _ask(self, node: RedisServer, *command: object) -> object:
+        return redis.Redis(port=node.port, socket_timeout=1, decode_responses=True).execute_command(*command)
+
+    def start(self) -> Clustered:
+        for node in self.nodes:
+            node.start()
+        share = SLOTS // 3
+        for i, node in enumerate(self.nodes[:3]):
+            self._ask(node, "CLUSTER", "ADDSLOTSRANGE", i * share, SLOTS - 1 if i == 2 else (i + 1) * share - 1)
+        for node, bus in zip(self.nodes[1:], self.buses[1:]):
+            self._ask(self.nodes[0], "CLUSTER", "MEET", "127.0.0.1", node.port, bus)
+        deadline = time.monotonic() + 30
+        while any(len(str(self._ask(n, "CLUSTER", "NODES")).splitlines()) < 6 for n in self.nodes):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the cluster's nodes did not meet")
+            time.sleep(0.05)
+        for primary, replica in zip(self.nodes[:3], self.nodes[3:]):
+            self._ask(replica, "CLUSTER", "REPLICATE", self._ask(primary, "CLUSTER", "MYID"))
+        self.settle()
+        return self
+
+    def _view(self) -> list[list[str]]:
+        """CLUSTER NODES of a live node, one split line per node."""
+        for node in self.nodes:
+            try:
+                return [line.split() for line in str(self._ask(node, "CLUSTER", "NODES")).splitlines()]
+            except redis.RedisError:
+                continue
+        raise redis.ConnectionError("no node answers")
+
+    def settle(self, timeout: float = 60.0) -> RedisServer:
+        """Wait until every node says ``cluster_state:ok`` and each of the three primaries has a replica in sync."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                view = self._view()
+                primaries = [row for row in view if "master" in row[2] and "fail" not in row[2] and len(row) > 8]
+                replicas = [row for row in view if "slave" in row[2] and "fail" not in row[2] and row[7] == "connected"]
+                ok = all("cluster_state:ok" in str(self._ask(n, "CLUSTER", "INFO")) for n in self.nodes)
+                if ok and len(primaries) == 3 and {r[3] for r in replicas} >= {p[0] for p in primaries}:
+                    return self.owner()
+            except redis.RedisError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("the cluster did not settle")
+
+    def owner(self) -> RedisServer:
+        """The primary of shard 0's work streams' slot."""
+        slot = key_slot(b"{s0}")
+        for row in self._view():
+            if "master" in row[2] and "fail" not in row[2]:
+                for part in row[8:]:
+                    low, _, high = part.partition("-")
+                    if part[0] != "[" and int(low) <= slot <= int(high or low):
+                        return next(n for n in self.nodes if f":{n.port}@" in row[1])
+        raise LookupError("no primary owns shard 0")
+
+    def fail(self, kind: str) -> float:
+        old = self.owner()
+        start = time.monotonic()
+        old.stop(kill=True)
+        while time.monotonic() - start < 30:
+            try:
+                if self.owner() is not old:
+                    break
+            except (LookupError, redis.RedisError):
+                pass
+            time.sleep(0.05)
+        took = time.monotonic() - start
+        old.start()  # its nodes.conf names the cluster: it rejoins as the promoted node's replica
+        self.settle()
+        return took
+
+    def client(self) -> redis.RedisCluster:
+        return redis.RedisCluster(host="127.0.0.1", port=self.settle().port)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.__exit__()
+
+
 class Worker:
     """``python -m worker serve`` against the Sentinel URL, with its health port."""
 
@@ -166,7 +273,8 @@ class Worker:
         args = [sys.executable, "-m", "worker", "serve", "--checkpoint", str(checkpoint), "--redis-url", url,
                 "--metrics-port", str(self.port), "--device", "cpu"]
         for name, value in settings.items():
-            args += ["--" + name.replace("_", "-"), str(value)]
+            flag = "--" + name.replace("_", "-")
+            args += [flag] if value is True else [flag, str(value)]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
                    PYTHONPATH=str(ROOT))
         self.log = log
@@ -199,6 +307,7 @@ class Run:
 
     kind: str
     wait_replicas: int
+    cluster: bool = False
     failovers: list[float] = field(default_factory=list)  # seconds to a new primary, each
     acked: set[str] = field(default_factory=set)
     read: dict[str, str] = field(default_factory=dict)  # id -> the result JSON a producer read
@@ -246,7 +355,7 @@ def request(request_id: str) -> dict:
 def produce(url: str, run: Run, prefix: str, stop: threading.Event, lock: threading.Lock, batch: int) -> None:
     """Closed loop: submit a batch with ids until acknowledged (the same ids again after an error), then read its
     results; every acknowledgement and every result read is recorded for the checker."""
-    client = Client(url, max_unfinished=0, wait_replicas=run.wait_replicas)
+    client = Client(url, max_unfinished=0, wait_replicas=run.wait_replicas, cluster=run.cluster)
     number = 0
     while not stop.is_set():
         ids = [f"{prefix}-{number + i}" for i in range(batch)]
@@ -291,9 +400,11 @@ def produce(url: str, run: Run, prefix: str, stop: threading.Event, lock: thread
 
 
 def answer(result_json: str) -> str:
-    """What a result answers (its probabilities and answers), without when it was computed."""
+    """What a result answers: its status, answers and probabilities to 4 places (a request computed again in
+    another pack differs in the last bits of its floats), without when it was computed."""
     result = json.loads(result_json)
-    return json.dumps([result.get("status"), result.get("answers"), result.get("probabilities"),
+    probabilities = {q: [round(p, 4) for p in ps] for q, ps in (result.get("probabilities") or {}).items()}
+    return json.dumps([result.get("status"), result.get("answers"), probabilities,
                        (result.get("error") or {}).get("code")], sort_keys=True)
 
 
@@ -325,14 +436,14 @@ def commandstats(primary: redis.Redis) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in primary.info("commandstats").items()}
 
 
-def one_run(cluster: Replicated, workers: list[Worker], kind: str, wait_replicas: int, failovers: int,
+def one_run(cluster: Replicated | Clustered, workers: list[Worker], kind: str, wait_replicas: int, failovers: int,
             producers: int = 4, batch: int = 5, gap_s: float = 1.5, duration_s: float = 20.0,
             settle_s: float = 60.0) -> Run:
     """Load, ``failovers`` failures of ``kind`` (``mixed``: each kind in turn; ``none``: ``duration_s`` of load
     without), then the checker."""
-    run, stop, lock = Run(kind, wait_replicas), threading.Event(), threading.Lock()
+    run, stop, lock = Run(kind, wait_replicas, cluster.cluster), threading.Event(), threading.Lock()
     prefix = f"{kind}-{wait_replicas}-{time.time_ns()}"
-    before = commandstats(redis.Redis(port=cluster.primary().port)) if kind == "none" else {}
+    before = commandstats(cluster.client()) if kind == "none" and not cluster.cluster else {}
     threads = [threading.Thread(target=produce, args=(cluster.url, run, f"{prefix}-{p}", stop, lock, batch),
                                 daemon=True) for p in range(producers)]
     started = time.monotonic()
@@ -348,9 +459,11 @@ def one_run(cluster: Replicated, workers: list[Worker], kind: str, wait_replicas
     for thread in threads:
         thread.join(60)
     run.seconds = time.monotonic() - started
-    primary = redis.Redis(port=cluster.settle().port)
+    primary = cluster.client()
     check(primary, run, settle_s)
-    run.library = int(primary.fcall(REVISION_FUNCTION, 0))
+    revisions = primary.execute_command("FCALL", REVISION_FUNCTION, 0, **(
+        {"target_nodes": redis.RedisCluster.PRIMARIES} if cluster.cluster else {}))
+    run.library = min(map(int, revisions.values())) if isinstance(revisions, dict) else int(revisions)
     if before:
         after = commandstats(primary)
         run.commands = {name: round((after.get(name, 0) - before.get(name, 0)) / max(1, len(run.read)), 2)
@@ -362,15 +475,16 @@ def one_run(cluster: Replicated, workers: list[Worker], kind: str, wait_replicas
 
 
 def session(checkpoint: Path, plans: list[tuple[str, int, int]], binary: Binary | None = None,
-            logs: Path | None = None, **run_options: object) -> list[Run]:
+            logs: Path | None = None, clustered: bool = False, **run_options: object) -> list[Run]:
     """Servers, sentinels and two workers per durability setting; each plan (kind, wait_replicas, failovers) run
     in turn."""
     runs = []
     logs = logs or Path(tempfile.mkdtemp(prefix="dq-failover-"))
     for wait_replicas in sorted({n for _, n, _ in plans}):
-        cluster = Replicated(binary).start()
-        workers = [Worker(checkpoint, cluster.url, logs / f"worker-{wait_replicas}-{i}.log",
-                          wait_replicas=wait_replicas, **WORKER_FLAGS) for i in range(2)]
+        cluster = (Clustered if clustered else Replicated)(binary).start()
+        extra = {"redis_cluster": True} if clustered else {"wait_replicas": wait_replicas}
+        workers = [Worker(checkpoint, cluster.url, logs / f"worker-{wait_replicas}-{i}.log", **extra, **WORKER_FLAGS)
+                   for i in range(2)]
         try:
             if not all(w.wait_ready() for w in workers):
                 raise RuntimeError(f"a worker did not start: see {logs}")
@@ -408,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-replicas", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of the run without failures [30]")
     parser.add_argument("--out", help="append the table (Markdown) to this file")
+    parser.add_argument("--cluster", action="store_true",
+                        help="Redis Cluster (3 primaries, a replica each) instead of Sentinel: kill -9 only, "
+                             "--wait-replicas 0 only (durable mode is not supported on Cluster)")
     args = parser.parse_args(argv)
     binary = probe(args.server) if args.server else None
     checkpoint = Path(args.checkpoint) if args.checkpoint else Path(tempfile.mkdtemp(prefix="dq-tiny-")) / "tiny"
@@ -415,8 +532,11 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "-m", "worker", "tiny-checkpoint", str(checkpoint)], cwd=ROOT, check=True,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL)
     plans = [(kind, n, args.failovers) for n in args.wait_replicas for kind in args.kinds]
-    runs = session(checkpoint, plans, binary, duration_s=args.duration)
-    text = table(runs, f"{(binary or find()).label}, {time.strftime('%Y-%m-%d')}, `{' '.join(sys.argv)}`")
+    if args.cluster:
+        plans = [("kill", 0, args.failovers)]
+    runs = session(checkpoint, plans, binary, clustered=args.cluster, duration_s=args.duration)
+    text = table(runs, f"{(binary or find()).label}{', Redis Cluster' if args.cluster else ', Sentinel'}, "
+                       f"{time.strftime('%Y-%m-%d')}, `python ops/failover.py {' '.join(sys.argv[1:])}`")
     print(text)
     if args.out:
         with open(args.out, "a", encoding="utf-8") as out:

@@ -116,15 +116,15 @@ class Intake:
                     deliveries = await self.consumer.read(lane, min(settings.read_count, room), settings.block_ms)
                     reader.empty_since, how = None if deliveries else reader.reading_since, "read"
                 self.link.answered()
-            except redis.ResponseError as error:
-                if not group_gone(error):
-                    raise
-                await self._group_lost()
-                continue
             except REDIS_ERRORS as error:
                 self.link.failed("read", error)
                 self.doubt()
                 await asyncio.sleep(0.5)
+                continue
+            except redis.ResponseError as error:
+                if not group_gone(error):
+                    raise
+                await self._group_lost()
                 continue
             for delivery in deliveries:
                 lifecycle.take(delivery, how, since)
@@ -173,14 +173,14 @@ class Intake:
                 if time.monotonic() - last_stats > 5:
                     last_stats = time.monotonic()
                     await self._report()
+            except REDIS_ERRORS as error:
+                self.metrics.redis_errors.labels("maintenance").inc()
+                log.debug("maintenance: redis unavailable: %s", error)
             except redis.ResponseError as error:
                 if group_gone(error):  # not left to the reader: it may be waiting for room, not reading
                     await self._group_lost()
                 else:  # e.g. OOM refusing the heartbeat: counted, logged once per interval
                     self.link.refused("maintenance", error, stalls=False)
-            except REDIS_ERRORS as error:
-                self.metrics.redis_errors.labels("maintenance").inc()
-                log.debug("maintenance: redis unavailable: %s", error)
             await asyncio.sleep(every)
 
     async def start(self) -> None:

@@ -28,7 +28,10 @@ from .config import Settings
 from .metrics import Metrics
 
 log = logging.getLogger("worker")
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+# Redis cannot be reached, or, on Redis Cluster, cannot serve the slot for now (CLUSTERDOWN, TRYAGAIN while a
+# primary's replica is promoted): waited out, not refusals. Caught before ResponseError, which the last two are.
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError,
+                redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
 WARN_EVERY_S = 5.0  # while Redis stays unreachable, one warning this often
 REFUSAL_LOG_S = 30.0  # one log line per kind of refused call this often (each one is counted)
 REFUSED_READY_S = 5.0  # unready until this long after Redis last refused a call the work waits on
@@ -99,13 +102,13 @@ class Link:
         while True:
             try:
                 result = await call()
+            except REDIS_ERRORS as error:
+                self.failed(what, error)
+                failure: BaseException = error
             except redis.ResponseError as error:  # e.g. OOM under noeviction, NOPERM: retried, never dropped
                 if isinstance(error, NotDurable):  # replicas did not confirm: the same, and counted apart
                     self.metrics.not_durable.labels(what).inc()
                 self.refused(what, error)
-                failure: BaseException = error
-            except REDIS_ERRORS as error:
-                self.failed(what, error)
                 failure = error
             else:
                 self.answered()
