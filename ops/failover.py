@@ -52,6 +52,7 @@ SERVICE = "dq"
 SLOTS = 16384
 DOWN_AFTER_MS = 1000  # the sentinels' down-after-milliseconds: a frozen primary is frozen for twice that
 KINDS = ("kill", "stop", "planned")
+COUNTED = ("fcall", "wait", "publish", "xread", "xrange", "xreadgroup", "xack", "xdel")  # commands per request
 RESULT_WAIT_S = 60.0  # how long a producer waits for a batch's results before it moves on
 WORKER_FLAGS = {"claim_idle_ms": 2000, "read_count": 16, "max_inflight": 64, "max_deliveries": 50,
                 "max_wait_ms": 2}
@@ -308,6 +309,7 @@ class Run:
     kind: str
     wait_replicas: int
     cluster: bool = False
+    namespace: str = "dq"
     failovers: list[float] = field(default_factory=list)  # seconds to a new primary, each
     acked: set[str] = field(default_factory=set)
     read: dict[str, str] = field(default_factory=dict)  # id -> the result JSON a producer read
@@ -355,7 +357,7 @@ def request(request_id: str) -> dict:
 def produce(url: str, run: Run, prefix: str, stop: threading.Event, lock: threading.Lock, batch: int) -> None:
     """Closed loop: submit a batch with ids until acknowledged (the same ids again after an error), then read its
     results; every acknowledgement and every result read is recorded for the checker."""
-    client = Client(url, max_unfinished=0, wait_replicas=run.wait_replicas, cluster=run.cluster)
+    client = Client(url, run.namespace, max_unfinished=0, wait_replicas=run.wait_replicas, cluster=run.cluster)
     number = 0
     while not stop.is_set():
         ids = [f"{prefix}-{number + i}" for i in range(batch)]
@@ -410,7 +412,7 @@ def answer(result_json: str) -> str:
 
 def check(primary: redis.Redis, run: Run, settle_s: float) -> None:
     """Wait for the queue to drain (up to ``settle_s``), then count what was lost, changed and left."""
-    keys = Keys("dq")
+    keys = Keys(run.namespace)
     deadline = time.monotonic() + settle_s
     while time.monotonic() < deadline and leftovers(primary, keys):
         time.sleep(0.2)
@@ -474,6 +476,45 @@ def one_run(cluster: Replicated | Clustered, workers: list[Worker], kind: str, w
     return run
 
 
+def cost(checkpoint: Path, binary: Binary | None = None, rounds: int = 3, phase_s: float = 15.0,
+         logs: Path | None = None) -> list[Run]:
+    """What durability costs, in one run: one server set, two workers with ``--wait-replicas 0`` and two with 1,
+    each pair on a namespace of its own, loaded in turn (``rounds`` phases of ``phase_s`` seconds each, N = 0 then
+    N = 1), no failures. Returns one Run per N, the phases' figures together."""
+    logs = logs or Path(tempfile.mkdtemp(prefix="dq-failover-"))
+    cluster = Replicated(binary).start()
+    workers = [Worker(checkpoint, cluster.url, logs / f"cost-{n}-{i}.log", wait_replicas=n, namespace=f"n{n}",
+                      **WORKER_FLAGS) for n in (0, 1) for i in range(2)]
+    runs = {n: Run("none", n, namespace=f"n{n}") for n in (0, 1)}
+    try:
+        if not all(w.wait_ready() for w in workers):
+            raise RuntimeError(f"a worker did not start: see {logs}")
+        for round_ in range(rounds):
+            for n, run in runs.items():
+                stop, lock = threading.Event(), threading.Lock()
+                threads = [threading.Thread(target=produce, args=(cluster.url, run, f"c{round_}-{n}-{p}", stop, lock,
+                                                                  5), daemon=True) for p in range(4)]
+                started, before = time.monotonic(), commandstats(cluster.client())
+                for thread in threads:
+                    thread.start()
+                time.sleep(phase_s)
+                stop.set()
+                for thread in threads:
+                    thread.join(60)
+                run.seconds += time.monotonic() - started
+                after = commandstats(cluster.client())
+                for name in COUNTED:  # the other pair idles meanwhile: its few calls are counted here too
+                    run.commands[name] = run.commands.get(name, 0) + after.get(name, 0) - before.get(name, 0)
+        for run in runs.values():
+            check(cluster.client(), run, 60.0)
+            run.commands = {name: round(calls / max(1, len(run.acked)), 2) for name, calls in run.commands.items()}
+    finally:
+        for worker in workers:
+            worker.stop()
+        cluster.close()
+    return list(runs.values())
+
+
 def session(checkpoint: Path, plans: list[tuple[str, int, int]], binary: Binary | None = None,
             logs: Path | None = None, clustered: bool = False, **run_options: object) -> list[Run]:
     """Servers, sentinels and two workers per durability setting; each plan (kind, wait_replicas, failovers) run
@@ -522,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-replicas", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of the run without failures [30]")
     parser.add_argument("--out", help="append the table (Markdown) to this file")
+    parser.add_argument("--cost", action="store_true",
+                        help="only what durability costs: N = 0 and N = 1 in turn on one server set, no failures")
     parser.add_argument("--cluster", action="store_true",
                         help="Redis Cluster (3 primaries, a replica each) instead of Sentinel: kill -9 only, "
                              "--wait-replicas 0 only (durable mode is not supported on Cluster)")
@@ -534,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     plans = [(kind, n, args.failovers) for n in args.wait_replicas for kind in args.kinds]
     if args.cluster:
         plans = [("kill", 0, args.failovers)]
-    runs = session(checkpoint, plans, binary, clustered=args.cluster, duration_s=args.duration)
+    runs = cost(checkpoint, binary) if args.cost else session(checkpoint, plans, binary, clustered=args.cluster,
+                                                              duration_s=args.duration)
     text = table(runs, f"{(binary or find()).label}{', Redis Cluster' if args.cluster else ', Sentinel'}, "
                        f"{time.strftime('%Y-%m-%d')}, `python ops/failover.py {' '.join(sys.argv[1:])}`")
     print(text)
