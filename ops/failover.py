@@ -326,6 +326,7 @@ class Run:
     workers_down: int = 0
     commands: dict[str, float] = field(default_factory=dict)  # Redis calls per request (a run without failures)
     library: int | None = None  # the function library's revision on the final primary (replicated, not reloaded)
+    examples: list[dict] = field(default_factory=list)  # results read that changed: what was read, what is there
 
     def saw(self, error: Exception, lock: threading.Lock) -> None:
         with lock:
@@ -402,12 +403,19 @@ def produce(url: str, run: Run, prefix: str, stop: threading.Event, lock: thread
 
 
 def answer(result_json: str) -> str:
-    """What a result answers: its status, answers and probabilities to 4 places (a request computed again in
-    another pack differs in the last bits of its floats), without when it was computed."""
+    """What a result answers: its status, error code, answers and probabilities, numbers to 6 places (a request
+    computed again in another pack differs by about 1e-8: the floats are summed in another order), without when it
+    was computed."""
+    def rounded(value: object) -> object:
+        if isinstance(value, float):
+            return round(value, 6)
+        if isinstance(value, dict):
+            return {key: rounded(item) for key, item in value.items()}
+        return [rounded(item) for item in value] if isinstance(value, list) else value
+
     result = json.loads(result_json)
-    probabilities = {q: [round(p, 4) for p in ps] for q, ps in (result.get("probabilities") or {}).items()}
-    return json.dumps([result.get("status"), result.get("answers"), probabilities,
-                       (result.get("error") or {}).get("code")], sort_keys=True)
+    return json.dumps(rounded([result.get("status"), result.get("answers"), result.get("probabilities"),
+                               (result.get("error") or {}).get("code")]), sort_keys=True)
 
 
 def check(primary: redis.Redis, run: Run, settle_s: float) -> None:
@@ -430,7 +438,9 @@ def check(primary: redis.Redis, run: Run, settle_s: float) -> None:
         now = [Result.model_validate_json(body).model_dump_json() for body in final.get(request_id) or []]
         if now[:1] != [seen]:
             run.read_lost += 1
-            run.changed += bool(now) and answer(now[0]) != answer(seen)
+            if now and answer(now[0]) != answer(seen):
+                run.changed += 1
+                run.examples.append({"read": json.loads(seen), "now": json.loads(now[0])})
         run.changed += len({answer(body) for body in now}) > 1
 
 
