@@ -10,7 +10,7 @@
 # priority is high requests at 10% of the peak rate over a saturating normal backlog, 2B bf16, PRIORITY_REPEATS
 # times (default 3) in one worker; fidelity is FP8 and bf16 against an fp32 reference at the 2B shape).
 # E2E_LOADS: the end-to-end latency phases, x the peak (default 0.5; 0.1,0.2,...,1.0 for latency against load,
-# which ops/bench/plot.py draws).
+# which ops/bench/plot.py draws); E2E_LATENCY_SECONDS: each phase's length (default 10).
 # The workers share one compile cache, COMPILE_CACHE (default OUTDIR/compile-cache): the first end-to-end stage
 # of a fresh OUTDIR starts cold, the later ones find what it compiled.
 # Stage limits in seconds: E2E_TIMEOUT, PRIORITY_TIMEOUT, FIDELITY_TIMEOUT, TEST_TIMEOUT, MIX_TIMEOUT. A cold machine needs about 4
@@ -45,7 +45,7 @@ for run in bf16 fp8 fp8-late bf16-warm bf16-2 bf16-3; do
   # The reference engine's figure does not depend on the fast engine's dtype: timed once, in the FP8 stage.
   case $run in fp8) flag=--fp8 ;; fp8-late) flag="--fp8 --fp8-layers late --no-reference" ;; *) flag=--no-reference ;; esac
   timeout "${E2E_TIMEOUT:-420}" $PY ops/bench/end_to_end.py --shape 2b $flag --requests "${E2E_REQUESTS:-3000}" \
-    --loads "${E2E_LOADS:-0.5}" --latency-seconds 10 --compile-cache "$cache" --out "$out/e2e-2b-$run" \
+    --loads "${E2E_LOADS:-0.5}" --latency-seconds "${E2E_LATENCY_SECONDS:-10}" --compile-cache "$cache" --out "$out/e2e-2b-$run" \
     >"$out/e2e-2b-$run.log" 2>&1
   echo "exit $?"; grep -E "^(worker ready|SUMMARY)" "$out/e2e-2b-$run.log" || tail -n 30 "$out/e2e-2b-$run.log"
   pkill -f "end_to_end.py --worker" 2>/dev/null; sleep 1  # a worker left by a killed stage holds the GPU
