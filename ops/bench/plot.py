@@ -47,6 +47,7 @@ def plot_latency(reports: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     for number, report in enumerate(reports):
@@ -60,6 +61,10 @@ def plot_latency(reports: list[dict], path: Path) -> None:
                 label=f"{label(report)} p99 (peak {peak / 1000:.0f}k tokens/s)")
         ax.plot(loads, [p["p50_ms"] for p in sweep], "s--", color=color, label=f"{label(report)} p50")
     ax.set_yscale("log")
+    ax.set_yticks([t for t in (10, 20, 30, 50, 100, 200, 300, 500, 1000, 2000, 5000)
+                   if any(t <= p["p99_ms"] * 1.5 for r in reports for p in r.get("sweep", []))])
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("offered load, % of the end-to-end peak")
     ax.set_ylabel("enqueue to result, ms")
     ax.set_title("2B standard workload, one H200: latency against load")
@@ -88,6 +93,7 @@ def plot_priority(report: dict, path: Path) -> None:
     for n, run in zip(numbers, runs):
         ax.annotate(f"total {run['total_over_peak']:.0%} of peak", (n, run["high_p99_ms"]), ha="center",
                     va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
+    ax.set_ylim(0, max([r["high_p99_ms"] for r in runs] + [target or 0]) * 1.15)
     ax.set_xticks(numbers, [f"run {n}" for n in numbers])
     ax.set_ylabel("high request, enqueue to result, ms")
     ax.set_title(f"Priority lanes: high at {report.get('high_load', 0.1):.0%} of the peak over a saturating backlog",
