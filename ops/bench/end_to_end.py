@@ -169,6 +169,14 @@ def gpu_time(before: dict[str, float], after: dict[str, float], seconds: float) 
             "packs": int(delta("dq_pack_gpu_seconds_count"))}
 
 
+def gc_collections(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """The worker's garbage collections over a phase, by generation (a full one, generation 2, stops every thread
+    of the process while it walks what start-up did not freeze)."""
+    return {generation: int(after.get(f"python_gc_collections_total{{generation={generation}}}", 0)
+                            - before.get(f"python_gc_collections_total{{generation={generation}}}", 0))
+            for generation in ("0", "1", "2")}
+
+
 def slowest_pack_ms(before: dict[str, float], after: dict[str, float]) -> str:
     """The histogram bucket of the slowest pack (GPU time) in a phase: a stall shows here."""
     edges = sorted((float(key.split("{le=")[1].rstrip("}")), after[key] - before.get(key, 0.0))
@@ -316,7 +324,8 @@ def paced(client, encoder, port: int, url: str, rate: float, args: argparse.Name
     latency = [r.timings.finished_ms - r.timings.enqueued_ms for r in results.values() if r.ok]
     return {"offered_requests_per_s": round(rate, 1), "requests": len(latency),
             "p50_ms": percentile(latency, 0.5), "p99_ms": percentile(latency, 0.99), "max_ms": max(latency),
-            "slowest_pack_ms": slowest_pack_ms(before, final), **gpu_time(before, final, phase_seconds),
+            "slowest_pack_ms": slowest_pack_ms(before, final), "gc_collections": gc_collections(before, final),
+            **gpu_time(before, final, phase_seconds),
             "redis_delayed_fsyncs": redis_fsync_stalls(url) - fsync}
 
 

@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from end_to_end import (gpu_time, make_requests, model_for, percentile, scrape, settings_for,  # noqa: E402
-                        wait_ready, worker_flags)
+from end_to_end import (gc_collections, gpu_time, make_requests, model_for, percentile, scrape,  # noqa: E402
+                        settings_for, slowest_pack_ms, wait_ready, worker_flags)
 
 LANE_SETTINGS = ("normal_share", "high_pack_tokens")  # passed to the worker when given
 TARGETS = {"high_p99_ms": 150, "high_p50_ms": 80, "normal_over_peak": 0.9}  # issue 15
@@ -133,6 +133,7 @@ def with_high(args: argparse.Namespace, url: str, port: int, client, encoder, pe
         "normal_over_peak": round(normal_rate["tokens_per_s"] / peak["tokens_per_s"], 3),
         "total_over_peak": round((normal_rate["tokens"] + high_tokens) / normal_rate["seconds"]
                                  / peak["tokens_per_s"], 3),
+        "slowest_pack_ms": slowest_pack_ms(after, final), "gc_collections": gc_collections(after, final),
         **gpu_time(after, final, normal_rate["seconds"])}
 
 
