@@ -86,7 +86,9 @@ class Settings:
     consumer: str = _opt("", "consumer name in the group (default: host-pid)")
     block_ms: int = _opt(1000, "blocking read timeout; kept below the socket timeout", low=1,
                         high=SOCKET_TIMEOUT * 1000 - 1000)
-    read_count: int = _opt(64, "entries fetched per read", low=1)
+    read_count: int = _opt(64, "entries fetched per read (fewer where --max-read-bytes says)", low=1)
+    max_read_bytes: int = _opt(64 << 20, "one read or claim asks for at most this many bytes of entries: "
+                                         "max(1, this / --max-entry-bytes) entries", low=1)
     max_inflight: int = _opt(512, "entries of each lane held at once (read, planned, queued or computing); reading "
                                   "that lane pauses above", low=1)
     claim_idle_ms: int = _opt(60000, "reclaim entries pending longer than this from dead consumers", low=1)
