@@ -12,7 +12,8 @@ device and supervises them (docs/OPERATIONS.md, "One host, many GPUs").
   way in every worker, so the launcher stops the others and exits 2.
 - SIGTERM or SIGINT is forwarded to every worker, and each drains (``--drain-timeout-s``); one still running
   ``KILL_AFTER_S`` later is killed. The launcher exits 0 when every worker stopped by itself and no consumer of
-  this host holds a pending entry (read from Redis): all drained; else 1. A second signal is forwarded too: the workers exit at once.
+  this host holds a pending entry (read from Redis): all drained; else 1. A second signal is forwarded too: the
+  workers exit at once.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ workers started by the launcher (``dq-worker serve --gpus``, worker/launcher.py)
 
     python ops/bench/scaling.py --gpus 1,2,4 --shape 2b --out results/scaling            # one Redis, 1/2/4 GPUs
     python ops/bench/scaling.py --gpus 4 --shape 2b --shards 2 --out results/scaling      # a 2-node Redis Cluster
-    python ops/bench/scaling.py --gpus 1,2 --shape tiny --requests-per-gpu 48 --latency-seconds 3 --out /tmp/s
+    python ops/bench/scaling.py --gpus 1,2 --shape tiny --warmup-per-gpu 8 --requests-per-gpu 32 --out /tmp/s
                                                   # CPU smoke: cpu:N workers on the tiny checkpoint (no figures)
 
 For each GPU count N (one command per count where a command's time is bounded; the same --out gathers them):
@@ -12,7 +12,7 @@ For each GPU count N (one command per count where a command's time is bounded; t
   primaries carrying K stream shards; one launcher per shard, GPU i serving shard i mod K. GPU workers run the real
   daemon around a random model at ``--shape`` (end_to_end.py's); ``tiny`` runs ``python -m worker serve`` on the
   tiny checkpoint, on the CPU.
-- warm-up (256 requests a GPU), then peak: a backlog of ``--requests-per-gpu`` x N standard requests (256-768
+- warm-up (``--warmup-per-gpu``, 256), then peak: a backlog of ``--requests-per-gpu`` x N standard requests (256-768
   tokens), tokens/s from the first enqueue to the last result; then latency: requests paced at ``--load`` x that
   peak for ``--latency-seconds``, p50/p99 enqueue to result.
 - per phase: each worker's GPU busy fraction (its packs' own GPU time), each Redis node's CPU (cores, from INFO) and
@@ -41,7 +41,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from end_to_end import gpu_time, make_requests, model_for, percentile, scrape  # noqa: E402
-
 
 # ---------------------------------------------------------------- the launcher's and the workers' processes
 
@@ -153,21 +152,29 @@ def start_launchers(args: argparse.Namespace, gpus: int, url: str, cluster: bool
                     ) -> list[tuple[subprocess.Popen, int, int]]:
     """(process, base port, workers) per shard."""
     started = []
+    cpu = args.shape == "tiny"
     for shard in range(args.shards):
         mine = [str(i) for i in range(gpus) if i % args.shards == shard]
         base = free_block(len(mine) + 1)
-        cpu = args.shape == "tiny"
         env = dict(os.environ, PYTHONUNBUFFERED="1", DQ_GPUS=f"cpu:{len(mine)}" if cpu else ",".join(mine),
                    DQ_CHECKPOINT=tiny if cpu else "(random)", DQ_ENGINE="reference" if cpu else "fast",
                    DQ_REDIS_URL=url, DQ_REDIS_CLUSTER=str(cluster).lower(), DQ_SHARD=str(shard),
                    DQ_METRICS_PORT=str(base), DQ_FP8=str(args.fp8).lower(), DQ_COMPILE_CACHE=args.compile_cache,
-                   DQ_BUCKETS=args.buckets, DQ_PLANNER_PROCESSES=str(args.planner_processes),
+                   DQ_BUCKETS=args.buckets, DQ_PLANNER_PROCESSES=str(planners(args, gpus)),
                    DQ_MAX_INFLIGHT=str(args.max_inflight), DQ_READ_COUNT="128", DQ_CLAIM_IDLE_MS="600000")
         log = open(out / f"launcher-n{gpus}-s{shard}.log", "w")
         process = subprocess.Popen([sys.executable, __file__, "--launch", "--shape", args.shape], env=env,
                                    stdout=log, stderr=subprocess.STDOUT)
         started.append((process, base, len(mine)))
     return started
+
+
+def planners(args: argparse.Namespace, gpus: int) -> int:
+    """Planner processes per worker: as the launcher sizes them, but over all the host's GPUs (each shard's
+    launcher alone would count only its own workers against the whole host's cores)."""
+    from worker.host import host_cores, planner_processes
+
+    return planner_processes(args.planner_processes, gpus, host_cores(), args.shape != "tiny")
 
 
 def wait_ready(launchers: list[tuple[subprocess.Popen, int, int]], timeout: float) -> float:
@@ -203,7 +210,7 @@ def run_once(args: argparse.Namespace, gpus: int, out: Path) -> dict:
     nodes = redis.nodes if cluster else [redis]
     report: dict = {"gpus": gpus, "shards": args.shards, "shape": args.shape, "dtype": "fp8" if args.fp8 else "bf16",
                     "redis": f"{nodes[0].server.family} {'.'.join(map(str, nodes[0].version))}",
-                    "host_cores": os.cpu_count(), "machine": machine()}
+                    "host_cores": os.cpu_count(), "machine": machine(), "planner_processes": planners(args, gpus)}
     launchers = []
     try:
         launchers = start_launchers(args, gpus, redis.url, cluster, out, tiny)
@@ -212,7 +219,8 @@ def run_once(args: argparse.Namespace, gpus: int, out: Path) -> dict:
         ports = [base + 1 + i for _, base, count in launchers for i in range(count)]
         probe = Probe(ports, [node.url for node in nodes])
         client = Client(redis.url, max_unfinished=0, cluster=cluster, shards=args.shards)
-        client.wait_many(client.submit_many(make_requests(256 * gpus, 2, encoder)), timeout=args.timeout)
+        client.wait_many(client.submit_many(make_requests(args.warmup_per_gpu * gpus, 2, encoder)),
+                         timeout=args.timeout)
 
         backlog = make_requests(args.requests_per_gpu * gpus, 1, encoder)
         before = probe.take()
@@ -315,6 +323,7 @@ def main() -> int:
     parser.add_argument("--planner-processes", type=int, default=0,
                         help="per worker; 0: the launcher shares the host's cores out [default 0]")
     parser.add_argument("--max-inflight", type=int, default=1024)
+    parser.add_argument("--warmup-per-gpu", type=int, default=256, help="warm-up requests per GPU [default 256]")
     parser.add_argument("--requests-per-gpu", type=int, default=3000, help="peak backlog per GPU [default 3000]")
     parser.add_argument("--load", type=float, default=0.5, help="offered load of the latency phase, x peak")
     parser.add_argument("--latency-seconds", type=float, default=10.0)
