@@ -36,7 +36,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from producer.exporter import http_server
-from producer.keys import LANES, Keys
+from producer.keys import LANES, Keys, text
 
 from .config import Settings
 from .host import Device, LaunchError, devices, environment, host_cores
@@ -89,14 +89,11 @@ class Launcher:
 
     # ---------------------------------------------------------------- the workers
 
-    def environment(self, w: Worker) -> dict[str, str]:
-        return environment(self.settings, w.where, w.consumer, w.port, len(self.workers), self.cores, self.environ)
-
     def _start(self, w: Worker) -> None:
         # A process group of its own: a terminal's ^C reaches the launcher only, which forwards one signal (a
         # worker signalled twice exits without draining); a launcher that dies takes its workers down with it.
-        w.process = subprocess.Popen(self.command, env=self.environment(w), process_group=0,
-                                     preexec_fn=_die_with_parent)
+        env = environment(self.settings, w.where, w.consumer, w.port, len(self.workers), self.cores, self.environ)
+        w.process = subprocess.Popen(self.command, env=env, process_group=0, preexec_fn=_die_with_parent)
         w.started, w.ready = time.monotonic(), False
         log.info("worker %d started: pid %d, device %s%s, consumer %s%s", w.where.index, w.process.pid,
                  w.where.device, f" (GPU {w.where.visible})" if w.where.visible else "", w.consumer,
@@ -170,37 +167,40 @@ class Launcher:
                 code, killed = w.process.wait(), True
             if code:
                 log.warning("worker %d stopped with exit code %d", w.where.index, code)
-        pending = self.pending()  # what the workers' exit codes cannot say: whether all they took was answered
-        if fatal:
+        if fatal:  # each stopped worker's last line says what it left
             return fatal
-        if pending is None:
-            log.warning("stopped; could not read from Redis whether this host's consumers left entries pending")
-        elif pending:
+        pending = self.pending()  # what the workers' exit codes cannot say: whether all they took was answered
+        if pending:
             log.warning("stopped: %d entries left pending for this host's consumers; other workers reclaim them "
                         "after %d ms", pending, self.settings.claim_idle_ms)
-        else:
+        elif pending == 0:
             log.info("stopped: every worker drained, nothing left pending")
         return 0 if pending == 0 and not killed else 1
 
     def pending(self) -> int | None:
         """Entries pending for this host's consumers on the shard's work streams; None when Redis cannot say."""
+        import redis
+
         from producer.connection import connect
 
-        names = {w.consumer for w in self.workers}
-        keys = Keys(self.settings.namespace, self.settings.shard)
+        names, keys, total = {w.consumer for w in self.workers}, Keys(self.settings.namespace, self.settings.shard), 0
         try:
             client = connect(self.settings.redis_url, self.settings.redis_cluster, **self.settings.redis_options())
             try:
-                total = 0
                 for stream in [s for lane in LANES for s in (keys.requests_in(lane), keys.parts_in(lane))]:
-                    summary = client.xpending(stream, keys.group)
-                    total += sum(int(c["pending"]) for c in summary.get("consumers") or []
-                                 if _name(c["name"]) in names)
+                    try:
+                        summary = client.xpending(stream, keys.group)
+                    except redis.ResponseError as error:  # no stream or group: nothing was ever taken there
+                        if "NOGROUP" not in str(error):
+                            raise
+                        continue
+                    total += sum(int(c["pending"]) for c in summary["consumers"] or [] if text(c["name"]) in names)
                 return total
             finally:
                 client.close()
         except Exception as error:  # noqa: BLE001 - any failure means: unknown (said, and exit 1)
-            log.debug("pending check failed: %s", error)
+            log.warning("stopped; could not read from Redis whether this host's consumers left entries pending: %s",
+                        error)
             return None
 
     # ---------------------------------------------------------------- health
@@ -269,16 +269,13 @@ class Launcher:
         log.info("launcher: /metrics, /healthz and /readyz on port %d; worker i on port %d + 1 + i", port, port)
 
 
-def _name(raw: Any) -> str:
-    return raw.decode() if isinstance(raw, bytes) else str(raw)
-
-
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
 def _die_with_parent() -> None:
     """In the worker, before it runs: SIGTERM when the launcher dies (kill -9 included), so that no worker is left
-    holding its GPU (PR_SET_PDEATHSIG; Linux only)."""
+    holding its GPU (PR_SET_PDEATHSIG; Linux only). It comes again as the worker is handed on from each dying thread
+    of the launcher, so the worker exits without draining: a crash, what it held reclaimed after --claim-idle-ms."""
     if _prctl is not None:
         _prctl(1, signal.SIGTERM, 0, 0, 0)
 

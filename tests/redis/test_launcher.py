@@ -89,3 +89,49 @@ def test_a_killed_worker_is_restarted_and_sigterm_drains_every_worker(server_bin
     text = log.read_text()
     assert text.count("worker 0 killed by SIGKILL") == 1 and "exited" not in text  # one line per crash
     assert "stopped: every worker drained, nothing left pending" in text
+
+
+def launch_exiting(code: int, redis_url: str, port: int, log) -> subprocess.Popen:
+    """A launcher of two workers that exit with ``code`` at once (no model: the launcher's side alone)."""
+    script = ("import sys; from worker import launcher; from worker.__main__ import main; "
+              f"launcher.ENTRY = ['-c', 'import sys; sys.exit({code})']; sys.exit(main(sys.argv[1:]))")
+    return subprocess.Popen([sys.executable, "-c", script, "serve", "--gpus", "cpu:2", "--checkpoint", "unused",
+                             "--redis-url", redis_url, "--metrics-port", str(port)],
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT)
+
+
+def test_a_worker_that_keeps_exiting_is_reported_and_an_exit_2_stops_the_host(server_binary, redis_server, tmp_path):
+    if server_binary.label != servers.test_servers()[0].label:
+        pytest.skip("one server is enough: the launcher's one Redis call is the same on each")
+    port, log = free_port(), tmp_path / "loop.log"
+    looping = launch_exiting(3, redis_server.url, port, log)
+    try:
+        def state() -> tuple[int, dict]:
+            try:
+                code, body = http_get(f"http://127.0.0.1:{port}/readyz")
+            except OSError:
+                return 0, {"workers": []}
+            return code, json.loads(body)
+
+        # Exits after 1 s and 2 s of pause: the third in a row comes about 3 s after the start.
+        wait_for(lambda: all(w["exits_in_a_row"] >= 3 for w in state()[1]["workers"]) and state()[1]["workers"],
+                 timeout=30, what="three exits in a row")
+        code, body = state()
+        assert code == 503 and body["live"] and not body["ready"]  # unready, never unlive: the launcher stays
+        assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+        metrics = http_get(f"http://127.0.0.1:{port}/metrics")[1]
+        assert 'dq_launcher_worker_ready{worker="0"} 0.0' in metrics
+        assert [line for line in metrics.splitlines() if line.startswith("dq_launcher_exits_in_a_row{")]
+        looping.send_signal(signal.SIGTERM)
+        assert looping.wait(30) == 0  # nothing was taken, nothing is pending: all drained
+    finally:
+        if looping.poll() is None:
+            looping.kill()
+    lines = [line for line in log.read_text().splitlines() if "worker 0 exited 3" in line]
+    assert len(lines) >= 3 and "(1 in a row): starting it again in 1 s" in lines[0]
+    assert "(2 in a row): starting it again in 2 s" in lines[1]
+
+    refused = launch_exiting(2, redis_server.url, free_port(), tmp_path / "refused.log")
+    assert refused.wait(30) == 2  # the same settings would fail every worker the same way: no restart
+    assert "refused to start (exit 2)" in (tmp_path / "refused.log").read_text()
