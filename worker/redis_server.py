@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -124,6 +125,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on loopback now (a launcher's and its workers'), below the
+    ephemeral range: a port found free there is not taken a moment later by some client's outgoing connection."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
+        ephemeral = 32768
+    for _ in range(100):
+        base = random.randrange(10000, max(10001, ephemeral - count))
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:  # taken
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 class RedisServer:

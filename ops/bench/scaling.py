@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -71,24 +70,6 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- measurements
-
-def free_block(size: int) -> int:
-    """A port p with p .. p + size - 1 free on loopback now (a launcher's and its workers' ports)."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + size > 65535:
-            continue
-        try:
-            for port in range(base, base + size):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free block of ports")
-
 
 def host_cpu() -> tuple[float, float]:
     """(busy, total) jiffies of every core since boot."""
@@ -151,11 +132,13 @@ def paced(client, requests: list[dict], rate: float) -> tuple[list[str], float]:
 def start_launchers(args: argparse.Namespace, gpus: int, url: str, cluster: bool, out: Path, tiny: str
                     ) -> list[tuple[subprocess.Popen, int, int]]:
     """(process, base port, workers) per shard."""
+    from worker.redis_server import free_ports
+
     started = []
     cpu = args.shape == "tiny"
     for shard in range(args.shards):
         mine = [str(i) for i in range(gpus) if i % args.shards == shard]
-        base = free_block(len(mine) + 1)
+        base = free_ports(len(mine) + 1)
         env = dict(os.environ, PYTHONUNBUFFERED="1", DQ_GPUS=f"cpu:{len(mine)}" if cpu else ",".join(mine),
                    DQ_CHECKPOINT=tiny if cpu else "(random)", DQ_ENGINE="reference" if cpu else "fast",
                    DQ_REDIS_URL=url, DQ_REDIS_CLUSTER=str(cluster).lower(), DQ_SHARD=str(shard),
