@@ -7,7 +7,7 @@ device and supervises them (docs/OPERATIONS.md, "One host, many GPUs").
   worker recovers its own pending entries at once), metrics port ``--metrics-port + 1 + i`` (the launcher's own
   endpoints on ``--metrics-port``), and planner processes sized to the host's cores (``planner_processes``).
 - A worker that exits on its own is started again after a pause that doubles with each exit in a row (1 s to
-  60 s), the row reset once it has been ready (or up 60 s); each exit is logged once and counted
+  60 s), the row reset once it is ready (up 60 s where it has no endpoints); each exit is logged once and counted
   (``dq_launcher_restarts_total``). Exit 2 is not retried: its settings, checkpoint or engine would fail the same
   way in every worker, so the launcher stops the others and exits 2.
 - SIGTERM or SIGINT is forwarded to every worker, and each drains (``--drain-timeout-s``); one still running
@@ -44,7 +44,7 @@ from .host import Device, LaunchError, devices, environment, host_cores
 log = logging.getLogger("worker.launcher")
 
 ENTRY = ["-m", "worker"]  # what a worker runs (then "serve"); tests/redis/faulty_worker.py points it at itself
-BACKOFF_S, BACKOFF_MAX_S, STABLE_S = 1.0, 60.0, 60.0  # restart pauses; up this long resets the row of exits
+BACKOFF_S, BACKOFF_MAX_S, STABLE_S = 1.0, 60.0, 60.0  # restart pauses; up this long (no endpoints) resets the row
 KILL_AFTER_S = 30.0  # past --drain-timeout-s, a worker still running is killed
 STALE_S = 30.0  # the supervision loop not turning for this long: not live
 
@@ -56,7 +56,7 @@ class Worker:
     port: int  # 0: no endpoints
     process: subprocess.Popen | None = None
     started: float = 0.0  # monotonic
-    in_a_row: int = 0  # exits since it was last ready or up STABLE_S
+    in_a_row: int = 0  # exits since it was last ready (no endpoints: up STABLE_S)
     restart_at: float = 0.0  # monotonic: when a stopped worker starts again
     ready: bool = False
 
@@ -79,8 +79,8 @@ class Launcher:
         self.registry = CollectorRegistry()
         self.restarts = Counter("dq_launcher_restarts_total", "Workers started again after exiting on their own",
                                 ["worker"], registry=self.registry)
-        self.in_a_row = Gauge("dq_launcher_exits_in_a_row", "Exits of a worker since it was last ready (or up "
-                              "60 s): 3 or more is a crash loop", ["worker"], registry=self.registry)
+        self.in_a_row = Gauge("dq_launcher_exits_in_a_row", "Exits of a worker since it was last ready (with "
+                              "no endpoints: up 60 s): 3 or more is a crash loop", ["worker"], registry=self.registry)
         self.up = Gauge("dq_launcher_worker_ready", "1 while the worker answers /readyz with 200", ["worker"],
                         registry=self.registry)
         for w in self.workers:
@@ -101,7 +101,7 @@ class Launcher:
 
     def _exited(self, w: Worker, code: int) -> None:
         now = time.monotonic()
-        if w.ready or now - w.started >= STABLE_S:
+        if not w.port and now - w.started >= STABLE_S:  # with endpoints, the probe resets the row once ready
             w.in_a_row = 0
         w.in_a_row += 1
         pause = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (w.in_a_row - 1))
@@ -236,7 +236,7 @@ class Launcher:
                     "ready": w.ready, "exits_in_a_row": w.in_a_row,
                     "starts_in_s": round(max(0.0, w.restart_at - now), 1) if w.process is None else None}
                    for w in self.workers]
-        live = time.time() - self.turned_at < STALE_S
+        live = self.stopping.is_set() or time.time() - self.turned_at < STALE_S  # a drain is no hang
         ready = live and not self.stopping.is_set() and all(w.ready for w in self.workers)
         return {"live": live, "ready": ready, "stopping": self.stopping.is_set(), "workers": workers}
 
