@@ -127,8 +127,11 @@ def test_a_worker_that_keeps_exiting_is_reported_and_an_exit_2_stops_the_host(se
             return code, json.loads(body)
 
         # Exits after 1 s and 2 s of pause: the third in a row comes about 3 s after the start.
-        wait_for(lambda: all(w["exits_in_a_row"] >= 3 for w in state()[1]["workers"]) and state()[1]["workers"],
-                 timeout=30, what="three exits in a row")
+        def looping_each() -> bool:
+            workers = state()[1]["workers"]
+            return bool(workers) and all(w["exits_in_a_row"] >= 3 for w in workers)
+
+        wait_for(looping_each, timeout=30, what="three exits in a row")
         code, body = state()
         assert code == 503 and body["live"] and not body["ready"]  # unready, never unlive: the launcher stays
         assert get(f"http://127.0.0.1:{port}/healthz")[0] == 200
