@@ -270,23 +270,21 @@ def machine() -> str:
 def table(out: Path) -> str:
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("n*-s*.json"))]
     runs.sort(key=lambda r: (r["shape"], r["dtype"], r["shards"], r["gpus"]))
-    one = {(r["shape"], r["dtype"], r["shards"]): r["peak"]["tokens_per_s"] for r in runs if r["gpus"] == 1}
-    lines = ["| shape | dtype | GPUs | Redis shards | tokens/s | x 1 GPU | p50 / p99 ms at half peak | GPU busy per "
-             "worker | Redis cores per node | Redis commands/s | host CPU busy | producer submit/s (cores) | "
-             "launcher exits |", "|" + "---|" * 13]
+    one = {(r["shape"], r["dtype"]): r["peak"]["tokens_per_s"] for r in runs if r["gpus"] == 1 and r["shards"] == 1}
+    lines = ["| shape | dtype | GPUs | Redis shards | tokens/s | x 1 GPU (per GPU) | p50 / p99 ms at half peak | "
+             "GPU busy per worker | Redis cores per node | Redis commands/s | host CPU busy | "
+             "producer submit/s (cores) | launcher exits |", "|" + "---|" * 13]
     for r in runs:
         peak, lat = r["peak"], r["latency"]
-        base = one.get((r["shape"], r["dtype"], r["shards"]))
-        lines.append(
-            f"| {r['shape']} | {r['dtype']} | {r['gpus']} | {r['shards']} | {peak['tokens_per_s']:,} | "
-            f"{peak['tokens_per_s'] / base:.2f}x | " if base else
-            f"| {r['shape']} | {r['dtype']} | {r['gpus']} | {r['shards']} | {peak['tokens_per_s']:,} | - | ")
-        lines[-1] += (f"{lat['p50_ms']:.0f} / {lat['p99_ms']:.0f} | "
-                      f"{', '.join(f'{b:.2f}' for b in peak['gpu_busy_per_worker'])} | "
-                      f"{', '.join(f'{c:.2f}' for c in peak['redis_cores_per_node'])} | "
-                      f"{sum(peak['redis_commands_per_s_per_node']):,} | {peak['host_cpu_busy']:.2f} | "
-                      f"{peak['producer_submit_per_s']:,} ({peak['producer_cores']:.2f}) | "
-                      f"{r['launcher_exit_codes']} |")
+        base = one.get((r["shape"], r["dtype"]))  # one GPU through one Redis
+        ratio = f"{peak['tokens_per_s'] / base:.2f}x ({peak['tokens_per_s'] / base / r['gpus']:.2f})" if base else "-"
+        cells = [r["shape"], r["dtype"], r["gpus"], r["shards"], f"{peak['tokens_per_s']:,}", ratio,
+                 f"{lat['p50_ms']:.0f} / {lat['p99_ms']:.0f}",
+                 ", ".join(f"{b:.2f}" for b in peak["gpu_busy_per_worker"]),
+                 ", ".join(f"{c:.2f}" for c in peak["redis_cores_per_node"]),
+                 f"{sum(peak['redis_commands_per_s_per_node']):,}", f"{peak['host_cpu_busy']:.2f}",
+                 f"{peak['producer_submit_per_s']:,} ({peak['producer_cores']:.2f})", r["launcher_exit_codes"]]
+        lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     machines = sorted({f"{r['machine']}, {r['host_cores']} cores, {r['redis']}" for r in runs})
     return "\n".join(lines) + "\n\nMachine: " + "; ".join(machines) + "\n"
 
