@@ -75,8 +75,8 @@ class Settings:
     fused_kernels: bool = _opt(True, "the fast path's own Triton kernels (convolution, SwiGLU and norm + FP8)")
     compile_cache: str = _opt("", "directory for compiled kernels (Inductor, Triton, TileLang); empty: their defaults")
     planner_threads: int = _opt(2, "threads that validate, render and tokenize requests", low=1)
-    planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU)",
-                                  low=0)
+    planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU); "
+                                     "with --gpus, 0: sized to the host's cores", low=0)
     # Queue
     redis_url: str = _opt("redis://127.0.0.1:6379/0",
                           "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user)")
