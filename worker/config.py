@@ -18,6 +18,7 @@ from typing import Any
 from producer.connection import SOCKET_TIMEOUT, redact, url_problem
 
 DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
+GPUS = re.compile(r"|all|cpu:[1-9][0-9]{0,2}|[0-9]{1,3}(,[0-9]{1,3})*")  # --gpus; worker/launcher.py reads it
 NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a prefix of every key: no braces (hash tags), no colons
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -43,6 +44,8 @@ class Settings:
     # Model
     checkpoint: str = _opt("", "decision checkpoint directory (any format transformers.decision loads)")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    gpus: str = _opt("", "one worker process per GPU, started and supervised by this one: all, a list like 0,1,3, or "
+                         "cpu:N (N CPU workers: tests, CPU hosts); empty: this process is the worker")
     dtype: str = _opt("auto", "auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16 or float32",
                       choices=("auto", "bfloat16", "float16", "float32"))
     engine: str = _opt("auto", "auto (fast on cuda, reference on cpu), fast or reference",
@@ -72,8 +75,8 @@ class Settings:
     fused_kernels: bool = _opt(True, "the fast path's own Triton kernels (convolution, SwiGLU and norm + FP8)")
     compile_cache: str = _opt("", "directory for compiled kernels (Inductor, Triton, TileLang); empty: their defaults")
     planner_threads: int = _opt(2, "threads that validate, render and tokenize requests", low=1)
-    planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU)",
-                                  low=0)
+    planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU); "
+                                     "with --gpus, 0: sized to the host's cores", low=0)
     # Queue
     redis_url: str = _opt("redis://127.0.0.1:6379/0",
                           "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user)")
@@ -128,6 +131,11 @@ class Settings:
                 problems.append((f.name, f"at most {meta['high']:g}", value))
         if not DEVICE.fullmatch(self.device):
             problems.append(("device", "auto, cpu, cuda or cuda:N", self.device))
+        gpus = self.gpus.replace(" ", "")
+        if not GPUS.fullmatch(gpus) or len(set(gpus.split(","))) < len(gpus.split(",")):
+            problems.append(("gpus", "all, cpu:N (N up to 999) or distinct GPU numbers like 0,1,3", self.gpus))
+        elif gpus and self.device != "auto":
+            problems.append(("device", "auto with --gpus (the launcher gives each worker its device)", self.device))
         if not NAMESPACE.fullmatch(self.namespace):
             problems.append(("namespace", "1 to 64 of A-Z a-z 0-9 . _ -", self.namespace))
         if not self.redis_url.startswith(REDIS_SCHEMES):
