@@ -143,6 +143,9 @@ class Settings:
                              self.redis_url.split(":", 1)[0] + ":..."))
         elif problem := url_problem(self.redis_url):
             problems.append(("redis_url", f"a usable Redis URL: {problem}", "<not shown: it may hold a password>"))
+        tls = [name for name in ("redis_tls_ca", "redis_tls_cert", "redis_tls_key") if getattr(self, name)]
+        if tls and not self.redis_url.startswith("rediss://"):  # refused here, before torch loads
+            problems.append((tls[0], "empty unless the Redis URL is rediss:// (TLS)", "a file, with a plain URL"))
         try:
             if not self.bucket_sizes or min(self.bucket_sizes) < 1:
                 raise ValueError
