@@ -8,12 +8,14 @@
 # e2e-fp8-late is the shipped FP8 setting, --fp8 --fp8-layers late; e2e-bf16-warm, -2 and -3 start a fresh bf16
 # worker again on the compile caches the earlier stages left (three fresh workers: the median is the figure);
 # priority is high requests at 10% of the peak rate over a saturating normal backlog, 2B bf16, PRIORITY_REPEATS
-# times (default 3) in one worker; fidelity is FP8 and bf16 against an fp32 reference at the 2B shape).
+# times (default 3) in one worker; fidelity is FP8 and bf16 against an fp32 reference at the 2B shape). Named only,
+# never by default: scaling (2B bf16 through one Redis on 1, 2, 4, 8 of the machine's GPUs, each count up to what
+# it has; ops/bench/scaling.py).
 # E2E_LOADS: the end-to-end latency phases, x the peak (default 0.5; 0.1,0.2,...,1.0 for latency against load,
 # which ops/bench/plot.py draws); E2E_LATENCY_SECONDS: each phase's length (default 10).
 # The workers share one compile cache, COMPILE_CACHE (default OUTDIR/compile-cache): the first end-to-end stage
 # of a fresh OUTDIR starts cold, the later ones find what it compiled.
-# Stage limits in seconds: E2E_TIMEOUT, PRIORITY_TIMEOUT, FIDELITY_TIMEOUT, TEST_TIMEOUT, MIX_TIMEOUT. A cold machine needs about 4
+# Stage limits in seconds: E2E_TIMEOUT, SCALING_TIMEOUT, PRIORITY_TIMEOUT, FIDELITY_TIMEOUT, TEST_TIMEOUT, MIX_TIMEOUT. A cold machine needs about 4
 # minutes before the first end-to-end worker is ready (static-shape compilation, FlashQLA's kernels); where one
 # command may run only 10 minutes, run the stages in separate commands on the same machine with the same OUTDIR.
 set -uo pipefail
@@ -50,6 +52,13 @@ for run in bf16 fp8 fp8-late bf16-warm bf16-2 bf16-3; do
   echo "exit $?"; grep -E "^(worker ready|SUMMARY)" "$out/e2e-2b-$run.log" || tail -n 30 "$out/e2e-2b-$run.log"
   pkill -f "end_to_end.py --worker" 2>/dev/null; sleep 1  # a worker left by a killed stage holds the GPU
 done
+
+want scaling && { stage "scaling over the GPUs, 2b bf16"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l); counts=1
+for k in 2 4 8; do [ "$k" -le "$gpus" ] && counts="$counts,$k"; done
+timeout "${SCALING_TIMEOUT:-1800}" $PY ops/bench/scaling.py --gpus "$counts" --shape 2b --compile-cache "$cache" \
+  --out "$out/scaling" >"$out/scaling.log" 2>&1
+echo "exit $?"; grep -E "^(SUMMARY|[|])" "$out/scaling.log" || tail -n 30 "$out/scaling.log"; }
 
 want priority && { stage "priority lanes 2b bf16"
 timeout "${PRIORITY_TIMEOUT:-420}" $PY ops/bench/priority.py --shape 2b --requests "${PRIORITY_REQUESTS:-6000}" \
