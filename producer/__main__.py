@@ -11,7 +11,7 @@ result, or show queue stats.
 
 Exit codes: 0 every request queued (or, with --wait, answered ok); 1 some refused, answered with an error or timed
 out; 2 usage (bad flag, file or URL) or an unsupported server (older than Redis 7.0 or Valkey 7.2); 3 queue full,
-some requests not sent; 4 Redis unreachable or refusing.
+some requests not sent; 4 Redis unreachable or refusing; 130 interrupted (Ctrl-C: every line still gets its record).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import __version__, dead
+from . import __version__, dead, exporter
 from .client import Client, LibraryUnavailable, NotDurable, QueueFull, ResultTimeout, UnsupportedServer
 from .connection import Deployment, check_reachable
 from .keys import GONE_S, LANES, PROTOCOL
-from .lines import FAILED, OK, UNREACHABLE, USAGE, Line, Report, read_lines
+from .lines import FAILED, INTERRUPTED, OK, UNREACHABLE, USAGE, Line, Report, read_lines
 from .schema import ErrorCode
 
 # Connection flags: the worker's names (worker/config.py), so one vocabulary serves both; the first is the flag.
@@ -56,13 +56,16 @@ def submit(args: argparse.Namespace, client: Client) -> int:
         out = sys.stdout if args.output is None else stack.enter_context(args.output)
         report = Report(lines, out, args.quiet)
         report.refusals()
-        _send(client, lines, report, args)
+        try:
+            _send(client, lines, report, args)
+            if args.wait:
+                _wait(client, lines, report, args)
+        except KeyboardInterrupt:
+            return report.interrupted(args.wait, args.ordered)
         if not args.wait:
             for line in lines:
                 out.write(json.dumps(line.receipt()) + "\n")
-            return report.summary(waited=False)
-        _wait(client, lines, report, args)
-        return report.summary(waited=True)
+        return report.summary(waited=args.wait)
 
 
 def _send(client: Client, lines: list[Line], report: Report, args: argparse.Namespace) -> None:
@@ -73,28 +76,33 @@ def _send(client: Client, lines: list[Line], report: Report, args: argparse.Name
         window = todo[start: start + args.batch]
         stalled_since, delay = time.monotonic(), 0.05
         while window:
+            report.sending, full = window, None  # interrupted in the call, these may or may not be queued
             try:
                 client.submit_many([line.prepared for line in window])
                 accepted = Counter(line.id for line in window)
-            except (QueueFull, NotDurable) as full:  # NotDurable: sent again under the same ids (one result each)
-                accepted = Counter(getattr(full, "accepted", ()))
-                why = f"{'queue full' if isinstance(full, QueueFull) else 'replicas not confirming'} for " \
-                      f"{args.queue_timeout:g} s ({getattr(full, 'detail', full)})"
-                if accepted:
-                    stalled_since = time.monotonic()
-                elif time.monotonic() - stalled_since >= args.queue_timeout:
-                    for line in window + todo[start + args.batch:]:
-                        line.fail("not_sent", ErrorCode.NOT_SENT, why)
-                    report.note(f"{why}: {report.count('not_sent')} requests not sent")
-                    return
-                time.sleep(delay)  # backpressure: wait for the workers to drain the stream
-                delay = min(delay * 2, 2.0)
+            except QueueFull as error:
+                accepted, full = Counter(error.accepted), error
+            except NotDurable as error:  # enqueued on the primary, not confirmed: the same ids sent again
+                accepted, full = Counter(), error
             for line in window:
                 if accepted[line.id] > 0:
                     accepted[line.id] -= 1
                     line.state = "queued"
-            window = [line for line in window if line.state == "read"]
+            window, report.sending = [line for line in window if line.state == "read"], []
             report.progress()
+            if full is None:
+                continue
+            if getattr(full, "accepted", None):
+                stalled_since = time.monotonic()
+            elif time.monotonic() - stalled_since >= args.queue_timeout:
+                why = f"{'queue full' if isinstance(full, QueueFull) else 'replicas not confirming'} for " \
+                      f"{args.queue_timeout:g} s ({getattr(full, 'detail', full)})"
+                for line in window + todo[start + args.batch:]:
+                    line.fail("not_sent", ErrorCode.NOT_SENT, why)
+                report.note(f"{why}: {report.count('not_sent')} requests not sent")
+                return
+            time.sleep(delay)  # backpressure: wait for the workers to drain the stream
+            delay = min(delay * 2, 2.0)
 
 
 def _wait(client: Client, lines: list[Line], report: Report, args: argparse.Namespace) -> None:
@@ -128,28 +136,6 @@ def _wait(client: Client, lines: list[Line], report: Report, args: argparse.Name
             report.note(f"{len(waiting)} results missing after {args.timeout:g} s; they can be read later "
                         f"(dq-producer result ID)")
             return
-
-
-def exporter(args: argparse.Namespace, client: Client) -> int:
-    """Serve the queue's depth until SIGTERM or SIGINT; Redis need not answer at start (it is reported)."""
-    import logging
-    import signal
-    import threading
-
-    from .exporter import Exporter, serve
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = serve(Exporter(client.stats, client.deployment.safe_url), args.host, args.port)
-    host, port = server.server_address[:2]
-    logging.getLogger("producer.exporter").info(
-        "serving the queue of namespace %s (%d shards) at %s as /metrics", client.deployment.namespace,
-        client.shards, f"http://{'[' + host + ']' if ':' in host else host}:{port}")
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    stop.wait()
-    server.shutdown()
-    return OK
 
 
 def _no_worker_warning(client: Client, timeout: float, say: Any) -> None:
@@ -235,14 +221,7 @@ def parser() -> argparse.ArgumentParser:
     res.set_defaults(run=result)
     dead.add_parser(commands, common)
 
-    exp = commands.add_parser("exporter", parents=[common], help="serve the queue's depth as Prometheus metrics",
-                              description="Serve /metrics: each shard's and lane's stream lengths, pending, lag and "
-                                          "consumers, dead letters and live workers, read from Redis at each scrape "
-                                          "(the monitor ACL user is enough). docs/OPERATIONS.md lists the metrics.")
-    exp.add_argument("--port", type=int, default=9401, metavar="PORT", help="port to serve on [default 9401]")
-    exp.add_argument("--host", default="", metavar="ADDRESS",
-                     help="address to bind (IPv4 or IPv6) [default '': every interface, IPv6 and IPv4]")
-    exp.set_defaults(run=exporter)
+    exporter.add_parser(commands, common)
     return top
 
 
@@ -265,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # everything that can be wrong before a byte is sent
         deployment = Deployment.resolve(**{name: getattr(args, name) for name in CONNECTION})
         if args.command == "submit":
-            with sys.stdin if args.file == "-" else open(args.file, encoding="utf-8") as handle:
+            with sys.stdin.buffer if args.file == "-" else open(args.file, "rb") as handle:
                 args.lines = read_lines(handle, args.priority)
             args.output = None if args.out == "-" else open(args.out, "w", encoding="utf-8")
     except (ValueError, OSError) as error:
@@ -291,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         return UNREACHABLE
     except KeyboardInterrupt:
         print("dq-producer: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

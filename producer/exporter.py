@@ -9,7 +9,9 @@ priority)`` takes either source; a stream whose group does not exist yet counts 
 
 from __future__ import annotations
 
+import argparse
 import logging
+import signal
 import socket
 import threading
 import time
@@ -20,6 +22,7 @@ from typing import Any
 import redis
 
 from .errors import DecisionQueueError
+from .lines import OK
 
 log = logging.getLogger("producer.exporter")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -142,3 +145,29 @@ def serve(exporter: Exporter, host: str, port: int) -> ThreadingHTTPServer:
     server = http_server(host, port, Handler)
     threading.Thread(target=server.serve_forever, name="exporter-http", daemon=True).start()
     return server
+
+
+def run(args: argparse.Namespace, client: Any) -> int:
+    """``dq-producer exporter``: serve until SIGTERM or SIGINT; Redis need not answer at start (it is reported)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = serve(Exporter(client.stats, client.deployment.safe_url), args.host, args.port)
+    host, port = server.server_address[:2]
+    log.info("serving the queue of namespace %s (%d shards) at %s as /metrics", client.deployment.namespace,
+             client.shards, f"http://{'[' + host + ']' if ':' in host else host}:{port}")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    server.shutdown()
+    return OK
+
+
+def add_parser(commands: Any, common: argparse.ArgumentParser) -> None:
+    exp = commands.add_parser("exporter", parents=[common], help="serve the queue's depth as Prometheus metrics",
+                              description="Serve /metrics: each shard's and lane's stream lengths, pending, lag and "
+                                          "consumers, dead letters and live workers, read from Redis at each scrape "
+                                          "(the monitor ACL user is enough). docs/OPERATIONS.md lists the metrics.")
+    exp.add_argument("--port", type=int, default=9401, metavar="PORT", help="port to serve on [default 9401]")
+    exp.add_argument("--host", default="", metavar="ADDRESS",
+                     help="address to bind (IPv4 or IPv6) [default '': every interface, IPv6 and IPv4]")
+    exp.set_defaults(run=run)

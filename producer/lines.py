@@ -11,14 +11,15 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 from .core import InvalidRequest, Prepared, prepare
-from .schema import ErrorCode
+from .keys import valid_id
 from .result import Result
+from .schema import ErrorCode
 
-# The exit codes of dq-producer (README "Command line").
-OK, FAILED, USAGE, QUEUE_FULL, UNREACHABLE = 0, 1, 2, 3, 4
+# The exit codes of dq-producer (README "Command line"); 130 is the shell's code for an interrupt (128 + SIGINT).
+OK, FAILED, USAGE, QUEUE_FULL, UNREACHABLE, INTERRUPTED = 0, 1, 2, 3, 4, 130
 FINAL = ("refused", "answered", "timed_out", "not_sent")
 
 
@@ -56,23 +57,33 @@ class Line:
         return out
 
 
-def read_lines(handle: TextIO, priority: str | None = None) -> list[Line]:
+def read_lines(handle: BinaryIO | TextIO, priority: str | None = None) -> list[Line]:
     """One ``Line`` per non-empty input line, its request prepared (given or generated id) or refused.
-    ``priority``: the lane of requests whose line does not say."""
+    ``priority``: the lane of requests whose line does not say. Bytes are decoded line by line, so one line that
+    is not UTF-8 is refused alone, by its number."""
     lines = []
-    for number, text in enumerate(handle, 1):
+    for number, raw in enumerate(handle, 1):
+        # A refused line without a usable id of its own is named "line N": the space is outside the id charset,
+        # so the name can never be another line's real id.
+        placeholder = f"line {number}"
+        try:
+            text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError as error:
+            lines.append(Line.refused(number, placeholder, ErrorCode.INVALID_JSON,
+                                      f"not UTF-8 (byte {error.start + 1} of the line)"))
+            continue
         if not text.strip():
             continue
         try:
             data = json.loads(text)
         except ValueError as error:
-            lines.append(Line.refused(number, f"line-{number}", ErrorCode.INVALID_JSON, f"not JSON: {error}"))
+            lines.append(Line.refused(number, placeholder, ErrorCode.INVALID_JSON, f"not JSON: {error}"))
             continue
         except RecursionError:  # not a ValueError: it once ended the command with a traceback
-            lines.append(Line.refused(number, f"line-{number}", ErrorCode.INVALID_JSON, "nested too deeply"))
+            lines.append(Line.refused(number, placeholder, ErrorCode.INVALID_JSON, "nested too deeply"))
             continue
         if not isinstance(data, dict):
-            lines.append(Line.refused(number, f"line-{number}", ErrorCode.INVALID_JSON,
+            lines.append(Line.refused(number, placeholder, ErrorCode.INVALID_JSON,
                                       f"a request is a JSON object, got {type(data).__name__}"))
             continue
         if priority is not None:
@@ -81,7 +92,7 @@ def read_lines(handle: TextIO, priority: str | None = None) -> list[Line]:
             lines.append(Line(number, prepare(data)))
         except InvalidRequest as error:
             given = data.get("id")
-            request_id = given if isinstance(given, str) and given else f"line-{number}"
+            request_id = given if isinstance(given, str) and valid_id(given) else placeholder
             lines.append(Line.refused(number, request_id, ErrorCode.INVALID_REQUEST, str(error)))
     return lines
 
@@ -97,6 +108,8 @@ class Report:
         self.shown = self.start = time.monotonic()
         self.waiting_since: float | None = None  # set when the results are awaited
         self.next = 0  # --ordered: the first line not written yet
+        self.written: set[int] = set()  # the numbers of the lines whose result is out (unordered)
+        self.sending: list[Line] = []  # the window of the submit call in progress: in doubt if it is interrupted
 
     def count(self, *states: str) -> int:
         return sum(line.state in states for line in self.lines)
@@ -131,11 +144,31 @@ class Report:
         """Write one line's result (when it has one): at once, or in input order as the prefix completes."""
         if not ordered:
             self.out.write(line.result.model_dump_json(exclude_none=True) + "\n")
+            self.written.add(line.number)
             return
         while self.next < len(self.lines) and self.lines[self.next].state in FINAL:
             done = self.lines[self.next]
             self.out.write(done.result.model_dump_json(exclude_none=True) + "\n")
             self.next += 1
+
+    def interrupted(self, waited: bool, ordered: bool) -> int:
+        """Ctrl-C: every line still gets its record, so what went in can be found by its id; the summary; 130."""
+        for line in self.lines:
+            if line.state == "read":
+                line.fail("not_sent", ErrorCode.NOT_SENT,
+                          f"interrupted while being sent: it may be queued (dq-producer result {line.id})"
+                          if line in self.sending else "interrupted before it was sent")
+            elif line.state == "queued" and waited:
+                line.fail("timed_out", ErrorCode.TIMEOUT, f"interrupted before its result came; the request stays "
+                                                          f"queued (dq-producer result {line.id})")
+        for line in self.lines:
+            if not waited:
+                self.out.write(json.dumps(line.receipt()) + "\n")
+            elif ordered or line.number not in self.written:
+                self.write(line, ordered)
+        self.note("dq-producer: interrupted")
+        self.summary(waited)
+        return INTERRUPTED
 
     def summary(self, waited: bool) -> int:
         """The last stderr line, and the exit code it stands for."""

@@ -145,6 +145,10 @@ def _serve(args: argparse.Namespace) -> int:
     settings = _settings("serve", lambda: Settings.from_args(args))  # before torch is imported or a model loaded
     if settings is None:
         return 2
+    if settings.gpus:  # one worker process per device, supervised by this one
+        from .launcher import serve as launch
+
+        return launch(settings)
     from .daemon import serve
 
     return serve(settings)

@@ -18,6 +18,7 @@ from typing import Any
 from producer.connection import MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT, mode_problem, redact, tls_url, url_problem
 
 DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
+GPUS = re.compile(r"|all|cpu:[1-9][0-9]{0,2}|[0-9]{1,3}(,[0-9]{1,3})*")  # --gpus; worker/launcher.py reads it
 NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a prefix of every key: no braces (hash tags), no colons
 REDIS_SCHEMES = tuple(f"{scheme}://" for scheme in SCHEMES)
 
@@ -43,6 +44,8 @@ class Settings:
     # Model
     checkpoint: str = _opt("", "decision checkpoint directory (any format transformers.decision loads)")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    gpus: str = _opt("", "one worker process per GPU, started and supervised by this one: all, a list like 0,1,3, or "
+                         "cpu:N (N CPU workers: tests, CPU hosts); empty: this process is the worker")
     dtype: str = _opt("auto", "auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16 or float32",
                       choices=("auto", "bfloat16", "float16", "float32"))
     engine: str = _opt("auto", "auto (fast on cuda, reference on cpu), fast or reference",
@@ -72,8 +75,8 @@ class Settings:
     fused_kernels: bool = _opt(True, "the fast path's own Triton kernels (convolution, SwiGLU and norm + FP8)")
     compile_cache: str = _opt("", "directory for compiled kernels (Inductor, Triton, TileLang); empty: their defaults")
     planner_threads: int = _opt(2, "threads that validate, render and tokenize requests", low=1)
-    planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU)",
-                                  low=0)
+    planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU); "
+                                     "with --gpus, 0: sized to the host's cores", low=0)
     # Queue
     redis_url: str = _opt("redis://127.0.0.1:6379/0",
                           "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user; "
@@ -89,7 +92,9 @@ class Settings:
     consumer: str = _opt("", "consumer name in the group (default: host-pid)")
     block_ms: int = _opt(1000, "blocking read timeout; kept below the socket timeout", low=1,
                         high=SOCKET_TIMEOUT * 1000 - 1000)
-    read_count: int = _opt(64, "entries fetched per read", low=1)
+    read_count: int = _opt(64, "entries fetched per read (fewer where --max-read-bytes says)", low=1)
+    max_read_bytes: int = _opt(64 << 20, "one read or claim asks for at most this many bytes of entries: "
+                                         "max(1, this / --max-entry-bytes) entries", low=1)
     max_inflight: int = _opt(512, "entries of each lane held at once (read, planned, queued or computing); reading "
                                   "that lane pauses above", low=1)
     claim_idle_ms: int = _opt(60000, "reclaim entries pending longer than this from dead consumers", low=1)
@@ -129,6 +134,11 @@ class Settings:
                 problems.append((f.name, f"at most {meta['high']:g}", value))
         if not DEVICE.fullmatch(self.device):
             problems.append(("device", "auto, cpu, cuda or cuda:N", self.device))
+        gpus = self.gpus.replace(" ", "")
+        if not GPUS.fullmatch(gpus) or len(set(gpus.split(","))) < len(gpus.split(",")):
+            problems.append(("gpus", "all, cpu:N (N up to 999) or distinct GPU numbers like 0,1,3", self.gpus))
+        elif gpus and self.device != "auto":
+            problems.append(("device", "auto with --gpus (the launcher gives each worker its device)", self.device))
         if not NAMESPACE.fullmatch(self.namespace):
             problems.append(("namespace", "1 to 64 of A-Z a-z 0-9 . _ -", self.namespace))
         if not self.redis_url.startswith(REDIS_SCHEMES):
@@ -138,6 +148,9 @@ class Settings:
             problems.append(("redis_url", f"a usable Redis URL: {problem}", "<not shown: it may hold a password>"))
         elif problem := mode_problem(self.redis_url, self.redis_cluster, self.wait_replicas):
             problems.append(("redis_url", problem, "<not shown: it may hold a password>"))
+        tls = [name for name in ("redis_tls_ca", "redis_tls_cert", "redis_tls_key") if getattr(self, name)]
+        if tls and not tls_url(self.redis_url):  # refused here, before torch loads
+            problems.append((tls[0], "empty unless the Redis URL is rediss:// or rediss+sentinel:// (TLS)", "a file, with a plain URL"))
         try:
             if not self.bucket_sizes or min(self.bucket_sizes) < 1:
                 raise ValueError

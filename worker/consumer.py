@@ -11,11 +11,14 @@ only those it does not hold (``XCLAIM``, which counts the new delivery).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from typing import Any
 
 import redis
 
 from producer.keys import LANES, Keys, Priority, text
+from producer.schema import ErrorCode
 
 from .entries import PARTS, REQUESTS, Delivery, Stream
 
@@ -24,12 +27,18 @@ class Consumer:
     """One consumer of the worker group, on the shard's work streams: each lane's part and request streams."""
 
     def __init__(self, redis_client: Any, keys: Keys, name: str, max_entry_bytes: int | None = None,
-                 once: Any = None) -> None:
+                 once: Any = None, max_read_bytes: int | None = None) -> None:
         self.redis = redis_client
         self.once = once or redis_client  # a client that never retries a call: for the calls that hand entries over
         self.keys = keys
         self.name = name
         self.max_entry_bytes = max_entry_bytes  # larger entries are refused unparsed (Delivery.parse)
+        # Entries per call that hands entries over, so that one reply brings in about max_read_bytes at most. Redis
+        # sends an entry over max_entry_bytes whole, so a lane reads one at a time (``careful``) after a reply with
+        # such an entry and after an empty one, until a reply brings none: a burst of huge entries is taken one by
+        # one, also when it wakes an idle worker.
+        self.per_call = max(1, (max_read_bytes or 0) // max_entry_bytes) if max_read_bytes and max_entry_bytes else None
+        self.careful: set[Priority] = set(LANES)
         # stream key -> (kind, lane); high lane first, and in a lane parts first: finish started requests
         self.streams: dict[str, tuple[Stream, Priority]] = {}
         for lane in LANES:
@@ -58,10 +67,25 @@ class Consumer:
 
     async def read(self, lane: Priority, count: int, block_ms: int) -> list[Delivery]:
         """New entries (``>``) of one lane, parts before requests."""
+        count = 1 if lane in self.careful and self.per_call else self._bounded(count)
         reply = await self.once.xreadgroup(self.keys.group, self.name, {key: ">" for key in self.lanes[lane]},
                                            count=count, block=block_ms)
-        return [self._parse(text(key), text(entry_id), fields, 1)
-                for key, entries in reply or [] for entry_id, fields in entries]
+        deliveries = [self._parse(text(key), text(entry_id), fields, 1)
+                      for key, entries in reply or [] for entry_id, fields in entries]
+        del reply
+        self._brought(deliveries, lane)
+        return deliveries
+
+    def _bounded(self, count: int) -> int:
+        return count if self.per_call is None else min(count, self.per_call)
+
+    def _brought(self, deliveries: list[Delivery], lane: Priority | None = None) -> None:
+        """After a reply: one at a time while huge entries come (``careful``); a big reply's memory given back."""
+        if lane is not None:
+            huge = any(delivery.invalid_code is ErrorCode.TOO_LARGE for delivery in deliveries)
+            (self.careful.add if huge or not deliveries else self.careful.discard)(lane)
+        if sum(delivery.size for delivery in deliveries) >= RELEASE_BYTES:
+            release_memory()
 
     async def own_pending(self, lane: Priority, limit: int, skip: set[tuple[str, str]]
                           ) -> tuple[list[Delivery], list[tuple[str, str]], bool]:
@@ -83,8 +107,9 @@ class Consumer:
         gone: list[tuple[str, str]] = []
         for key in self.lanes[lane]:
             ids = [entry_id for of, entry_id in found if of == key]
-            if ids:
-                claimed, lost = await self._claim(key, ids)
+            step = self._bounded(len(ids)) or 1
+            for start in range(0, len(ids), step):  # claimed in replies of a bounded size
+                claimed, lost = await self._claim(key, ids[start: start + step])
                 deliveries += claimed
                 gone += lost
         return deliveries, gone, len(found) >= limit
@@ -94,7 +119,9 @@ class Consumer:
         drops from the pending list instead of returning."""
         reply = await self.redis.xclaim(key, self.keys.group, self.name, 0, ids)
         fields = {text(entry_id): values for entry_id, values in reply or [] if values}
+        del reply
         deliveries = await self._counted([(key, entry_id, fields[entry_id]) for entry_id in ids if entry_id in fields])
+        self._brought(deliveries)
         return deliveries, [(key, entry_id) for entry_id in ids if entry_id not in fields]
 
     async def reclaim(self, lane: Priority, min_idle_ms: int, count: int,
@@ -107,14 +134,17 @@ class Consumer:
         for key in self.lanes[lane]:
             cursor = "0-0"
             while len(found) < limit:
-                reply = await self.once.xautoclaim(key, self.keys.group, self.name, min_idle_ms,
-                                                   start_id=cursor, count=min(count, limit - len(found)))
+                reply = await self.once.xautoclaim(key, self.keys.group, self.name, min_idle_ms, start_id=cursor,
+                                                   count=self._bounded(min(count, limit - len(found))))
                 cursor, entries = text(reply[0]), reply[1]
                 gone += [(key, text(entry_id)) for entry_id in (reply[2] if len(reply) > 2 else [])]
                 found += [(key, text(entry_id), fields) for entry_id, fields in entries]
                 if cursor == "0-0":
                     break
-        return await self._counted(found), gone
+        deliveries = await self._counted(found)
+        del found
+        self._brought(deliveries)
+        return deliveries, gone
 
     async def keep_alive(self, deliveries: list[Delivery]) -> None:
         """Reset the idle time of entries still in work so that no one reclaims them (JUSTID: no count bump)."""
@@ -135,15 +165,18 @@ class Consumer:
 
     async def group_stats(self) -> dict[tuple[Stream, Priority], dict[str, Any]]:
         """Per work stream: its length, the group's pending count and lag, and ``unread_deleted``: the id past which
-        entries were deleted before the group read them (None: none were), by ``unread_deleted``."""
+        entries were deleted before the group read them (None: none were), by ``unread_deleted``. XINFO STREAM, which
+        also sends the stream's first and last entries (huge ones too), is asked only where the group has not read
+        everything: a valid lag of 0 on a stream with entries means nothing unread was there to lose."""
         out = {}
         for key, stream in self.streams.items():
-            info = await self.redis.xinfo_stream(key)
-            entry: dict[str, Any] = {"length": info["length"], "pending": 0, "lag": None, "unread_deleted": None}
+            length = await self.redis.xlen(key)
+            entry: dict[str, Any] = {"length": length, "pending": 0, "lag": None, "unread_deleted": None}
             for group in await self.redis.xinfo_groups(key):
                 if text(group["name"]) == self.keys.group:
-                    entry.update(pending=group["pending"], lag=group.get("lag"),
-                                 unread_deleted=unread_deleted(info, group))
+                    entry.update(pending=group["pending"], lag=group.get("lag"))
+                    if group.get("lag") != 0 or length == 0:
+                        entry["unread_deleted"] = unread_deleted(await self.redis.xinfo_stream(key), group)
             out[stream] = entry
         return out
 
@@ -161,6 +194,20 @@ class Consumer:
     def _parse(self, key: str, entry_id: str, fields: dict | None, deliveries: int) -> Delivery:
         kind, lane = self.streams[key]
         return Delivery.parse(kind, key, entry_id, fields or {}, deliveries, self.max_entry_bytes, lane)
+
+
+# A reply that brought this much: the allocator is asked to give free memory back to the system (glibc keeps freed
+# heap pages of a thread's arena otherwise: 100 MB entries once left a worker 100 MB larger for good).
+RELEASE_BYTES = 32 << 20
+_LIBC = ctypes.util.find_library("c")
+
+
+def release_memory() -> None:
+    """``malloc_trim(0)`` where the C library has it (glibc); nothing elsewhere."""
+    try:
+        ctypes.CDLL(_LIBC).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
 def entry_order(entry_id: str) -> tuple[int, int]:

@@ -76,7 +76,7 @@ class Daemon:
         self.link = Link(client, self.metrics, where=settings.redis_where, give_up=lambda: self.stopping.is_set() and (
             not self.lifecycle.held or time.monotonic() > self.stop_deadline))
         consumer = Consumer(client, self.keys, settings.consumer_name, settings.max_entry_bytes,
-                            once=redis_client(settings, retries=0))
+                            once=redis_client(settings, retries=0), max_read_bytes=settings.max_read_bytes)
         presence = Presence(client, self.keys, settings.consumer_name, list(consumer.streams),
                             settings.consumer_gone_ms, {"model": self.model.name, "engine": self.engine.name})
         self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name, settings.reply_maxlen,

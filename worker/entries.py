@@ -136,6 +136,8 @@ class Delivery:
             if body is None:
                 problems.append(f"field {Field.BODY!r} is missing")
             request_id = _leading_id(body)
+        if too_large:  # its big values let go at once (names kept): nothing reads them, held they would stay
+            fields = {name: value if len(value) <= 1024 else b"" for name, value in fields.items()}
         taken = time.time()
         # An entry id is the producer's to choose (XADD with an id): one ahead of this clock would make queue waits
         # and latencies 0 for it and every entry after it. Counted (``ahead``), and the wait timed from now instead.

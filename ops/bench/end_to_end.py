@@ -8,8 +8,8 @@ checkpoint's tokenizer and template: token counts are what matter, the weights a
 
 1. peak: a backlog of ``--requests`` standard requests (256-768 tokens, noul + 4-way choice + 5-level score) is
    enqueued at once; throughput = tokens of all results / (first enqueue -> last result).
-2. latency: requests paced at ``--load`` x the peak rate for ``--latency-seconds``; enqueue-to-result p50/p99
-   from the results' own timings (stream entry id -> publication).
+2. latency: requests paced at each of ``--loads`` x the peak rate for ``--latency-seconds``, one phase after the
+   other; enqueue-to-result p50/p99 from the results' own timings (stream entry id -> publication).
 0. in-process (first, in the worker process, once warm): the same engine times the same backlog's prompts without
    Redis, for the end-to-end / in-process ratio; the reference engine times the first 256.
 """
@@ -60,7 +60,7 @@ def settings_for(args: argparse.Namespace, **extra):
 
     gpu = args.shape != "tiny"
     return Settings(checkpoint="(random)", device="cuda" if gpu else "cpu", engine="fast" if gpu else "reference",
-                    fp8=args.fp8, compile=args.compile, compile_cache=args.compile_cache,
+                    fp8=args.fp8, fp8_layers=args.fp8_layers, compile=args.compile, compile_cache=args.compile_cache,
                     cuda_graphs=not args.no_graphs, buckets=args.buckets, planner_processes=args.planner_processes,
                     max_inflight=args.max_inflight, read_count=128, claim_idle_ms=600_000, **extra)
 
@@ -169,6 +169,14 @@ def gpu_time(before: dict[str, float], after: dict[str, float], seconds: float) 
             "packs": int(delta("dq_pack_gpu_seconds_count"))}
 
 
+def gc_collections(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """The worker's garbage collections over a phase, by generation (a full one, generation 2, stops every thread
+    of the process while it walks what start-up did not freeze)."""
+    return {generation: int(after.get(f"python_gc_collections_total{{generation={generation}}}", 0)
+                            - before.get(f"python_gc_collections_total{{generation={generation}}}", 0))
+            for generation in ("0", "1", "2")}
+
+
 def slowest_pack_ms(before: dict[str, float], after: dict[str, float]) -> str:
     """The histogram bucket of the slowest pack (GPU time) in a phase: a stall shows here."""
     edges = sorted((float(key.split("{le=")[1].rstrip("}")), after[key] - before.get(key, 0.0))
@@ -218,7 +226,8 @@ def run_bench(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     encoder = Encoder(tiny.rendering())
     backlog = make_requests(args.requests, 1, encoder)
-    report: dict = {"shape": args.shape, "dtype": "fp8" if args.fp8 else "bf16", "compile": args.compile,
+    report: dict = {"shape": args.shape, "dtype": "fp8" if args.fp8 else "bf16", "fp8_layers": args.fp8_layers,
+                    "compile": args.compile,
                     "graphs": not args.no_graphs, "buckets": args.buckets,
                     "planner_processes": args.planner_processes,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"}
@@ -230,7 +239,7 @@ def run_bench(args: argparse.Namespace) -> int:
                "--metrics-port", str(port), "--compile", args.compile, "--buckets", args.buckets,
                "--planner-processes", str(args.planner_processes), "--max-inflight", str(args.max_inflight),
                "--requests", str(args.requests), "--self-time-file", str(self_time_file)]
-        cmd += ["--fp8"] if args.fp8 else []
+        cmd += ["--fp8", "--fp8-layers", args.fp8_layers] if args.fp8 else []
         cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
         cmd += ["--no-reference"] if args.no_reference else []
         cmd += ["--no-graphs"] if args.no_graphs else []
@@ -263,25 +272,13 @@ def run_bench(args: argparse.Namespace) -> int:
                                   redis_fsync_stalls(server.url) - fsync}
             print("peak", report["peak"], flush=True)
 
-            rate = args.load * len(ok) / seconds
-            paced = make_requests(int(rate * args.latency_seconds), 3, encoder)
-            latencies_ids = []
-            t0 = time.monotonic()
-            for i, request in enumerate(paced):
-                delay = t0 + i / rate - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                latencies_ids.append(client.submit(request))
-            paced_results = client.wait_many(latencies_ids, timeout=args.timeout)
-            paced_seconds = time.monotonic() - t0
-            final = scrape(port)
-            latency = [r.timings.finished_ms - r.timings.enqueued_ms for r in paced_results.values() if r.ok]
-            report["latency"] = {"offered_requests_per_s": round(rate, 1), "requests": len(latency),
-                                 "p50_ms": percentile(latency, 0.5), "p99_ms": percentile(latency, 0.99),
-                                 "max_ms": max(latency), "slowest_pack_ms": slowest_pack_ms(after, final),
-                                 **gpu_time(after, final, paced_seconds),
-                                 "redis_delayed_fsyncs": redis_fsync_stalls(server.url) - fsync}
-            print("latency", report["latency"], flush=True)
+            report["sweep"] = []
+            for index, load in enumerate(args.loads):  # the first phase is the first latency run after ready
+                phase = paced(client, encoder, port, server.url, load * len(ok) / seconds, args, seed=3 + 10 * index)
+                report["sweep"].append({"load": load, **phase})
+                print("latency", report["sweep"][-1], flush=True)
+            if report["sweep"]:
+                report["latency"] = next((p for p in report["sweep"] if p["load"] == 0.5), report["sweep"][0])
         finally:
             worker.terminate()
             worker.wait(120)
@@ -299,12 +296,37 @@ def run_bench(args: argparse.Namespace) -> int:
     print("SUMMARY", json.dumps({
         "dtype": report["dtype"], "end_to_end_tokens_per_s": report["peak"]["tokens_per_s"],
         "in_process_tokens_per_s": ours["tokens_per_s"], "ratio": report["end_to_end_over_in_process"],
-        "reference_tokens_per_s": ours.get("reference_tokens_per_s"), "latency": report["latency"],
+        "reference_tokens_per_s": ours.get("reference_tokens_per_s"), "latency": report.get("latency"),
+        "sweep": [{k: p[k] for k in ("load", "offered_requests_per_s", "p50_ms", "p99_ms", "max_ms",
+                                     "gpu_busy_fraction")} for p in report["sweep"]],
         "peak_gpu_busy": report["peak"]["gpu_busy_fraction"], "start_s": report["worker_start_seconds"],
         "start_without_self_time_s": report["worker_ready_without_self_time_seconds"],
         "profile_ms_per_16k": {k: round(v, 2) for k, v in ours.get("profile", {}).get("per_16k_tokens_ms", {}).items()},
         "worker_log": report["worker_log"]}), flush=True)
     return 0
+
+
+def paced(client, encoder, port: int, url: str, rate: float, args: argparse.Namespace, seed: int) -> dict:
+    """Requests paced at ``rate`` per second for ``--latency-seconds``: enqueue-to-result p50/p99/max from the
+    results' own timings, and the GPU's busy fraction over the phase."""
+    requests = make_requests(max(1, int(rate * args.latency_seconds)), seed, encoder)
+    before, fsync = scrape(port), redis_fsync_stalls(url)
+    ids = []
+    t0 = time.monotonic()
+    for i, request in enumerate(requests):
+        delay = t0 + i / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        ids.append(client.submit(request))
+    results = client.wait_many(ids, timeout=args.timeout)
+    phase_seconds = time.monotonic() - t0
+    final = scrape(port)
+    latency = [r.timings.finished_ms - r.timings.enqueued_ms for r in results.values() if r.ok]
+    return {"offered_requests_per_s": round(rate, 1), "requests": len(latency),
+            "p50_ms": percentile(latency, 0.5), "p99_ms": percentile(latency, 0.99), "max_ms": max(latency),
+            "slowest_pack_ms": slowest_pack_ms(before, final), "gc_collections": gc_collections(before, final),
+            **gpu_time(before, final, phase_seconds),
+            "redis_delayed_fsyncs": redis_fsync_stalls(url) - fsync}
 
 
 def worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -315,6 +337,7 @@ def worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="2b", choices=("0.8b", "2b", "4b", "tiny"),
                         help="tiny: the tiny checkpoint on the CPU (checks this harness without a GPU)")
     parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--fp8-layers", default="all", help="the worker's --fp8-layers (with --fp8)")
     parser.add_argument("--compile", default="layer", choices=("none", "sub", "layer"))
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--compile-cache", default="", help="the worker's compile_cache (empty: the defaults)")
@@ -330,7 +353,9 @@ def main() -> int:
     parser.add_argument("--self-time-file", help=argparse.SUPPRESS)
     parser.add_argument("--no-reference", action="store_true", help="skip timing the reference engine")
     parser.add_argument("--requests", type=int, default=6000, help="backlog size of the peak phase")
-    parser.add_argument("--load", type=float, default=0.5, help="offered load of the latency phase, x peak")
+    parser.add_argument("--loads", type=lambda text: [float(x) for x in text.split(",") if x], default=[0.5],
+                        help="offered loads of the latency phases, x peak, in order (e.g. 0.1,0.2,...,1.0; the "
+                             "phase at 0.5, else the first, is the report's latency); empty: none")
     parser.add_argument("--latency-seconds", type=float, default=15.0)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out", default="e2e-results")

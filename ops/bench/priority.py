@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from end_to_end import (gpu_time, make_requests, model_for, percentile, scrape, settings_for,  # noqa: E402
-                        wait_ready, worker_flags)
+from end_to_end import (gc_collections, gpu_time, make_requests, model_for, percentile, scrape,  # noqa: E402
+                        settings_for, slowest_pack_ms, wait_ready, worker_flags)
 
 LANE_SETTINGS = ("normal_share", "high_pack_tokens")  # passed to the worker when given
 TARGETS = {"high_p99_ms": 150, "high_p50_ms": 80, "normal_over_peak": 0.9}  # issue 15
@@ -94,10 +94,20 @@ def phases(args: argparse.Namespace, url: str, port: int, report: dict) -> None:
     report["peak"].update(gpu_time(before, after, report["peak"]["seconds"]))
     print("peak", report["peak"], flush=True)
 
-    rate = args.high_load * report["peak"]["requests_per_s"]
-    high_requests = make_requests(int(rate * args.timeout) + 1, 4, encoder)
+    report["runs"] = []
+    for run in range(args.repeats):  # phase 2 again, each on a fresh backlog and fresh high requests
+        report["runs"].append(with_high(args, url, port, client, encoder, report["peak"], seed=4 + 10 * run))
+        print("with high", report["runs"][-1], flush=True)
+    report["with_high"] = report["runs"][0]
+
+
+def with_high(args: argparse.Namespace, url: str, port: int, client, encoder, peak: dict, seed: int) -> dict:
+    """Phase 2: a normal backlog answered while high requests arrive at ``--high-load`` x the peak rate."""
+    after = scrape(port)
+    rate = args.high_load * peak["requests_per_s"]
+    high_requests = make_requests(int(rate * args.timeout) + 1, seed, encoder)
     stop, high_ids = threading.Event(), []
-    backlog = make_requests(args.requests, 5, encoder)
+    backlog = make_requests(args.requests, seed + 1, encoder)
     began_ms = int(time.time() * 1000)
     normal_ids = client.submit_many(backlog)
     feeder = threading.Thread(target=offer_high, args=(url, rate, high_requests, stop, high_ids), daemon=True)
@@ -115,16 +125,16 @@ def phases(args: argparse.Namespace, url: str, port: int, report: dict) -> None:
     during = [r for r in high.values() if r.timings.enqueued_ms <= end_ms]  # offered while the backlog lasted
     high_tokens = sum(r.usage.tokens for r in during)
     latency = [r.timings.finished_ms - r.timings.enqueued_ms for r in high.values()]
-    report["with_high"] = {
+    return {
         "high_offered_per_s": round(rate, 1), "high_requests": len(latency),
         "high_p50_ms": percentile(latency, 0.5), "high_p99_ms": percentile(latency, 0.99),
         "high_max_ms": max(latency) if latency else None, "normal": normal_rate,
         "normal_p50_ms": percentile([r.timings.finished_ms - r.timings.enqueued_ms for r in normal.values()], 0.5),
-        "normal_over_peak": round(normal_rate["tokens_per_s"] / report["peak"]["tokens_per_s"], 3),
+        "normal_over_peak": round(normal_rate["tokens_per_s"] / peak["tokens_per_s"], 3),
         "total_over_peak": round((normal_rate["tokens"] + high_tokens) / normal_rate["seconds"]
-                                 / report["peak"]["tokens_per_s"], 3),
+                                 / peak["tokens_per_s"], 3),
+        "slowest_pack_ms": slowest_pack_ms(after, final), "gc_collections": gc_collections(after, final),
         **gpu_time(after, final, normal_rate["seconds"])}
-    print("with high", report["with_high"], flush=True)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -147,7 +157,7 @@ def run_bench(args: argparse.Namespace) -> int:
         cmd = [sys.executable, __file__, "--worker", "--shape", args.shape, "--redis-url", server.url,
                "--metrics-port", str(port), "--compile", args.compile, "--buckets", args.buckets,
                "--planner-processes", str(args.planner_processes), "--max-inflight", str(args.max_inflight)]
-        cmd += ["--fp8"] if args.fp8 else []
+        cmd += ["--fp8", "--fp8-layers", args.fp8_layers] if args.fp8 else []
         cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
         cmd += ["--no-graphs"] if args.no_graphs else []
         for name in LANE_SETTINGS:
@@ -163,15 +173,18 @@ def run_bench(args: argparse.Namespace) -> int:
             worker.wait(120)
             log.close()
     result = report["with_high"]
-    report["met"] = {"high_p99_ms": result["high_p99_ms"] <= TARGETS["high_p99_ms"],
-                     "high_p50_ms": result["high_p50_ms"] <= TARGETS["high_p50_ms"],
-                     "normal_over_peak": result["normal_over_peak"] >= TARGETS["normal_over_peak"]}
+    runs = report["runs"]  # every run must meet each target
+    report["met"] = {"high_p99_ms": all(r["high_p99_ms"] <= TARGETS["high_p99_ms"] for r in runs),
+                     "high_p50_ms": all(r["high_p50_ms"] <= TARGETS["high_p50_ms"] for r in runs),
+                     "normal_over_peak": all(r["normal_over_peak"] >= TARGETS["normal_over_peak"] for r in runs)}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print("SUMMARY", json.dumps({
         "peak_tokens_per_s": report["peak"]["tokens_per_s"], "peak_requests_per_s": report["peak"]["requests_per_s"],
         **{k: result[k] for k in ("high_offered_per_s", "high_requests", "high_p50_ms", "high_p99_ms",
                                   "high_max_ms", "normal_p50_ms", "normal_over_peak", "total_over_peak")},
         "normal_tokens_per_s": result["normal"]["tokens_per_s"], "met": report["met"],
+        "runs": [{k: r[k] for k in ("high_p50_ms", "high_p99_ms", "high_max_ms", "normal_over_peak",
+                                    "total_over_peak")} for r in runs],
         "start_s": report["worker_start_seconds"]}), flush=True)
     return 0
 
@@ -183,6 +196,7 @@ def main() -> int:
     parser.add_argument("--high-pack-tokens", type=int, default=None, help="the worker's (default: its own)")
     parser.add_argument("--requests", type=int, default=6000, help="normal backlog of each phase")
     parser.add_argument("--high-load", type=float, default=0.1, help="high requests offered, x the peak rate")
+    parser.add_argument("--repeats", type=int, default=1, help="phase 2 runs, one after the other (same worker)")
     parser.add_argument("--timeout", type=float, default=120.0, help="longest wait for one phase's results")
     parser.add_argument("--out", default="priority-results")
     args = parser.parse_args()

@@ -2,21 +2,27 @@
 # Everything the GPU machine measures, most important first, each stage bounded in time so that a slow or failing
 # stage cannot starve the next: end to end through Redis (2B bf16, 2B FP8; each also times its engine in process
 # and the reference engine), the GPU tests, then the other shapes and mixes in process.
-# Usage: ops/bench/run_all.sh OUTDIR [STAGE...]   stages: delta-rule e2e-bf16 e2e-fp8 e2e-bf16-warm priority
-# fidelity tests mixes (default: all, in that order; delta-rule is the host and GPU time of the gated delta rule per
-# pack, fla's dispatch against FlashQLA called directly; e2e-bf16-warm starts a worker again on the compile caches
-# the earlier stages left; priority is high requests at 10% of the peak rate over a saturating normal backlog, 2B
-# bf16; fidelity is FP8 and bf16 against an fp32 reference at the 2B shape).
+# Usage: ops/bench/run_all.sh OUTDIR [STAGE...]   stages: delta-rule e2e-bf16 e2e-fp8 e2e-fp8-late e2e-bf16-warm
+# e2e-bf16-2 e2e-bf16-3 priority fidelity tests mixes (default: all but e2e-bf16-2/3, in that order; delta-rule is
+# the host and GPU time of the gated delta rule per pack, fla's dispatch against FlashQLA called directly;
+# e2e-fp8-late is the shipped FP8 setting, --fp8 --fp8-layers late; e2e-bf16-warm, -2 and -3 start a fresh bf16
+# worker again on the compile caches the earlier stages left (three fresh workers: the median is the figure);
+# priority is high requests at 10% of the peak rate over a saturating normal backlog, 2B bf16, PRIORITY_REPEATS
+# times (default 3) in one worker; fidelity is FP8 and bf16 against an fp32 reference at the 2B shape). Named only,
+# never by default: scaling (2B bf16 through one Redis on 1, 2, 4, 8 of the machine's GPUs, each count up to what
+# it has; ops/bench/scaling.py).
+# E2E_LOADS: the end-to-end latency phases, x the peak (default 0.5; 0.1,0.2,...,1.0 for latency against load,
+# which ops/bench/plot.py draws); E2E_LATENCY_SECONDS: each phase's length (default 10).
 # The workers share one compile cache, COMPILE_CACHE (default OUTDIR/compile-cache): the first end-to-end stage
 # of a fresh OUTDIR starts cold, the later ones find what it compiled.
-# Stage limits in seconds: E2E_TIMEOUT, PRIORITY_TIMEOUT, FIDELITY_TIMEOUT, TEST_TIMEOUT, MIX_TIMEOUT. A cold machine needs about 4
+# Stage limits in seconds: E2E_TIMEOUT, SCALING_TIMEOUT, PRIORITY_TIMEOUT, FIDELITY_TIMEOUT, TEST_TIMEOUT, MIX_TIMEOUT. A cold machine needs about 4
 # minutes before the first end-to-end worker is ready (static-shape compilation, FlashQLA's kernels); where one
 # command may run only 10 minutes, run the stages in separate commands on the same machine with the same OUTDIR.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: run_all.sh OUTDIR [STAGE...]}
 shift
-stages=${*:-delta-rule e2e-bf16 e2e-fp8 e2e-bf16-warm priority fidelity tests mixes}
+stages=${*:-delta-rule e2e-bf16 e2e-fp8 e2e-fp8-late e2e-bf16-warm priority fidelity tests mixes}
 want() { [[ " $stages " == *" $1 "* ]]; }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DQ_GPU_REPORT="$out/gpu-tests.jsonl"
@@ -35,20 +41,28 @@ timeout "${DELTA_TIMEOUT:-120}" $PY ops/bench/delta_rule.py --out "$out" >"$out/
 echo "exit $?"; tail -n 12 "$out/delta_rule.log"; }
 
 cache=${COMPILE_CACHE:-$out/compile-cache}
-for run in bf16 fp8 bf16-warm; do
+for run in bf16 fp8 fp8-late bf16-warm bf16-2 bf16-3; do
   want "e2e-$run" || continue
   stage "end to end 2b $run"
   # The reference engine's figure does not depend on the fast engine's dtype: timed once, in the FP8 stage.
-  flag=$([ "$run" = fp8 ] && echo --fp8 || echo --no-reference)
+  case $run in fp8) flag=--fp8 ;; fp8-late) flag="--fp8 --fp8-layers late --no-reference" ;; *) flag=--no-reference ;; esac
   timeout "${E2E_TIMEOUT:-420}" $PY ops/bench/end_to_end.py --shape 2b $flag --requests "${E2E_REQUESTS:-3000}" \
-    --latency-seconds 10 --compile-cache "$cache" --out "$out/e2e-2b-$run" >"$out/e2e-2b-$run.log" 2>&1
+    --loads "${E2E_LOADS:-0.5}" --latency-seconds "${E2E_LATENCY_SECONDS:-10}" --compile-cache "$cache" --out "$out/e2e-2b-$run" \
+    >"$out/e2e-2b-$run.log" 2>&1
   echo "exit $?"; grep -E "^(worker ready|SUMMARY)" "$out/e2e-2b-$run.log" || tail -n 30 "$out/e2e-2b-$run.log"
   pkill -f "end_to_end.py --worker" 2>/dev/null; sleep 1  # a worker left by a killed stage holds the GPU
 done
 
+want scaling && { stage "scaling over the GPUs, 2b bf16"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l); counts=1
+for k in 2 4 8; do [ "$k" -le "$gpus" ] && counts="$counts,$k"; done
+timeout "${SCALING_TIMEOUT:-1800}" $PY ops/bench/scaling.py --gpus "$counts" --shape 2b --compile-cache "$cache" \
+  --out "$out/scaling" >"$out/scaling.log" 2>&1
+echo "exit $?"; grep -E "^(SUMMARY|[|])" "$out/scaling.log" || tail -n 30 "$out/scaling.log"; }
+
 want priority && { stage "priority lanes 2b bf16"
 timeout "${PRIORITY_TIMEOUT:-420}" $PY ops/bench/priority.py --shape 2b --requests "${PRIORITY_REQUESTS:-6000}" \
-  --compile-cache "$cache" --out "$out/priority-2b-bf16" >"$out/priority-2b-bf16.log" 2>&1
+  --repeats "${PRIORITY_REPEATS:-3}" --compile-cache "$cache" --out "$out/priority-2b-bf16" >"$out/priority-2b-bf16.log" 2>&1
 echo "exit $?"; grep -E "^(worker ready|SUMMARY)" "$out/priority-2b-bf16.log" || tail -n 30 "$out/priority-2b-bf16.log"
 pkill -f "priority.py --worker" 2>/dev/null; sleep 1; }
 

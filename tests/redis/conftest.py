@@ -112,13 +112,14 @@ def start_worker(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def served(tiny_dir, tmp_path_factory):
-    """One redis-server and one ready worker (tiny checkpoint, CPU) shared by a module's tests, which keep to ids
-    of their own: for tests of a client's behaviour that need real results, not of the worker's."""
+def served(loaded):
+    """One redis-server and one ready worker (in this process, tiny checkpoint, CPU) shared by a module's tests,
+    which keep to ids of their own: for tests of a client's behaviour that need real results, not of the worker's."""
+    from inprocess import InProcessWorker
+
     with RedisServer() as server:
-        worker = WorkerProcess(tiny_dir, server.url, tmp_path_factory.mktemp("served") / "worker.log")
+        worker = InProcessWorker(loaded("repo"), server.url).start()
         try:
-            worker.wait_ready()
             yield server
         finally:
             worker.stop()
@@ -127,7 +128,7 @@ def served(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def module_servers():
     """label -> (server, worker) started for a module's tests, one pair per server binary; stopped at its end."""
-    started: dict[str, tuple[RedisServer, WorkerProcess]] = {}
+    started: dict[str, tuple[RedisServer, object]] = {}
     yield started
     for server, worker in started.values():
         worker.stop()
@@ -135,16 +136,18 @@ def module_servers():
 
 
 @pytest.fixture
-def module_worker(server_binary, module_servers, tiny_dir, tmp_path_factory, request):
-    """(server, worker): one server of this run's binary and one ready worker, shared by a module's tests (the
-    worker started with the module's ``WORKER_SETTINGS``). The tests keep to ids of their own and compare metrics
-    before and after."""
+def module_worker(server_binary, module_servers, loaded, request):
+    """(server, worker): one server of this run's binary and one ready in-process worker with its health server,
+    shared by a module's tests (the worker started with the module's ``WORKER_SETTINGS``). The tests keep to ids of
+    their own and compare metrics before and after."""
+    from inprocess import InProcessWorker
+
     if server_binary.label not in module_servers:
         server = RedisServer().start()
-        worker = WorkerProcess(tiny_dir, server.url, tmp_path_factory.mktemp("module") / "worker.log",
-                               **getattr(request.module, "WORKER_SETTINGS", {}))
+        settings = getattr(request.module, "WORKER_SETTINGS", {})
+        worker = InProcessWorker(loaded("repo", settings.get("max_prompt_tokens")), server.url, http=True, **settings)
         module_servers[server_binary.label] = (server, worker)
-        worker.wait_ready()
+        worker.start()
     return module_servers[server_binary.label]
 
 

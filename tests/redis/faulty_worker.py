@@ -71,6 +71,7 @@ class FaultyEngine:
 def main() -> int:
     from worker.__main__ import main as worker_main
     from worker import daemon as daemons
+    from worker import launcher
 
     real_create = daemons.create_engine
 
@@ -80,6 +81,7 @@ def main() -> int:
 
     # The daemon's own construction runs unchanged; the engine it creates comes wrapped.
     daemons.create_engine = faulty_create
+    launcher.ENTRY = [__file__]  # serve --gpus here: the launcher's workers are faulty workers too
     return worker_main(sys.argv[1:])
 
 

@@ -9,12 +9,12 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from clusters import LocalCluster
 from faults import wait_for
 from producer import library
 from producer.client import AsyncClient, Client
 from producer.keys import Keys, shard_of
 from test_e2e import QUESTIONS, requests
+from worker.redis_server import LocalCluster
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

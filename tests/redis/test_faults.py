@@ -98,23 +98,6 @@ def test_sigterm_mid_pack_drains_and_leaves_nothing_to_redeliver(redis_server, s
         answered)
 
 
-def test_kill_9_mid_pack_the_other_worker_finishes(redis_server, start_worker, tiny_dir):
-    client = Client(redis_server.url)
-    victim = start_worker(tiny_dir, redis_server.url, read_count=4, **slow(3.0), **FAST_RECLAIM)
-    survivor = start_worker(tiny_dir, redis_server.url, ready=False, **FAST_RECLAIM)  # loads meanwhile
-    first = client.submit_many(batch(4, "kill"))
-    wait_log(victim, "fault: slow pack")
-    victim.process.kill()  # mid-pack, holding entries
-    victim.wait(10)
-    keys = client.keys
-    assert client.redis.xpending(keys.requests, keys.group)["pending"] == 4
-    survivor.wait_ready()
-    rest = client.submit_many(batch(8, "kill", start=4))
-    report = settle(client.redis, keys, first + rest, timeout=90).assert_ok()
-    assert all(r.ok for r in report.results.values())
-    assert survivor.metric("dq_entries_read_total", how="reclaimed") == 4
-
-
 # ---------------------------------------------------------------- Redis fails
 
 

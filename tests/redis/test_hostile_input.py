@@ -1,6 +1,7 @@
-"""Hostile stream entries against a real worker process: fields a producer (or anyone who can write a stream)
-controls, each answered at once with a clear error result under the right id, and nothing written outside the
-request's own keys and its namespace's reply streams (watched through keyspace notifications)."""
+"""Hostile stream entries against a real worker (in this process, its fatal exits recorded): fields a producer (or
+anyone who can write a stream) controls, each answered at once with a clear error result under the right id, and
+nothing written outside the request's own keys and its namespace's reply streams (watched through keyspace
+notifications)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class Watched:
 
     def check(self) -> None:
         self.written.stop()
-        assert self.worker.process.poll() is None
+        assert self.worker.alive
         assert self.worker.metric("dq_retries_total") == self.before["dq_retries_total"]
         assert self.worker.metric("dq_dead_letters_total") == self.before["dq_dead_letters_total"] + self.dead_letters
 

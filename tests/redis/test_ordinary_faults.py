@@ -119,3 +119,41 @@ def test_reply_and_dead_letter_streams_keep_to_their_caps(redis_server, inproces
     report = settle(client.redis, keys, ids, timeout=60).assert_ok()
     assert all(report.results[i].ok for i in ids)
     assert 100 <= client.redis.xlen(reply_to) <= 200 and 100 <= client.redis.xlen(keys.dead) <= 200
+
+
+def test_one_read_brings_in_a_bounded_number_of_bytes(redis_server):
+    """Fault 15: a read asks for at most --max-read-bytes / --max-entry-bytes entries; huge entries (which Redis
+    sends whole) are then taken one at a time, also the first ones to wake an idle reader; a refused entry keeps
+    none of its big fields in memory. Eight 100 MB entries once took a worker from 392 MB to 1 GB, 800 MB for good
+    (`python tests/redis/memory_probe.py` measures the RSS of a worker process)."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from producer.keys import NORMAL, Keys
+    from producer.schema import ErrorCode
+    from worker.consumer import Consumer
+
+    async def scenario() -> list[list[int]]:
+        client, keys = aioredis.from_url(redis_server.url), Keys()
+        consumer = Consumer(client, keys, "w-bytes", max_entry_bytes=1000, max_read_bytes=4000)  # 4 per read
+        await consumer.ensure_groups()
+        stream, sizes = keys.requests_in(NORMAL), []
+        async with client.pipeline(transaction=True) as pipe:  # they arrive together, as one burst
+            for n in range(3):
+                pipe.xadd(stream, {"body": b'{"id": "huge-%d", "pad": "' % n + b"x" * 5000 + b'"}'})
+            for n in range(6):
+                pipe.xadd(stream, {"body": b'{"id": "small-%d"}' % n})
+            await pipe.execute()
+        while deliveries := await consumer.read(NORMAL, 64, 100):
+            sizes.append([len(d.body or b"") for d in deliveries])
+            for delivery in deliveries:
+                huge = delivery.request_id.startswith("huge")
+                assert (delivery.invalid_code is ErrorCode.TOO_LARGE) == huge, delivery
+                assert delivery.body == b"" if huge else delivery.body.startswith(b'{"id": "small')
+        await client.aclose()
+        return sizes
+
+    sizes = asyncio.run(scenario())
+    # one at a time while huge ones come (the first to wake the reader too), then at most four per read
+    assert [len(read) for read in sizes] == [1, 1, 1, 1, 4, 1], sizes

@@ -144,26 +144,33 @@ def test_a_plain_xadd_is_served_in_the_lane_of_its_stream_and_a_body_naming_the_
 # ---------------------------------------------------------------- every guarantee in both lanes
 
 
-@pytest.mark.parametrize("priority", LANES)
-def test_kill_9_mid_pack_the_other_worker_reclaims_and_finishes(redis_server, start_worker, tiny_dir, priority):
+def test_kill_9_mid_pack_the_other_worker_reclaims_and_finishes_in_both_lanes(redis_server, start_worker, tiny_dir):
+    """The victim dies holding four entries of each lane; the survivor reclaims them from both."""
     client = Client(redis_server.url)
     victim = start_worker(tiny_dir, redis_server.url, read_count=4, claim_idle_ms=1000, entry=FAULTY,
                           env={"DQ_FAULT_SLOW_S": "3"})
     survivor = start_worker(tiny_dir, redis_server.url, ready=False, claim_idle_ms=1000)
-    first = client.submit_many(lane(batch(4, "kill"), priority))
+    first = client.submit_many([*lane(batch(4, "kill-high"), HIGH), *lane(batch(4, "kill-normal"), NORMAL)])
     wait_log(victim, "fault: slow pack")
-    victim.process.kill()  # mid-pack, holding the lane's entries
+
+    def pending(priority) -> int:
+        return client.redis.xpending(client.keys.requests_in(priority), client.keys.group)["pending"]
+
+    wait_for(lambda: [pending(priority) for priority in LANES] == [4, 4], 2.5, what="both lanes held")
+    victim.process.kill()  # mid-pack, holding both lanes' entries
     victim.wait(10)
-    assert client.redis.xpending(client.keys.requests_in(priority), client.keys.group)["pending"] == 4
+    assert [pending(priority) for priority in LANES] == [4, 4]
     survivor.wait_ready()
-    rest = client.submit_many(lane(batch(8, "kill", start=4), priority))
+    rest = client.submit_many([*lane(batch(4, "kill-high", start=4), HIGH),
+                               *lane(batch(4, "kill-normal", start=4), NORMAL)])
     report = settle(client.redis, client.keys, first + rest, timeout=90).assert_ok()
     assert all(r.ok for r in report.results.values())
-    assert survivor.metric("dq_entries_read_total", how="reclaimed") == 4, (
+    assert survivor.metric("dq_entries_read_total", how="reclaimed") == 8, (
         survivor.metric("dq_entries_read_total", how="recovered"), survivor.metric("dq_redis_errors_total"),
         survivor.log.read_text()[-3000:])
     wait_released(survivor)
-    assert survivor.metric("dq_request_latency_seconds_count", priority=priority) == 12
+    for priority in LANES:
+        assert survivor.metric("dq_request_latency_seconds_count", priority=priority) == 8
 
 
 @pytest.mark.parametrize("priority", LANES)

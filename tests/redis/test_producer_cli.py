@@ -4,6 +4,7 @@ record or result per input line, the summary, exit codes, backpressure that neve
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -44,7 +45,7 @@ def test_submit_wait_writes_one_result_per_line_in_order_and_exits_1_on_errors(s
     done = cli("submit", source, "--redis-url", served.url, "--wait", "--ordered", "--timeout", "120")
     assert done.returncode == 1, done.stderr
     results = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [r["id"] for r in results][:1] + [r["id"] for r in results][2:] == ["w-1", "w-late", "line-4", "w-noq",
+    assert [r["id"] for r in results][:1] + [r["id"] for r in results][2:] == ["w-1", "w-late", "line 4", "w-noq",
                                                                                "w-6"]
     assert re.fullmatch(r"[0-9a-f]{32}", results[1]["id"])  # the generated id, in its line's place
     assert [r["status"] for r in results] == ["ok", "ok", "error", "error", "error", "ok"]
@@ -71,7 +72,7 @@ def test_submit_without_wait_reports_every_line_and_generated_ids_fetch_their_re
     records = [json.loads(line) for line in done.stdout.splitlines()]
     assert records[0] == {"line": 1, "id": "n-1"}
     assert records[1]["line"] == 2 and re.fullmatch(r"[0-9a-f]{32}", records[1]["id"])
-    assert records[2] == {"line": 3, "id": "line-3", "error": {
+    assert records[2] == {"line": 3, "id": "line 3", "error": {
         "code": "invalid_json", "message": "line 3: a request is a JSON object, got list"}}
     assert done.stderr.splitlines() == ["line 3: a request is a JSON object, got list",
                                         "3 requests: 2 queued, 1 refused (invalid_json 1)"]
@@ -109,6 +110,58 @@ def test_a_queue_that_stays_full_ends_with_exit_3_and_names_what_was_not_sent(re
     waited = cli("submit", source, "--redis-url", redis_server.url, "--max-unfinished", "3", "--queue-timeout", "0",
                  "--wait", "--timeout", "1")
     assert waited.returncode == 3 and waited.stderr.splitlines()[-1] == "5 requests: 0 ok, 5 not sent"
+
+
+def _interrupt(args: list[str], ready) -> subprocess.CompletedProcess:
+    """Start dq-producer, send SIGINT once ``ready()`` holds, and collect what it wrote."""
+    proc = subprocess.Popen([sys.executable, "-m", "producer", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
+    deadline = time.monotonic() + 60
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # into the next step: the queue's backpressure wait, or the wait for results
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def test_ctrl_c_during_submit_prints_every_lines_record_and_exits_130(redis_server, tmp_path):
+    """Issue "ordinary faults" 7: interrupted while the queue is full, what went in is named by its receipt, the
+    rest is not sent; interrupted while waiting, the queued requests get a result saying they stay queued."""
+    source = write(tmp_path / "in.jsonl", *(good(f"c-{i}") for i in range(6)))
+    length = Client(redis_server.url).redis.xlen
+    done = _interrupt(["submit", source, "--redis-url", redis_server.url, "--max-unfinished", "2", "--batch", "2",
+                       "--queue-timeout", "60"], ready=lambda: length(Keys().requests) == 2)
+    assert done.returncode == 130, done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert records[:2] == [{"line": 1, "id": "c-0"}, {"line": 2, "id": "c-1"}]
+    assert [(r["line"], r["error"]["code"]) for r in records[2:]] == [(n, "not_sent") for n in range(3, 7)]
+    assert "interrupted" in done.stderr and done.stderr.splitlines()[-1] == "6 requests: 2 queued, 4 not sent"
+    assert length(Keys().requests) == 2
+
+    waiting = write(tmp_path / "wait.jsonl", good("w-0"), "{", good("w-1"))
+    done = _interrupt(["submit", waiting, "--redis-url", redis_server.url, "--wait", "--ordered", "--timeout", "60"],
+                      ready=lambda: length(Keys().requests) == 4)
+    assert done.returncode == 130, done.stderr
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["id"], r["error"]["code"]) for r in results] == [
+        ("w-0", "timeout"), ("line 2", "invalid_json"), ("w-1", "timeout")]
+    assert "stays queued (dq-producer result w-0)" in results[0]["error"]["message"]
+
+
+def test_a_line_that_is_not_utf8_is_refused_alone_by_its_number(redis_server, tmp_path):
+    """Issue "ordinary faults" 8 and 12: the rest of the file is sent; the refused line's name is no real id."""
+    source = tmp_path / "in.jsonl"
+    bad = b'{"state": "caf\xe9"}'
+    at = bad.index(b"\xe9") + 1
+    source.write_bytes(good("line-2").encode() + b"\n" + bad + b"\n" + good("u-3").encode() + b"\n")
+    done = cli("submit", str(source), "--redis-url", redis_server.url)
+    assert done.returncode == 1, done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert records[0] == {"line": 1, "id": "line-2"} and records[2] == {"line": 3, "id": "u-3"}
+    assert records[1]["id"] == "line 2" and records[1]["error"]["code"] == "invalid_json"
+    assert records[1]["error"]["message"] == f"line 2: not UTF-8 (byte {at} of the line)"
+    assert Client(redis_server.url).redis.xlen(Keys().requests) == 2
 
 
 def test_results_that_do_not_come_time_out_with_exit_1(redis_server, tmp_path):

@@ -63,7 +63,7 @@ def test_replies_are_not_lost_when_connections_drop(redis_server, inprocess):
     'already published', and no reply was sent). Each request: one result, and one reply."""
     client = Client(redis_server.url)
     reply = KEYS.reply_prefix + "storm"
-    ids = client.submit_many(replying(batch(400, "storm"), reply))
+    ids = client.submit_many(replying(batch(200, "storm"), reply))
     worker = inprocess(redis_server.url, claim_idle_ms=2000).start(ready=False)
     admin = redis.Redis.from_url(redis_server.url)
     done = threading.Event()

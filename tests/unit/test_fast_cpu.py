@@ -279,3 +279,18 @@ def test_without_flash_linear_attention_the_error_names_the_reference_engine(mon
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)
     with pytest.raises(FastPathUnavailable, match="flash-linear-attention.*reference"):
         _chunk_gated_delta_rule()
+
+
+def test_a_variant_child_that_fails_is_logged_and_the_warm_up_goes_on(caplog):
+    """worker/fast/prebuild.py: a child compiling a delta-rule variant beside the capture that fails costs only the
+    time it would have saved (the warm-up pack compiles the variant itself): join returns and logs which one."""
+    import logging
+
+    from worker.fast import prebuild
+
+    children = prebuild.start({"unsplit, tile 32": [64]}, 16, 16, 128, 128, dtype="no_such_dtype")
+    with caplog.at_level(logging.INFO):
+        children.join(logging.getLogger("warm-up"), timeout=120)
+    failed = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(failed) == 1 and "unsplit, tile 32" in failed[0] and "exit 1" in failed[0], failed
+    assert "no_such_dtype" in failed[0]  # the child's last line: its error

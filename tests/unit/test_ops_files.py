@@ -19,6 +19,8 @@ from producer.exporter import EXPORTED
 from producer.gateway.front import Metrics as GatewayMetrics
 from producer.keys import GROUP, LANES, Keys
 from worker.config import Settings
+from worker.host import devices
+from worker.launcher import Launcher
 from worker.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,11 +35,13 @@ def load(path: Path) -> list:
 
 
 def exported() -> dict[str, set[str]]:
-    """Every sample name a worker (with the process and Python collectors) or the exporter exports -> its labels."""
+    """Every sample name a worker (with the process and Python collectors), a launcher or the exporter exports -> its
+    labels."""
     metrics = Metrics()
     out = {sample.name: set(sample.labels) for family in metrics.registry.collect() for sample in family.samples
            if not sample.name.startswith("dq_")}
-    for metric in [*vars(metrics).values(), *vars(GatewayMetrics()).values()]:
+    launcher = Launcher(Settings(gpus="cpu:1"), devices("cpu:1", {}), environ={}, cores=1)
+    for metric in [*vars(metrics).values(), *vars(GatewayMetrics()).values(), *vars(launcher).values()]:
         if not hasattr(metric, "_name"):
             continue
         labels = set(metric._labelnames)

@@ -13,7 +13,7 @@ from producer.lines import read_lines
 def test_a_deeply_nested_line_is_refused_alone():
     good = json.dumps({"id": "fine", "state": "x", "questions": {"q": {"type": "noul"}}})
     lines = read_lines(io.StringIO(good + "\n" + "[" * 100_000 + "\n" + good.replace("fine", "fine-2") + "\n"))
-    assert [line.id for line in lines] == ["fine", "line-2", "fine-2"]
+    assert [line.id for line in lines] == ["fine", "line 2", "fine-2"]
     assert lines[1].result.error.code.value == "invalid_json" and "deeply" in lines[1].result.error.message
 
 

@@ -27,9 +27,10 @@ from ..model.checkpoint import DecisionModel
 from ..model.engine import Prompt, PackRun, Pending
 from .errors import ALTERNATIVE, FastPathUnavailable
 from .forward import COMPILE_MODES, PackedForward
-from .layers import LINEAR
+from .layers import LINEAR, LinearDims
 from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warmer
 from .layout import Boundaries, Layout, Regions, lay_out, prompt_positions, row_capacity
+from . import prebuild
 from .mixers import CudaMixers, Mixers
 
 log = logging.getLogger(__name__)
@@ -117,23 +118,27 @@ class FastEngine:
         compilation and the mixers' JIT happen now rather than on the first request. Each stage is logged as it
         goes (minutes on a cold machine)."""
         start = time.perf_counter()
+        # The delta rule's kernels come in variants (FlashQLA: split across the card or not, and the tile width its
+        # grid size picks), each JIT-compiled on first use (15-50 s on an H200): one pack for each variant that
+        # any pack of at most the budget, or one prompt up to the longest, can reach (worker/fast/qla.py). Child
+        # processes compile them beside the capture (worker/fast/prebuild.py); the packs below then load them.
+        dims = next((stage.dims for stage in self.fwd.stages if stage.kind == LINEAR), None)
+        heads = dims.v_heads if dims is not None else 0
+        longest = max(self.model.max_length, self._budget)
+        variants = self.fwd.mixers.variant_packs(heads, self._budget, longest) if heads else {}
+        log.info("warm-up: %d delta-rule variants at %d value heads (decided in %.1fs): %s", len(variants), heads,
+                 time.perf_counter() - start, "; ".join(f"{v}: {len(p)} prompts, {sum(p)} tokens"
+                                                        for v, p in variants.items()))
+        children = self._prebuild(variants, dims)
         log.info("warm-up: compiling and capturing buckets %s (compile %s)", self.buckets or "-", self.settings.compile)
         with torch.inference_mode():  # as the packs run: compiled guards include the grad mode
             self._capture()
         self.capture_seconds = time.perf_counter() - start
+        if children is not None:
+            children.join(log)
         sizes = self.buckets or (min(512, self._budget), self._budget)
         for size in sizes:  # every bucket's graphs replayed once (their first launch uploads them)
             self._timed(f"first pack of bucket {size}", [size // 2, size - size // 2])
-        # The delta rule's kernels come in variants (FlashQLA: split across the card or not, and the tile width its
-        # grid size picks), each JIT-compiled on first use (15-50 s on an H200): one pack for each variant that
-        # any pack of at most the budget, or one prompt up to the longest, can reach (worker/fast/qla.py).
-        heads = next((stage.dims.v_heads for stage in self.fwd.stages if stage.kind == LINEAR), 0)
-        began = time.perf_counter()
-        longest = max(self.model.max_length, self._budget)
-        variants = self.fwd.mixers.variant_packs(heads, self._budget, longest) if heads else {}
-        log.info("warm-up: %d delta-rule variants at %d value heads (decided in %.1fs): %s", len(variants), heads,
-                 time.perf_counter() - began, "; ".join(f"{v}: {len(p)} prompts, {sum(p)} tokens"
-                                                         for v, p in variants.items()))
         for number, (variant, lengths) in enumerate(variants.items(), 1):
             self._timed(f"delta-rule variant {number} of {len(variants)} ({variant})", lengths)
         self.compile_seconds = time.perf_counter() - start - self.capture_seconds
@@ -143,6 +148,14 @@ class FastEngine:
                  self.settings.fp8_layers, self.settings.fp8_matrices, self.fwd.fused, self.capture_seconds,
                  self.compile_seconds,
                  len(variants))
+
+    def _prebuild(self, variants: dict, dims: LinearDims | None) -> prebuild.Prebuild | None:
+        """Children compiling FlashQLA's variants, where the delta rule runs on FlashQLA (CUDA, 128-wide heads)."""
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        if (not variants or getattr(self.fwd.mixers, "flash_qla", None) is None or dtype not in ("bfloat16", "float16")
+                or dims is None or (dims.head_k, dims.head_v) != (128, 128)):
+            return None
+        return prebuild.start(variants, dims.k_heads, dims.v_heads, 128, 128, dtype)
 
     def _timed(self, what: str, lengths: Sequence[int]) -> None:
         """One warm-up pack, run to completion and logged with its time."""
