@@ -120,7 +120,13 @@ def _interrupt(args: list[str], ready) -> subprocess.CompletedProcess:
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.3)  # into the next step: the queue's backpressure wait, or the wait for results
-    proc.send_signal(signal.SIGINT)
+    for _ in range(20):  # again while it runs: one landing inside a Redis call can be swallowed by the client library
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
     out, err = proc.communicate(timeout=60)
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
