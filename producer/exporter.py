@@ -122,29 +122,39 @@ def http_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> 
         raise
 
 
-def serve(exporter: Exporter, host: str, port: int) -> ThreadingHTTPServer:
-    """``/metrics`` (the queue), ``/healthz`` (the exporter runs); in a thread."""
+Answer = tuple[int, bytes, str]  # status, body, content type
+NOT_FOUND: Answer = (404, b"not found\n", "text/plain")
+
+
+def serve_paths(host: str, port: int, answer: Callable[[str], Answer], name: str = "http") -> ThreadingHTTPServer:
+    """GET endpoints in a thread, ``answer(path)`` giving each reply: the exporter's, a worker's and a launcher's."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-            if self.path == "/metrics":
-                body, code, kind = exporter.metrics().encode(), 200, CONTENT_TYPE
-            elif self.path in ("/healthz", "/health"):
-                body, code, kind = b"ok\n", 200, "text/plain"
-            else:
-                body, code, kind = b"not found\n", 404, "text/plain"
+            code, body, kind = answer(self.path)
             self.send_response(code)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, *args: Any) -> None:  # scrapes are not events
+        def log_message(self, *args: Any) -> None:  # scrapes and probes are not events
             pass
 
     server = http_server(host, port, Handler)
-    threading.Thread(target=server.serve_forever, name="exporter-http", daemon=True).start()
+    threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
     return server
+
+
+def serve(exporter: Exporter, host: str, port: int) -> ThreadingHTTPServer:
+    """``/metrics`` (the queue), ``/healthz`` (the exporter runs); in a thread."""
+
+    def answer(path: str) -> Answer:
+        if path == "/metrics":
+            return 200, exporter.metrics().encode(), CONTENT_TYPE
+        return (200, b"ok\n", "text/plain") if path in ("/healthz", "/health") else NOT_FOUND
+
+    return serve_paths(host, port, answer, "exporter-http")
 
 
 def run(args: argparse.Namespace, client: Any) -> int:

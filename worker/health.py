@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from producer.exporter import http_server
+from producer.exporter import NOT_FOUND, Answer, serve_paths
 
 from .metrics import Metrics
 
@@ -83,32 +82,17 @@ def serve_http(daemon: Watched, port: int, host: str = "") -> ThreadingHTTPServe
     """Serve the endpoints in a thread, on ``host`` (``--metrics-host``; ``""``: every interface, IPv6 and IPv4),
     and say where. ``/health`` is ``/healthz`` for clients used to TEI's and vLLM's name."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-            if self.path == "/metrics":
-                daemon.metrics.set_ready(status(daemon.snapshot())["ready"])
-                self._send(200, generate_latest(daemon.metrics.registry), CONTENT_TYPE_LATEST)
-                return
-            state = status(daemon.snapshot())
-            if self.path in ("/healthz", "/health"):
-                self._send(200 if state["live"] else 503, json.dumps(state).encode(), "application/json")
-            elif self.path == "/readyz":
-                self._send(200 if state["ready"] else 503, json.dumps(state).encode(), "application/json")
-            else:
-                self._send(404, b"not found\n", "text/plain")
+    def answer(path: str) -> Answer:
+        if path == "/metrics":
+            daemon.metrics.set_ready(status(daemon.snapshot())["ready"])
+            return 200, generate_latest(daemon.metrics.registry), CONTENT_TYPE_LATEST
+        if path not in ("/healthz", "/health", "/readyz"):
+            return NOT_FOUND
+        state = status(daemon.snapshot())
+        return 200 if state["ready" if path == "/readyz" else "live"] else 503, json.dumps(state).encode(), \
+            "application/json"
 
-        def _send(self, code: int, body: bytes, content_type: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:  # scrapes are not state changes
-            pass
-
-    server = http_server(host, port, Handler)
-    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    server = serve_paths(host, port, answer)
     bound = server.server_address[0]
     where = "every interface" if host in ("", "::", "0.0.0.0") else (f"[{bound}]" if ":" in bound else bound)
     log.info("serving /metrics, /healthz (/health) and /readyz on port %d of %s", server.server_address[1], where)

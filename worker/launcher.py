@@ -30,12 +30,11 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from producer.exporter import http_server
+from producer.exporter import NOT_FOUND, Answer, serve_paths
 from producer.keys import LANES, Keys, text
 
 from .config import Settings
@@ -243,29 +242,16 @@ class Launcher:
     def serve_http(self, port: int, host: str = "") -> None:
         launcher = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-                state = launcher.status()
-                if self.path == "/metrics":
-                    self._send(200, generate_latest(launcher.registry), CONTENT_TYPE_LATEST)
-                elif self.path in ("/healthz", "/health", "/readyz"):
-                    ok = state["ready"] if self.path == "/readyz" else state["live"]
-                    self._send(200 if ok else 503, json.dumps(state).encode(), "application/json")
-                else:
-                    self._send(404, b"not found\n", "text/plain")
+        def answer(path: str) -> Answer:
+            if path == "/metrics":
+                return 200, generate_latest(launcher.registry), CONTENT_TYPE_LATEST
+            if path not in ("/healthz", "/health", "/readyz"):
+                return NOT_FOUND
+            state = launcher.status()
+            return 200 if state["ready" if path == "/readyz" else "live"] else 503, json.dumps(state).encode(), \
+                "application/json"
 
-            def _send(self, code: int, body: bytes, content_type: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        server = http_server(host, port, Handler)
-        threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+        serve_paths(host, port, answer)
         log.info("launcher: /metrics, /healthz and /readyz on port %d; worker i on port %d + 1 + i", port, port)
 
 
