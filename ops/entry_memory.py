@@ -13,14 +13,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "ops/bench")]
 
 import redis  # noqa: E402
 
+from end_to_end import wait_ready  # noqa: E402
 from producer.keys import Keys  # noqa: E402
 from worker.model import tiny  # noqa: E402
 from worker.redis_server import RedisServer, free_port  # noqa: E402
@@ -47,14 +47,7 @@ def main() -> int:
              server.url, "--metrics-port", str(port), "--device", "cpu"], cwd=ROOT,
             stdout=open(work / "worker.log", "wb"), stderr=subprocess.STDOUT)
         try:
-            while True:
-                try:
-                    if urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1).status == 200:
-                        break
-                except OSError:
-                    if worker.poll() is not None:
-                        raise SystemExit((work / "worker.log").read_text()[-2000:])
-                    time.sleep(0.2)
+            wait_ready(worker, port, 120, work / "worker.log")
             time.sleep(3)
             ready = resident_mb(worker.pid)
             client, stream = redis.Redis.from_url(server.url), Keys().requests

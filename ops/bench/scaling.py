@@ -32,14 +32,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from end_to_end import gpu_time, make_requests, model_for, percentile, scrape  # noqa: E402
+from end_to_end import gpu_time, make_requests, model_for, percentile, scrape, wait_ready  # noqa: E402
 
 # ---------------------------------------------------------------- the launcher's and the workers' processes
 
@@ -160,25 +159,6 @@ def planners(args: argparse.Namespace, gpus: int) -> int:
     return planner_processes(args.planner_processes, gpus, host_cores(), args.shape != "tiny")
 
 
-def wait_ready(launchers: list[tuple[subprocess.Popen, int, int]], timeout: float) -> float:
-    began = time.monotonic()
-    waiting = list(launchers)
-    while waiting:
-        process, base, _ = waiting[0]
-        if process.poll() is not None:
-            raise SystemExit(f"a launcher exited with {process.returncode} before its workers were ready")
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{base}/readyz", timeout=2).status == 200:
-                waiting.pop(0)
-                continue
-        except OSError:
-            pass
-        if time.monotonic() - began > timeout:
-            raise SystemExit(f"workers not ready within {timeout:.0f} s")
-        time.sleep(0.5)
-    return round(time.monotonic() - began, 1)
-
-
 def run_once(args: argparse.Namespace, gpus: int, out: Path) -> dict:
     from producer.client import Client
     from worker.model import tiny as tiny_model
@@ -197,7 +177,11 @@ def run_once(args: argparse.Namespace, gpus: int, out: Path) -> dict:
     launchers = []
     try:
         launchers = start_launchers(args, gpus, redis.url, cluster, out, tiny)
-        report["start_seconds"] = wait_ready(launchers, args.start_timeout)
+        began = time.monotonic()  # each launcher ready (its /readyz: every worker of it ready)
+        for shard, (process, base, _) in enumerate(launchers):
+            wait_ready(process, base, args.start_timeout - (time.monotonic() - began),
+                       out / f"launcher-n{gpus}-s{shard}.log")
+        report["start_seconds"] = round(time.monotonic() - began, 1)
         print(f"{gpus} workers ready in {report['start_seconds']} s", flush=True)
         ports = [base + 1 + i for _, base, count in launchers for i in range(count)]
         probe = Probe(ports, [node.url for node in nodes])
