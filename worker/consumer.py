@@ -81,10 +81,10 @@ class Consumer:
 
     def _brought(self, deliveries: list[Delivery], lane: Priority | None = None) -> None:
         """After a reply: one at a time while huge entries come (``careful``); a big reply's memory given back."""
+        huge = any(delivery.invalid_code is ErrorCode.TOO_LARGE for delivery in deliveries)
         if lane is not None:
-            huge = any(delivery.invalid_code is ErrorCode.TOO_LARGE for delivery in deliveries)
             (self.careful.add if huge or not deliveries else self.careful.discard)(lane)
-        if sum(delivery.size for delivery in deliveries) >= RELEASE_BYTES:
+        if huge or sum(delivery.size for delivery in deliveries) >= RELEASE_BYTES:
             release_memory()
 
     async def own_pending(self, lane: Priority, limit: int, skip: set[tuple[str, str]]
@@ -196,8 +196,9 @@ class Consumer:
         return Delivery.parse(kind, key, entry_id, fields or {}, deliveries, self.max_entry_bytes, lane)
 
 
-# A reply that brought this much: the allocator is asked to give free memory back to the system (glibc keeps freed
-# heap pages of a thread's arena otherwise: 100 MB entries once left a worker 100 MB larger for good).
+# A reply that brought this much, or an entry over --max-entry-bytes: the allocator is asked to give free memory back
+# to the system (glibc keeps freed heap pages of a thread's arena otherwise: 100 MB entries once left a worker 100 MB
+# larger for good).
 RELEASE_BYTES = 32 << 20
 _LIBC = ctypes.util.find_library("c")
 
