@@ -88,3 +88,8 @@ def test_chaos_never_changes_an_answer(redis_server, start_worker, tiny_dir):
     replies = Counter(answer.id for answer in answers if not answer.replay)
     assert set(replies) == set(submitted) and set(replies.values()) == {1}, replies.most_common(3)
     assert client.redis.xlen(reply) <= 1000 + 100 and client.redis.xlen(keys.dead) < 10  # within their caps
+    memory = client.redis.info("memory")["used_memory_human"]
+    print(f"\nchaos: {len(submitted)} requests, {sum(not r.ok for r in results.values())} errors (the poison), "
+          f"{len(dead)} dead letters, {sum(replies.values())} replies to {len(replies)} ids, "
+          f"{len(answers) - sum(replies.values())} replays, left undrained {sum(report.leftovers.values())}, "
+          f"reply stream {client.redis.xlen(reply)}, Redis used memory {memory}")
