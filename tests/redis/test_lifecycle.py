@@ -163,7 +163,9 @@ def test_a_reused_id_is_a_replay_or_a_conflict_and_is_not_computed_again(redis_s
                "reply_to": keys.reply_prefix + "changed"}
     conflict = client.decide(changed, timeout=30)
     assert conflict.error.code.value == "id_conflict" and stored.digest in conflict.error.message
+    # decide returns as soon as the stored result is there: the worker's replies to both come after
     wait_for(lambda: client.redis.xlen(keys.reply_prefix + "changed") == 1, 20, what="the conflict's reply")
+    wait_for(lambda: client.redis.xlen(keys.reply_prefix + "again") == 1, 20, what="the replay's reply")
     [(_, replayed)] = client.redis.xrange(keys.reply_prefix + "again")
     replay = Result.model_validate_json(replayed[b"body"])
     assert replay.replay is True and replay.answers == stored.answers and replay.metadata == {"v": 1}

@@ -114,8 +114,10 @@ def test_a_queue_that_stays_full_ends_with_exit_3_and_names_what_was_not_sent(re
 
 def _interrupt(args: list[str], ready) -> subprocess.CompletedProcess:
     """Start dq-producer, send SIGINT once ``ready()`` holds, and collect what it wrote."""
+    # SIGINT as a terminal gives it: a test run started in the background of a script inherits it ignored
     proc = subprocess.Popen([sys.executable, "-m", "producer", *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
