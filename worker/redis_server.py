@@ -122,9 +122,10 @@ def test_servers() -> list[Binary]:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free on loopback now, below the ephemeral range (``free_ports``). One the kernel hands out for port 0
+    lies inside it, where another process's outgoing connection can take it before the server binds it: the tests,
+    two processes side by side, once lost a Prometheus to that."""
+    return free_ports(1)
 
 
 def free_ports(count: int) -> int:
@@ -134,8 +135,9 @@ def free_ports(count: int) -> int:
         ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):  # not Linux
         ephemeral = 32768
+    low, high = _share(10000, max(10001, ephemeral - count))
     for _ in range(100):
-        base = random.randrange(10000, max(10001, ephemeral - count))
+        base = random.randrange(low, high)
         try:
             for port in range(base, base + count):
                 with socket.socket() as sock:
@@ -144,6 +146,21 @@ def free_ports(count: int) -> int:
         except OSError:  # taken
             continue
     raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def _share(low: int, high: int) -> tuple[int, int]:
+    """This process's slice of [low, high) where ``DQ_PORT_SHARE=i/n`` says that n processes pick ports side by side
+    (the test suite's, tests/conftest.py): a port one of them found free and has not bound yet (a worker process
+    binds its metrics port seconds after) is then never handed to another."""
+    share = os.environ.get("DQ_PORT_SHARE", "")
+    try:
+        index, count = (int(part) for part in share.split("/"))
+    except ValueError:
+        return low, high
+    if not 0 <= index < count:
+        return low, high
+    width = (high - low) // count
+    return low + index * width, low + (index + 1) * width
 
 
 class RedisServer:
