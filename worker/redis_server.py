@@ -164,7 +164,8 @@ def _share(low: int, high: int) -> tuple[int, int]:
 
 
 class RedisServer:
-    """A server process on 127.0.0.1 (``binary``: this one rather than ``find()``'s); ``stop``/``start`` keep the port and the data directory."""
+    """A server process on 127.0.0.1 (``binary``: this one rather than ``find()``'s); ``stop``/``start`` keep the
+    port and the data directory."""
 
     def __init__(self, *args: str, port: int | None = None, appendonly: bool = True, directory: str | None = None,
                  cluster: bool = False, binary: Binary | None = None) -> None:

@@ -1,6 +1,6 @@
-"""Soak: several worker processes and producer threads for a bounded time (20 s of submitting, about 30 s in all on CPU), one worker
-killed (-9) and replaced midway; throughput is printed, the invariant is asserted. The same code as ops/soak.py,
-which runs it against a real deployment. Deselect with ``-m 'not soak'``."""
+"""Soak: several worker processes and producer threads for a bounded time (20 s of submitting, about 30 s in all
+on CPU), one worker killed (-9) and replaced midway; throughput is printed, the invariant is asserted. The same code
+as ops/soak.py, which runs it against a real deployment. Deselect with ``-m 'not soak'``."""
 
 from __future__ import annotations
 
