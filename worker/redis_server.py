@@ -131,13 +131,9 @@ def free_port() -> int:
 def free_ports(count: int) -> int:
     """The first of ``count`` consecutive ports free on loopback now (a launcher's and its workers'), below the
     ephemeral range: a port found free there is not taken a moment later by some client's outgoing connection."""
-    try:
-        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):  # not Linux
-        ephemeral = 32768
-    low, high = _share(10000, max(10001, ephemeral - count))
+    low, high = _share(10000, ephemeral_start())
     for _ in range(100):
-        base = random.randrange(low, high)
+        base = random.randrange(low, max(low + 1, high - count))  # the whole run inside this process's slice
         try:
             for port in range(base, base + count):
                 with socket.socket() as sock:
@@ -146,6 +142,14 @@ def free_ports(count: int) -> int:
         except OSError:  # taken
             continue
     raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def ephemeral_start() -> int:
+    """The first port the kernel may hand to an outgoing connection."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
+        return 32768
 
 
 def _share(low: int, high: int) -> tuple[int, int]:

@@ -70,13 +70,14 @@ def test_no_supported_server_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_in_this_process_share(monkeypatch):
-    ephemeral = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ephemeral = redis_server.ephemeral_start()
     monkeypatch.setenv("DQ_PORT_SHARE", "1/2")
-    low, high = redis_server._share(10000, ephemeral - 1)
-    assert low == 10000 + (ephemeral - 1 - 10000) // 2 and high <= ephemeral
+    low, high = redis_server._share(10000, ephemeral)
+    assert low == 10000 + (ephemeral - 10000) // 2 and high <= ephemeral
     assert all(low <= redis_server.free_port() < high for _ in range(50))
     monkeypatch.setenv("DQ_PORT_SHARE", "0/2")
     assert all(10000 <= redis_server.free_port() < low for _ in range(50))
+    assert all(base + 8 <= low for base in (redis_server.free_ports(8) for _ in range(50)))  # a run stays inside
     for malformed in ("", "2/2", "x", "1/0"):  # no slice: the whole range below the ephemeral ports
         monkeypatch.setenv("DQ_PORT_SHARE", malformed)
         assert redis_server._share(10000, 20000) == (10000, 20000)
