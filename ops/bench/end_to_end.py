@@ -17,6 +17,7 @@ checkpoint's tokenizer and template: token counts are what matter, the weights a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -25,6 +26,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -124,21 +126,22 @@ def self_time(daemon, args: argparse.Namespace) -> None:
     Path(args.self_time_file).write_text(json.dumps(report))
 
 
-def make_requests(count: int, seed: int, encoder) -> list[dict]:
-    """Standard requests whose rendered prompts have 256-768 tokens (uniform)."""
+def make_requests(count: int, seed: int, encoder, tokens: tuple[int, int] = (256, 768),
+                  questions: dict = QUESTIONS) -> list[dict]:
+    """Requests whose rendered prompts have ``tokens`` tokens (uniform; standard: 256-768)."""
     from producer.schema import Request
 
     rng = random.Random(seed)
-    probe = [Request.model_validate({"state": " ".join(WORDS[:n]) if n else "", "questions": QUESTIONS})
+    probe = [Request.model_validate({"state": " ".join(WORDS[:n]) if n else "", "questions": questions})
              for n in (0, len(WORDS))]
     base, full = (encoder.prompts(r)[0].length for r in probe)
     per_word = (full - base) / len(WORDS)
     out = []
     for i in range(count):
-        target = rng.randint(256, 768)
+        target = rng.randint(*tokens)
         words = max(1, round((target - base) / per_word))
         out.append({"id": f"b{seed}-{i}", "state": " ".join(rng.choice(WORDS) for _ in range(words)),
-                    "questions": QUESTIONS})
+                    "questions": questions})
     return out
 
 
@@ -209,6 +212,31 @@ def wait_ready(worker: subprocess.Popen, port: int, timeout: float, log_path: Pa
         time.sleep(0.5)
 
 
+@contextlib.contextmanager
+def worker_process(script: str, args: argparse.Namespace, url: str, log_path: Path,
+                   *extra: str) -> Iterator[tuple[int, float]]:
+    """A benchmark's worker process (``script --worker`` with the shared worker flags, then ``extra``), its output
+    in ``log_path``: yields its metrics port and its seconds to ready; stopped on leaving."""
+    from worker.redis_server import free_port
+
+    port = free_port()
+    cmd = [sys.executable, script, "--worker", "--shape", args.shape, "--redis-url", url, "--metrics-port", str(port),
+           "--compile", args.compile, "--buckets", args.buckets, "--planner-processes", str(args.planner_processes),
+           "--max-inflight", str(args.max_inflight)]
+    cmd += ["--fp8", "--fp8-layers", args.fp8_layers] if args.fp8 else []
+    cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
+    cmd += ["--no-graphs"] if args.no_graphs else []
+    with open(log_path, "w") as log:
+        worker = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        try:
+            ready = wait_ready(worker, port, args.start_timeout, log_path)
+            print(f"worker ready in {ready} s", flush=True)
+            yield port, ready
+        finally:
+            worker.terminate()
+            worker.wait(120)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     import signal
 
@@ -220,7 +248,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from producer.client import Client
     from worker.model import tiny
     from worker.model.encoder import Encoder
-    from worker.redis_server import RedisServer, free_port
+    from worker.redis_server import RedisServer
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -231,58 +259,44 @@ def run_bench(args: argparse.Namespace) -> int:
                     "graphs": not args.no_graphs, "buckets": args.buckets,
                     "planner_processes": args.planner_processes,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"}
-    with RedisServer("--appendfsync", "everysec") as server:
-        port = free_port()
-        self_time_file = out_dir / "in_process.json"
-        log = open(out_dir / "worker.log", "w")
-        cmd = [sys.executable, __file__, "--worker", "--shape", args.shape, "--redis-url", server.url,
-               "--metrics-port", str(port), "--compile", args.compile, "--buckets", args.buckets,
-               "--planner-processes", str(args.planner_processes), "--max-inflight", str(args.max_inflight),
-               "--requests", str(args.requests), "--self-time-file", str(self_time_file)]
-        cmd += ["--fp8", "--fp8-layers", args.fp8_layers] if args.fp8 else []
-        cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
-        cmd += ["--no-reference"] if args.no_reference else []
-        cmd += ["--no-graphs"] if args.no_graphs else []
-        worker = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        try:
-            report["worker_start_seconds"] = wait_ready(worker, port, args.start_timeout, out_dir / "worker.log")
-            print(f"worker ready in {report['worker_start_seconds']} s", flush=True)
-            client = Client(server.url, max_unfinished=0)
-            # Warm the whole path (planner processes, graphs, publication) before timing.
-            client.wait_many(client.submit_many(make_requests(256, 2, encoder)), timeout=300)
-            before = scrape(port)
-            fsync = redis_fsync_stalls(server.url)
-            ids = client.submit_many(backlog)
-            results = client.wait_many(ids, timeout=args.timeout)
-            after = scrape(port)
-            ok = [r for r in results.values() if r.ok]
-            assert len(ok) == len(ids), f"{len(ids) - len(ok)} errors"
-            first = min(r.timings.enqueued_ms for r in ok)
-            last = max(r.timings.finished_ms for r in ok)
-            tokens = sum(r.usage.tokens for r in ok)
-            seconds = (last - first) / 1000
-            fills = (after.get("dq_pack_fill_ratio_sum", 0) - before.get("dq_pack_fill_ratio_sum", 0)) / max(
-                1, after.get("dq_pack_fill_ratio_count", 0) - before.get("dq_pack_fill_ratio_count", 0))
-            report["peak"] = {"requests": len(ok), "tokens": tokens, "seconds": round(seconds, 2),
-                              "tokens_per_s": round(tokens / seconds), "requests_per_s": round(len(ok) / seconds, 1),
-                              "pack_fill": round(fills, 3),
-                              "gpu_peak_bytes": after.get("dq_gpu_memory_bytes{kind=peak}"),
-                              "gpu_reserved_bytes": after.get("dq_gpu_memory_bytes{kind=reserved}"),
-                              **gpu_time(before, after, seconds), "redis_delayed_fsyncs":
-                                  redis_fsync_stalls(server.url) - fsync}
-            print("peak", report["peak"], flush=True)
+    self_time_file = out_dir / "in_process.json"
+    extra = ["--requests", str(args.requests), "--self-time-file", str(self_time_file)]
+    extra += ["--no-reference"] if args.no_reference else []
+    with RedisServer("--appendfsync", "everysec") as server, \
+            worker_process(__file__, args, server.url, out_dir / "worker.log", *extra) as (port, ready_seconds):
+        report["worker_start_seconds"] = ready_seconds
+        client = Client(server.url, max_unfinished=0)
+        # Warm the whole path (planner processes, graphs, publication) before timing.
+        client.wait_many(client.submit_many(make_requests(256, 2, encoder)), timeout=300)
+        before = scrape(port)
+        fsync = redis_fsync_stalls(server.url)
+        ids = client.submit_many(backlog)
+        results = client.wait_many(ids, timeout=args.timeout)
+        after = scrape(port)
+        ok = [r for r in results.values() if r.ok]
+        assert len(ok) == len(ids), f"{len(ids) - len(ok)} errors"
+        first = min(r.timings.enqueued_ms for r in ok)
+        last = max(r.timings.finished_ms for r in ok)
+        tokens = sum(r.usage.tokens for r in ok)
+        seconds = (last - first) / 1000
+        fills = (after.get("dq_pack_fill_ratio_sum", 0) - before.get("dq_pack_fill_ratio_sum", 0)) / max(
+            1, after.get("dq_pack_fill_ratio_count", 0) - before.get("dq_pack_fill_ratio_count", 0))
+        report["peak"] = {"requests": len(ok), "tokens": tokens, "seconds": round(seconds, 2),
+                          "tokens_per_s": round(tokens / seconds), "requests_per_s": round(len(ok) / seconds, 1),
+                          "pack_fill": round(fills, 3),
+                          "gpu_peak_bytes": after.get("dq_gpu_memory_bytes{kind=peak}"),
+                          "gpu_reserved_bytes": after.get("dq_gpu_memory_bytes{kind=reserved}"),
+                          **gpu_time(before, after, seconds), "redis_delayed_fsyncs":
+                              redis_fsync_stalls(server.url) - fsync}
+        print("peak", report["peak"], flush=True)
 
-            report["sweep"] = []
-            for index, load in enumerate(args.loads):  # the first phase is the first latency run after ready
-                phase = paced(client, encoder, port, server.url, load * len(ok) / seconds, args, seed=3 + 10 * index)
-                report["sweep"].append({"load": load, **phase})
-                print("latency", report["sweep"][-1], flush=True)
-            if report["sweep"]:
-                report["latency"] = next((p for p in report["sweep"] if p["load"] == 0.5), report["sweep"][0])
-        finally:
-            worker.terminate()
-            worker.wait(120)
-            log.close()
+        report["sweep"] = []
+        for index, load in enumerate(args.loads):  # the first phase is the first latency run after ready
+            phase = paced(client, encoder, port, server.url, load * len(ok) / seconds, args, seed=3 + 10 * index)
+            report["sweep"].append({"load": load, **phase})
+            print("latency", report["sweep"][-1], flush=True)
+        if report["sweep"]:
+            report["latency"] = next((p for p in report["sweep"] if p["load"] == 0.5), report["sweep"][0])
 
     report["in_process"] = json.loads(self_time_file.read_text())
     report["worker_ready_without_self_time_seconds"] = round(

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -33,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from end_to_end import (gc_collections, gpu_time, make_requests, model_for, percentile, scrape,  # noqa: E402
-                        settings_for, slowest_pack_ms, wait_ready, worker_flags)
+                        settings_for, slowest_pack_ms, worker_flags, worker_process)
 
 LANE_SETTINGS = ("normal_share", "high_pack_tokens")  # passed to the worker when given
 TARGETS = {"high_p99_ms": 150, "high_p50_ms": 80, "normal_over_peak": 0.9}  # issue 15
@@ -143,7 +141,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stage timeout: unwind, stopping the worker too
-    from worker.redis_server import RedisServer, free_port
+    from worker.redis_server import RedisServer
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -151,27 +149,12 @@ def run_bench(args: argparse.Namespace) -> int:
                     "high_load": args.high_load, "normal_share": args.normal_share,
                     "high_pack_tokens": args.high_pack_tokens, "targets": TARGETS,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"}
-    with RedisServer("--appendfsync", "everysec") as server:
-        port = free_port()
-        log = open(out_dir / "worker.log", "w")
-        cmd = [sys.executable, __file__, "--worker", "--shape", args.shape, "--redis-url", server.url,
-               "--metrics-port", str(port), "--compile", args.compile, "--buckets", args.buckets,
-               "--planner-processes", str(args.planner_processes), "--max-inflight", str(args.max_inflight)]
-        cmd += ["--fp8", "--fp8-layers", args.fp8_layers] if args.fp8 else []
-        cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
-        cmd += ["--no-graphs"] if args.no_graphs else []
-        for name in LANE_SETTINGS:
-            if getattr(args, name) is not None:
-                cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-        worker = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        try:
-            report["worker_start_seconds"] = wait_ready(worker, port, args.start_timeout, out_dir / "worker.log")
-            print(f"worker ready in {report['worker_start_seconds']} s", flush=True)
-            phases(args, server.url, port, report)
-        finally:
-            worker.terminate()
-            worker.wait(120)
-            log.close()
+    extra = [arg for name in LANE_SETTINGS if getattr(args, name) is not None
+             for arg in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    with RedisServer("--appendfsync", "everysec") as server, \
+            worker_process(__file__, args, server.url, out_dir / "worker.log", *extra) as (port, ready_seconds):
+        report["worker_start_seconds"] = ready_seconds
+        phases(args, server.url, port, report)
     result = report["with_high"]
     runs = report["runs"]  # every run must meet each target
     report["met"] = {"high_p99_ms": all(r["high_p99_ms"] <= TARGETS["high_p99_ms"] for r in runs),

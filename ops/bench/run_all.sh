@@ -3,26 +3,28 @@
 # stage cannot starve the next: end to end through Redis (2B bf16, 2B FP8; each also times its engine in process
 # and the reference engine), the GPU tests, then the other shapes and mixes in process.
 # Usage: ops/bench/run_all.sh OUTDIR [STAGE...]   stages: delta-rule e2e-bf16 e2e-fp8 e2e-fp8-late e2e-bf16-warm
-# e2e-bf16-2 e2e-bf16-3 priority fidelity tests mixes (default: all but e2e-bf16-2/3, in that order; delta-rule is
-# the host and GPU time of the gated delta rule per pack, fla's dispatch against FlashQLA called directly;
-# e2e-fp8-late is the shipped FP8 setting, --fp8 --fp8-layers late; e2e-bf16-warm, -2 and -3 start a fresh bf16
-# worker again on the compile caches the earlier stages left (three fresh workers: the median is the figure);
+# e2e-bf16-2 e2e-bf16-3 priority fidelity invariance tests mixes (default: all but e2e-bf16-2/3, in that order).
+# delta-rule is the host and GPU time of the gated delta rule per pack, fla's dispatch against FlashQLA called
+# directly; e2e-fp8-late is the shipped FP8 setting, --fp8 --fp8-layers late; e2e-bf16-warm, -2 and -3 start a fresh
+# bf16 worker again on the compile caches the earlier stages left (three fresh workers: the median is the figure);
 # priority is high requests at 10% of the peak rate over a saturating normal backlog, 2B bf16, PRIORITY_REPEATS
-# times (default 3) in one worker; fidelity is FP8 and bf16 against an fp32 reference at the 2B shape). Named only,
-# never by default: scaling (2B bf16 through one Redis on 1, 2, 4, 8 of the machine's GPUs, each count up to what
-# it has; ops/bench/scaling.py).
+# times (default 3) in one worker; fidelity is FP8 and bf16 against an fp32 reference at the 2B shape; invariance is
+# a held-out set answered alone by one worker, then mixed into a backlog by a second, compared bitwise (2B bf16,
+# ops/bench/invariance.py). Named only, never by default: scaling (2B bf16 through one Redis on 1, 2, 4, 8 of the
+# machine's GPUs, each count up to what it has; ops/bench/scaling.py).
 # E2E_LOADS: the end-to-end latency phases, x the peak (default 0.5; 0.1,0.2,...,1.0 for latency against load,
 # which ops/bench/plot.py draws); E2E_LATENCY_SECONDS: each phase's length (default 10).
 # The workers share one compile cache, COMPILE_CACHE (default OUTDIR/compile-cache): the first end-to-end stage
 # of a fresh OUTDIR starts cold, the later ones find what it compiled.
-# Stage limits in seconds: E2E_TIMEOUT, SCALING_TIMEOUT, PRIORITY_TIMEOUT, FIDELITY_TIMEOUT, TEST_TIMEOUT, MIX_TIMEOUT. A cold machine needs about 4
-# minutes before the first end-to-end worker is ready (static-shape compilation, FlashQLA's kernels); where one
-# command may run only 10 minutes, run the stages in separate commands on the same machine with the same OUTDIR.
+# Stage limits in seconds: E2E_TIMEOUT, SCALING_TIMEOUT, PRIORITY_TIMEOUT, FIDELITY_TIMEOUT, INVARIANCE_TIMEOUT,
+# TEST_TIMEOUT, MIX_TIMEOUT. A cold machine needs about 4 minutes before the first end-to-end worker is ready
+# (static-shape compilation, FlashQLA's kernels); where one command may run only 10 minutes, run the stages in
+# separate commands on the same machine with the same OUTDIR.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: run_all.sh OUTDIR [STAGE...]}
 shift
-stages=${*:-delta-rule e2e-bf16 e2e-fp8 e2e-fp8-late e2e-bf16-warm priority fidelity tests mixes}
+stages=${*:-delta-rule e2e-bf16 e2e-fp8 e2e-fp8-late e2e-bf16-warm priority fidelity invariance tests mixes}
 want() { [[ " $stages " == *" $1 "* ]]; }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DQ_GPU_REPORT="$out/gpu-tests.jsonl"
@@ -70,6 +72,12 @@ want fidelity && { stage "fidelity at the 2b shape"
 timeout "${FIDELITY_TIMEOUT:-240}" $PY ops/bench/fidelity.py --shape 2b --out "$out/fidelity" \
   >"$out/fidelity.log" 2>&1
 echo "exit $?"; tail -n 12 "$out/fidelity.log"; }
+
+want invariance && { stage "invariance: alone against mixed, 2b bf16"
+timeout "${INVARIANCE_TIMEOUT:-420}" $PY ops/bench/invariance.py --shape 2b --requests "${INVARIANCE_REQUESTS:-3000}" \
+  --compile-cache "$cache" --out "$out/invariance-2b-bf16" >"$out/invariance-2b-bf16.log" 2>&1
+echo "exit $?"; grep -E "^SUMMARY" "$out/invariance-2b-bf16.log" || tail -n 30 "$out/invariance-2b-bf16.log"
+pkill -f "invariance.py --worker" 2>/dev/null; sleep 1; }
 
 want tests && { stage "gpu tests"
 timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -s -p no:cacheprovider tests/gpu >"$out/gpu-tests.log" 2>&1
