@@ -50,6 +50,8 @@ class Settings:
                       choices=("auto", "bfloat16", "float16", "float32"))
     engine: str = _opt("auto", "auto (fast on cuda, reference on cpu), fast or reference",
                        choices=("auto", "fast", "reference"))
+    deterministic: bool = _opt(False, "a request's logits depend on the request alone, bitwise, never on what shares "
+                                      "its pack or which worker ran it (so far the reference engine on the CPU only)")
     max_prompt_tokens: int = _opt(0, "longest prompt (0: the model's context); a request whose prompt is longer is "
                                      "split by question, a shorter one runs whole", low=0)
     fanout_tokens: int = _opt(8192, "requests with more tokens than this (over several prompts) fan out to all workers",
@@ -150,7 +152,8 @@ class Settings:
             problems.append(("redis_url", problem, "<not shown: it may hold a password>"))
         tls = [name for name in ("redis_tls_ca", "redis_tls_cert", "redis_tls_key") if getattr(self, name)]
         if tls and not tls_url(self.redis_url):  # refused here, before torch loads
-            problems.append((tls[0], "empty unless the Redis URL is rediss:// or rediss+sentinel:// (TLS)", "a file, with a plain URL"))
+            problems.append((tls[0], "empty unless the Redis URL is rediss:// or rediss+sentinel:// (TLS)",
+                             "a file, with a plain URL"))
         try:
             if not self.bucket_sizes or min(self.bucket_sizes) < 1:
                 raise ValueError

@@ -47,6 +47,11 @@ def create_engine(model: checkpoint.DecisionModel, settings: Settings) -> Engine
     kind = settings.engine
     if kind == "auto":
         kind = "fast" if model.device.type == "cuda" else "reference"
+    if settings.deterministic and (kind != "reference" or model.device.type != "cpu"):
+        # On a GPU the GEMM kernels, the delta rule's variants and attention's splits are chosen by the pack's shape.
+        raise ValueError(f"--deterministic (DQ_DETERMINISTIC) runs on the reference engine on the CPU only so far "
+                         f"(here: the {kind} engine on {model.device}); run with --device cpu --engine reference, or "
+                         f"without --deterministic (docs/RELIABILITY.md, \"Deterministic mode\")")
     if kind == "reference":
         return ReferenceAdapter(model, settings)
     if kind == "fast":

@@ -64,7 +64,8 @@ def settings_for(args: argparse.Namespace, **extra):
     return Settings(checkpoint="(random)", device="cuda" if gpu else "cpu", engine="fast" if gpu else "reference",
                     fp8=args.fp8, fp8_layers=args.fp8_layers, compile=args.compile, compile_cache=args.compile_cache,
                     cuda_graphs=not args.no_graphs, buckets=args.buckets, planner_processes=args.planner_processes,
-                    max_inflight=args.max_inflight, read_count=128, claim_idle_ms=600_000, **extra)
+                    max_inflight=args.max_inflight, deterministic=args.deterministic, read_count=128,
+                    claim_idle_ms=600_000, **extra)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -226,6 +227,7 @@ def worker_process(script: str, args: argparse.Namespace, url: str, log_path: Pa
     cmd += ["--fp8", "--fp8-layers", args.fp8_layers] if args.fp8 else []
     cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
     cmd += ["--no-graphs"] if args.no_graphs else []
+    cmd += ["--deterministic"] if args.deterministic else []
     with open(log_path, "w") as log:
         worker = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
         try:
@@ -256,7 +258,7 @@ def run_bench(args: argparse.Namespace) -> int:
     backlog = make_requests(args.requests, 1, encoder)
     report: dict = {"shape": args.shape, "dtype": "fp8" if args.fp8 else "bf16", "fp8_layers": args.fp8_layers,
                     "compile": args.compile,
-                    "graphs": not args.no_graphs, "buckets": args.buckets,
+                    "graphs": not args.no_graphs, "buckets": args.buckets, "deterministic": args.deterministic,
                     "planner_processes": args.planner_processes,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"}
     self_time_file = out_dir / "in_process.json"
@@ -308,7 +310,8 @@ def run_bench(args: argparse.Namespace) -> int:
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     ours = report["in_process"]
     print("SUMMARY", json.dumps({
-        "dtype": report["dtype"], "end_to_end_tokens_per_s": report["peak"]["tokens_per_s"],
+        "dtype": report["dtype"], "deterministic": report["deterministic"],
+        "end_to_end_tokens_per_s": report["peak"]["tokens_per_s"],
         "in_process_tokens_per_s": ours["tokens_per_s"], "ratio": report["end_to_end_over_in_process"],
         "reference_tokens_per_s": ours.get("reference_tokens_per_s"), "latency": report.get("latency"),
         "sweep": [{k: p[k] for k in ("load", "offered_requests_per_s", "p50_ms", "p99_ms", "max_ms",
@@ -354,6 +357,7 @@ def worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp8-layers", default="all", help="the worker's --fp8-layers (with --fp8)")
     parser.add_argument("--compile", default="layer", choices=("none", "sub", "layer"))
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--deterministic", action="store_true", help="the worker's --deterministic")
     parser.add_argument("--compile-cache", default="", help="the worker's compile_cache (empty: the defaults)")
     parser.add_argument("--buckets", default="2048,4096,8192,16384")
     parser.add_argument("--planner-processes", type=int, default=4)

@@ -90,7 +90,8 @@ def run_bench(args: argparse.Namespace) -> int:
     held = held_out(args, encoder)
     dtype = "fp8" if args.fp8 else "bf16" if args.shape != "tiny" else "fp32"  # the tiny checkpoint is fp32
     report: dict = {"shape": args.shape, "dtype": dtype, "compile": args.compile,
-                    "graphs": not args.no_graphs, "buckets": args.buckets, "requests": args.requests,
+                    "graphs": not args.no_graphs, "buckets": args.buckets, "deterministic": args.deterministic,
+                    "requests": args.requests,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"}
     with RedisServer("--appendfsync", "everysec") as server:
         with worker_process(__file__, args, server.url, out_dir / "worker-alone.log") as (_, ready):
@@ -119,7 +120,8 @@ def run_bench(args: argparse.Namespace) -> int:
     report["identical"] = sum(k["identical"] for k in report["kinds"].values())
     report["held_out"] = sum(k["requests"] for k in report["kinds"].values())
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    print("SUMMARY", json.dumps({k: report[k] for k in ("shape", "dtype", "held_out", "identical", "kinds")}),
+    print("SUMMARY", json.dumps({k: report[k] for k in ("shape", "dtype", "deterministic", "held_out", "identical",
+                                                        "kinds")}),
           flush=True)
     fanned = report["kinds"]["fanned-out"]
     if fanned["requests"] and fanned["parts"] == [1]:

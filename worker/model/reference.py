@@ -60,6 +60,9 @@ class ReferenceAdapter:
     def __init__(self, model: DecisionModel, settings: Settings) -> None:
         self.engine = ReferenceEngine(model)
         self._budget = settings.pack_tokens
+        # Padding a prompt to the batch's longest changes its GEMMs' and attention's shapes, and with them the
+        # order of its sums: deterministic mode computes each prompt alone, in shapes that are its own.
+        self.deterministic = settings.deterministic
 
     @property
     def max_pack_tokens(self) -> int:
@@ -70,7 +73,11 @@ class ReferenceAdapter:
 
     def launch(self, prompts: list[Prompt]) -> Pending:
         start = time.perf_counter()
-        scores = self.engine.forward(prompts)
-        capacity = len(prompts) * max(prompt.length for prompt in prompts)
+        if self.deterministic:
+            scores = [self.engine.forward([prompt])[0] for prompt in prompts]
+            capacity = sum(prompt.length for prompt in prompts)
+        else:
+            scores = self.engine.forward(prompts)
+            capacity = len(prompts) * max(prompt.length for prompt in prompts)
         run = PackRun(scores, sum(c.length for c in prompts), capacity, None, False, time.perf_counter() - start)
         return Pending(lambda: run)
