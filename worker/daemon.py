@@ -86,7 +86,8 @@ class Daemon:
                             settings.consumer_gone_ms, {"model": self.model.name, "engine": self.engine.name})
         self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name, settings.reply_maxlen,
                                    settings.dead_maxlen, settings.wait_replicas)
-        self.planner = Planner(self.model, settings)
+        self.planner = Planner(self.model, settings, on_crash=self.metrics.planner_crashes.inc,
+                               fatal=lambda code: self.exit(code))
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
                              settings.high_pack_tokens)
         self.lifecycle = Lifecycle(self.keys, settings, self.metrics, self.link, consumer, self.planner, self.packer,

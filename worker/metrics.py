@@ -51,6 +51,8 @@ class Metrics:
         self.dead_letters = Counter("dq_dead_letters_total", "Entries moved to the dead-letter stream", registry=r)
         self.retries = Counter("dq_retries_total", "Entries retried after their forward pass failed", registry=r)
         self.fanouts = Counter("dq_fanouts_total", "Over-length requests fanned out as parts", registry=r)
+        self.planner_crashes = Counter("dq_planner_crashes_total", "Planner processes that died (their pool was "
+                                       "replaced and their entries planned again)", registry=r)
         self.reused_ids = Counter("dq_reused_ids_total", "Requests whose id was answered before, not computed: "
                                   "replay (the same request) or conflict (another)", ["outcome"], registry=r)
         self.lost = Counter("dq_lost_entries_total", "Pending entries whose payload was gone (trimmed)", registry=r)

@@ -11,12 +11,13 @@ wait for a planner in lane order (``LaneQueue``): a high entry never queues behi
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Callable
 
 from producer.keys import HIGH, LANES, NORMAL, Keys, Priority
@@ -28,6 +29,8 @@ from .model.checkpoint import DecisionModel, RenderSpec
 from .model.encoder import Encoder
 from .model.engine import Prompt
 from .tasks import Task
+
+log = logging.getLogger(__name__)
 
 
 def plan_entry(encoder: Encoder, settings: Settings, job: Job) -> tuple[Identity, Request, list[Prompt]] | Refusal:
@@ -127,18 +130,40 @@ def _from_arrays(fields: dict[str, Any]) -> Prompt:
         name: None if fields[name] is None else torch.from_numpy(fields[name]) for name in _TENSORS})
 
 
+CRASHES_IN_A_ROW = 5  # planner process deaths with no entry planned in between that end the worker
+
+
+class PlannerCrashed(RuntimeError):
+    """Planning this entry alone killed a planner process: the entry is the cause (retried, then dead-lettered)."""
+
+
+@dataclasses.dataclass
+class _Waiting:
+    out: Future
+    work: Callable[..., Any]
+    args: tuple
+    lane: Priority
+
+
 class LaneQueue:
     """Jobs handed to a pool high lane first, at most ``depth`` in the pool at once: the pool's own queue is FIFO,
     so a high entry would otherwise wait for every normal entry submitted before it. While normal jobs wait, they
     get ``normal_share`` of the starts (as packs give normal work its share of tokens): a flood of high work that
-    outruns the planners does not starve normal work here either."""
+    outruns the planners does not starve normal work here either.
 
-    def __init__(self, pool: Executor, depth: int, normal_share: float) -> None:
-        self.pool, self.depth, self.normal_share = pool, depth, normal_share
+    A process pool breaks for good when one of its processes dies (the OOM killer, a crash in a decoder), and fails
+    every job in it. With ``renew`` the broken pool is replaced, and the jobs it held run again one at a time, alone
+    in the pool: one that breaks it alone is its cause and fails with ``PlannerCrashed``; the others are planned as
+    if nothing happened."""
+
+    def __init__(self, pool: Executor, depth: int, normal_share: float,
+                 renew: Callable[[Executor], Executor] | None = None) -> None:
+        self.pool, self.depth, self.normal_share, self.renew = pool, depth, normal_share, renew
         self.lock = threading.Lock()
-        self.waiting: dict[Priority, deque[tuple[Future, Callable[..., Any], tuple]]] = {
-            lane: deque() for lane in LANES}
+        self.waiting: dict[Priority, deque[_Waiting]] = {lane: deque() for lane in LANES}
+        self.suspects: deque[_Waiting] = deque()  # in a pool when it broke: each runs again alone
         self.running = 0
+        self.alone = False  # a suspect is running
         self.owed = 0.0  # starts normal jobs are owed
 
     def _lane(self) -> Priority | None:
@@ -155,54 +180,99 @@ class LaneQueue:
     def submit(self, lane: Priority, work: Callable[..., Any], *args: Any) -> Future:
         out: Future = Future()
         with self.lock:
-            self.waiting[lane].append((out, work, args))
+            self.waiting[lane].append(_Waiting(out, work, args, lane))
         self._pump()
         return out
+
+    def _next(self) -> tuple[_Waiting, bool] | None:
+        """The next job to start and whether it runs alone, or None (under the lock)."""
+        if self.alone or self.running >= self.depth:
+            return None
+        if self.suspects:  # alone: once the pool has emptied
+            return (self.suspects.popleft(), True) if self.running == 0 else None
+        if not any(self.waiting.values()):
+            return None
+        return self.waiting[self._lane()].popleft(), False
 
     def _pump(self) -> None:
         while True:
             with self.lock:
-                if self.running >= self.depth or not any(self.waiting.values()):
+                chosen = self._next()
+                if chosen is None:
                     return
-                lane = self._lane()
-                out, work, args = self.waiting[lane].popleft()
+                job, alone = chosen
                 self.running += 1
+                self.alone = alone
+                pool = self.pool
             try:
-                inner = self.pool.submit(work, *args)
-            except RuntimeError as error:  # shut down
-                with self.lock:
-                    self.running -= 1
-                out.set_exception(error)
-                continue
-            inner.add_done_callback(lambda finished, out=out: self._done(finished, out))
+                inner = pool.submit(job.work, *job.args)
+            except RuntimeError as error:  # shut down, or broken by a job before this one
+                inner = Future()
+                inner.set_exception(error)
+            inner.add_done_callback(lambda finished, job=job, pool=pool, alone=alone:
+                                    self._done(finished, job, pool, alone))
 
-    def _done(self, finished: Future, out: Future) -> None:
+    def _done(self, finished: Future, job: _Waiting, pool: Executor, alone: bool) -> None:
+        error = finished.exception() if not finished.cancelled() else RuntimeError("planning cancelled")
+        broken = isinstance(error, BrokenExecutor) and self.renew is not None
         with self.lock:
             self.running -= 1
+            self.alone = False
+            if broken and pool is self.pool:
+                self.pool = self.renew(pool)
+            if broken and not alone:
+                self.suspects.append(job)
         self._pump()
-        error = finished.exception() if not finished.cancelled() else RuntimeError("planning cancelled")
+        if broken and not alone:
+            return
+        if broken:
+            error = PlannerCrashed(f"planning this entry alone killed a planner process ({error})")
         if error is not None:
-            out.set_exception(error)
+            job.out.set_exception(error)
         else:
-            out.set_result(finished.result())
+            job.out.set_result(finished.result())
 
 
 class Planner:
     """Plans entries beside the GPU: each body parsed once, rendered and tokenized, off the Redis loop thread."""
 
-    def __init__(self, model: DecisionModel, settings: Settings) -> None:
-        self.model, self.settings = model, settings
+    def __init__(self, model: DecisionModel, settings: Settings, on_crash: Callable[[], None] = lambda: None,
+                 fatal: Callable[[int], None] = os._exit) -> None:
+        """``on_crash``: called (from any thread) each time a planner process died and its pool was replaced.
+        ``fatal``: how the worker ends when its planner processes keep dying with nothing planned in between."""
+        self.model, self.settings, self.on_crash, self.fatal = model, settings, on_crash, fatal
         self._local = threading.local()
         self.processes = settings.planner_processes
-        if self.processes > 0:
-            # spawn: a forked child of a process that touched CUDA is unusable.
-            self.pool: Executor = ProcessPoolExecutor(self.processes, multiprocessing.get_context("spawn"),
-                                                      initializer=_init_process,
-                                                      initargs=(model.render_spec(), settings, os.getpid()))
-        else:
-            self.pool = ThreadPoolExecutor(settings.planner_threads, thread_name_prefix="planner")
+        self.crashes = 0
+        self.crashes_in_a_row = 0  # with no entry planned in between
+        pool = self._process_pool() if self.processes > 0 else ThreadPoolExecutor(settings.planner_threads,
+                                                                                  thread_name_prefix="planner")
         # Two jobs per planner: one running, one ready to start when it ends.
-        self.queue = LaneQueue(self.pool, 2 * (self.processes or settings.planner_threads), settings.normal_share)
+        self.queue = LaneQueue(pool, 2 * (self.processes or settings.planner_threads), settings.normal_share,
+                               renew=self._renew if self.processes > 0 else None)
+
+    def _process_pool(self) -> ProcessPoolExecutor:
+        # spawn: a forked child of a process that touched CUDA is unusable.
+        return ProcessPoolExecutor(self.processes, multiprocessing.get_context("spawn"), initializer=_init_process,
+                                   initargs=(self.model.render_spec(), self.settings, os.getpid()))
+
+    def _renew(self, broken: Executor) -> Executor:
+        """A planner process died: its pool is broken for good, so planning goes on in a fresh one."""
+        self.crashes += 1
+        self.crashes_in_a_row += 1
+        log.error("a planner process died (%d so far): planning goes on in fresh processes; the entries it held are "
+                  "planned again one at a time", self.crashes)
+        broken.shutdown(wait=False, cancel_futures=True)
+        self.on_crash()
+        if self.crashes_in_a_row >= CRASHES_IN_A_ROW:  # no input is the cause: the processes cannot run here
+            log.critical("planner processes died %d times in a row with nothing planned in between: exiting so that "
+                         "the supervisor restarts this worker", self.crashes_in_a_row)
+            self.fatal(70)
+        return self._process_pool()
+
+    @property
+    def pool(self) -> Executor:
+        return self.queue.pool
 
     def warmup(self) -> None:
         """Start the planner processes now (they import transformers), not on the first request."""
@@ -232,6 +302,7 @@ class Planner:
             except BaseException as error:  # noqa: BLE001 - handed to the caller as is
                 out.set_exception(error)
                 return
+            self.crashes_in_a_row = 0  # a planner process did its work
             if isinstance(value, Refusal):
                 out.set_result(value)
                 return

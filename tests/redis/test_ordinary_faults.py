@@ -4,6 +4,9 @@ nothing new. Each test names the defect it covers (its number in docs/RELIABILIT
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import time
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from faults import batch, wait_for
 from producer.client import Client
 from producer.invariant import settle
+from worker.health import status
 
 pytestmark = pytest.mark.redis
 
@@ -157,3 +161,24 @@ def test_one_read_brings_in_a_bounded_number_of_bytes(redis_server):
     sizes = asyncio.run(scenario())
     # one at a time while huge ones come (the first to wake the reader too), then at most four per read
     assert [len(read) for read in sizes] == [1, 1, 1, 1, 4, 1], sizes
+
+
+def test_a_dead_planner_process_costs_no_request(redis_server, inprocess):
+    """A planner process killed (the OOM killer, a crash in a decoder) broke the planner pool for good: every request
+    after it was dead-lettered within milliseconds while the worker reported ready. The pool is replaced now, the
+    entries it held are planned again, and nothing is lost or retried; the death is counted."""
+    before = {child.pid for child in multiprocessing.active_children()}
+    worker = inprocess(redis_server.url, planner_processes=2, max_deliveries=2).start()
+    client = Client(redis_server.url)
+    first = client.submit_many(batch(3, "before"))
+    assert all(settle(client.redis, client.keys, first, timeout=60).assert_ok().results[i].ok for i in first)
+    planners = [child for child in multiprocessing.active_children() if child.pid not in before]
+    assert planners, "the worker plans in processes"
+    os.kill(planners[0].pid, signal.SIGKILL)
+    ids = client.submit_many(batch(8, "after"))
+    report = settle(client.redis, client.keys, ids, timeout=120).assert_ok()
+    assert all(report.results[i].ok for i in ids), [report.results[i].error for i in ids]
+    assert worker.metric("dq_planner_crashes_total") == 1
+    assert worker.metric("dq_dead_letters_total") == 0 and worker.metric("dq_retries_total") == 0
+    assert worker.alive and status(worker.daemon.snapshot())["ready"]
+    worker.stop()

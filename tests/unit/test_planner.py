@@ -1,7 +1,9 @@
 import json
+import multiprocessing
+import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from producer.keys import HIGH, NORMAL
 from producer.schema import ErrorCode
 from worker.config import Settings
 from worker.entries import PARTS, REQUESTS, Delivery
-from worker.planner import LaneQueue, Planner, Refusal
+from worker.planner import LaneQueue, Planner, PlannerCrashed, Refusal
 
 BODY = {"id": "p-1", "state": "Refund please.", "questions": {
     "spam": {"type": "noul"}, "tone": {"type": "choice", "criteria": {"calm": None, "angry": None}}}}
@@ -150,3 +152,26 @@ def test_waiting_normal_planning_jobs_get_their_share_of_the_starts():
     order = started[1:]
     assert [i for i, name in enumerate(order) if name.startswith("n")] == [3, 7, 11]  # every 4th start
     pool.shutdown()
+
+
+def test_a_dead_planner_process_costs_only_the_job_that_killed_it():
+    """A process pool breaks for good when one of its processes dies, failing every job in it: the queue replaces
+    the pool and runs the jobs it held again, one at a time; only the one that kills a process alone fails."""
+    spawn = multiprocessing.get_context("spawn")
+    pools = []
+
+    def renew(broken):
+        pools.append(ProcessPoolExecutor(2, spawn))
+        return pools[-1]
+
+    lanes = LaneQueue(renew(None), depth=4, normal_share=0.1, renew=renew)
+    innocent = [lanes.submit(NORMAL, time.sleep, 0.5) for _ in range(3)]
+    killer = lanes.submit(HIGH, os._exit, 1)  # as the OOM killer or a crash in a decoder would end the process
+    later = [lanes.submit(NORMAL, pow, 2, n) for n in range(3)]
+    with pytest.raises(PlannerCrashed):
+        killer.result(timeout=60)
+    assert [f.result(timeout=60) for f in innocent] == [None] * 3
+    assert [f.result(timeout=60) for f in later] == [1, 2, 4]
+    assert len(pools) == 3  # the first broke with every job in it, the second with the killer alone
+    for pool in pools:
+        pool.shutdown()
