@@ -27,6 +27,9 @@ from .presence import Presence
 log = logging.getLogger("worker")
 
 
+REFUSED_READ_PAUSE_S = 1.0  # between reads Redis refused
+
+
 def group_gone(error: redis.ResponseError) -> bool:
     """The group or its stream is gone: NOGROUP; or, on Redis 7.0, a blocked read ended by the stream's deletion
     (``UNBLOCKED the stream key no longer exists``; Valkey and later Redis answer NOGROUP)."""
@@ -122,9 +125,14 @@ class Intake:
                 await asyncio.sleep(0.5)
                 continue
             except redis.ResponseError as error:
-                if not group_gone(error):
-                    raise
-                await self._group_lost()
+                if group_gone(error):
+                    await self._group_lost()
+                    continue
+                # Refused (MISCONF after a failed save, NOPERM, a primary turned replica): it lasts until an operator
+                # or a failover acts, and ending the worker would only begin a crash loop: unready, and read again.
+                self.link.refused("read", error)
+                self.doubt()
+                await asyncio.sleep(REFUSED_READ_PAUSE_S)
                 continue
             for delivery in deliveries:
                 lifecycle.take(delivery, how, since)

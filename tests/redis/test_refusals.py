@@ -181,3 +181,24 @@ def test_a_server_that_never_answers_its_probe_is_stopped():
     with pytest.raises(RuntimeError, match="did not answer"):
         server.start(timeout=1.0)
     assert server.process is None
+
+
+def test_reads_redis_refuses_leave_the_worker_up_and_unready_until_they_pass(redis_server, inprocess):
+    """A read refused for a reason other than a lost group (an ACL without XREADGROUP here; MISCONF after a failed
+    save and a primary turned replica answer the same way) ended the worker's Redis loop: exit 70 for every worker of
+    the fleet at its next read, then a crash loop. It is a refusal like any other now: retried, counted, unready."""
+    client = Client(redis_server.url)
+    worker = inprocess(redis_server.url, http=True).start()
+    client.redis.execute_command("ACL", "SETUSER", "default", "-xreadgroup")
+    try:
+        ids = client.submit_many(batch(3, "refused-read"))
+        state = wait_for(lambda: (lambda s: s if s["refusing"] else None)(readiness(worker)), timeout=30,
+                         what="refusing")
+        assert state["code"] == 503 and worker.metric("dq_redis_errors_total", op="read") >= 1
+        time.sleep(2)  # several refused reads
+        assert worker.alive
+    finally:
+        client.redis.execute_command("ACL", "SETUSER", "default", "+xreadgroup")
+    report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    assert all(report.results[i].ok for i in ids) and worker.alive
+    wait_for(lambda: readiness(worker)["code"] == 200, timeout=30, what="ready again")
