@@ -123,8 +123,8 @@ def _wait(client: Client, lines: list[Line], report: Report, args: argparse.Name
         except ResultTimeout as partial:
             landed = partial.results
         for line in window:
-            if line.id in landed:
-                line.state, line.result = "answered", landed[line.id]
+            if line.id in landed:  # another request's result under a reused id (or a line's twin) is a conflict
+                line.state, line.result = "answered", line.prepared.answered_by(landed[line.id])
                 report.write(line, args.ordered)
         waiting = [line for line in waiting if line.state == "queued"]
         report.progress()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
@@ -35,6 +36,7 @@ from .result import Result
 BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the time Redis spends in one call
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
 WINDOW = 256  # result streams one blocking read waits on (any of them landing wakes it)
+REMEMBERED = 100_000  # submitted requests a producer keeps (for id conflicts): about 300 bytes each
 # A "function not found" reply means nothing ran: load the library and call again. The server may lose it again
 # in between (restarts, failovers, FUNCTION FLUSH in a row): a few tries, then the error goes to the caller.
 LOAD_TRIES = 5
@@ -47,6 +49,12 @@ class Prepared(NamedTuple):
     id: str
     body: str
     lane: Priority = NORMAL
+    digest: str = ""  # schema.digest of the request ("": computed from the body when asked)
+
+    def answered_by(self, result: Result) -> Result:
+        """``result`` if it answers this request; an ``id_conflict`` error if it is the result of another request
+        that used the same id (docs/PROTOCOL.md, "Reusing an id"). Every reader that submitted checks this."""
+        return result.answering(self.digest or digest(Request.model_validate_json(self.body)))
 
 
 Submittable = Request | Mapping[str, Any] | Prepared
@@ -65,7 +73,7 @@ def prepare(request: Submittable, max_bytes: int = MAX_BODY_BYTES) -> Prepared:
     body = parsed.model_dump_json(exclude_none=True)
     if len(body.encode()) > max_bytes:
         raise InvalidRequest(f"request is {len(body.encode())} bytes, over the {max_bytes}-byte limit")
-    return Prepared(parsed.id, body, Priority(parsed.priority or NORMAL))
+    return Prepared(parsed.id, body, Priority(parsed.priority or NORMAL), digest(parsed))
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,19 @@ class Producer:
     def __init__(self, keys: Keys, shards: int, max_unfinished: int, cluster: bool, wait_replicas: int = 0) -> None:
         self.keys, self.shards, self.max_unfinished, self.cluster = keys, shards, max_unfinished, cluster
         self.wait_replicas = wait_replicas  # durable mode (docs/RELIABILITY.md): WAIT after each write and read
+        # What this producer submitted lately, by id: a result read for one of them that is another request's (a
+        # reused id) is returned as the id_conflict it is, never as this request's answer.
+        self.submitted: OrderedDict[str, Prepared] = OrderedDict()
+
+    def _remember(self, prepared: Prepared) -> None:
+        self.submitted[prepared.id] = prepared
+        self.submitted.move_to_end(prepared.id)
+        while len(self.submitted) > REMEMBERED:
+            self.submitted.popitem(last=False)
+
+    def _checked(self, result: Result) -> Result:
+        mine = self.submitted.get(result.id)
+        return mine.answered_by(result) if mine is not None else result
 
     @property
     def batch_size(self) -> int:
@@ -149,6 +170,7 @@ class Producer:
                                     [r for r, done in zip(ids, sent) if not done]) from None
                 for index in batch:
                     sent[index] = True
+                    self._remember(prepared[index])
         return ids
 
     def send(self, batch: Sequence[Prepared], shard: int = 0, lane: Priority = NORMAL) -> Plan[None]:
@@ -178,9 +200,10 @@ class Producer:
     def fetch(self, request_id: str) -> Plan[Result | None]:
         """The result if it is there (non-blocking)."""
         if self.wait_replicas:
-            return (yield from self.present([request_id])).get(request_id)
+            found = (yield from self.present([request_id])).get(request_id)
+            return self._checked(found) if found is not None else None
         reply = yield Call("xrange", (self.keys.result(request_id),), {"count": 1})
-        return parse_result(reply[0][1], request_id) if reply else None
+        return self._checked(parse_result(reply[0][1], request_id)) if reply else None
 
     def wait_many(self, request_ids: Iterable[str], timeout: float | None) -> Plan[dict[str, Result]]:
         """Results of all ``request_ids`` in their order; raises ResultTimeout naming how many are missing."""
@@ -199,8 +222,8 @@ class Producer:
             if not missing:
                 break
             if left is not None and left <= 0:
-                raise shortfall or ResultTimeout(f"{len(missing)} of {len(waiting)} results not there yet", done,
-                                                 missing)
+                raise shortfall or ResultTimeout(f"{len(missing)} of {len(waiting)} results not there yet",
+                                                 {r: self._checked(result) for r, result in done.items()}, missing)
             block = BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
             window = {self.keys.result(r): r for r in missing[: 1 if self.cluster else WINDOW]}
             reply = yield Call("xread", (dict.fromkeys(window, "0-0"),), {"count": 1, "block": block})
@@ -213,7 +236,7 @@ class Producer:
                     done[request_id] = parse_result(entries[0][1], request_id)
             if self.cluster and reply:  # one key per read there: when the oldest lands, look at the rest
                 look = missing[1:]
-        return {r: done[r] for r in waiting}
+        return {r: self._checked(done[r]) for r in waiting}
 
     def present(self, request_ids: list[str]) -> Plan[dict[str, Result]]:
         """The results already there, in one round trip (one key per command: fine on Redis Cluster too). Durable
@@ -237,4 +260,4 @@ class Producer:
         prepared = prepare(request)
         [request_id] = yield from self.submit_many([prepared])
         result = (yield from self.wait_many([request_id], timeout))[request_id]
-        return result.answering(digest(Request.model_validate_json(prepared.body)))
+        return prepared.answered_by(result)

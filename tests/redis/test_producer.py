@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from producer.client import AsyncClient, Client, InvalidRequest, QueueFull, ResultTimeout, WrongResult
+from producer.core import prepare
 from producer.keys import Keys, shard_of
 from producer.result import Result
 
@@ -176,6 +177,25 @@ def test_a_result_for_another_id_is_never_handed_out(redis_server):
 
     asyncio.run(run())
 
+
+
+def test_a_stored_result_of_another_request_under_a_reused_id_is_read_as_id_conflict(redis_server):
+    """submit_many then wait_many (the README's way) handed out the stored answer of another request that had used
+    the id before, as ok: the client now checks what it reads against what it submitted."""
+    client = Client(redis_server.url)
+    mine = prepare({**REQUEST, "id": "reused"})
+    theirs = {"id": "reused", "status": "ok", "answers": {"q": {"noul": 1.0}}, "digest": "0" * 32}
+    client.redis.xadd(client.keys.result("reused"), {"body": json.dumps(theirs)})
+    client.submit_many([mine])
+    for result in (client.wait_many(["reused"], timeout=5)["reused"], client.wait("reused", timeout=5),
+                   client.fetch("reused")):
+        assert result.error.code == "id_conflict" and result.digest == mine.digest
+    assert Client(redis_server.url).fetch("reused").ok  # a reader that did not submit it sees what is stored
+    again = prepare({**REQUEST, "id": "same"})
+    client.redis.xadd(client.keys.result("same"), {"body": json.dumps({**theirs, "id": "same",
+                                                                       "digest": again.digest})})
+    client.submit_many([again])
+    assert client.wait_many(["same"], timeout=5)["same"].ok  # the same request: its stored result
 
 def test_wait_many_timeout_carries_what_landed(redis_server):
     client = Client(redis_server.url)

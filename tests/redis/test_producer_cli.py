@@ -65,6 +65,25 @@ def test_submit_wait_writes_one_result_per_line_in_order_and_exits_1_on_errors(s
     assert stats["requests"]["length"] == 0 and stats["workers"] == 1  # answered entries are deleted
 
 
+
+@pytest.mark.slow
+def test_a_reused_id_is_answered_id_conflict_never_with_another_requests_answer(served, tmp_path):
+    """submit --wait once printed the stored answer of another request under a reused id as ok (exit 0), and the
+    same id on two lines of one file gave both lines the first one's answer."""
+    first = cli("submit", write(tmp_path / "a.jsonl", good("reused-1")), "--redis", served.url, "--wait")
+    assert first.returncode == 0, first.stderr
+    other = json.dumps({"id": "reused-1", "state": "Another request entirely.", "questions": QUESTIONS})
+    twins = [good("twin-1"), json.dumps({"id": "twin-1", "state": "Not the first line.", "questions": QUESTIONS})]
+    done = cli("submit", write(tmp_path / "b.jsonl", other, good("reused-1"), *twins), "--redis", served.url,
+               "--wait", "--ordered", "--timeout", "120")
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["id"], r["status"]) for r in results[:2]] == [("reused-1", "error"), ("reused-1", "ok")]
+    assert results[0]["error"]["code"] == "id_conflict"
+    assert results[1]["answers"] == json.loads(first.stdout)["answers"]  # the same request: its stored answer
+    # The twins: whichever the worker published first is answered; the other is told of the conflict.
+    assert sorted(r.get("error", {}).get("code", r["status"]) for r in results[2:]) == ["id_conflict", "ok"]
+    assert done.returncode == 1 and "2 errors (id_conflict 2)" in done.stderr.splitlines()[-1]
+
 @pytest.mark.slow
 def test_submit_without_wait_reports_every_line_and_generated_ids_fetch_their_results(served, tmp_path):
     done = cli("submit", "-", "--redis-url", served.url, stdin="\n".join([good("n-1"), good(), "[1, 2]"]) + "\n")
