@@ -146,7 +146,7 @@ class Lifecycle:
             self.settle(error_outcome(delivery, planned.identity, planned.code, planned.message, self.model))
         elif stored := delivery.stream == REQUESTS and await self.link.until(
                 lambda: self.publisher.stored(planned.request_id), "look up"):  # a reused id: no compute
-            outcome = answered_before(planned, stored, self.model)
+            outcome = answered_before(planned.delivery, planned.identity, stored, self.model)
             self.metrics.reused_ids.labels("conflict" if outcome.result and outcome.result.error else "replay").inc()
             self.settle(outcome)
         elif planned.fan_out:
@@ -272,6 +272,8 @@ class Lifecycle:
                 self.link.refused("reply", error, stalls=False,
                                   detail=f"reply to {(outcome.reply_to or '')[:200]} of {outcome.request_id}")
             now = time.time()
+            for outcome in done.reused:  # lost the race to another request under its id: answered as reused
+                self.metrics.reused_ids.labels("conflict" if outcome.result.error else "replay").inc()
             for outcome, result, published in done.settled:
                 if result is not None and published:
                     code = result.error.code.value if result.error else ""

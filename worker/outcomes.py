@@ -117,13 +117,12 @@ def task_outcome(task: Task, model: str) -> Outcome:
                                                                   task.delivery.enqueued_ms, model))
 
 
-def answered_before(task: Task, stored: Result, model: str) -> Outcome:
-    """A request whose id already has a result, not computed: the stored result marked as a replay when it asked
-    the same (or the stored result predates digests), else an ``id_conflict`` error (the stored result stays)."""
-    identity = task.identity
+def answered_before(delivery: Delivery, identity: Identity, stored: Result, model: str) -> Outcome:
+    """A request whose id already has a result: the stored result marked as a replay when it asked the same (or the
+    stored result predates digests), else an ``id_conflict`` error (the stored result stays)."""
     if stored.digest in (None, identity.digest):
-        return Outcome(task.delivery, identity, result=stored.model_copy(update={"replay": True}), replay=True)
-    conflict = error_outcome(task.delivery, identity, ErrorCode.ID_CONFLICT,
+        return Outcome(delivery, identity, result=stored.model_copy(update={"replay": True}), replay=True)
+    conflict = error_outcome(delivery, identity, ErrorCode.ID_CONFLICT,
                              f"id {identity.request_id} was answered before for a different request (its digest "
                              f"{stored.digest}, this one's {identity.digest}); send it under a new id", model)
     conflict.replay = True

@@ -29,9 +29,9 @@ from producer.errors import NotDurable
 from producer.keys import Field, Keys, text
 from producer.result import Result
 
-from .entries import Delivery
+from .entries import REQUESTS, Delivery
 from .link import REDIS_ERRORS
-from .outcomes import Outcome, Share
+from .outcomes import Outcome, Share, answered_before
 from .tasks import Task
 
 log = logging.getLogger("worker")
@@ -47,6 +47,7 @@ class Settlement:
 
     settled: list[tuple[Outcome, Result | None, bool]] = field(default_factory=list)
     replies_refused: list[tuple[Outcome, redis.ResponseError]] = field(default_factory=list)
+    reused: list[Outcome] = field(default_factory=list)  # answered as a reused id: another entry published first
 
 
 class Publisher:
@@ -97,7 +98,15 @@ class Publisher:
             if isinstance(reply, redis.ResponseError):
                 outcome.refused = reply
                 continue
-            settled.append((outcome, *self._who(outcome, reply)))
+            who = self._who(outcome, reply)
+            if who[0] is not None and not who[1] and not who[2] and self._other_entry(outcome, reply):
+                # Another entry under this id published first (both were queued before either was answered): this
+                # request is answered as a reused id is at planning, its own reply a replay or an id_conflict.
+                answer = answered_before(outcome.delivery, outcome.identity, who[0], self.model)
+                outcome.result, outcome.replay = answer.result, True
+                done.reused.append(outcome)
+                who = (answer.result, False, True)
+            settled.append((outcome, *who))
             if self.inline_replies and isinstance(reply, list) and len(reply) > 3 and outcome.reply_to:  # replied in it
                 outcome.replied = True
                 if reply[3] != 1:
@@ -132,6 +141,12 @@ class Publisher:
         # An earlier delivery of this entry published and may have died before replying: reply again (a reply is
         # at least once). A publication by anyone else is theirs to reply to.
         return stored, False, earlier
+
+    @staticmethod
+    def _other_entry(outcome: Outcome, reply: Any) -> bool:
+        """This request entry's result was published for another entry (a part's is its own request's)."""
+        stream, entry_id = (reply[1].decode().split(" ") + ["", ""])[:2]
+        return outcome.delivery.stream == REQUESTS and (stream, entry_id) != (REQUESTS, outcome.delivery.entry_id)
 
     def _publication(self, outcome: Outcome) -> tuple[Any, list[str], list[Any]]:
         request_id = outcome.request_id

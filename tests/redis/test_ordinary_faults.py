@@ -4,6 +4,7 @@ nothing new. Each test names the defect it covers (its number in docs/RELIABILIT
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -182,3 +183,26 @@ def test_a_dead_planner_process_costs_no_request(redis_server, inprocess):
     assert worker.metric("dq_dead_letters_total") == 0 and worker.metric("dq_retries_total") == 0
     assert worker.alive and status(worker.daemon.snapshot())["ready"]
     worker.stop()
+
+
+def test_two_requests_queued_under_one_id_each_get_a_reply(redis_server, inprocess):
+    """Two requests under one id, both queued before either was answered: the one whose publication lost the race
+    got nothing on its reply stream, uncounted. It is answered as a reused id is at planning now: id_conflict for
+    another request, a replay for the same one."""
+    client = Client(redis_server.url)
+    keys = client.keys
+    inprocess(redis_server.url).burst()  # the group, before the entries
+    sent = {"a": ("ticket-7", "I was charged twice"), "b": ("ticket-7", "Thanks, all good"),
+            "c": ("ticket-8", "the same"), "d": ("ticket-8", "the same")}
+    for name, (request_id, state) in sent.items():
+        client.redis.xadd(keys.requests, {"body": json.dumps({"id": request_id, "state": state, "questions": {
+            "q": {"type": "noul"}}, "reply_to": keys.reply_prefix + name})})
+    worker = inprocess(redis_server.url).burst()
+    replies = {name: [json.loads(fields[b"body"]) for _, fields in client.redis.xrange(keys.reply_prefix + name)]
+               for name in sent}
+    assert all(len(got) == 1 for got in replies.values()), replies
+    conflict = [r for name in "ab" for r in replies[name] if r["status"] == "error"]
+    assert len(conflict) == 1 and conflict[0]["error"]["code"] == "id_conflict"
+    assert [r["status"] for name in "cd" for r in replies[name]] == ["ok", "ok"]
+    assert sum(bool(r.get("replay")) for name in "cd" for r in replies[name]) == 1
+    assert worker.metric("dq_reused_ids_total") == 2
