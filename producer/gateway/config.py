@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import ipaddress
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -96,7 +97,9 @@ class GatewayConfig:
         problems = []
         for f in fields(self):
             low, high, value = f.metadata.get("low"), f.metadata.get("high"), getattr(self, f.name)
-            if low is not None and value < low:
+            if isinstance(value, float) and not math.isfinite(value):  # nan passes every comparison, inf any low
+                problems.append(f"{_names(f.name)} must be a finite number, got {value!r}")
+            elif low is not None and value < low:
                 problems.append(f"{_names(f.name)} must be at least {low:g}, got {value!r}")
             elif high is not None and value > high:
                 problems.append(f"{_names(f.name)} must be at most {high:g}, got {value!r}")

@@ -30,6 +30,10 @@ def test_flags_win_over_variables_which_win_over_defaults():
     ({"max_batch": 501}, {}, "at most 500"),
     ({}, {"DQ_GATEWAY_WAIT_S": "soon"}, "DQ_GATEWAY_WAIT_S='soon' is not a number"),
     ({"wait_s": 400}, {}, "--wait-s (DQ_GATEWAY_WAIT_S) must be at most --max-wait-s"),
+    ({"wait_s": float("nan")}, {}, "--wait-s (DQ_GATEWAY_WAIT_S) must be a finite number, got nan"),
+    ({}, {"DQ_GATEWAY_MAX_WAIT_S": "inf"}, "--max-wait-s (DQ_GATEWAY_MAX_WAIT_S) must be a finite number"),
+    ({"wait_s": float("inf"), "max_wait_s": float("inf")}, {}, "--wait-s (DQ_GATEWAY_WAIT_S) must be a finite"),
+    ({}, {"DQ_GATEWAY_MAX_WAIT_S": "nan"}, "--max-wait-s (DQ_GATEWAY_MAX_WAIT_S) must be a finite number"),
     ({"log_level": "LOUD"}, {}, "DEBUG, INFO"),
     ({"host": "0.0.0.0"}, {}, "loopback"),
     ({}, {"DQ_NAMESPACE": "a{b}"}, "namespace"),
@@ -98,3 +102,12 @@ def test_loopback_and_the_field_of_a_problem():
     code, field, message = problems([{"type": "json_invalid", "loc": (), "msg": "Invalid JSON", "ctx": {
         "error": "EOF while parsing"}}])
     assert (code, field) == ("invalid_json", "body") and "EOF" in message
+
+
+@pytest.mark.parametrize("argv", [["--wait-s", "nan"], ["--max-wait-s", "inf"], ["--wait-s", "inf", "--max-wait-s",
+                                                                                  "inf"]])
+def test_a_wait_that_is_not_a_finite_number_exits_2_before_listening(argv, capsys):
+    from producer.gateway.__main__ import main
+
+    assert main(argv) == 2
+    assert "must be a finite number" in capsys.readouterr().err
