@@ -7,8 +7,9 @@ behind a load balancer need no affinity. Routes raise; replies.py turns each exc
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -23,24 +24,30 @@ from redis.backoff import ExponentialBackoff
 from .. import __version__
 from ..client import AsyncClient
 from ..connection import aconnect
-from ..core import Prepared, QueueFull, ResultTimeout, WrongResult, prepare
+from ..core import NotDurable, Prepared, QueueFull, ResultTimeout, WrongResult, prepare
 from ..keys import GONE_S, ID_PATTERN, NORMAL, Keys, Priority, beat_age
 from ..result import Result
-from ..schema import ErrorCode, Request, valid_traceparent
+from ..schema import ErrorCode, Request, digest, valid_traceparent
 from . import replies
 from .access import Access, Inflight, Keyring
 from .batcher import Batcher
 from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
 from .front import Front, Metrics
-from .replies import Refused
+from .replies import READ, SUBMIT, WAIT, Refused, Unsettled
 
 # A request with a deadline is answered deadline_exceeded by the worker that finds it late: wait that long past it.
 DEADLINE_GRACE_S = 2.0
 # The gateway's own retries: a short ride over a blip, then 503 (a caller retries; the client's own ~12 s would
-# hold every call that long while Redis is down).
+# hold every call that long while Redis is down). Only a connection refused or dropped is retried, not a command that
+# timed out: a frozen Redis is then said within one socket timeout (5 s), not three, and a submit that may have run
+# is not sent again behind the caller's back.
 RETRIES, RETRY_CAP = 2, 0.2
+# Connections beyond the in-flight slots (every call that waits on Redis holds one slot per request, and uses at
+# most one connection at a time): /ready's probes, a namespace's first contact.
+SPARE_CONNECTIONS = 32
 NDJSON = "application/x-ndjson"
+CLIENT_GONE = 499  # a decide whose caller went away: nobody reads it, but the metrics count it (nginx's status)
 
 
 class Gateway:
@@ -55,9 +62,9 @@ class Gateway:
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         deployment = self.config.deployment
-        retry = Retry(ExponentialBackoff(RETRY_CAP, 0.02), RETRIES)
-        self.connection = self.connection or aconnect(deployment.url, deployment.cluster,
-                                                      **deployment.tls_files(), retry=retry)
+        retry = Retry(ExponentialBackoff(RETRY_CAP, 0.02), RETRIES, supported_errors=(redis.ConnectionError,))
+        self.connection = self.connection or aconnect(deployment.url, deployment.cluster, **deployment.tls_files(),
+                                                      retry=retry, max_connections=self.connections())
         for namespace in self.config.namespaces():
             self.clients[namespace] = AsyncClient(deployment.url, namespace, self.config.max_unfinished,
                                                   deployment.cluster, connection=self.connection,
@@ -65,6 +72,30 @@ class Gateway:
             self.batchers[namespace] = Batcher(self.clients[namespace])
         yield
         await self.connection.aclose()
+
+    def connections(self) -> int:
+        """The pool's size: one connection for each in-flight slot of every key, plus spares. A waiting call holds
+        a connection (a blocking read) for as long as it waits, and redis-py's default pool of 100 was shared by
+        every tenant: 100 waits of one key refused every other key's calls (503). Each key's waits are bounded by
+        its own slots (a long-poll takes one), so with a connection for each slot no tenant can take another's;
+        the cost is Redis clients (docs/GATEWAY.md, "Connections")."""
+        keys = self.config.keys
+        slots = sum(k.max_inflight or self.config.max_inflight_per_key for k in keys) if keys \
+            else self.config.max_inflight_per_key
+        return slots + SPARE_CONNECTIONS
+
+    def hold(self, http: HttpRequest, count: int) -> Access:
+        """``count`` of the caller's in-flight slots, held until the call ends (front.py gives them back): 413 for
+        more than its key ever allows (waiting would not help), 429 while it has too many in flight."""
+        access: Access = http.state.access
+        if count > access.max_inflight:
+            raise Refused(413, "batch_too_large", f"{count} requests, over this API key's limit of "
+                          f"{access.max_inflight} in flight: it can never be admitted; split it", "requests")
+        if not self.inflight.take(access, count):
+            raise Refused(429, "too_many_in_flight", f"this API key has {access.max_inflight} requests being "
+                          "answered at most; wait for some", headers={"Retry-After": str(replies.RETRY_AFTER_S)})
+        http.state.held = [(access.name, count)]
+        return access
 
     def admit(self, http: HttpRequest, requests: list[Request], batch: bool) -> tuple[Access, list[Prepared]]:
         """The caller's requests, checked against its key and the limits, prepared (ids given), its in-flight
@@ -93,10 +124,7 @@ class Gateway:
             lanes.add(str(lane))
             out.append(prepare(request))
         http.state.lane = lanes.pop() if len(lanes) == 1 else "mixed"
-        if not self.inflight.take(access, len(out)):
-            raise Refused(429, "too_many_in_flight", f"this API key has {access.max_inflight} requests being "
-                          "answered at most; wait for some", headers={"Retry-After": str(replies.RETRY_AFTER_S)})
-        http.state.held = [(access.name, len(out))]
+        self.hold(http, len(out))
         return access, out
 
     def wait_for(self, asked: float | None, deadlines: list[int | None]) -> float:
@@ -108,7 +136,8 @@ class Gateway:
 
     async def submit(self, namespace: str, prepared: list[Prepared], partial: bool = False) -> list[str]:
         """Submit; with ``partial``, the ids refused by a full queue once some went in (else, and when none went
-        in, QueueFull: a 429 naming the accepted and the refused)."""
+        in, QueueFull: a 429 naming the accepted and the refused). Any Redis error is Unsettled: it names the ids,
+        which may have been queued."""
         refused: list[str] = []
         try:
             await self.batchers[namespace].submit(prepared)
@@ -117,6 +146,8 @@ class Gateway:
                 self._count(prepared, full.accepted)
                 raise
             refused = full.refused
+        except redis.RedisError as error:
+            raise Unsettled(error, [p.id for p in prepared], SUBMIT) from error
         self._count(prepared, [p.id for p in prepared if p.id not in set(refused)])
         return refused
 
@@ -126,10 +157,12 @@ class Gateway:
             if item.id in went:
                 self.metrics.queued.labels(str(item.lane)).inc()
 
-    async def lines(self, client: AsyncClient, ids: list[str], refused: list[str],
+    async def lines(self, client: AsyncClient, digests: dict[str, str], refused: list[str],
                     wait: float) -> AsyncIterator[bytes]:
-        """One line per request, each exactly once, as its result lands; at the deadline a timeout line for each
-        missing one (it stays queued), and for each refused by a full queue a not_sent line."""
+        """One line per request (``digests``: each id's, of what this call sent), each exactly once, as its result
+        lands (a result of another request under the id: an id_conflict line); at the deadline a timeout line for
+        each missing one (it stays queued), and for each refused by a full queue a not_sent line."""
+        ids = list(digests)
         deadline = time.monotonic() + wait
         for request_id in refused:
             yield _line(Result.failure(request_id, ErrorCode.NOT_SENT, "the queue was full: not sent"))
@@ -138,14 +171,15 @@ class Gateway:
             while pending and (left := deadline - time.monotonic()) > 0:
                 landed = await client.wait_any(pending, left)
                 for request_id in landed:
-                    yield _line(landed[request_id])
+                    yield _line(landed[request_id].answering(digests[request_id]))
                 pending = [r for r in pending if r not in landed]
         except (redis.RedisError, WrongResult) as error:  # mid-batch: the rest still get their one line each
             replies.log.warning("mid-batch: %s: %s", type(error).__name__, error)
-            code = "unavailable" if isinstance(error, redis.RedisError) else ErrorCode.INTERNAL
+            code = replies.NOT_DURABLE if isinstance(error, NotDurable) else "unavailable" \
+                if isinstance(error, redis.RedisError) else ErrorCode.INTERNAL
             for request_id in pending:
-                yield _line(Result.failure(request_id, code, "the queue could not be read; the request may still "
-                                           f"be answered: GET /v1/results/{request_id}"))
+                yield _line(Result.failure(request_id, code, "the queue could not be read; the request is queued "
+                                           f"and will be answered: GET /v1/results/{request_id}"))
             return
         for request_id in pending:
             yield _line(Result.failure(request_id, ErrorCode.TIMEOUT, f"no result within {wait:g} s; the request "
@@ -167,6 +201,28 @@ class Gateway:
             now = time.time()
             workers[namespace] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
         return all(n != 0 for n in workers.values()), {"redis": "ok", "workers": workers}
+
+
+async def watched(http: HttpRequest, work: Awaitable[dict[str, Result]]) -> dict[str, Result] | None:
+    """``work``'s outcome, or None once the caller has gone away (``work`` cancelled): its in-flight slots and its
+    Redis connection come back then, not when its wait would have ended. The body is read by now, so the next ASGI
+    message is the disconnect."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(http))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+async def _disconnect(http: HttpRequest) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _line(result: Result) -> bytes:
@@ -194,10 +250,16 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         client = gateway.clients[access.namespace]
         await gateway.submit(access.namespace, prepared)
         request_id = prepared[0].id
-        landed = await client.wait_any([request_id], gateway.wait_for(asked, [body.deadline_ms]))
+        try:
+            landed = await watched(http, client.wait_any([request_id], gateway.wait_for(asked, [body.deadline_ms])))
+        except (redis.RedisError, WrongResult) as error:
+            raise Unsettled(error, [request_id], WAIT) from error
+        if landed is None:
+            return Response(status_code=CLIENT_GONE)
         if request_id not in landed:
             raise ResultTimeout("no result in time", missing=[request_id])
-        return replies.result_response(landed[request_id])
+        # The result under this id may be another request's (a reused id): then id_conflict, never its answer.
+        return replies.result_response(landed[request_id].answering(digest(body)))
 
     async def decide_batch(http: HttpRequest) -> Response:
         body: Batch = await parse(http, MANY)
@@ -206,7 +268,8 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         client = gateway.clients[access.namespace]
         refused = await gateway.submit(access.namespace, prepared, partial=True)
         wait = gateway.wait_for(asked, [r.deadline_ms for r in body.requests])
-        return StreamingResponse(gateway.lines(client, [p.id for p in prepared], refused, wait), media_type=NDJSON)
+        digests = {p.id: digest(r) for p, r in zip(prepared, body.requests)}
+        return StreamingResponse(gateway.lines(client, digests, refused, wait), media_type=NDJSON)
 
     async def enqueue(http: HttpRequest) -> Response:
         body: Request | Batch = await parse(http, EITHER)
@@ -230,7 +293,14 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
             raise Refused(422, ErrorCode.INVALID_REQUEST.value, "an id is 1-128 characters of A-Z a-z 0-9 . _ : -",
                           "id")
         client = gateway.clients[access.namespace]
-        found = (await client.wait_any([request_id], min(wait, config.max_wait_s))).get(request_id)
+        gateway.hold(http, 1)  # a long-poll holds a Redis connection as a decide does: it counts against the key
+        try:
+            landed = await watched(http, client.wait_any([request_id], min(wait, config.max_wait_s)))
+        except (redis.RedisError, WrongResult) as error:
+            raise Unsettled(error, [request_id], READ) from error
+        if landed is None:
+            return Response(status_code=CLIENT_GONE)
+        found = landed.get(request_id)
         if found is None:
             raise Refused(404, "not_found", "no result for this id: not answered yet, expired, or never sent "
                           "with this key's namespace")

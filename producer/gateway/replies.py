@@ -1,9 +1,12 @@
 """What the gateway answers, and with which HTTP status: a result as it came, or a refusal shaped like an error
 result (``{"id", "status": "error", "error": {"code", "message", "field"?}}``), so that a caller reads one shape.
 
-The status is the error class: 422 invalid input (the code and the field), 413 too large, 429 the queue or the
-caller's in-flight limit is full (``Retry-After``), 504 no result in time (the id: fetch it later), 503 Redis
-unreachable or refusing the gateway, 401/403 the key.
+The status is the error class: 422 invalid input (the code and the field), 413 too large (a batch over the key's
+in-flight limit included: it can never be admitted), 409 the id has another request's result (``id_conflict``),
+429 the queue or the caller's in-flight limit is full (``Retry-After``), 504 no result in time (the id: fetch it
+later), 503 Redis unreachable or refusing the gateway, or replicas that did not confirm (``not_durable``), 401/403
+the key. Once the gateway knows a request's id (the caller's, or the one it gave), every answer names it: a Redis
+error after that point says whether the request may be queued (``Unsettled``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from ..core import InvalidRequest, QueueFull, ResultTimeout, WrongResult
+from ..core import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult
 from ..library import LibraryUnavailable
 from ..result import Result
 from ..schema import ErrorCode
@@ -30,7 +33,11 @@ RETRY_AFTER_S = 1  # a full queue drains at the workers' pace; callers back off 
 JSON = "application/json"
 # A worker's error result, as an HTTP status: the request's fault (422, 413), time (504), else the service's (500).
 RESULT_STATUS = {ErrorCode.INVALID_JSON: 422, ErrorCode.INVALID_REQUEST: 422, ErrorCode.INVALID_IMAGE: 422,
-                 ErrorCode.STATE_TOO_LONG: 422, ErrorCode.TOO_LARGE: 413, ErrorCode.DEADLINE_EXCEEDED: 504}
+                 ErrorCode.STATE_TOO_LONG: 422, ErrorCode.TOO_LARGE: 413, ErrorCode.DEADLINE_EXCEEDED: 504,
+                 ErrorCode.ID_CONFLICT: 409}
+NOT_DURABLE = "not_durable"
+# What an Unsettled answer says, by where the call was when Redis failed it.
+SUBMIT, WAIT, READ = "submit", "wait", "read"
 # The question types are a discriminator, not a field the caller wrote; "one" and "batch" are the body's shapes.
 NOT_FIELDS = ("body", "query", "path", "noul", "choice", "score", "one", "batch")
 
@@ -43,6 +50,16 @@ class Refused(Exception):
         super().__init__(message)
         self.status, self.code, self.message, self.field = status, code, message, field
         self.headers, self.extra = headers or {}, extra
+
+
+class Unsettled(Exception):
+    """A Redis error (or a WrongResult) once the gateway knew the ids: ``phase`` says where. ``submit``: the
+    requests may have been queued (a command that timed out may have run); ``wait``: they are queued, their results
+    are to be fetched later; ``read``: a result could not be read (GET again)."""
+
+    def __init__(self, error: Exception, ids: list[str], phase: str) -> None:
+        super().__init__(str(error))
+        self.error, self.ids, self.phase = error, ids, phase
 
 
 def error_body(code: str, message: str, request_id: str | None = None, field: str | None = None,
@@ -125,12 +142,22 @@ def install(app: FastAPI) -> None:
                        missing)
 
     async def unreachable(_: HttpRequest, error: Exception) -> Response:
-        log.warning("Redis: %s: %s", type(error).__name__, error)
-        if isinstance(error, redis.ResponseError) and not isinstance(error, (redis.exceptions.NoPermissionError,
-                                                                          redis.AuthenticationError)):
-            return refusal(Refused(500, ErrorCode.INTERNAL.value, "Redis refused a command; see the gateway's log"))
-        return refusal(Refused(503, "unavailable", f"the queue is unavailable: {type(error).__name__}",
-                               headers={"Retry-After": str(RETRY_AFTER_S)}))
+        return refusal(_redis_refusal(error))
+
+    async def unsettled(_: HttpRequest, error: Exception) -> Response:
+        assert isinstance(error, Unsettled)
+        refused = _redis_refusal(error.error, error.phase)
+        one = error.ids[0] if len(error.ids) == 1 else None
+        fetch = f"GET /v1/results/{one}" if one else "GET /v1/results/{id}"
+        refused.message += {
+            SUBMIT: ("" if isinstance(error.error, NotDurable) else "; the request may have been queued") +
+            f"; send it again under the same id (a retry of the same request is answered once), or {fetch}",
+            WAIT: f"; the request is queued and will be answered: {fetch}",
+            READ: f"; {fetch} again"}[error.phase]
+        refused.extra["ids"] = error.ids
+        if one:
+            refused.headers["Location"] = f"/v1/results/{one}"
+        return refusal(refused, one)
 
     async def library(_: HttpRequest, error: Exception) -> Response:
         log.error("%s", error)
@@ -143,6 +170,26 @@ def install(app: FastAPI) -> None:
 
     for kind, handler in ((RequestValidationError, invalid), (Refused, refused), (HTTPException, http),
                           (InvalidRequest, invalid_request), (QueueFull, full), (ResultTimeout, timeout),
-                          (redis.RedisError, unreachable), (LibraryUnavailable, library),
+                          (redis.RedisError, unreachable), (Unsettled, unsettled), (LibraryUnavailable, library),
                           (UnsupportedServer, library), (WrongResult, wrong)):
         app.add_exception_handler(kind, handler)
+
+
+def _redis_refusal(error: Exception, phase: str = SUBMIT) -> Refused:
+    """A Redis error's status: 503 unreachable or refusing the gateway (its user's rights, its password), 503
+    ``not_durable`` when fewer replicas than asked confirmed, 500 another refused command (a bug: see the log)."""
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    if isinstance(error, WrongResult):
+        log.error("%s", error)
+        return Refused(500, ErrorCode.INTERNAL.value, "a result stream holds another request's result")
+    log.warning("Redis: %s: %s", type(error).__name__, error)
+    if isinstance(error, NotDurable):
+        if phase == SUBMIT:
+            return Refused(503, NOT_DURABLE, f"enqueued on the primary, but {error.replicas} of {error.wanted} "
+                           "replicas confirmed it: it may not survive a failover", headers=retry)
+        return Refused(503, NOT_DURABLE, f"its result is on the primary, but {error.replicas} of {error.wanted} "
+                       "replicas confirmed it: not returned until they do", headers=retry)
+    if isinstance(error, redis.ResponseError) and not isinstance(error, (redis.exceptions.NoPermissionError,
+                                                                      redis.AuthenticationError)):
+        return Refused(500, ErrorCode.INTERNAL.value, "Redis refused a command; see the gateway's log")
+    return Refused(503, "unavailable", f"the queue is unavailable: {type(error).__name__}", headers=retry)

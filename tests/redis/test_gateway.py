@@ -88,6 +88,29 @@ def test_invalid_input_is_422_with_the_code_and_the_field_and_nothing_is_queued(
     assert stack.gateway.metric("dq_gateway_queued_requests_total") == queued  # refused before sending
 
 
+def test_a_reused_id_with_another_request_is_409_id_conflict_never_the_other_requests_answer(stack):
+    """An id names one result: the same request again gets it (a retry), a different request under the id gets
+    id_conflict naming both digests (409 from decide, a line in a batch), as the Python client's decide answers;
+    the stored result stays and GET by id still returns it."""
+    with stack.gateway.client("acme") as http:
+        first = http.post("/v1/decide", json=request("gw-reuse-1", state="I was charged twice, refund me."))
+        assert first.status_code == 200 and first.json()["status"] == "ok", first.text
+        stored = first.json()["digest"]
+        again = http.post("/v1/decide", json=request("gw-reuse-1", state="I was charged twice, refund me."))
+        assert again.status_code == 200 and again.json()["digest"] == stored  # a retry: the stored result
+        other = http.post("/v1/decide", json=request("gw-reuse-1", state="Another ticket: all good, thanks!"))
+        assert other.status_code == 409, other.text
+        body = other.json()
+        assert body["id"] == "gw-reuse-1" and body["status"] == "error" and body["error"]["code"] == "id_conflict"
+        assert stored in body["error"]["message"] and body["digest"] != stored and "answers" not in body
+        batch = lines(http.post("/v1/decide/batch", json={"requests": [
+            request("gw-reuse-1", state="Yet another ticket."), request("gw-reuse-2")]}))
+        by_id = {line["id"]: line for line in batch}
+        assert by_id["gw-reuse-1"]["error"]["code"] == "id_conflict" and "answers" not in by_id["gw-reuse-1"]
+        assert by_id["gw-reuse-2"]["status"] == "ok"
+        assert http.get("/v1/results/gw-reuse-1").json()["digest"] == stored  # the stored result stays
+
+
 def test_no_result_in_time_is_504_with_the_id_and_the_result_is_fetchable_later(stack):
     """Namespace globex has no worker: nothing answers in time. The result, published later (as a worker would),
     is read by the id the 504 gave, by a GET already waiting for it (a worker killed mid-request:

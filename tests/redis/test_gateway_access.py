@@ -93,9 +93,19 @@ def test_body_batch_and_in_flight_limits_each_with_its_status(stack):
         assert reply.status_code == 413 and reply.json()["error"]["code"] == "batch_too_large"
         assert http.post("/v1/requests", json={"requests": [request() for _ in range(21)]}).status_code == 413
     with stack.gateway.client("acme-normal") as http:  # 2 requests in flight at most
-        reply = http.post("/v1/decide/batch", json={"requests": [request(f"gw-if-{i}") for i in range(3)]})
-        assert reply.status_code == 429 and reply.json()["error"]["code"] == "too_many_in_flight"
-        assert reply.headers["retry-after"] == "1"
+        for path in ("/v1/decide/batch", "/v1/requests"):  # more than the key ever allows: waiting would not help
+            reply = http.post(path, json={"requests": [request(f"gw-if-{i}") for i in range(3)]})
+            assert reply.status_code == 413 and "retry-after" not in reply.headers, reply.text
+            assert reply.json()["error"]["code"] == "batch_too_large" and "never" in reply.json()["error"]["message"]
+        held = threading.Thread(target=lambda: http.post("/v1/decide", params={"timeout": 1.5},
+                                                         json=request(priority="normal")))
+        held.start()  # one slot of two held: a batch of two waits for it
+        deadline = time.monotonic() + 10
+        while (reply := http.post("/v1/decide/batch", params={"timeout": 0.2},
+                                  json={"requests": [request(), request()]})).status_code != 429:
+            assert time.monotonic() < deadline, "the decide did not hold its slot"
+        assert reply.json()["error"]["code"] == "too_many_in_flight" and reply.headers["retry-after"] == "1"
+        held.join()
         for _ in range(3):  # the slots come back when each call ends
             got = http.post("/v1/decide/batch", json={"requests": [request(), request()]})
             assert got.status_code == 200 and len(got.text.splitlines()) == 2
@@ -122,6 +132,70 @@ def test_in_flight_slots_are_held_while_a_call_waits_and_given_back_when_its_cal
             assert time.monotonic() < deadline, "the slots of a caller that went away were not given back"
             time.sleep(0.1)
         assert reply.status_code == 504  # admitted: it waited (no worker in globex)
+
+
+def test_a_decide_whose_caller_left_gives_its_slot_back_at_once(stack):
+    """initech: 4 in flight, namespace globex (nothing answers). Four decides that would wait 30 s, whose callers
+    leave after half a second: their slots come back when they leave, not when their waits would have ended."""
+    with stack.gateway.client("initech", timeout=0.5) as http:
+        for _ in range(4):
+            try:
+                http.post("/v1/decide", params={"timeout": 30}, json=request())
+            except httpx.ReadTimeout:
+                continue
+            raise AssertionError("answered: nothing can answer it in globex")
+    left = time.monotonic()
+    with stack.gateway.client("initech") as http:
+        while (reply := http.post("/v1/requests", json=request())).status_code == 429:
+            assert time.monotonic() - left < 5, "the slots of decides whose callers left were held"
+            time.sleep(0.1)
+        assert reply.status_code == 202
+
+
+def test_a_long_poll_counts_against_its_keys_in_flight_limit(stack):
+    """GET /v1/results/{id}?wait= holds a Redis connection while it waits, as a decide does: acme-normal (2 in
+    flight) holds two, the third is 429 (before, any number: each one more Redis connection)."""
+    with stack.gateway.client("acme-normal") as http:
+        polls = [threading.Thread(target=lambda: http.get("/v1/results/gw-poll-none", params={"wait": 3}))
+                 for _ in range(2)]
+        for poll in polls:
+            poll.start()
+        deadline = time.monotonic() + 2.5
+        while (reply := http.get("/v1/results/gw-poll-none")).status_code != 429:
+            assert reply.status_code == 404 and time.monotonic() < deadline, reply.text
+        assert reply.json()["error"]["code"] == "too_many_in_flight"
+        for poll in polls:
+            poll.join()
+        assert http.get("/v1/results/gw-poll-none").status_code == 404  # given back
+
+
+def test_one_tenants_waits_do_not_take_the_other_tenants_connections(stack, tmp_path):
+    """Each waiting call holds a Redis connection: with redis-py's default pool (100), 110 long-polls of one tenant
+    made every call of every tenant 503. The pool has a connection for each in-flight slot of every key now."""
+    import asyncio
+
+    keys = [{"name": "slow", "token": TOKENS["globex"], "namespace": "nowork", "max_inflight": 110},
+            {"name": "fast", "token": TOKENS["acme"]}]
+    gateway = GatewayProcess(stack.server.url, tmp_path / "gateway.log", keys).wait_up()
+
+    async def run() -> tuple[httpx.Response, httpx.Response, list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60,
+                                     limits=httpx.Limits(max_connections=130)) as http:
+            polls = [asyncio.create_task(http.get(f"/v1/results/gw-pool-{i}", params={"wait": 8},
+                                                  headers=auth("globex"))) for i in range(110)]
+            await asyncio.sleep(3)
+            decide = await http.post("/v1/decide", params={"timeout": 4}, json=request("gw-pool-fast"),
+                                     headers=auth("acme"))
+            queued = await http.post("/v1/requests", json=request("gw-pool-queued"), headers=auth("globex"))
+            return decide, queued, await asyncio.gather(*polls)
+
+    try:
+        decide, queued, polls = asyncio.run(run())
+    finally:
+        gateway.stop()
+    assert decide.status_code == 200 and decide.json()["status"] == "ok", decide.text
+    assert queued.status_code == 429 and queued.json()["error"]["code"] == "too_many_in_flight"  # its own limit
+    assert {poll.status_code for poll in polls} == {404}
 
 
 def _give_up(http: httpx.Client, requests: list[dict]) -> None:

@@ -81,3 +81,85 @@ def test_redis_unreachable_is_503_and_the_gateway_recovers_when_it_is_back(serve
     finally:
         gateway.stop()
         server.__exit__()
+
+
+def test_durable_mode_returns_no_result_the_replicas_did_not_confirm_and_names_the_id(stack, tmp_path):
+    """--wait-replicas 1 on a server without replicas: a result there on the primary is not returned, with or
+    without a wait (503 not_durable naming the id; before, a wait returned it unconfirmed), and a decide whose
+    enqueue no replica confirmed is 503 not_durable naming the id the gateway gave it (before: 500 "Redis refused a
+    command" with id null), though it is queued and answered."""
+    gateway = GatewayProcess(stack.server.url, tmp_path / "gateway.log", wait_replicas=1).wait_up()
+    server = redis.Redis.from_url(stack.server.url)
+    body = json.dumps({"id": "gw-dur-1", "status": "ok", "answers": {"refund": {"type": "noul", "noul": 0.5}}})
+    server.xadd(Keys().result("gw-dur-1"), {"body": body})
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            for params in ({}, {"wait": 3}):
+                reply = http.get("/v1/results/gw-dur-1", params=params)
+                assert reply.status_code == 503, (params, reply.text)
+                assert reply.json()["id"] == "gw-dur-1" and reply.json()["error"]["code"] == "not_durable"
+                assert reply.headers["retry-after"] == "1"
+            reply = http.post("/v1/decide", json=request(state="durable, but no replica"))
+            assert reply.status_code == 503 and reply.json()["error"]["code"] == "not_durable", reply.text
+            request_id = reply.json()["id"]
+            assert request_id and reply.json()["ids"] == [request_id]
+            assert "same id" in reply.json()["error"]["message"]
+        deadline = time.monotonic() + 30
+        while not server.exists(Keys().result(request_id)):  # it was queued: the worker answers it
+            assert time.monotonic() < deadline, "the request the 503 named was not queued"
+            time.sleep(0.1)
+    finally:
+        gateway.stop()
+
+
+def test_a_frozen_redis_is_503_within_the_socket_timeout_naming_the_id_it_may_have_queued(server_binary, tmp_path):
+    """Redis frozen (SIGSTOP): each call is 503 within the 5 s socket timeout (before: 15 s and more, a timed-out
+    command retried twice), and a decide's answer names the id the gateway gave its request, saying it may have
+    been queued (before: id null): after Redis resumes, the request is there under that id, once."""
+    server = RedisServer().start()
+    gateway = GatewayProcess(server.url, tmp_path / "gateway.log").wait_up()
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=60) as http:
+            assert http.post("/v1/requests", json=request("gw-frozen-0")).status_code == 202
+            server.pause()
+            try:
+                for method, path, body, named in (("POST", "/v1/decide", request(state="frozen"), None),
+                                                  ("GET", "/v1/results/gw-frozen-0", None, "gw-frozen-0")):
+                    started = time.monotonic()
+                    reply = http.request(method, path, json=body, params={"wait": 1} if method == "GET" else {})
+                    assert reply.status_code == 503 and reply.json()["error"]["code"] == "unavailable", reply.text
+                    assert time.monotonic() - started < 7.5, path
+                    assert reply.json()["id"] and reply.json()["id"] == (named or reply.json()["id"])
+                    if method == "POST":
+                        sent = reply.json()["id"]
+                        assert "may have been queued" in reply.json()["error"]["message"]
+                        assert reply.headers["location"] == f"/v1/results/{sent}"
+            finally:
+                server.resume()
+        bodies = [json.loads(fields[b"body"]) for _, fields in redis.Redis.from_url(server.url).xrange(
+            Keys().requests)]
+        assert [b["id"] for b in bodies if b["state"] == "frozen"] in ([], [sent])  # never twice, never another id
+    finally:
+        gateway.stop()
+        server.__exit__()
+
+
+def test_through_sentinel_in_durable_mode_it_queues_and_returns_confirmed_results(tmp_path):
+    """A redis+sentinel:// URL (a primary, its replica, three sentinels) with --wait-replicas 1: the replica
+    confirms, so an enqueue is 202 and a result is returned, with or without a wait (docs/GATEWAY.md, "Settings")."""
+    from ops.failover import Replicated
+
+    cluster = Replicated().start()
+    gateway = GatewayProcess(cluster.url, tmp_path / "gateway.log", wait_replicas=1).wait_up()
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            assert http.post("/v1/requests", json=request("gw-sentinel-1")).status_code == 202
+            body = json.dumps({"id": "gw-sentinel-1", "status": "ok", "answers": {}})
+            threading.Timer(0.5, lambda: cluster.client().xadd(Keys().result("gw-sentinel-1"),
+                                                                {"body": body})).start()
+            later = http.get("/v1/results/gw-sentinel-1", params={"wait": 10})
+            assert later.status_code == 200 and later.json()["id"] == "gw-sentinel-1", later.text
+            assert http.get("/v1/results/gw-sentinel-1").status_code == 200
+    finally:
+        gateway.stop()
+        cluster.close()
