@@ -237,10 +237,13 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
     replies.install(app)
     app.state.gateway = gateway
     failures = {status: {"description": text} for status, text in (
-        (401, "no valid API key"), (403, "the key may not use this lane"), (413, "body or batch too large"),
+        (401, "no valid API key"), (403, "the key may not use this lane"),
+        (409, "id_conflict: the id has another request's result"),
+        (413, "body or batch too large (a batch over the key's in-flight limit included)"),
         (422, "invalid input: error.code and error.field say what"), (429, "queue full or too many in flight: "
                                                                           "Retry-After"),
-        (503, "Redis unreachable"), (504, "no result in time: the id, to fetch later"))}
+        (503, "Redis unreachable, or replicas did not confirm (not_durable); names the id once known"),
+        (504, "no result in time: the id, to fetch later"))}
 
     # The POST routes: plain Starlette routes, described in the OpenAPI document by bodies.describe.
     async def decide(http: HttpRequest) -> Response:
