@@ -101,9 +101,12 @@ class Client(_Face):
         """The result of one request, blocking up to ``timeout`` seconds (None: forever); raises ResultTimeout."""
         return self.wait_many([request_id], timeout)[request_id]
 
-    def wait_many(self, request_ids: Iterable[str], timeout: float | None = 60.0) -> dict[str, Result]:
-        """Results of all ``request_ids`` by id, in their order; raises ResultTimeout naming how many are missing."""
-        return self._run(self.core.wait_many(request_ids, timeout))
+    def wait_many(self, request_ids: Iterable[str], timeout: float | None = 60.0, *, check: bool = True
+                  ) -> dict[str, Result]:
+        """Results of all ``request_ids`` by id, in their order; raises ResultTimeout naming how many are missing.
+        A result of another request under an id this client submitted is returned as ``id_conflict``; ``check``
+        False: every result as stored (for a reader that compares each with its own request's digest)."""
+        return self._run(self.core.wait_many(request_ids, timeout, check))
 
     def wait_any(self, request_ids: Iterable[str], timeout: float = 1.0) -> dict[str, Result]:
         """Those of the results that are there; when none is, the first to land within ``timeout`` seconds (empty:
@@ -205,8 +208,9 @@ class AsyncClient(_Face):
     async def wait(self, request_id: str, timeout: float | None = 60.0) -> Result:
         return (await self.wait_many([request_id], timeout))[request_id]
 
-    async def wait_many(self, request_ids: Iterable[str], timeout: float | None = 60.0) -> dict[str, Result]:
-        return await self._run(self.core.wait_many(request_ids, timeout))
+    async def wait_many(self, request_ids: Iterable[str], timeout: float | None = 60.0, *, check: bool = True
+                        ) -> dict[str, Result]:
+        return await self._run(self.core.wait_many(request_ids, timeout, check))
 
     async def wait_any(self, request_ids: Iterable[str], timeout: float = 1.0) -> dict[str, Result]:
         return await self._run(arrivals.wait_any(self.core, request_ids, timeout))

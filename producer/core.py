@@ -36,7 +36,7 @@ from .result import Result
 BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the time Redis spends in one call
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
 WINDOW = 256  # result streams one blocking read waits on (any of them landing wakes it)
-REMEMBERED = 100_000  # submitted requests a producer keeps (for id conflicts): about 300 bytes each
+REMEMBERED = 100_000  # ids whose digest a producer keeps (for id conflicts): about 200 bytes each
 # A "function not found" reply means nothing ran: load the library and call again. The server may lose it again
 # in between (restarts, failovers, FUNCTION FLUSH in a row): a few tries, then the error goes to the caller.
 LOAD_TRIES = 5
@@ -127,19 +127,20 @@ class Producer:
     def __init__(self, keys: Keys, shards: int, max_unfinished: int, cluster: bool, wait_replicas: int = 0) -> None:
         self.keys, self.shards, self.max_unfinished, self.cluster = keys, shards, max_unfinished, cluster
         self.wait_replicas = wait_replicas  # durable mode (docs/RELIABILITY.md): WAIT after each write and read
-        # What this producer submitted lately, by id: a result read for one of them that is another request's (a
-        # reused id) is returned as the id_conflict it is, never as this request's answer.
-        self.submitted: OrderedDict[str, Prepared] = OrderedDict()
+        # The digest of what this producer last submitted under each id, lately (digests only: bodies can be
+        # megabytes): a result read for one of them that is another request's (a reused id) is returned as the
+        # id_conflict it is, never as this request's answer.
+        self.submitted: OrderedDict[str, str] = OrderedDict()
 
     def _remember(self, prepared: Prepared) -> None:
-        self.submitted[prepared.id] = prepared
+        self.submitted[prepared.id] = prepared.digest or digest(Request.model_validate_json(prepared.body))
         self.submitted.move_to_end(prepared.id)
         while len(self.submitted) > REMEMBERED:
             self.submitted.popitem(last=False)
 
     def _checked(self, result: Result) -> Result:
         mine = self.submitted.get(result.id)
-        return mine.answered_by(result) if mine is not None else result
+        return result.answering(mine) if mine is not None else result
 
     @property
     def batch_size(self) -> int:
@@ -205,8 +206,11 @@ class Producer:
         reply = yield Call("xrange", (self.keys.result(request_id),), {"count": 1})
         return self._checked(parse_result(reply[0][1], request_id)) if reply else None
 
-    def wait_many(self, request_ids: Iterable[str], timeout: float | None) -> Plan[dict[str, Result]]:
-        """Results of all ``request_ids`` in their order; raises ResultTimeout naming how many are missing."""
+    def wait_many(self, request_ids: Iterable[str], timeout: float | None, check: bool = True
+                  ) -> Plan[dict[str, Result]]:
+        """Results of all ``request_ids`` in their order; raises ResultTimeout naming how many are missing.
+        ``check``: each against what this producer last submitted under its id (else as stored)."""
+        checked = self._checked if check else (lambda result: result)
         deadline = None if timeout is None else time.monotonic() + timeout
         waiting = list(dict.fromkeys(request_ids))
         done: dict[str, Result] = {}
@@ -223,7 +227,7 @@ class Producer:
                 break
             if left is not None and left <= 0:
                 raise shortfall or ResultTimeout(f"{len(missing)} of {len(waiting)} results not there yet",
-                                                 {r: self._checked(result) for r, result in done.items()}, missing)
+                                                 {r: checked(result) for r, result in done.items()}, missing)
             block = BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
             window = {self.keys.result(r): r for r in missing[: 1 if self.cluster else WINDOW]}
             reply = yield Call("xread", (dict.fromkeys(window, "0-0"),), {"count": 1, "block": block})
@@ -236,7 +240,7 @@ class Producer:
                     done[request_id] = parse_result(entries[0][1], request_id)
             if self.cluster and reply:  # one key per read there: when the oldest lands, look at the rest
                 look = missing[1:]
-        return {r: self._checked(done[r]) for r in waiting}
+        return {r: checked(done[r]) for r in waiting}
 
     def present(self, request_ids: list[str]) -> Plan[dict[str, Result]]:
         """The results already there, in one round trip (one key per command: fine on Redis Cluster too). Durable
