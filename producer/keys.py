@@ -54,7 +54,7 @@ class Field:
     """Field names of stream entries (an entry is a flat map: ``XADD key * field value ...``)."""
 
     BODY = "body"  # request entries: the request JSON; result and reply entries: the result JSON
-    PUBLISHER = "publisher"  # result entries: the worker's delivery that published it (stream, entry id, count)
+    PUBLISHER = "publisher"  # result entries: the worker's delivery that published it (stream key, entry id, count)
     REPLY_ID = "id"  # reply entries: the request the result answers (one reply stream serves many requests)
     # Part entries: one part of a fanned-out request, whose body is stored at Keys.body(request_id)
     REQUEST_ID = "request_id"

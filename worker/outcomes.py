@@ -76,9 +76,10 @@ class Outcome:
 
     @property
     def publisher(self) -> str:
-        """Who publishes: this delivery of this entry (stream, entry id, delivery count)."""
+        """Who publishes: this delivery of this entry (its stream's key, entry id, delivery count). The key, not
+        the kind of stream: each lane and shard has its own streams, whose entry ids can be the same."""
         entry = self.delivery
-        return f"{entry.stream} {entry.entry_id} {entry.deliveries}"
+        return f"{entry.key} {entry.entry_id} {entry.deliveries}"
 
     def merge(self, shares: list[Share], model: str) -> None:
         """The last part: every part's share merged into the request's whole result, to publish from now on."""

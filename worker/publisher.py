@@ -135,18 +135,23 @@ class Publisher:
         stored = Result.model_validate_json(reply[2]) if len(reply) > 2 and reply[2] else outcome.result
         if publisher == outcome.publisher:  # now, or this very call before (its answer lost in transit)
             return stored, True, True
-        stream, entry_id, deliveries = (publisher.split(" ") + ["", "", ""])[:3]
-        earlier = (stream, entry_id) == (outcome.delivery.stream, outcome.delivery.entry_id) and deliveries.isdigit() \
+        _, _, deliveries = (publisher.split(" ") + ["", "", ""])[:3]
+        earlier = self._same_entry(outcome, publisher) and deliveries.isdigit() \
             and int(deliveries) < outcome.delivery.deliveries
         # An earlier delivery of this entry published and may have died before replying: reply again (a reply is
         # at least once). A publication by anyone else is theirs to reply to.
         return stored, False, earlier
 
     @staticmethod
-    def _other_entry(outcome: Outcome, reply: Any) -> bool:
+    def _same_entry(outcome: Outcome, publisher: str) -> bool:
+        """``publisher`` (Outcome.publisher) names this outcome's entry. Workers before the stream's key was in it
+        named the kind of stream (requests, chunks): read too, during a rolling upgrade."""
+        stream, entry_id = (publisher.split(" ") + ["", ""])[:2]
+        return entry_id == outcome.delivery.entry_id and stream in (outcome.delivery.key, outcome.delivery.stream)
+
+    def _other_entry(self, outcome: Outcome, reply: Any) -> bool:
         """This request entry's result was published for another entry (a part's is its own request's)."""
-        stream, entry_id = (reply[1].decode().split(" ") + ["", ""])[:2]
-        return outcome.delivery.stream == REQUESTS and (stream, entry_id) != (REQUESTS, outcome.delivery.entry_id)
+        return outcome.delivery.stream == REQUESTS and not self._same_entry(outcome, reply[1].decode())
 
     def _publication(self, outcome: Outcome) -> tuple[Any, list[str], list[Any]]:
         request_id = outcome.request_id

@@ -206,3 +206,21 @@ def test_two_requests_queued_under_one_id_each_get_a_reply(redis_server, inproce
     assert [r["status"] for name in "cd" for r in replies[name]] == ["ok", "ok"]
     assert sum(bool(r.get("replay")) for name in "cd" for r in replies[name]) == 1
     assert worker.metric("dq_reused_ids_total") == 2
+
+
+def test_entries_of_two_lanes_with_the_same_id_are_told_apart(redis_server, inprocess):
+    """Who published was named by the kind of stream and the entry id: the high and the normal lane's streams can
+    hold the same entry id, so of two requests under one id whose entries had the same id in both lanes, the
+    loser took the winner's publication for its own and replied with the other request's answer as ok."""
+    client = Client(redis_server.url)
+    keys = client.keys
+    inprocess(redis_server.url).burst()  # the group, before the entries
+    for lane, state in (("high", "I was charged twice"), ("normal", "Thanks, all good")):
+        client.redis.xadd(keys.requests_in(lane), {"body": json.dumps({
+            "id": "ticket-9", "state": state, "questions": {"q": {"type": "noul"}},
+            "reply_to": keys.reply_prefix + lane})}, id="1-1")
+    inprocess(redis_server.url).burst()
+    replies = {lane: [json.loads(fields[b"body"]) for _, fields in client.redis.xrange(keys.reply_prefix + lane)]
+               for lane in ("high", "normal")}
+    assert sorted(r.get("error", {}).get("code", r["status"]) for got in replies.values() for r in got) == [
+        "id_conflict", "ok"], replies

@@ -50,7 +50,7 @@ def test_an_error_result_answers_the_identity_not_the_entry():
     outcome = error_outcome(delivery(), ME, ErrorCode.DEAD_LETTERED, "gave up", "tiny")
     assert (outcome.request_id, outcome.reply_to) == ("r-1", ME.reply_to)
     assert outcome.result.error.code == ErrorCode.DEAD_LETTERED and outcome.result.metadata == ME.metadata
-    assert outcome.publisher == f"requests {outcome.delivery.entry_id} 1"
+    assert outcome.publisher == f"{outcome.delivery.key} {outcome.delivery.entry_id} 1"
 
 
 def test_a_whole_result_keeps_only_its_questions():
