@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
 import re
 from typing import Annotated, Any, Literal, Union
 
@@ -32,6 +33,7 @@ MAX_DEPTH = 64  # JSON nesting; templates render nested values recursively (~150
 IMAGE_FORMATS = ("png", "jpeg", "jpg", "webp", "gif", "bmp")
 MAX_PROBLEMS = 10  # validation problems named in one message; the rest are counted
 MAX_METADATA_BYTES = 4096  # compact UTF-8 JSON; echoed in every result, so kept to what a tag or an id needs
+MAX_DEADLINE_MS = 253402300799999  # the last millisecond of the year 9999: any later is a mistake (or an attack)
 # W3C Trace Context: version-traceid-parentid-flags, lowercase hex; version ff and all-zero ids are invalid.
 TRACEPARENT = re.compile(r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}(-[0-9a-f-]+)?")
 
@@ -107,7 +109,8 @@ class Request(_Strict):
     questions: dict[str, Question] = Field(min_length=1, max_length=MAX_QUESTIONS)
     assets: dict[str, ImageAsset] | None = Field(default=None, max_length=MAX_ASSETS)
     reply_to: str | None = None
-    deadline_ms: int | None = Field(default=None, ge=0)
+    # Strict: true is not a deadline (it was read as 1 ms after 1970), nor is 1.5e12.
+    deadline_ms: int | None = Field(default=None, ge=0, le=MAX_DEADLINE_MS, strict=True)
     # The lane: producers send it to that lane's stream (absent: normal); a worker refuses one that names the lane
     # of another stream than the one it came from.
     priority: Literal["high", "normal"] | None = None
@@ -120,6 +123,20 @@ class Request(_Strict):
         if value is not None and not valid_id(value):
             raise ValueError("id must be 1-128 characters of A-Z a-z 0-9 . _ : -, not shaped like a stream entry id "
                              "(digits-digits: those are the ids of requests sent without one)")
+        return value
+
+    @field_validator("state", "metadata")
+    @classmethod
+    def _finite_numbers(cls, value: Any) -> Any:
+        """NaN and the infinities are not JSON: Python's and pydantic's parsers take them (and 1e400 as infinity),
+        and the body written out again said null, so the model read something else than what was sent."""
+        stack = [value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"numbers must be finite: {item!r} is not a JSON number")
+            if isinstance(item, (dict, list)):
+                stack.extend(item.values() if isinstance(item, dict) else item)
         return value
 
     @field_validator("metadata")

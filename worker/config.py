@@ -107,7 +107,8 @@ class Settings:
     reply_maxlen: int = _opt(10000, "a reply stream keeps about this many newest replies (approximate MAXLEN)",
                              low=100)
     dead_maxlen: int = _opt(100000, "the dead-letter stream keeps about this many newest entries", low=100)
-    max_entry_bytes: int = _opt(8 << 20, "larger entries (all fields) are refused with too_large, unparsed", low=1)
+    max_entry_bytes: int = _opt(8 << 20, "an entry whose body is larger (all fields counted, with 1 KiB to spare for "
+                                         "the other fields) is refused with too_large, unparsed", low=1)
     max_image_pixels: int = _opt(4096 * 4096, "a request whose images have more pixels in all is refused "
                                               "(decompression bombs)", low=1)
     drain_timeout_s: float = _opt(60.0, "on SIGTERM, longest wait for in-flight work before exiting", low=0)

@@ -39,6 +39,9 @@ FIELDS = {
     REQUESTS: {Field.BODY},
     PARTS: {Field.REQUEST_ID, Field.PART, Field.PARTS, Field.QUESTIONS, Field.ENQUEUED_MS, Field.TRACEPARENT},
 }
+# Room beside a body of --max-entry-bytes: a body at the producers' own limit (MAX_BODY_BYTES, the default of
+# --max-entry-bytes) was refused for its field name's four bytes.
+FIELDS_BESIDE_BODY = 1024
 AHEAD_MS = 5000  # an enqueue time this far ahead of the worker's clock is not believed (clocks drift a little)
 NUMBER = re.compile(rb"\A[0-9]{1,15}\Z")  # non-negative, no sign, no spaces or underscores, below 2**53
 # A request body's id, where the Python client writes it: first (``_leading_id``).
@@ -109,12 +112,14 @@ class Delivery:
     def parse(cls, stream: Stream, key: str, entry_id: str, fields: Mapping[bytes, bytes],
               deliveries: int, max_bytes: int | None = None, lane: Priority = NORMAL) -> Delivery:
         """Every field parsed here, once; a bad one leaves a usable fallback and its reason in ``invalid``. An
-        entry over ``max_bytes`` (all fields counted) is refused before its body is parsed."""
+        entry over ``max_bytes`` and ``FIELDS_BESIDE_BODY`` (all fields counted) is refused before its body is
+        parsed."""
         problems: list[str] = []
         size = sum(len(name) + len(value) for name, value in fields.items())
-        too_large = max_bytes is not None and size > max_bytes
+        too_large = max_bytes is not None and size > max_bytes + FIELDS_BESIDE_BODY
         if too_large:
-            problems.append(f"the entry is {size} bytes; this worker takes at most {max_bytes}")
+            problems.append(f"the entry is {size} bytes; this worker takes a body of at most {max_bytes} and "
+                            f"{FIELDS_BESIDE_BODY} bytes besides (field names, a part's fields)")
         unknown = sorted(name.decode(errors="backslashreplace") for name in fields
                          if name.decode(errors="replace") not in FIELDS[stream])
         if unknown:

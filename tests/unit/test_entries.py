@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.keys import Keys
+from producer.keys import MAX_BODY_BYTES, Keys
 from producer.schema import ErrorCode
 from worker.entries import PARTS, REQUESTS, Delivery, Identity
 from worker.entries import Job, identity_of
@@ -95,6 +95,18 @@ def test_every_field_counts_towards_the_size_limit_and_a_large_entry_is_not_pars
     later = json.dumps({"state": "x" * 2000, "id": "big-2"}).encode()
     assert Delivery.parse(REQUESTS, KEYS.requests, "5-0", {b"body": later}, 1, 1000).request_id == "5-0"
 
+
+
+def test_a_body_at_the_producers_limit_is_taken():
+    """The producers send bodies of up to MAX_BODY_BYTES, the default --max-entry-bytes: such an entry was refused
+    too_large for its field name's four bytes, after the producer had queued it."""
+    head = json.dumps({"id": "at-limit", "state": ""}).encode()
+    body = head[:-2] + b"x" * (MAX_BODY_BYTES - len(head)) + head[-2:]
+    assert len(body) == MAX_BODY_BYTES
+    entry = Delivery.parse(REQUESTS, KEYS.requests, "5-0", {b"body": body}, 1, max_bytes=MAX_BODY_BYTES)
+    assert entry.invalid is None
+    over = Delivery.parse(REQUESTS, KEYS.requests, "5-0", {b"body": body + b" " * 2048}, 1, MAX_BODY_BYTES)
+    assert over.invalid_code == ErrorCode.TOO_LARGE
 
 def test_a_prompt_entry_names_its_request_part_and_questions():
     entry = part()

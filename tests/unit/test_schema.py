@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from producer.core import InvalidRequest, prepare
 from producer.schema import ErrorCode, Request, RequestError, parse_request
 
 from producer.result import Result
@@ -193,3 +194,22 @@ def test_priority_is_high_or_normal_and_names_a_lane_stream():
     keys = Keys("ns", 3)
     assert keys.requests_in(HIGH) == "ns:v1:{s3}:requests:high" and keys.requests_in(NORMAL) == keys.requests
     assert keys.parts_in(HIGH) == "ns:v1:{s3}:chunks:high" and keys.parts_in(NORMAL) == keys.parts
+
+
+@pytest.mark.parametrize("raw, problem", [
+    ('{"state": NaN, "questions": {"q": {"type": "noul"}}}', "numbers must be finite"),
+    ('{"state": {"a": [1, -Infinity]}, "questions": {"q": {"type": "noul"}}}', "numbers must be finite"),
+    ('{"state": 1e400, "questions": {"q": {"type": "noul"}}}', "numbers must be finite"),
+    ('{"state": "x", "metadata": {"v": 1e400}, "questions": {"q": {"type": "noul"}}}', "numbers must be finite"),
+    ('{"state": "x", "deadline_ms": true, "questions": {"q": {"type": "noul"}}}', "deadline_ms: Input should be"),
+    ('{"state": "x", "deadline_ms": 1.5e12, "questions": {"q": {"type": "noul"}}}', "deadline_ms: Input should be"),
+    ('{"state": "x", "deadline_ms": 1' + "0" * 400 + ', "questions": {"q": {"type": "noul"}}}', "less than or equal"),
+])
+def test_what_json_cannot_say_is_refused_not_changed(raw, problem):
+    """NaN, the infinities and 1e400 were taken and written out again as null (the model read another request);
+    a deadline of true was 1 ms after 1970, and one of 400 digits overflowed the gateway's wait after queueing."""
+    with pytest.raises(RequestError) as refused:
+        parse_request(raw)
+    assert refused.value.code == ErrorCode.INVALID_REQUEST and problem in refused.value.message
+    with pytest.raises(InvalidRequest, match=problem.split(":")[0]):
+        prepare(json.loads(raw))
