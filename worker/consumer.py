@@ -50,14 +50,22 @@ class Consumer:
         if self.once is not self.redis:
             await self.once.aclose()
 
-    async def ensure_groups(self) -> bool:
+    async def ensure_groups(self, lost: bool = False) -> bool:
         """Create the group on every work stream (and the streams), and this consumer in it: a blocked read does not
         create it on Redis 7.0, so an idle worker would be no consumer of a quiet stream (stats, the forget
-        function). True if a group had to be created."""
+        function). True if a group had to be created. At 0-0, so that anything queued before any worker ran is
+        read, and anything deleted unread before then is reported; a group ``lost`` under running workers is made
+        again just before the stream's first entry (``group_start``)."""
         created = False
         for key in self.streams:
             try:
-                await self.redis.xgroup_create(key, self.keys.group, id="0", mkstream=True)
+                start, entries_read = "0", None
+                if lost:
+                    try:
+                        start, entries_read = group_start(await self.redis.xinfo_stream(key))
+                    except redis.ResponseError:  # no stream (any more)
+                        pass
+                await self.redis.xgroup_create(key, self.keys.group, id=start, mkstream=True, entries_read=entries_read)
                 created = True
             except redis.ResponseError as error:
                 if "BUSYGROUP" not in str(error):
@@ -215,6 +223,24 @@ def entry_order(entry_id: str) -> tuple[int, int]:
     """A stream entry id as what it sorts by (milliseconds, sequence)."""
     millis, _, sequence = entry_id.partition("-")
     return int(millis), int(sequence or 0)
+
+
+MAX_SEQUENCE = 2**64 - 1
+
+
+def group_start(stream: dict[str, Any]) -> tuple[str, int | None]:
+    """Where a group lost under running workers starts again, and the entries it counts as read (for its lag),
+    from the stream's XINFO STREAM: just before its first entry, so that every entry there is read; on an empty
+    stream, its last generated id. Not at 0-0: a group made again there took every entry the workers had answered
+    and deleted for one deleted before it was read (``unread_deleted``), and paged for requests lost that were not
+    (the loss of the group itself is reported apart)."""
+    read = int(stream.get("entries-added", 0)) - int(stream["length"]) if "entries-added" in stream else None
+    if stream["length"] == 0:
+        return text(stream.get("last-generated-id") or "0-0"), read
+    millis, sequence = entry_order(text(stream.get("recorded-first-entry-id") or "0-0"))
+    if sequence > 0:
+        return f"{millis}-{sequence - 1}", read
+    return (f"{millis - 1}-{MAX_SEQUENCE}", read) if millis > 0 else ("0", None)
 
 
 def unread_deleted(stream: dict[str, Any], group: dict[str, Any]) -> str | None:

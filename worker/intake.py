@@ -203,7 +203,7 @@ class Intake:
         """Redis lost the group (a restart without persistence, a failover to an empty replica): recreate it once,
         whichever loop noticed first, and report the loss."""
         async with self.recreating:
-            if await self.link.until(self.consumer.ensure_groups, "create groups"):
+            if await self.link.until(lambda: self.consumer.ensure_groups(lost=True), "create groups"):
                 log.error("consumer group missing (Redis lost its data?): recreated it; entries not yet read are lost")
                 self.metrics.groups_recreated.inc()
 

@@ -72,6 +72,27 @@ def test_a_deleted_stream_or_flushed_server_recreates_the_group_once_and_the_wor
     assert worker.exit_code is None
 
 
+
+def test_a_group_recreated_on_a_drained_stream_reports_no_deleted_requests(redis_server, inprocess):
+    """A group lost under running workers was made again at 0-0, which took every entry the workers had answered
+    and deleted for one deleted before it was read: it paged for requests lost (and blamed producers' credentials)
+    when none was. It starts just before the stream's first entry now; only the group's loss is reported."""
+    client = Client(redis_server.url)
+    keys = client.keys
+    worker = inprocess(redis_server.url, block_ms=500).start()
+    done = client.submit_many(batch(3, "answered"))
+    settle(client.redis, keys, done, timeout=30).assert_ok()
+    client.redis.xgroup_destroy(keys.requests, keys.group)
+    wait_for(lambda: worker.metric("dq_groups_recreated_total") == 1, 20, what="the group recreated")
+    [after] = client.submit_many(batch(1, "after"))
+    assert settle(client.redis, keys, [after], timeout=30).assert_ok().results[after].ok
+    time.sleep(5.5)  # a stats interval
+    assert worker.metric("dq_unread_entries_deleted_total") == 0
+    [group] = [g for g in client.redis.xinfo_groups(keys.requests) if g["name"].decode() == keys.group]
+    assert group["lag"] == 0  # its lag is known (entries read given at creation): the autoscaler sees it
+    worker.stop()
+
+
 def test_a_drain_takes_no_other_workers_entries(redis_server, inprocess):
     """Fault 13: while draining, the maintenance loop keeps its own entries alive but reclaims nothing."""
     client = Client(redis_server.url)
