@@ -264,3 +264,20 @@ def test_the_readme_python_snippet_runs_as_written(served):
     assert [line.split(" ", 1)[0] for line in rest] == ["ticket-0", "ticket-1"]
     assert all(line.split(" ", 1)[1].startswith("{'true': ") for line in rest)
     assert all(line.endswith("} {'tenant': 'acme'}") for line in rest)  # the metadata, echoed
+
+
+def test_callers_sharing_a_client_are_each_told_of_their_own_request(redis_server, inprocess):
+    """Two callers of one AsyncClient decide two requests under one id at once: the one whose request was answered
+    gets its answer, the other id_conflict (the client's memory of the id holds only the last; decide checks its
+    own request)."""
+    inprocess(redis_server.url).start()
+
+    async def both():
+        async with AsyncClient(redis_server.url) as client:
+            first = asyncio.ensure_future(client.decide({**REQUEST, "id": "shared-1", "state": "one"}, timeout=60))
+            await asyncio.sleep(0)
+            second = asyncio.ensure_future(client.decide({**REQUEST, "id": "shared-1", "state": "two"}, timeout=60))
+            return await first, await second
+
+    results = asyncio.run(both())
+    assert sorted(r.error.code if r.error else r.status for r in results) == ["id_conflict", "ok"]
