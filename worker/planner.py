@@ -130,7 +130,10 @@ def _from_arrays(fields: dict[str, Any]) -> Prompt:
         name: None if fields[name] is None else torch.from_numpy(fields[name]) for name in _TENSORS})
 
 
-CRASHES_IN_A_ROW = 5  # planner process deaths with no entry planned in between that end the worker
+# Entries, each of which killed a planner process alone, with nothing planned in between, that end the worker: so
+# many different inputs do not all kill a decoder, the processes cannot run here. One input that kills a planner at
+# every delivery counts once: it is dead-lettered after --max-deliveries, the worker stays.
+CULPRITS_IN_A_ROW = 5
 
 
 class PlannerCrashed(RuntimeError):
@@ -244,7 +247,7 @@ class Planner:
         self._local = threading.local()
         self.processes = settings.planner_processes
         self.crashes = 0
-        self.crashes_in_a_row = 0  # with no entry planned in between
+        self.culprits: set[tuple[str, str]] = set()  # entries that killed a planner alone, since one was planned
         pool = self._process_pool() if self.processes > 0 else ThreadPoolExecutor(settings.planner_threads,
                                                                                   thread_name_prefix="planner")
         # Two jobs per planner: one running, one ready to start when it ends.
@@ -259,16 +262,20 @@ class Planner:
     def _renew(self, broken: Executor) -> Executor:
         """A planner process died: its pool is broken for good, so planning goes on in a fresh one."""
         self.crashes += 1
-        self.crashes_in_a_row += 1
         log.error("a planner process died (%d so far): planning goes on in fresh processes; the entries it held are "
                   "planned again one at a time", self.crashes)
         broken.shutdown(wait=False, cancel_futures=True)
         self.on_crash()
-        if self.crashes_in_a_row >= CRASHES_IN_A_ROW:  # no input is the cause: the processes cannot run here
-            log.critical("planner processes died %d times in a row with nothing planned in between: exiting so that "
-                         "the supervisor restarts this worker", self.crashes_in_a_row)
-            self.fatal(70)
         return self._process_pool()
+
+    def _convicted(self, delivery: Delivery) -> None:
+        """An entry killed a planner process alone (its future fails with PlannerCrashed)."""
+        self.culprits.add((delivery.key, delivery.entry_id))
+        if len(self.culprits) >= CULPRITS_IN_A_ROW:
+            log.critical("%d different entries each killed a planner process alone, with nothing planned in between: "
+                         "the planner processes cannot run here; exiting so that the supervisor restarts this worker",
+                         len(self.culprits))
+            self.fatal(70)
 
     @property
     def pool(self) -> Executor:
@@ -300,9 +307,11 @@ class Planner:
             try:
                 value = finished.result()
             except BaseException as error:  # noqa: BLE001 - handed to the caller as is
+                if isinstance(error, PlannerCrashed):
+                    self._convicted(delivery)
                 out.set_exception(error)
                 return
-            self.crashes_in_a_row = 0  # a planner process did its work
+            self.culprits.clear()  # a planner process did its work
             if isinstance(value, Refusal):
                 out.set_result(value)
                 return

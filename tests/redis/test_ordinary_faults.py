@@ -245,3 +245,23 @@ def test_entries_of_two_lanes_with_the_same_id_are_told_apart(redis_server, inpr
                for lane in ("high", "normal")}
     assert sorted(r.get("error", {}).get("code", r["status"]) for got in replies.values() for r in got) == [
         "id_conflict", "ok"], replies
+
+
+def test_an_input_that_kills_its_planner_is_dead_lettered_and_the_worker_stays(redis_server, inprocess, monkeypatch):
+    """Each delivery of an input that kills its planner process costs two deaths (in the pool, then alone): counted
+    as deaths in a row, the worker exited 70 at the third delivery, before the input was dead-lettered, and its
+    entries waited for a reclaim. One culprit counts once now: dead-lettered, and the worker serves on."""
+    import faulty_worker
+    from worker import planner
+
+    monkeypatch.setattr(planner, "_plan_in_process", faulty_worker.plan_or_die)
+    worker = inprocess(redis_server.url, planner_processes=1, max_deliveries=3).start()
+    client = Client(redis_server.url)
+    [killer] = client.submit_many([{"id": "killer", "state": faulty_worker.PLANNER_KILLER.decode(),
+                                    "questions": {"q": {"type": "noul"}}}])
+    report = settle(client.redis, client.keys, [killer], timeout=180).assert_ok()  # alone: nothing planned between
+    assert report.results[killer].error.code == "dead_lettered" and worker.alive
+    assert worker.metric("dq_planner_crashes_total") == 6  # two per delivery
+    [after] = client.submit_many(batch(1, "after"))
+    assert settle(client.redis, client.keys, [after], timeout=60).assert_ok().results[after].ok
+    worker.stop()
