@@ -18,7 +18,7 @@ import math
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
 
 from .keys import REPLY_STREAM, valid_id
 
@@ -125,19 +125,21 @@ class Request(_Strict):
                              "(digits-digits: those are the ids of requests sent without one)")
         return value
 
-    @field_validator("state", "metadata")
-    @classmethod
-    def _finite_numbers(cls, value: Any) -> Any:
+    @model_validator(mode="after")
+    def _finite_numbers(self) -> Request:
         """NaN and the infinities are not JSON: Python's and pydantic's parsers take them (and 1e400 as infinity),
-        and the body written out again said null, so the model read something else than what was sent."""
-        stack = [value]
+        and the body written out again said null, so the model read something else than what was sent. Anywhere:
+        the state, the questions' instructions and criteria, the metadata."""
+        stack: list[Any] = [self]
         while stack:
             item = stack.pop()
             if isinstance(item, float) and not math.isfinite(item):
                 raise ValueError(f"numbers must be finite: {item!r} is not a JSON number")
-            if isinstance(item, (dict, list)):
+            if isinstance(item, BaseModel):
+                stack.extend(item.__dict__.values())
+            elif isinstance(item, (dict, list)):
                 stack.extend(item.values() if isinstance(item, dict) else item)
-        return value
+        return self
 
     @field_validator("metadata")
     @classmethod
