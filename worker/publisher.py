@@ -99,9 +99,9 @@ class Publisher:
                 outcome.refused = reply
                 continue
             who = self._who(outcome, reply)
-            if who[0] is not None and not who[1] and not who[2] and self._other_entry(outcome, reply):
-                # Another entry under this id published first (both were queued before either was answered): this
-                # request is answered as a reused id is at planning, its own reply a replay or an id_conflict.
+            if self._lost_race(outcome, reply, *who):
+                # Another request under this id published first (both were queued before either was answered): this
+                # one is answered as a reused id is at planning, its own reply a replay or an id_conflict.
                 answer = answered_before(outcome.delivery, outcome.identity, who[0], self.model)
                 outcome.result, outcome.replay = answer.result, True
                 done.reused.append(outcome)
@@ -149,9 +149,16 @@ class Publisher:
         stream, entry_id = (publisher.split(" ") + ["", ""])[:2]
         return entry_id == outcome.delivery.entry_id and stream in (outcome.delivery.key, outcome.delivery.stream)
 
-    def _other_entry(self, outcome: Outcome, reply: Any) -> bool:
-        """This request entry's result was published for another entry (a part's is its own request's)."""
-        return outcome.delivery.stream == REQUESTS and not self._same_entry(outcome, reply[1].decode())
+    def _lost_race(self, outcome: Outcome, reply: Any, stored: Result | None, mine: bool, again: bool) -> bool:
+        """The result stored under this outcome's request id is another request's. A request entry tells by who
+        published it (another entry: a request under the same id); a part of a fanned-out request by its digest
+        (its own request is published by whichever part completes it), so a part never takes a twin of its own
+        request for another, and every part that finds another's result says so (a reply at least once)."""
+        if stored is None or mine or again:
+            return False
+        if outcome.delivery.stream == REQUESTS:
+            return not self._same_entry(outcome, reply[1].decode())
+        return stored.digest not in (None, outcome.identity.digest)
 
     def _publication(self, outcome: Outcome) -> tuple[Any, list[str], list[Any]]:
         request_id = outcome.request_id

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from faults import batch, wait_for
+from faults import FANOUT, batch, long_request, wait_for
 from producer.client import Client
 from producer.invariant import settle
 from worker.health import status
@@ -265,3 +265,26 @@ def test_an_input_that_kills_its_planner_is_dead_lettered_and_the_worker_stays(r
     [after] = client.submit_many(batch(1, "after"))
     assert settle(client.redis, client.keys, [after], timeout=60).assert_ok().results[after].ok
     worker.stop()
+
+
+def test_a_fanned_out_request_that_loses_the_race_under_its_id_is_told(redis_server, inprocess):
+    """A fanned-out request whose parts are in work when another request under its id is published: its parts
+    found that result and said nothing, and its reply stream stayed empty. Each part that finds it says so now."""
+    client = Client(redis_server.url)
+    keys = client.keys
+    slow = inprocess(redis_server.url, slow_s=3.0, max_wait_ms=1, **FANOUT).start()
+    client.submit({**long_request("ticket-77"), "reply_to": keys.reply_prefix + "long"})
+    wait_for(lambda: slow.faults.slow_packs, 30, what="the long request's parts in work")
+    slow.daemon.stop()  # it finishes its parts, and takes nothing new
+    [short] = client.submit_many([{"id": "ticket-77", "state": "short", "questions": {"q": {"type": "noul"}},
+                                   "reply_to": keys.reply_prefix + "short"}])
+    fast = inprocess(redis_server.url, **FANOUT).start()
+    settle(client.redis, keys, [short], timeout=30).assert_ok()
+    slow.join(30)
+    fast.stop()
+    replies = {name: [json.loads(fields[b"body"]) for _, fields in client.redis.xrange(keys.reply_prefix + name)]
+               for name in ("long", "short")}
+    assert [r["status"] for r in replies["short"]] == ["ok"]
+    # Each part that found the other's result says so: a reply at least once, all of them id_conflict.
+    assert replies["long"] and {r["error"]["code"] for r in replies["long"]} == {"id_conflict"}, replies
+    assert slow.metric("dq_reused_ids_total", outcome="conflict") == len(replies["long"])
