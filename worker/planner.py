@@ -209,14 +209,20 @@ class LaneQueue:
                 pool = self.pool
             try:
                 inner = pool.submit(job.work, *job.args)
-            except RuntimeError as error:  # shut down, or broken by a job before this one
-                inner = Future()
-                inner.set_exception(error)
+            except RuntimeError as error:  # shut down, or broken by a job before this one: settled here, in the
+                self._settle(job, pool, alone, error)  # loop (a callback of a done future would recurse, job by job)
+                continue
             inner.add_done_callback(lambda finished, job=job, pool=pool, alone=alone:
                                     self._done(finished, job, pool, alone))
 
     def _done(self, finished: Future, job: _Waiting, pool: Executor, alone: bool) -> None:
         error = finished.exception() if not finished.cancelled() else RuntimeError("planning cancelled")
+        self._settle(job, pool, alone, error, None if error is not None else finished.result())
+        self._pump()
+
+    def _settle(self, job: _Waiting, pool: Executor, alone: bool, error: BaseException | None,
+                result: Any = None) -> None:
+        """A job's end: its result or error handed over; one that a broken pool failed waits to run again alone."""
         broken = isinstance(error, BrokenExecutor) and self.renew is not None
         with self.lock:
             self.running -= 1
@@ -225,7 +231,6 @@ class LaneQueue:
                 self.pool = self.renew(pool)
             if broken and not alone:
                 self.suspects.append(job)
-        self._pump()
         if broken and not alone:
             return
         if broken:
@@ -233,7 +238,7 @@ class LaneQueue:
         if error is not None:
             job.out.set_exception(error)
         else:
-            job.out.set_result(finished.result())
+            job.out.set_result(result)
 
 
 class Planner:

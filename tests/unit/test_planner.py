@@ -3,7 +3,7 @@ import multiprocessing
 import os
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,7 @@ from producer.keys import HIGH, NORMAL
 from producer.schema import ErrorCode
 from worker.config import Settings
 from worker.entries import PARTS, REQUESTS, Delivery
-from worker.planner import LaneQueue, Planner, PlannerCrashed, Refusal
+from worker.planner import LaneQueue, Planner, PlannerCrashed, Refusal, _Waiting
 
 BODY = {"id": "p-1", "state": "Refund please.", "questions": {
     "spam": {"type": "noul"}, "tone": {"type": "choice", "criteria": {"calm": None, "angry": None}}}}
@@ -175,3 +175,16 @@ def test_a_dead_planner_process_costs_only_the_job_that_killed_it():
     assert len(pools) == 3  # the first broke with every job in it, the second with the killer alone
     for pool in pools:
         pool.shutdown()
+
+
+def test_jobs_submitted_after_shutdown_fail_without_recursing():
+    """A submit refused by a shut-down pool failed the job through a callback run at once, which started the next
+    job, and so on: thousands waiting exhausted the stack and left futures unset."""
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    lanes = LaneQueue(pool, depth=4, normal_share=0.1)
+    jobs = [_Waiting(Future(), time.sleep, (0,), NORMAL) for _ in range(3000)]
+    lanes.waiting[NORMAL].extend(jobs)  # all waiting before the first start
+    lanes._pump()
+    assert all(isinstance(job.out.exception(timeout=1), RuntimeError) for job in jobs)
+    assert lanes.running == 0
