@@ -175,6 +175,14 @@ def install(app: FastAPI) -> None:
         app.add_exception_handler(kind, handler)
 
 
+# Refusals that say what state Redis is in (full, a failed save, a replica, loading, a script running, no quorum):
+# they pass as an operator or a failover acts, so they are 503 with Retry-After, not the gateway's own 500.
+# redis-py turns some into classes (their prefix gone from the message); the others keep their prefix.
+REDIS_STATES = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.exceptions.BusyLoadingError,
+                redis.exceptions.MasterDownError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
+REDIS_STATE_PREFIXES = {"MISCONF", "BUSY", "NOREPLICAS", "OOM"}
+
+
 def _redis_refusal(error: Exception, phase: str = SUBMIT) -> Refused:
     """A Redis error's status: 503 unreachable or refusing the gateway (its user's rights, its password), 503
     ``not_durable`` when fewer replicas than asked confirmed, 500 another refused command (a bug: see the log)."""
@@ -189,6 +197,10 @@ def _redis_refusal(error: Exception, phase: str = SUBMIT) -> Refused:
                            "replicas confirmed it: it may not survive a failover", headers=retry)
         return Refused(503, NOT_DURABLE, f"its result is on the primary, but {error.replicas} of {error.wanted} "
                        "replicas confirmed it: not returned until they do", headers=retry)
+    if isinstance(error, REDIS_STATES) or (isinstance(error, redis.ResponseError)
+                                           and str(error).split(" ", 1)[0] in REDIS_STATE_PREFIXES):
+        return Refused(503, "unavailable", f"the queue's Redis refuses for now ({type(error).__name__}: "
+                       f"{str(error)[:200]})", headers=retry)
     if isinstance(error, redis.ResponseError) and not isinstance(error, (redis.exceptions.NoPermissionError,
                                                                       redis.AuthenticationError)):
         return Refused(500, ErrorCode.INTERNAL.value, "Redis refused a command; see the gateway's log")

@@ -83,6 +83,27 @@ def test_redis_unreachable_is_503_and_the_gateway_recovers_when_it_is_back(serve
         server.__exit__()
 
 
+
+def test_a_full_redis_is_503_with_retry_after_not_a_500(server_binary, tmp_path):
+    """Redis at maxmemory refuses writes (OOM): that was a 500 internal_error, as if the gateway had a bug; it is
+    Redis's state, which passes when memory is freed: 503 with Retry-After, naming the id."""
+    with RedisServer() as server:
+        gateway = GatewayProcess(server.url, tmp_path / "gateway.log").wait_up()
+        admin = redis.Redis.from_url(server.url)
+        try:
+            with httpx.Client(base_url=gateway.url, timeout=30) as http:
+                assert http.post("/v1/requests", json=request("gw-oom-1")).status_code == 202
+                admin.config_set("maxmemory", 1)
+                reply = http.post("/v1/requests", json=request("gw-oom-2"))
+                assert reply.status_code == 503 and reply.headers["retry-after"] == "1", reply.text
+                assert reply.json()["error"]["code"] == "unavailable" and reply.json()["id"] == "gw-oom-2"
+                assert "OutOfMemoryError" in reply.json()["error"]["message"]
+                admin.config_set("maxmemory", 0)
+                assert http.post("/v1/requests", json=request("gw-oom-2")).status_code == 202
+        finally:
+            admin.config_set("maxmemory", 0)
+            gateway.stop()
+
 def test_durable_mode_returns_no_result_the_replicas_did_not_confirm_and_names_the_id(stack, tmp_path):
     """--wait-replicas 1 on a server without replicas: a result there on the primary is not returned, with or
     without a wait (503 not_durable naming the id; before, a wait returned it unconfirmed), and a decide whose
