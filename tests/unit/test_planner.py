@@ -13,7 +13,8 @@ from producer.keys import HIGH, NORMAL
 from producer.schema import ErrorCode
 from worker.config import Settings
 from worker.entries import PARTS, REQUESTS, Delivery
-from worker.planner import LaneQueue, Planner, PlannerCrashed, Refusal, _Waiting
+from worker.planner import Planner, Refusal
+from worker.planqueue import LaneQueue, PlannerCrashed, _Waiting
 
 BODY = {"id": "p-1", "state": "Refund please.", "questions": {
     "spam": {"type": "noul"}, "tone": {"type": "choice", "criteria": {"calm": None, "angry": None}}}}
