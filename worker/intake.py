@@ -131,6 +131,7 @@ class Intake:
                 # Refused (MISCONF after a failed save, NOPERM, a primary turned replica): it lasts until an operator
                 # or a failover acts, and ending the worker would only begin a crash loop: unready, and read again.
                 self.link.refused("read", error)
+                await self.link.reconnect_if_demoted(error, self.consumer.redis, self.consumer.once)
                 self.doubt()
                 await asyncio.sleep(REFUSED_READ_PAUSE_S)
                 continue

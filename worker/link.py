@@ -91,6 +91,20 @@ class Link:
                       "dq_redis_errors_total{op=%r})", what, f" ({detail})" if detail else "", error,
                       "retrying" if stalls else "dropped", REFUSAL_LOG_S, what)
 
+    async def reconnect_if_demoted(self, error: BaseException, *clients: Any) -> None:
+        """A primary turned replica (READONLY, or a blocked read ended by the change) keeps refusing on these
+        connections: where a failover moves an address (a DNS name) rather than a Sentinel's answer, only new
+        connections reach the new primary. So every connection of ``clients`` (the link's own by default) is closed,
+        and the next call connects again. A Cluster client follows its own topology and is left alone."""
+        message = str(error)
+        if not (isinstance(error, redis.exceptions.ReadOnlyError) or "read only replica" in message
+                or ("UNBLOCKED" in message and "replica" in message)):
+            return
+        for client in clients or (self.redis,):
+            pool = getattr(client, "connection_pool", None)
+            if pool is not None:
+                await pool.disconnect()
+
     @property
     def refusing(self) -> bool:
         """Redis refused a call the work waits on, lately (readiness)."""
@@ -109,6 +123,7 @@ class Link:
                 if isinstance(error, NotDurable):  # replicas did not confirm: the same, and counted apart
                     self.metrics.not_durable.labels(what).inc()
                 self.refused(what, error)
+                await self.reconnect_if_demoted(error)
                 failure = error
             else:
                 self.answered()

@@ -202,3 +202,23 @@ def test_reads_redis_refuses_leave_the_worker_up_and_unready_until_they_pass(red
     report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
     assert all(report.results[i].ok for i in ids) and worker.alive
     wait_for(lambda: readiness(worker)["code"] == 200, timeout=30, what="ready again")
+
+
+def test_a_primary_turned_replica_is_left_for_new_connections(redis_server, inprocess):
+    """A failover that moves an address (a DNS name) leaves the old primary a replica: on the old connections every
+    write is refused READONLY for ever. A worker that sees it closes its connections, so that the next call connects
+    again (to whatever the address names now), and serves on once a primary answers there."""
+    client = Client(redis_server.url)
+    worker = inprocess(redis_server.url, block_ms=500).start()
+    mine = client.redis.client_id()
+    before = {int(c["id"]) for c in client.redis.client_list()} - {mine}
+    with RedisServer() as other:
+        client.redis.execute_command("REPLICAOF", "127.0.0.1", str(other.port))
+        try:
+            wait_for(lambda: not before & {int(c["id"]) for c in client.redis.client_list()}, timeout=30,
+                     what="the worker's old connections closed")
+            assert worker.alive and worker.metric("dq_redis_errors_total", op="read") >= 1
+        finally:
+            client.redis.execute_command("REPLICAOF", "NO", "ONE")
+    [after] = client.submit_many(batch(1, "after-failover"))
+    assert settle(client.redis, client.keys, [after], timeout=60).assert_ok().results[after].ok and worker.alive
