@@ -85,7 +85,8 @@ def test_bad_fields_are_answered_at_once_under_the_right_id(watched):
     assert error_of(report, "extra-any")[1].startswith("field 'priority' is not a field")
     assert error_of(report, newline)[0] == "invalid_request" and "id must be" in error_of(report, newline)[1]
     assert error_of(report, "padded") == ("too_large", f"the entry is {len(request('padded')) + 250_007} bytes; "
-                                                       "this worker takes at most 200000")
+                                                       "this worker takes a body of at most 200000 and 1024 bytes "
+                                                       "besides (field names, a part's fields)")
     assert error_of(report, late_id)[0] == "too_large"  # its id is not first: the body is not parsed for it
     assert error_of(report, no_body)[1].startswith("field 'other' is not a field")
     assert all(report.results[i].ok for i in good)
