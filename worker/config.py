@@ -112,8 +112,8 @@ class Settings:
     max_image_pixels: int = _opt(4096 * 4096, "a request whose images have more pixels in all is refused "
                                               "(decompression bombs)", low=1)
     drain_timeout_s: float = _opt(60.0, "on SIGTERM, longest wait for in-flight work before exiting", low=0)
-    stall_timeout_s: float = _opt(60.0, "unready while entries are held and none has been settled for this long",
-                                  low=1)
+    stall_timeout_s: float = _opt(60.0, "unready while entries are held and none has been settled for this long, "
+                                        "or while one entry has been held for ten times as long", low=1)
     # Operations
     metrics_port: int = _opt(0, "serve /metrics, /healthz and /readyz on this port (0: off)", low=0, high=65535)
     metrics_host: str = _opt("", "address those endpoints bind: an IPv4 or IPv6 address or a name (empty: every "

@@ -4,8 +4,8 @@ Liveness comes from the loops' own heartbeats, not from Redis: a Redis outage ma
 restarts it. Readiness: model loaded, graphs captured (warm-up done), Redis reachable, its function library
 loaded, and not refusing the writes the work waits on (``REFUSED_READY_S`` after the last refusal), and the work in
 flight progressing: a worker that holds entries and has settled none for ``--stall-timeout-s`` is unready until
-one is settled. Both are decided from a ``Snapshot``, a plain copy of the worker's state that the daemon fills on
-each request.
+one is settled, and one that has held an entry for ten times as long, until that one is settled. Both are decided
+from a ``Snapshot``, a plain copy of the worker's state that the daemon fills on each request.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ log = logging.getLogger("worker")
 
 STALE_SECONDS = 30.0  # a loop that has not turned for this long is stuck (a pack takes far less)
 REDIS_GRACE_SECONDS = 5.0  # a read slower than its BLOCK time by this much: Redis is unreachable (unready)
+HELD_STALLS = 10  # one entry held this many stall bounds is stuck, however much else settles meanwhile
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,9 @@ def status(state: Snapshot) -> dict[str, Any]:
     # In-flight work that cannot progress (a refused write retried, a task lost): nothing settled since the oldest
     # held entry was taken, or since the last settlement, whichever is later, for longer than the bound.
     waiting = now - max(state.oldest_taken, state.settled_at or 0.0) if state.oldest_taken is not None else 0.0
-    stalled = waiting > state.stall_s
+    # And one entry left behind while the rest moves (its idle time kept fresh, so no other worker takes it).
+    held = now - state.oldest_taken if state.oldest_taken is not None else 0.0
+    stalled = waiting > state.stall_s or held > HELD_STALLS * state.stall_s
     ready = state.ready and redis_ok and state.library_ok and not stuck and not stalled and not state.refusing
     return {"live": not stuck, "stuck": stuck, "ready": ready, "model_loaded": True, "warm": state.ready,
             "redis": redis_ok, "library": state.library_ok, "refusing": state.refusing, "stalled": stalled,
