@@ -26,7 +26,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -68,19 +68,27 @@ def settings_for(args: argparse.Namespace, **extra):
                     claim_idle_ms=600_000, **extra)
 
 
-def run_worker(args: argparse.Namespace) -> int:
-    """The worker process: the real daemon around a random model. Before it reports ready it times its own
-    engine on the benchmark's backlog in process (the end-to-end / in-process ratio needs both figures from one
-    warmed-up engine), and the reference engine on the backlog's first requests."""
+def serve_worker(args: argparse.Namespace, model: Any = None, after_warmup: Callable[[Any], None] | None = None,
+                 **extra: Any) -> int:
+    """A benchmark's worker process (``--worker``): the real daemon around ``model`` (default: the random model of
+    ``--shape``), with the benchmarks' settings and ``extra``, its metrics and health on ``--metrics-port``;
+    ``after_warmup(daemon)`` runs before it reports ready."""
     from worker.daemon import Daemon
     from worker.health import serve_http
     from worker.logs import setup_logging
 
     setup_logging("text", "INFO")
-    daemon = Daemon(settings_for(args, redis_url=args.redis_url, metrics_port=args.metrics_port),
-                    model=model_for(args.shape))
+    daemon = Daemon(settings_for(args, redis_url=args.redis_url, metrics_port=args.metrics_port, **extra),
+                    model=model if model is not None else model_for(args.shape))
     serve_http(daemon, args.metrics_port)
-    return daemon.run(after_warmup=lambda: self_time(daemon, args))
+    return daemon.run(after_warmup=(lambda: after_warmup(daemon)) if after_warmup else None)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """The worker process: the real daemon around a random model. Before it reports ready it times its own
+    engine on the benchmark's backlog in process (the end-to-end / in-process ratio needs both figures from one
+    warmed-up engine), and the reference engine on the backlog's first requests."""
+    return serve_worker(args, after_warmup=lambda daemon: self_time(daemon, args))
 
 
 def self_time(daemon, args: argparse.Namespace) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from end_to_end import QUESTIONS, make_requests, model_for, settings_for, worker_flags, worker_process  # noqa: E402
+from end_to_end import QUESTIONS, make_requests, model_for, serve_worker, worker_flags, worker_process  # noqa: E402
 
 MAX_PROMPT_TOKENS = 2048  # the workers' longest prompt: a longer one is split by question
 FANOUT_TOKENS = 3072  # the workers' fan-out threshold: a split request over it goes out in parts
@@ -42,18 +42,10 @@ def run_worker(args: argparse.Namespace) -> int:
     """A worker process: the real daemon around the seeded random model (both workers load the same weights)."""
     import torch
 
-    from worker.daemon import Daemon
-    from worker.health import serve_http
-    from worker.logs import setup_logging
-
-    setup_logging("text", "INFO")
     torch.manual_seed(0)
     model = model_for(args.shape)
     model.max_length = MAX_PROMPT_TOKENS
-    daemon = Daemon(settings_for(args, redis_url=args.redis_url, metrics_port=args.metrics_port,
-                                 fanout_tokens=FANOUT_TOKENS), model=model)
-    serve_http(daemon, args.metrics_port)
-    return daemon.run()
+    return serve_worker(args, model, fanout_tokens=FANOUT_TOKENS)
 
 
 def held_out(args: argparse.Namespace, encoder) -> dict[str, list[dict]]:

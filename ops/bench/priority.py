@@ -30,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from end_to_end import (gc_collections, gpu_time, make_requests, model_for, percentile, scrape,  # noqa: E402
-                        settings_for, slowest_pack_ms, worker_flags, worker_process)
+from end_to_end import (gc_collections, gpu_time, make_requests, percentile, scrape, serve_worker,  # noqa: E402
+                        slowest_pack_ms, worker_flags, worker_process)
 
 LANE_SETTINGS = ("normal_share", "high_pack_tokens")  # passed to the worker when given
 TARGETS = {"high_p99_ms": 150, "high_p50_ms": 80, "normal_over_peak": 0.9}  # issue 15
@@ -39,16 +39,8 @@ TARGETS = {"high_p99_ms": 150, "high_p50_ms": 80, "normal_over_peak": 0.9}  # is
 
 def run_worker(args: argparse.Namespace) -> int:
     """The worker process: the real daemon around a random model, with the lane settings under test."""
-    from worker.daemon import Daemon
-    from worker.health import serve_http
-    from worker.logs import setup_logging
-
-    setup_logging("text", "INFO")
-    extra = {name: getattr(args, name) for name in LANE_SETTINGS if getattr(args, name) is not None}
-    daemon = Daemon(settings_for(args, redis_url=args.redis_url, metrics_port=args.metrics_port, **extra),
-                    model=model_for(args.shape))
-    serve_http(daemon, args.metrics_port)
-    return daemon.run()
+    lanes = {name: getattr(args, name) for name in LANE_SETTINGS if getattr(args, name) is not None}
+    return serve_worker(args, **lanes)
 
 
 def throughput(results: list, start_ms: int | None = None) -> dict:
