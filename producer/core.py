@@ -51,10 +51,14 @@ class Prepared(NamedTuple):
     lane: Priority = NORMAL
     digest: str = ""  # schema.digest of the request ("": computed from the body when asked)
 
+    def asked(self) -> str:
+        """The request's digest: the one ``prepare`` took, else from the body."""
+        return self.digest or digest(Request.model_validate_json(self.body))
+
     def answered_by(self, result: Result) -> Result:
         """``result`` if it answers this request; an ``id_conflict`` error if it is the result of another request
         that used the same id (docs/PROTOCOL.md, "Reusing an id"). Every reader that submitted checks this."""
-        return result.answering(self.digest or digest(Request.model_validate_json(self.body)))
+        return result.answering(self.asked())
 
 
 Submittable = Request | Mapping[str, Any] | Prepared
@@ -133,7 +137,7 @@ class Producer:
         self.submitted: OrderedDict[str, str] = OrderedDict()
 
     def _remember(self, prepared: Prepared) -> None:
-        self.submitted[prepared.id] = prepared.digest or digest(Request.model_validate_json(prepared.body))
+        self.submitted[prepared.id] = prepared.asked()
         self.submitted.move_to_end(prepared.id)
         while len(self.submitted) > REMEMBERED:
             self.submitted.popitem(last=False)

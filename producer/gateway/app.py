@@ -27,7 +27,7 @@ from ..connection import aconnect
 from ..core import NotDurable, Prepared, QueueFull, ResultTimeout, WrongResult, prepare
 from ..keys import GONE_S, ID_PATTERN, NORMAL, Keys, Priority, beat_age
 from ..result import Result
-from ..schema import ErrorCode, Request, digest, valid_traceparent
+from ..schema import ErrorCode, Request, valid_traceparent
 from . import replies
 from .access import Access, Inflight, Keyring
 from .batcher import Batcher
@@ -262,7 +262,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         if request_id not in landed:
             raise ResultTimeout("no result in time", missing=[request_id])
         # The result under this id may be another request's (a reused id): then id_conflict, never its answer.
-        return replies.result_response(landed[request_id].answering(digest(body)))
+        return replies.result_response(prepared[0].answered_by(landed[request_id]))
 
     async def decide_batch(http: HttpRequest) -> Response:
         body: Batch = await parse(http, MANY)
@@ -271,7 +271,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         client = gateway.clients[access.namespace]
         refused = await gateway.submit(access.namespace, prepared, partial=True)
         wait = gateway.wait_for(asked, [r.deadline_ms for r in body.requests])
-        digests = {p.id: digest(r) for p, r in zip(prepared, body.requests)}
+        digests = {p.id: p.asked() for p in prepared}
         return StreamingResponse(gateway.lines(client, digests, refused, wait), media_type=NDJSON)
 
     async def enqueue(http: HttpRequest) -> Response:
