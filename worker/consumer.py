@@ -58,13 +58,8 @@ class Consumer:
         again just before the stream's first entry (``group_start``)."""
         created = False
         for key in self.streams:
+            start, entries_read = await self._restart_point(key) if lost else ("0", None)
             try:
-                start, entries_read = "0", None
-                if lost:
-                    try:
-                        start, entries_read = group_start(await self.redis.xinfo_stream(key))
-                    except redis.ResponseError:  # no stream (any more)
-                        pass
                 await self.redis.xgroup_create(key, self.keys.group, id=start, mkstream=True, entries_read=entries_read)
                 created = True
             except redis.ResponseError as error:
@@ -72,6 +67,13 @@ class Consumer:
                     raise
             await self.redis.xgroup_createconsumer(key, self.keys.group, self.name)
         return created
+
+    async def _restart_point(self, key: str) -> tuple[str, int | None]:
+        """``group_start`` of a stream; 0-0 where there is no stream (any more)."""
+        try:
+            return group_start(await self.redis.xinfo_stream(key))
+        except redis.ResponseError:
+            return "0", None
 
     async def read(self, lane: Priority, count: int, block_ms: int) -> list[Delivery]:
         """New entries (``>``) of one lane, parts before requests."""

@@ -147,7 +147,7 @@ class Lifecycle:
         elif stored := delivery.stream == REQUESTS and await self.link.until(
                 lambda: self.publisher.stored(planned.request_id), "look up"):  # a reused id: no compute
             outcome = answered_before(planned.delivery, planned.identity, stored, self.model)
-            self.metrics.reused_ids.labels("conflict" if outcome.result and outcome.result.error else "replay").inc()
+            self._count_reused(outcome)
             self.settle(outcome)
         elif planned.fan_out:
             await self.link.until(lambda: self.publisher.fan_out(planned), "fan out")
@@ -157,6 +157,9 @@ class Lifecycle:
             self.release(delivery)
         else:
             self._queue(planned)
+
+    def _count_reused(self, outcome: Outcome) -> None:
+        self.metrics.reused_ids.labels("conflict" if outcome.result and outcome.result.error else "replay").inc()
 
     def _queue(self, task: Task) -> None:
         for index, prompt in enumerate(task.prompts):
@@ -273,7 +276,7 @@ class Lifecycle:
                                   detail=f"reply to {(outcome.reply_to or '')[:200]} of {outcome.request_id}")
             now = time.time()
             for outcome in done.reused:  # lost the race to another request under its id: answered as reused
-                self.metrics.reused_ids.labels("conflict" if outcome.result.error else "replay").inc()
+                self._count_reused(outcome)
             for outcome, result, published in done.settled:
                 if result is not None and published:
                     code = result.error.code.value if result.error else ""

@@ -135,7 +135,7 @@ class Publisher:
         stored = Result.model_validate_json(reply[2]) if len(reply) > 2 and reply[2] else outcome.result
         if publisher == outcome.publisher:  # now, or this very call before (its answer lost in transit)
             return stored, True, True
-        _, _, deliveries = (publisher.split(" ") + ["", "", ""])[:3]
+        deliveries = (publisher.split(" ") + ["", "", ""])[2]
         earlier = self._same_entry(outcome, publisher) and deliveries.isdigit() \
             and int(deliveries) < outcome.delivery.deliveries
         # An earlier delivery of this entry published and may have died before replying: reply again (a reply is
