@@ -5,7 +5,6 @@ nothing new. Each test names the defect it covers (its number in docs/RELIABILIT
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import time
@@ -28,6 +27,12 @@ def kill_others(client: Client) -> int:
         if int(connection["id"]) != mine:
             killed += client.redis.client_kill_filter(_id=connection["id"])
     return killed
+
+
+def replies_on(client: Client, names) -> dict[str, list[dict]]:
+    """The results on each named reply stream (``<namespace>:v1:reply:<name>``), in order."""
+    return {name: [json.loads(fields[b"body"]) for _, fields in client.redis.xrange(client.keys.reply_prefix + name)]
+            for name in names}
 
 
 def test_dropped_connections_do_not_count_as_deliveries(redis_server, inprocess):
@@ -189,14 +194,14 @@ def test_a_dead_planner_process_costs_no_request(redis_server, inprocess):
     """A planner process killed (the OOM killer, a crash in a decoder) broke the planner pool for good: every request
     after it was dead-lettered within milliseconds while the worker reported ready. The pool is replaced now, the
     entries it held are planned again, and nothing is lost or retried; the death is counted."""
-    before = {child.pid for child in multiprocessing.active_children()}
     worker = inprocess(redis_server.url, planner_processes=2, max_deliveries=2).start()
     client = Client(redis_server.url)
     first = client.submit_many(batch(3, "before"))
     assert all(settle(client.redis, client.keys, first, timeout=60).assert_ok().results[i].ok for i in first)
-    planners = [child for child in multiprocessing.active_children() if child.pid not in before]
+    # This worker's own planner processes (a pool's, by its private table: other tests' may still be exiting).
+    planners = list(worker.daemon.planner.pool._processes)
     assert planners, "the worker plans in processes"
-    os.kill(planners[0].pid, signal.SIGKILL)
+    os.kill(planners[0], signal.SIGKILL)
     ids = client.submit_many(batch(8, "after"))
     report = settle(client.redis, client.keys, ids, timeout=120).assert_ok()
     assert all(report.results[i].ok for i in ids), [report.results[i].error for i in ids]
@@ -219,8 +224,7 @@ def test_two_requests_queued_under_one_id_each_get_a_reply(redis_server, inproce
         client.redis.xadd(keys.requests, {"body": json.dumps({"id": request_id, "state": state, "questions": {
             "q": {"type": "noul"}}, "reply_to": keys.reply_prefix + name})})
     worker = inprocess(redis_server.url).burst()
-    replies = {name: [json.loads(fields[b"body"]) for _, fields in client.redis.xrange(keys.reply_prefix + name)]
-               for name in sent}
+    replies = replies_on(client, sent)
     assert all(len(got) == 1 for got in replies.values()), replies
     conflict = [r for name in "ab" for r in replies[name] if r["status"] == "error"]
     assert len(conflict) == 1 and conflict[0]["error"]["code"] == "id_conflict"
@@ -241,8 +245,7 @@ def test_entries_of_two_lanes_with_the_same_id_are_told_apart(redis_server, inpr
             "id": "ticket-9", "state": state, "questions": {"q": {"type": "noul"}},
             "reply_to": keys.reply_prefix + lane})}, id="1-1")
     inprocess(redis_server.url).burst()
-    replies = {lane: [json.loads(fields[b"body"]) for _, fields in client.redis.xrange(keys.reply_prefix + lane)]
-               for lane in ("high", "normal")}
+    replies = replies_on(client, ("high", "normal"))
     assert sorted(r.get("error", {}).get("code", r["status"]) for got in replies.values() for r in got) == [
         "id_conflict", "ok"], replies
 
@@ -272,18 +275,21 @@ def test_a_fanned_out_request_that_loses_the_race_under_its_id_is_told(redis_ser
     found that result and said nothing, and its reply stream stayed empty. Each part that finds it says so now."""
     client = Client(redis_server.url)
     keys = client.keys
-    slow = inprocess(redis_server.url, slow_s=3.0, max_wait_ms=1, **FANOUT).start()
+    # Its parts in one pack (it waits for them all) that outlasts the other worker's start and answer.
+    slow = inprocess(redis_server.url, slow_s=8.0, max_wait_ms=2000, drain_timeout_s=60, **FANOUT).start()
     client.submit({**long_request("ticket-77"), "reply_to": keys.reply_prefix + "long"})
     wait_for(lambda: slow.faults.slow_packs, 30, what="the long request's parts in work")
     slow.daemon.stop()  # it finishes its parts, and takes nothing new
+    time.sleep(1.0)  # once a read it had begun is over (its BLOCK is 0.1 s): the short request is the other's
     [short] = client.submit_many([{"id": "ticket-77", "state": "short", "questions": {"q": {"type": "noul"}},
                                    "reply_to": keys.reply_prefix + "short"}])
     fast = inprocess(redis_server.url, **FANOUT).start()
-    settle(client.redis, keys, [short], timeout=30).assert_ok()
+    assert client.wait(short, timeout=30).ok
+    assert slow.faults.slow_packs == 1 and slow.daemon.lifecycle.held, "the long request's parts are still in work"
     slow.join(30)
     fast.stop()
-    replies = {name: [json.loads(fields[b"body"]) for _, fields in client.redis.xrange(keys.reply_prefix + name)]
-               for name in ("long", "short")}
+    settle(client.redis, keys, [short], timeout=30).assert_ok()  # and nothing left: the parts settled too
+    replies = replies_on(client, ("long", "short"))
     assert [r["status"] for r in replies["short"]] == ["ok"]
     # Each part that found the other's result says so: a reply at least once, all of them id_conflict.
     assert replies["long"] and {r["error"]["code"] for r in replies["long"]} == {"id_conflict"}, replies
