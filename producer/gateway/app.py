@@ -203,10 +203,12 @@ class Gateway:
         return all(n != 0 for n in workers.values()), {"redis": "ok", "workers": workers}
 
 
-async def watched(http: HttpRequest, work: Awaitable[dict[str, Result]]) -> dict[str, Result] | None:
-    """``work``'s outcome, or None once the caller has gone away (``work`` cancelled): its in-flight slots and its
-    Redis connection come back then, not when its wait would have ended. The body is read by now, so the next ASGI
-    message is the disconnect."""
+async def watched(http: HttpRequest, work: Awaitable[dict[str, Result]], ids: list[str],
+                  phase: str) -> dict[str, Result] | None:
+    """``work``'s outcome (a wait for the results of ``ids``), or None once the caller has gone away (``work``
+    cancelled): its in-flight slots and its Redis connection come back then, not when its wait would have ended.
+    A Redis error is Unsettled, naming the ids (``phase``: where the call was). The body is read by now, so the
+    next ASGI message is the disconnect."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(http))
     try:
@@ -217,7 +219,10 @@ async def watched(http: HttpRequest, work: Awaitable[dict[str, Result]]) -> dict
             task.cancel()
     if task.cancelled():
         return None
-    return task.result()
+    try:
+        return task.result()
+    except (redis.RedisError, WrongResult) as error:
+        raise Unsettled(error, ids, phase) from error
 
 
 async def _disconnect(http: HttpRequest) -> None:
@@ -253,10 +258,8 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         client = gateway.clients[access.namespace]
         await gateway.submit(access.namespace, prepared)
         request_id = prepared[0].id
-        try:
-            landed = await watched(http, client.wait_any([request_id], gateway.wait_for(asked, [body.deadline_ms])))
-        except (redis.RedisError, WrongResult) as error:
-            raise Unsettled(error, [request_id], WAIT) from error
+        landed = await watched(http, client.wait_any([request_id], gateway.wait_for(asked, [body.deadline_ms])),
+                               [request_id], WAIT)
         if landed is None:
             return Response(status_code=CLIENT_GONE)
         if request_id not in landed:
@@ -297,10 +300,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
                           "id")
         client = gateway.clients[access.namespace]
         gateway.hold(http, 1)  # a long-poll holds a Redis connection as a decide does: it counts against the key
-        try:
-            landed = await watched(http, client.wait_any([request_id], min(wait, config.max_wait_s)))
-        except (redis.RedisError, WrongResult) as error:
-            raise Unsettled(error, [request_id], READ) from error
+        landed = await watched(http, client.wait_any([request_id], min(wait, config.max_wait_s)), [request_id], READ)
         if landed is None:
             return Response(status_code=CLIENT_GONE)
         found = landed.get(request_id)
