@@ -1,7 +1,10 @@
 """Which servers the project accepts (producer/servers.py) and which one it runs (worker/redis_server.py)."""
 
 import os
+import random
+import socket
 import stat
+from types import SimpleNamespace
 
 import pytest
 
@@ -81,3 +84,30 @@ def test_free_ports_lie_below_the_ephemeral_range_and_in_this_process_share(monk
     for malformed in ("", "2/2", "x", "1/0"):  # no slice: the whole range below the ephemeral ports
         monkeypatch.setenv("DQ_PORT_SHARE", malformed)
         assert redis_server._share(10000, 20000) == (10000, 20000)
+
+
+def test_a_clusters_ports_and_bus_ports_are_distinct_free_and_in_this_process_share(monkeypatch):
+    """A cluster node binds two ports: its own and its bus port (``cluster-port``). All of a cluster's ports are
+    picked before any node binds one, so a random pick could repeat an earlier one: the node that bound it second
+    failed with "Address already in use". Here every random pick comes twice, which makes such a repeat certain."""
+    repeat: list[int] = []
+
+    def each_twice(low: int, high: int) -> int:
+        if repeat:
+            return repeat.pop()
+        repeat.append(random.randrange(low, high))
+        return repeat[0]
+
+    monkeypatch.setattr(redis_server, "random", SimpleNamespace(randrange=each_twice))
+    low, high = redis_server._share(10000, redis_server.ephemeral_start())
+    cluster = redis_server.LocalCluster(3)
+    try:
+        ports = [node.port for node in cluster.nodes] + cluster.buses
+        assert len(set(ports)) == 6 and all(low <= port < high for port in ports), ports
+        for node, bus in zip(cluster.nodes, cluster.buses):
+            assert node.args[node.args.index("--cluster-port") + 1] == str(bus)
+        for port in ports:  # free now
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port))
+    finally:
+        cluster.stop()  # removes the nodes' directories; none was started
