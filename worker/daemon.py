@@ -47,11 +47,11 @@ def create_engine(model: checkpoint.DecisionModel, settings: Settings) -> Engine
     kind = settings.engine
     if kind == "auto":
         kind = "fast" if model.device.type == "cuda" else "reference"
-    if settings.deterministic and (kind != "reference" or model.device.type != "cpu"):
-        # On a GPU the GEMM kernels, the delta rule's variants and attention's splits are chosen by the pack's shape.
-        raise ValueError(f"--deterministic (DQ_DETERMINISTIC) runs on the reference engine on the CPU only so far "
-                         f"(here: the {kind} engine on {model.device}); run with --device cpu --engine reference, or "
-                         f"without --deterministic (docs/RELIABILITY.md, \"Deterministic mode\")")
+    if settings.deterministic and kind == "reference" and model.device.type != "cpu":
+        # transformers' modules run fla's kernels on a GPU, which pick their configuration by timing, per process.
+        raise ValueError(f"--deterministic (DQ_DETERMINISTIC) runs on the fast engine on a GPU or the reference "
+                         f"engine on the CPU, not the reference engine on {model.device}; run with --engine fast, "
+                         f"or without --deterministic (docs/RELIABILITY.md, \"Deterministic mode\")")
     if kind == "reference":
         return ReferenceAdapter(model, settings)
     if kind == "fast":
@@ -69,6 +69,10 @@ class Daemon:
         self.settings = settings
         self.keys = Keys(settings.namespace, settings.shard)
         self.metrics = Metrics(shard=settings.shard)
+        if settings.deterministic:
+            from .fast import invariant
+
+            invariant.prepare_process()  # cuBLAS reads it when it starts: before the first GPU matmul
         self.model = model or checkpoint.load(settings.checkpoint, settings.device, settings.dtype,
                                               settings.max_prompt_tokens)
         self.engine = create_engine(self.model, settings)

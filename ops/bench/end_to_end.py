@@ -78,6 +78,10 @@ def serve_worker(args: argparse.Namespace, model: Any = None, after_warmup: Call
     from worker.logs import setup_logging
 
     setup_logging("text", "INFO")
+    if args.deterministic:  # cuBLAS's settings precede the first GPU matmul, the random model's making included
+        from worker.fast import invariant
+
+        invariant.prepare_process()
     daemon = Daemon(settings_for(args, redis_url=args.redis_url, metrics_port=args.metrics_port, **extra),
                     model=model if model is not None else model_for(args.shape))
     serve_http(daemon, args.metrics_port)

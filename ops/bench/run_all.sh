@@ -3,15 +3,17 @@
 # stage cannot starve the next: end to end through Redis (2B bf16, 2B FP8; each also times its engine in process
 # and the reference engine), the GPU tests, then the other shapes and mixes in process.
 # Usage: ops/bench/run_all.sh OUTDIR [STAGE...]   stages: delta-rule e2e-bf16 e2e-fp8 e2e-fp8-late e2e-bf16-warm
-# e2e-bf16-2 e2e-bf16-3 priority fidelity invariance tests mixes (default: all but e2e-bf16-2/3, in that order).
+# e2e-bf16-2 e2e-bf16-3 e2e-bf16-det priority fidelity invariance invariance-det tests mixes (default: all but
+# e2e-bf16-2/3 and the -det stages, in that order).
 # delta-rule is the host and GPU time of the gated delta rule per pack, fla's dispatch against FlashQLA called
 # directly; e2e-fp8-late is the shipped FP8 setting, --fp8 --fp8-layers late; e2e-bf16-warm, -2 and -3 start a fresh
 # bf16 worker again on the compile caches the earlier stages left (three fresh workers: the median is the figure);
 # priority is high requests at 10% of the peak rate over a saturating normal backlog, 2B bf16, PRIORITY_REPEATS
 # times (default 3) in one worker; fidelity is FP8 and bf16 against an fp32 reference at the 2B shape; invariance is
 # a held-out set answered alone by one worker, then mixed into a backlog by a second, compared bitwise (2B bf16,
-# ops/bench/invariance.py). Named only, never by default: scaling (2B bf16 through one Redis on 1, 2, 4, 8 of the
-# machine's GPUs, each count up to what it has; ops/bench/scaling.py).
+# ops/bench/invariance.py); e2e-bf16-det and invariance-det are the same with --deterministic (its cost:
+# e2e-bf16-det against e2e-bf16 on the same machine). Named only, never by default: scaling (2B bf16 through one
+# Redis on 1, 2, 4, 8 of the machine's GPUs, each count up to what it has; ops/bench/scaling.py).
 # E2E_LOADS: the end-to-end latency phases, x the peak (default 0.5; 0.1,0.2,...,1.0 for latency against load,
 # which ops/bench/plot.py draws); E2E_LATENCY_SECONDS: each phase's length (default 10).
 # The workers share one compile cache, COMPILE_CACHE (default OUTDIR/compile-cache): the first end-to-end stage
@@ -43,11 +45,12 @@ timeout "${DELTA_TIMEOUT:-120}" $PY ops/bench/delta_rule.py --out "$out" >"$out/
 echo "exit $?"; tail -n 12 "$out/delta_rule.log"; }
 
 cache=${COMPILE_CACHE:-$out/compile-cache}
-for run in bf16 fp8 fp8-late bf16-warm bf16-2 bf16-3; do
+for run in bf16 fp8 fp8-late bf16-warm bf16-2 bf16-3 bf16-det; do
   want "e2e-$run" || continue
   stage "end to end 2b $run"
   # The reference engine's figure does not depend on the fast engine's dtype: timed once, in the FP8 stage.
-  case $run in fp8) flag=--fp8 ;; fp8-late) flag="--fp8 --fp8-layers late --no-reference" ;; *) flag=--no-reference ;; esac
+  case $run in fp8) flag=--fp8 ;; fp8-late) flag="--fp8 --fp8-layers late --no-reference" ;;
+    bf16-det) flag="--deterministic --no-reference" ;; *) flag=--no-reference ;; esac
   timeout "${E2E_TIMEOUT:-420}" $PY ops/bench/end_to_end.py --shape 2b $flag --requests "${E2E_REQUESTS:-3000}" \
     --loads "${E2E_LOADS:-0.5}" --latency-seconds "${E2E_LATENCY_SECONDS:-10}" --compile-cache "$cache" --out "$out/e2e-2b-$run" \
     >"$out/e2e-2b-$run.log" 2>&1
@@ -73,11 +76,15 @@ timeout "${FIDELITY_TIMEOUT:-240}" $PY ops/bench/fidelity.py --shape 2b --out "$
   >"$out/fidelity.log" 2>&1
 echo "exit $?"; tail -n 12 "$out/fidelity.log"; }
 
-want invariance && { stage "invariance: alone against mixed, 2b bf16"
-timeout "${INVARIANCE_TIMEOUT:-420}" $PY ops/bench/invariance.py --shape 2b --requests "${INVARIANCE_REQUESTS:-3000}" \
-  --compile-cache "$cache" --out "$out/invariance-2b-bf16" >"$out/invariance-2b-bf16.log" 2>&1
-echo "exit $?"; grep -E "^SUMMARY" "$out/invariance-2b-bf16.log" || tail -n 30 "$out/invariance-2b-bf16.log"
-pkill -f "invariance.py --worker" 2>/dev/null; sleep 1; }
+for run in invariance invariance-det; do
+  want $run || continue
+  stage "$run: alone against mixed, 2b bf16"
+  flag=; [ $run = invariance-det ] && flag=--deterministic
+  timeout "${INVARIANCE_TIMEOUT:-420}" $PY ops/bench/invariance.py --shape 2b $flag --requests "${INVARIANCE_REQUESTS:-3000}" \
+    --compile-cache "$cache" --out "$out/$run-2b-bf16" >"$out/$run-2b-bf16.log" 2>&1
+  echo "exit $?"; grep -E "^SUMMARY" "$out/$run-2b-bf16.log" || tail -n 30 "$out/$run-2b-bf16.log"
+  pkill -f "invariance.py --worker" 2>/dev/null; sleep 1
+done
 
 want tests && { stage "gpu tests"
 timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -s -p no:cacheprovider tests/gpu >"$out/gpu-tests.log" 2>&1

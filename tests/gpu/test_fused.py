@@ -112,7 +112,8 @@ def test_compiled_graphed_pieces_with_fused_kernels_equal_the_plain_ones(quantiz
             torch.zeros(tokens, 4, device="cuda", dtype=bf16), torch.zeros(tokens, d.value_dim, device="cuda",
                                                                             dtype=bf16)]
     o = randn(tokens, 4, 128)
-    pre, post = compile_piece(pre_linear_into, inline=True, static=True), compile_piece(post_linear_into, static=True)
+    pre = compile_piece(pre_linear_into, inline=True, dynamic=False)
+    post = compile_piece(post_linear_into, dynamic=False)
     state = h.clone()
 
     def piece() -> None:

@@ -1,5 +1,7 @@
-"""Deterministic mode (``--deterministic``) on the reference engine: a prompt's scores are bitwise the same alone, in
-any pack at any place, and in another process; elsewhere the setting is refused, not ignored."""
+"""Deterministic mode (``--deterministic``): on the reference engine (CPU) a prompt's scores are bitwise the same
+alone, in any pack at any place, and in another process; the fast engine's bucketed path keeps one row count per
+bucket and the same bits in every bucket (its GPU kernels: tests/gpu/test_determinism.py); its start refuses GEMMs
+that depend on the batch; elsewhere the setting is refused, not ignored."""
 
 import multiprocessing
 import random
@@ -7,9 +9,11 @@ import random
 import pytest
 import torch
 
-from test_fast_cpu import prompts_of
+from test_fast_cpu import PLAIN_CAPTURE, SMALL, prompts_of
 from worker.config import Settings
 from worker.daemon import create_engine
+from worker.fast import FastEngine, invariant, ops
+from worker.fast.mixers import TorchMixers
 from worker.model.reference import ReferenceAdapter
 
 
@@ -70,13 +74,53 @@ def test_another_worker_process_computes_the_same_bits(loaded, checkpoints):
     assert all(torch.equal(a, b) for a, b in zip(here, there, strict=True))
 
 
-@pytest.mark.parametrize("engine", ["fast", "auto-on-cuda"])
-def test_where_it_is_not_built_deterministic_mode_is_refused_naming_what_runs_it(loaded, engine, monkeypatch):
+def test_the_fast_engines_deterministic_path_gives_a_prompt_the_same_bits_in_every_bucket_and_place(loaded):
+    """The bucketed path with its stand-ins (plain calls for CUDA graphs, plain-torch mixers): rows as many as the
+    bucket's tokens (a pack with many questions stays graphed), no pruned layer, and each prompt's scores the same
+    alone, first, last and among others in every bucket. The GPU's kernels are tests/gpu/test_determinism.py's."""
+    model = loaded("repo", 140)
+    prompts = prompts_of(model)
+    settings = Settings(deterministic=True, cuda_graphs=True, buckets="256,512,1024", **SMALL)
+    engine = FastEngine(model, settings, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
+    engine.warmup()
+    assert not engine.fwd.pruned and engine.fwd.image_by_image
+    assert [engine.rows_of(bucket) for bucket in engine.buckets] == [256, 512, 1024]
+    alone = [scores(engine, [prompt])[0] for prompt in prompts]
+    rng, buckets = random.Random(5), set()
+    for index in range(len(prompts)):
+        for pack, at in packs_around(len(prompts), index, rng):
+            if sum(prompts[i].length for i in pack) > engine.max_pack_tokens:
+                continue
+            run = engine.launch([prompts[i] for i in pack]).wait()
+            assert run.graph
+            buckets.add(run.bucket)
+            assert torch.equal(run.scores[at], alone[index]), (index, pack)
+    assert buckets == {256, 512, 1024}
+
+
+def test_deterministic_mode_is_refused_where_it_is_not_built_saying_what_runs_it(loaded, monkeypatch):
     model = loaded("repo")
     assert isinstance(create_engine(model, Settings(deterministic=True)), ReferenceAdapter)  # auto on the CPU
-    if engine == "auto-on-cuda":  # auto picks the fast engine on a GPU, which deterministic mode does not cover
-        monkeypatch.setattr(type(model), "device", property(lambda _: torch.device("cuda")))
-    with pytest.raises(ValueError) as refused:
-        create_engine(model, Settings(deterministic=True, engine=engine.split("-")[0]))
-    assert "--deterministic (DQ_DETERMINISTIC)" in str(refused.value)
-    assert "--device cpu --engine reference" in str(refused.value)
+    monkeypatch.setattr(type(model), "device", property(lambda _: torch.device("cuda")))
+    with pytest.raises(ValueError) as refused:  # transformers' modules run fla's autotuned kernels on a GPU
+        create_engine(model, Settings(deterministic=True, engine="reference"))
+    assert "--deterministic (DQ_DETERMINISTIC)" in str(refused.value) and "--engine fast" in str(refused.value)
+    for fields in (dict(cuda_graphs=False), dict(compile="none")):  # eager packs run kernels of their own length
+        with pytest.raises(ValueError, match="--cuda-graphs, --compile layer"):
+            FastEngine(model, Settings(deterministic=True, **fields), mixers=TorchMixers())
+
+
+def test_a_gemm_that_depends_on_the_batch_stops_the_start(monkeypatch):
+    """invariant.check_gemms, run by the fast engine's warm-up in deterministic mode: rows at other places and
+    counts must come out bitwise as at the largest count. A GEMM whose sums change with M (as split-K does) is
+    refused by name."""
+    weight = ops.Dense(torch.randn(48, 32))
+    assert invariant.check_gemms([weight, weight], [16, 64, 256], torch.float32) == 1
+
+    def split_by_rows(inputs, weights):  # another order of the same sums when the batch is small
+        out = torch.nn.functional.linear(inputs, weights.weight)
+        return out if inputs.shape[0] >= 256 else out + out.abs() * 1e-6
+
+    monkeypatch.setattr(invariant.ops, "linear", split_by_rows)
+    with pytest.raises(invariant.NotInvariant, match="48 x 32 Dense GEMM gives other bits at 16 rows"):
+        invariant.check_gemms([weight], [16, 64, 256], torch.float32)

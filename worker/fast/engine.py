@@ -30,7 +30,7 @@ from .forward import COMPILE_MODES, PackedForward
 from .layers import LINEAR, LinearDims
 from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warmer
 from .layout import Boundaries, Layout, Regions, lay_out, prompt_positions, row_capacity
-from . import prebuild
+from . import invariant, prebuild
 from .mixers import CudaMixers, Mixers
 
 log = logging.getLogger(__name__)
@@ -67,11 +67,16 @@ class FastEngine:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {settings.compile!r}")
         if settings.compile_cache:
             use_compile_cache(settings.compile_cache)  # before anything compiles or imports TileLang
+        # Deterministic mode: the same kernels, in the same order of sums, for a row whatever its pack
+        # (worker/fast/invariant.py).
+        self.invariant = settings.deterministic
+        if self.invariant:
+            invariant.enable()
         if mixers is None:
             if model.device.type != "cuda":
                 raise FastPathUnavailable(f"the fast engine runs on CUDA; this model is on {model.device}: "
                                           f"load it on a GPU (--device cuda), or {ALTERNATIVE}")
-            mixers = CudaMixers()
+            mixers = CudaMixers(invariant=self.invariant)
         self.device = model.device
         self.graphs_on = settings.cuda_graphs and (self.device.type == "cuda" or capture is not None)
         self._capture_with = capture
@@ -89,10 +94,18 @@ class FastEngine:
         self.pad_id = model.pad_id
         fused = settings.fused_kernels and self.device.type == "cuda" and model.dtype in (torch.bfloat16,
                                                                                          torch.float16)
-        self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last, fp8=settings.fp8,
-                                 fp8_layers=settings.fp8_layers, fp8_matrices=settings.fp8_matrices,
-                                 compile=settings.compile,
-                                 compile_pieces=not self.graphs_on, fused=fused)
+        # Deterministic mode computes the head at every row of the bucket: one row count per bucket, and no pack
+        # sent down the eager path for having more questions than a pruned layer's rows.
+        self.rows_of = (lambda bucket: bucket) if self.invariant else row_capacity
+        self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last and not self.invariant,
+                                 fp8=settings.fp8, fp8_layers=settings.fp8_layers, fp8_matrices=settings.fp8_matrices,
+                                 compile=settings.compile, compile_pieces=not self.graphs_on, fused=fused,
+                                 image_by_image=self.invariant)
+        if self.invariant and self.device.type == "cuda" and not (self.graphs_on and settings.compile == "layer"):
+            # Eager packs run each length's own kernels (and their own reduction orders): only the graphed,
+            # compiled pieces are built to be the same for every bucket.
+            raise ValueError(f"deterministic mode runs packs from CUDA graphs of compiled layers (--cuda-graphs, "
+                             f"--compile layer); here cuda_graphs={settings.cuda_graphs}, compile={settings.compile}")
         self.rope_index = getattr(model.backbone, "get_rope_index", None) if model.multimodal else None
         self.verbalizers = int(model.model.proj.out_features)
         # Host and device layout buffers: large enough for a full pack or the longest prompt the encoder makes.
@@ -118,6 +131,11 @@ class FastEngine:
         compilation and the mixers' JIT happen now rather than on the first request. Each stage is logged as it
         goes (minutes on a cold machine)."""
         start = time.perf_counter()
+        if self.invariant and self.device.type == "cuda":
+            linears = [linear for stage in self.fwd.stages for linear in invariant.linears_of(stage.weights)]
+            checked = invariant.check_gemms([*linears, self.fwd.head.proj], self.buckets, self.model.dtype)
+            log.info("deterministic mode: %d GEMMs give every row the same bits at buckets %s (%.1fs)", checked,
+                     self.buckets, time.perf_counter() - start)
         # The delta rule's kernels come in variants (FlashQLA: split across the card or not, and the tile width its
         # grid size picks), each JIT-compiled on first use (15-50 s on an H200): one pack for each variant that
         # any pack of at most the budget, or one prompt up to the longest, can reach (worker/fast/qla.py). Child
@@ -167,9 +185,10 @@ class FastEngine:
 
     def _capture(self) -> None:
         if self.graphs_on:
-            ws = Workspace(self.fwd, max(self.buckets), row_capacity(max(self.buckets)), self.verbalizers,
+            ws = Workspace(self.fwd, max(self.buckets), self.rows_of(max(self.buckets)), self.verbalizers,
                            self.device, self.model.dtype)
-            self.graphed = GraphedForward(self.fwd, ws, compile_layers=self.settings.compile == "layer")
+            self.graphed = GraphedForward(self.fwd, ws, compile_layers=self.settings.compile == "layer",
+                                          rows_of=self.rows_of, invariant=self.invariant)
             capture, warm = self._capture_with or (cuda_capture(torch.cuda.graph_pool_handle()), cuda_warmer())
             self.graphed.capture(self.buckets, self._static_inputs, capture, warm, log=log)
             if self.device.type == "cuda":
@@ -178,7 +197,7 @@ class FastEngine:
     def _static_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         regions = self.regions
         return (self.device_layout[regions.seqpos: regions.seqpos + bucket],
-                self.device_layout[regions.rows: regions.rows + row_capacity(bucket)])
+                self.device_layout[regions.rows: regions.rows + self.rows_of(bucket)])
 
     def _dummy_pack(self, lengths: Sequence[int]) -> list[Prompt]:
         """Prompts of padding of these lengths, one marker each."""
@@ -193,7 +212,7 @@ class FastEngine:
     def launch(self, prompts: Sequence[Prompt]) -> Pending:
         start = time.perf_counter()
         assert prompts, "a pack holds at least one prompt"
-        layout = lay_out(prompts, self.buckets)
+        layout = lay_out(prompts, self.buckets, self.rows_of)
         assert layout.tokens <= self._budget or len(prompts) == 1, "only a single prompt may exceed the budget"
         regions, device_layout = self.regions, self.device_layout
         slot = None

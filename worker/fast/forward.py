@@ -56,14 +56,15 @@ PLAIN = Pieces(layers.pre_linear, layers.post_linear, layers.pre_full, layers.pr
 INLINE_CONV = {"realize_reads_threshold": 64, "realize_opcount_threshold": 400, "realize_acc_reads_threshold": 64}
 
 
-def compile_piece(fn: Callable[..., Any], inline: bool = False, static: bool = False) -> Callable[..., Any]:
+def compile_piece(fn: Callable[..., Any], inline: bool = False, dynamic: bool | None = True) -> Callable[..., Any]:
     """torch.compile of one piece, shared by every layer of its kind: weights are arguments, so one compiled graph
-    serves all layers. ``static``: one graph per shape (the buckets), whose kernels know every size and alignment;
-    otherwise every dimension is symbolic and one graph serves every pack length."""
+    serves all layers. ``dynamic``: True, every dimension symbolic, one graph for every pack length; False, one graph
+    per shape (the buckets), whose kernels know every size and alignment; None, the sizes the caller marks symbolic
+    (worker/fast/graphs.py)."""
     import torch._inductor.config as inductor_config
 
     options = {k: v for k, v in INLINE_CONV.items() if inline and hasattr(inductor_config, k)}
-    return torch.compile(fn, dynamic=not static, options=options or None)
+    return torch.compile(fn, dynamic=dynamic, options=options or None)
 
 
 def configure_compile() -> None:
@@ -80,14 +81,14 @@ def configure_compile() -> None:
 class PackedForward:
     def __init__(self, model: DecisionModel, mixers: Mixers, *, prune_last: bool = True, fp8: bool = False,
                  fp8_layers: str = "all", fp8_matrices: str = "all", compile: str = "none",
-                 compile_pieces: bool = True, fused: bool = False) -> None:
+                 compile_pieces: bool = True, fused: bool = False, image_by_image: bool = False) -> None:
         """``fp8_layers``, ``fp8_matrices``: which layers and families of matrices ``fp8`` converts
         (worker/fast/fp8.py: chosen_layers, chosen_families). ``compile_pieces``:
         with ``compile="layer"``, also compile the eager pieces (off when the pieces run from CUDA graphs, which
         compile their own variants). ``fused``: the project's Triton kernels (worker/fast/fused.py) where they
-        apply."""
+        apply. ``image_by_image``: the vision tower runs each image alone (deterministic mode)."""
         assert compile in COMPILE_MODES, f"compile must be one of {COMPILE_MODES}, got {compile!r}"
-        self.model, self.mixers = model, mixers
+        self.model, self.mixers, self.image_by_image = model, mixers, image_by_image
         lm = model.language_model
         self.embed_tokens, self.rotary = lm.embed_tokens, lm.rotary_emb
         self.causal = not model.noncausal
@@ -133,9 +134,14 @@ class PackedForward:
         hidden = self.embed_tokens(ids)
         if pixel_values is not None:
             assert image_rows is not None and grid is not None
-            features = self.model.backbone.get_image_features(pixel_values.to(hidden.device, self.model.dtype),
-                                                              grid.to(hidden.device), return_dict=True).pooler_output
-            features = torch.cat(features).to(hidden.dtype)
+            patches = grid.prod(-1).tolist()  # the host's grid: no wait for the GPU
+            pixels, grid = pixel_values.to(hidden.device, self.model.dtype), grid.to(hidden.device)
+            parts: Any = [(pixels, grid)]
+            if self.image_by_image:  # each image in shapes of its own, whatever else the pack holds
+                parts = zip(pixels.split(patches), grid.split(1))
+            features = torch.cat([feature for part, part_grid in parts for feature in self.model.backbone
+                                  .get_image_features(part, part_grid, return_dict=True).pooler_output])
+            features = features.to(hidden.dtype)
             assert features.shape[0] == image_rows.shape[0], "one feature per image token"
             hidden = hidden.index_copy(0, image_rows, features)
         return hidden

@@ -28,8 +28,7 @@ import torch
 from . import layers
 from .forward import ROWS, PackedForward, compile_piece
 from .layers import FULL, LINEAR
-from .layout import row_capacity
-from .layout import Boundaries
+from .layout import Boundaries, row_capacity
 from .ops import Ops
 
 Capture = Callable[[Callable[[], None]], Callable[[], None]]
@@ -110,16 +109,37 @@ class Workspace:
         self.scores = zeros(rows, verbalizers, kind=torch.float32)
 
 
+def _tokens_symbolic(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` called with the first dimension (tokens, or marker rows) of its tensor arguments symbolic: one
+    compiled graph for every bucket, hence one kernel and one configuration per operation."""
+
+    def call(*args: Any) -> None:
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return fn(*args)
+
+    return call
+
+
 class GraphedForward:
     """Capture and replay of one PackedForward's pieces for a fixed list of buckets."""
 
-    def __init__(self, fwd: PackedForward, workspace: Workspace, compile_layers: bool) -> None:
-        self.fwd, self.ws = fwd, workspace
+    def __init__(self, fwd: PackedForward, workspace: Workspace, compile_layers: bool,
+                 rows_of: Callable[[int], int] = row_capacity, invariant: bool = False) -> None:
+        """``rows_of``: a bucket's marker rows. ``invariant`` (deterministic mode): the compiled pieces take the
+        token count as a symbol, so that every bucket runs the same kernels (worker/fast/invariant.py)."""
+        self.fwd, self.ws, self.rows_of = fwd, workspace, rows_of
         # Static shapes: one compiled graph per bucket, so inductor's kernels know every size and alignment
         # (vectorised loads, persistent reductions). With symbolic sizes the same pieces ran 2.8x slower on an
-        # H200 (49.5 against 17.4 ms of element-wise kernels per 16k-token 2B pack).
-        into = [compile_piece(fn, inline=fn is pre_linear_into, static=True) if compile_layers else fn
-                for fn in INTO]
+        # H200 (49.5 against 17.4 ms of element-wise kernels per 16k-token 2B pack); invariant pieces keep the
+        # feature sizes static and make only the token count a symbol.
+        into = list(INTO)
+        if compile_layers:
+            into = [compile_piece(fn, inline=fn is pre_linear_into, dynamic=None if invariant else False)
+                    for fn in INTO]
+            if invariant:
+                into = [_tokens_symbolic(fn) for fn in into]
         (self.pre_linear, self.post_linear, self.pre_full, self.pre_full_rows, self.post_full, self.final,
          self.final_rows) = into
         self.graphs: dict[int, list[Callable[[], None]]] = {}
@@ -127,7 +147,7 @@ class GraphedForward:
     def pieces(self, bucket: int, seqpos: torch.Tensor, rows: torch.Tensor) -> list[Callable[[], None]]:
         """Piece n = post of stage n - 1 (if any) + pre of stage n; the last piece ends with the head."""
         ws, fwd, ops = self.ws, self.fwd, self.fwd.ops
-        cap, rcap = bucket, row_capacity(bucket)
+        cap, rcap = bucket, self.rows_of(bucket)
         assert cap <= ws.capacity and rcap <= ws.rows and seqpos.shape[0] == cap and rows.shape[0] == rcap
         hidden = ws.h[:cap]
 
@@ -203,7 +223,7 @@ class GraphedForward:
             if out is not None:
                 out[tokens:bucket].zero_()
         if getattr(ws, "ro", None) is not None:
-            ws.ro[rows: row_capacity(bucket)].zero_()
+            ws.ro[rows: self.rows_of(bucket)].zero_()
         if ws.cos is not None:
             cos, sin = self.fwd.rope_tables(positions, hidden)
             ws.cos[:bucket].copy_(cos)
@@ -227,7 +247,7 @@ class GraphedForward:
                 ws.ro[:rows].copy_(mix.attention(ws.rq[:rows], ws.fk[real], ws.fv[real], dims.scale, False, bounds,
                                                  rows_only=True))
         graphs[-1]()
-        return ws.scores[: row_capacity(bucket)]
+        return ws.scores[: self.rows_of(bucket)]
 
 
 def cuda_capture(pool: Any) -> Capture:

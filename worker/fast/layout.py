@@ -83,17 +83,19 @@ class Layout:
         return sum(-(-n // GDN_CHUNK) for n in self.lengths)
 
 
-def lay_out(prompts: Sequence[Prompt], buckets: Sequence[int]) -> Layout:
-    """The layout of ``prompts``: in the smallest bucket that holds them (and their rows), else eager."""
+def lay_out(prompts: Sequence[Prompt], buckets: Sequence[int],
+            rows_of: Callable[[int], int] = row_capacity) -> Layout:
+    """The layout of ``prompts``: in the smallest bucket that holds them (and their rows: ``rows_of(bucket)``), else
+    eager."""
     lengths = tuple(prompt.length for prompt in prompts)
     questions = tuple(len(prompt.questions) for prompt in prompts)
     tokens, rows = sum(lengths), sum(questions)
     bucket = choose_bucket(tokens, buckets)
-    if bucket is not None and rows > row_capacity(bucket):
+    if bucket is not None and rows > rows_of(bucket):
         bucket = None
     if bucket is None:
         return Layout(lengths, questions, tokens, rows, None)
-    return Layout(lengths, questions, bucket, row_capacity(bucket), bucket)
+    return Layout(lengths, questions, bucket, rows_of(bucket), bucket)
 
 
 def gdn_chunk_indices(lengths: Sequence[int]) -> np.ndarray:

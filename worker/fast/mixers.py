@@ -59,26 +59,31 @@ def _chunk_gated_delta_rule() -> Any:
     return chunk_gated_delta_rule
 
 
-def _flash_qla() -> FlashQLA | None:
+def _flash_qla(split: bool) -> FlashQLA | None:
     """FlashQLA called directly where it runs; None sends the delta rule through fla's dispatch (its Triton kernels
     elsewhere). ``FLA_FLASH_QLA=0``, fla's switch for it, turns it off here too."""
     if os.environ.get("FLA_FLASH_QLA", "1") == "0":
         return None
     try:
-        return FlashQLA()
+        return FlashQLA(split)
     except (ImportError, ValueError):
         return None
 
 
 class CudaMixers:
     """The chunked gated delta rule (FlashQLA's kernels directly where they run, else fla's) and torch's varlen
-    attention."""
+    attention. ``invariant`` (deterministic mode): FlashQLA never splits a prompt across the card, and fla's
+    kernels are refused (they autotune by timing, per process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, invariant: bool = False) -> None:
         if not torch.cuda.is_available():
             raise FastPathUnavailable(f"the fast engine needs a CUDA GPU and none is available: {ALTERNATIVE}")
         self._gdn = _chunk_gated_delta_rule()
-        self.flash_qla = _flash_qla()
+        self.flash_qla = _flash_qla(split=not invariant)
+        if invariant and self.flash_qla is None:
+            raise FastPathUnavailable("deterministic mode runs the delta rule on FlashQLA (Hopper or Blackwell, "
+                                      "flash-qla installed, FLA_FLASH_QLA not 0); fla's kernels pick their "
+                                      "configuration by timing in each process: run without --deterministic")
         self._varlen = _varlen_attn()
         # torch < 2.13 has no enable_gqa: the key/value heads are then repeated to the query heads.
         self._native_gqa = "enable_gqa" in inspect.signature(self._varlen).parameters

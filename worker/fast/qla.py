@@ -40,7 +40,9 @@ class FlashQLA:
     """FlashQLA's chunked forward, its per-pack context (the intra-card split of long sequences, chunk offsets and
     indices) prepared on the host from ``Boundaries.cu_host`` instead of read back from the GPU."""
 
-    def __init__(self) -> None:
+    def __init__(self, split: bool = True) -> None:
+        """``split``: let FlashQLA split long prompts across the card where it decides to (off in deterministic
+        mode: a prompt split or not, by what else is in its pack, sums its recurrence in another order)."""
         # Importing it raises on GPUs it has no kernels for (ValueError), as well as where it is missing.
         from flash_qla.ops.gated_delta_rule.chunk import CHUNK_SIZE, chunk_gated_delta_rule_fwd
         from flash_qla.ops.gated_delta_rule.chunk.cp import FlashQLACPContext, build_cp_context
@@ -48,6 +50,7 @@ class FlashQLA:
 
         self._chunk, self._forward, self._context_type = CHUNK_SIZE, chunk_gated_delta_rule_fwd, FlashQLACPContext
         self._build, self._attach = build_cp_context, prepare_varlen_metadata
+        self.split = split
         self._pack: Boundaries | None = None
         self._context: Any = None
 
@@ -60,7 +63,7 @@ class FlashQLA:
         if self._pack is bounds:
             return self._context
         # FlashQLA decides the split from the lengths alone; given host boundaries it builds host tensors.
-        host = self._build(bounds.cu_host, enable_intra=True, num_v_heads=heads, chunk_size=self._chunk,
+        host = self._build(bounds.cu_host, enable_intra=self.split, num_v_heads=heads, chunk_size=self._chunk,
                            is_train=False)
         cu = self._attach(bounds.cu_long, bounds.cu_host)
         if not host.is_intra:
@@ -82,7 +85,7 @@ class FlashQLA:
         kernels of its own), and the tile width the main kernel picks from its grid (sequences or split parts x
         heads against the card's size), read through FlashQLA's own cost model of that rule."""
         cu = torch.tensor([0, *itertools.accumulate(lengths)])
-        host = self._build(cu, enable_intra=True, num_v_heads=heads, chunk_size=self._chunk, is_train=False)
+        host = self._build(cu, enable_intra=self.split, num_v_heads=heads, chunk_size=self._chunk, is_train=False)
         parts = len(host.intra_cp_cu_seqlens) - 1 if host.is_intra else len(lengths)
         return Variant(bool(host.is_intra), self._tile(parts, heads))
 

@@ -1,0 +1,102 @@
+"""Deterministic mode on the GPU: a held-out set of prompts (standard, long-tail up to one over the largest bucket,
+images, a request split over several prompts) computed alone and first, last and among random traffic in every
+bucket, in worker-like processes started apart (tests/gpu/determinism_run.py): in deterministic mode every score is
+bitwise the same (``torch.equal``) in every place, bucket and process; the default mode's spread is reported.
+
+The processes run at once, each compiling on its own (none finds the other's kernels ready, which a later start
+would): four of them, about two minutes on an H200 with empty caches. DQ_GPU_REPORT=path appends the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("flash_qla", reason="deterministic mode runs the delta rule on FlashQLA")
+
+from worker.model import tiny  # noqa: E402
+
+RUN = Path(__file__).with_name("determinism_run.py")
+PROCESSES = {  # name -> flags
+    "deterministic": ["--deterministic", "--seed", "1"],
+    "deterministic, second process": ["--deterministic", "--seed", "2"],
+    "deterministic fp8": ["--deterministic", "--fp8", "--seed", "3"],
+    "default": ["--seed", "1"],
+}
+
+
+def report(**figures) -> None:
+    line = json.dumps(figures)
+    print("RESULT", line)
+    if os.environ.get("DQ_GPU_REPORT"):
+        with open(os.environ["DQ_GPU_REPORT"], "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("determinism")
+    checkpoint = tiny.write(root / "small", size="small")
+    started = {name: subprocess.Popen([sys.executable, str(RUN), str(checkpoint), str(root / f"{number}.pt"), *flags],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for number, (name, flags) in enumerate(PROCESSES.items())}
+    out = {}
+    for number, (name, child) in enumerate(started.items()):
+        log, _ = child.communicate(timeout=900)
+        print(f"--- {name}: exit {child.returncode}\n" + "\n".join(log.splitlines()[-8:]))
+        out[name] = torch.load(root / f"{number}.pt") if child.returncode == 0 else log
+    return out
+
+
+def apart(results: dict, baseline: dict) -> tuple[list[str], float, int]:
+    """Every score against the baseline's prompt alone: the places that differ, the largest difference, and the
+    number compared."""
+    differ, worst, compared = [], 0.0, 0
+    for key, got in results.items():
+        for label, scores in got.items():
+            compared += 1
+            gap = (scores - baseline[key]["alone"]).abs().max().item()
+            if not torch.equal(scores, baseline[key]["alone"]):
+                differ.append(f"{key} {label}: {gap:g}")
+            worst = max(worst, gap)
+    return differ, worst, compared
+
+
+@pytest.mark.parametrize("name", ["deterministic", "deterministic, second process"])
+def test_in_deterministic_mode_every_score_has_the_same_bits_in_every_pack_bucket_place_and_process(runs, name):
+    first = runs["deterministic"]
+    assert isinstance(runs[name], dict), f"the {name} process failed:\n{runs[name]}"
+    differ, worst, compared = apart(runs[name], first)
+    report(test="determinism", mode=name, vs="deterministic process, prompt alone", compared=compared,
+           unequal=len(differ), max_score_diff=worst)
+    assert not differ, differ[:20]
+    assert compared > 90  # 14 held-out prompts, alone and in up to 9 packs each
+
+
+def test_without_the_mode_the_spread_is_reported_and_stays_within_bf16_rounding(runs):
+    default = runs["default"]
+    assert isinstance(default, dict), f"the default process failed:\n{default}"
+    differ, worst, compared = apart(default, default)
+    against, worst_against, _ = apart(default, runs["deterministic"])
+    report(test="determinism", mode="default", vs="default process, prompt alone", compared=compared,
+           unequal=len(differ), max_score_diff=worst, vs_deterministic_unequal=len(against),
+           vs_deterministic_max_score_diff=worst_against)
+    assert worst < 0.25 and worst_against < 0.25  # logits; bf16 rounding moves them by hundredths here
+
+
+def test_fp8_in_deterministic_mode_keeps_the_same_bits_too(runs):
+    fp8 = runs["deterministic fp8"]
+    assert isinstance(fp8, dict), f"the deterministic FP8 process failed:\n{fp8}"
+    differ, worst, compared = apart(fp8, fp8)
+    report(test="determinism", mode="deterministic fp8", vs="same process, prompt alone", compared=compared,
+           unequal=len(differ), max_score_diff=worst)
+    assert not differ, differ[:20]
