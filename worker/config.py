@@ -51,7 +51,8 @@ class Settings:
     engine: str = _opt("auto", "auto (fast on cuda, reference on cpu), fast or reference",
                        choices=("auto", "fast", "reference"))
     deterministic: bool = _opt(False, "a request's logits depend on the request alone, bitwise, never on what shares "
-                                      "its pack or which worker ran it (so far the reference engine on the CPU only)")
+                                      "its pack or which worker ran it (the fast engine on a GPU, the reference "
+                                      "engine on the CPU)")
     max_prompt_tokens: int = _opt(0, "longest prompt (0: the model's context); a request whose prompt is longer is "
                                      "split by question, a shorter one runs whole", low=0)
     fanout_tokens: int = _opt(8192, "requests with more tokens than this (over several prompts) fan out to all workers",

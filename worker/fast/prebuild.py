@@ -57,7 +57,7 @@ def start(variants: dict[Any, Sequence[int]], k_heads: int, v_heads: int, head_k
     prebuild = Prebuild()
     for variant, lengths in variants.items():
         job = {"lengths": list(lengths), "k_heads": k_heads, "v_heads": v_heads, "head_k": head_k,
-               "head_v": head_v, "dtype": dtype}
+               "head_v": head_v, "dtype": dtype, "split": getattr(variant, "split", True)}
         child = subprocess.Popen([sys.executable, os.path.join(HERE, "prebuild.py"), json.dumps(job)],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -92,7 +92,7 @@ def _run(job: dict) -> str:
         v = randn(tokens, job["v_heads"], job["head_v"]).to(dtype)
         g = F.logsigmoid(randn(tokens, job["v_heads"]) + 3)  # fp32, as the engine's buffer
         beta = torch.sigmoid(randn(tokens, job["v_heads"])).to(dtype)
-        flash = qla.FlashQLA()
+        flash = qla.FlashQLA(split=job.get("split", True))  # an unsplit variant stays so (deterministic mode)
         variant = flash.variant(lengths, job["v_heads"])
         out = flash(q, k, v, g, beta, bounds)
         torch.cuda.synchronize()
