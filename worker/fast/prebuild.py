@@ -57,7 +57,7 @@ def start(variants: dict[Any, Sequence[int]], k_heads: int, v_heads: int, head_k
     prebuild = Prebuild()
     for variant, lengths in variants.items():
         job = {"lengths": list(lengths), "k_heads": k_heads, "v_heads": v_heads, "head_k": head_k,
-               "head_v": head_v, "dtype": dtype, "split": getattr(variant, "split", True)}
+               "head_v": head_v, "dtype": dtype, "split": getattr(variant, "split", True) is not False}
         child = subprocess.Popen([sys.executable, os.path.join(HERE, "prebuild.py"), json.dumps(job)],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
