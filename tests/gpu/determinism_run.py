@@ -88,7 +88,10 @@ def main() -> None:
     began = time.perf_counter()
     engine = FastEngine(model, settings, **extra)
     engine.warmup()
-    print(f"engine ready in {time.perf_counter() - began:.1f}s", flush=True)
+    from torch._dynamo.utils import counters
+
+    print(f"engine ready in {time.perf_counter() - began:.1f}s, {counters['stats']['unique_graphs']} compiled graphs",
+          flush=True)
 
     encoder = Encoder(model)
     corpus = list(tiny.CORPUS)
@@ -100,6 +103,11 @@ def main() -> None:
     rng = random.Random(args.seed)
     traffic = [prompt for request in requests(corpus, rng, 200, 20)
                for prompt in encoder.prompts(Request.model_validate(request))]
+
+    shortest = [prompt for word in ("ok", "hello", "refund please", "thanks", "where is it", "stop")
+                for name in QUESTIONS
+                for prompt in encoder.prompts(Request.model_validate({"state": word,
+                                                                      "questions": {name: QUESTIONS[name]}}))] * 8
 
     def run(pack: list, at: int) -> torch.Tensor:
         result = engine.launch(pack).wait()
@@ -131,6 +139,15 @@ def main() -> None:
                     got[f"last in {high}"] = run([*crowd, prompt], len(crowd))
                     at = rng.randint(0, len(crowd))
                     got[f"among others in {high}"] = run([*crowd[:at], prompt, *crowd[at:]], at)
+                # Many short prompts: the delta rule's kernel takes its widest tile (a grid of prompts x heads
+                # filling the card), where alone it takes its narrowest.
+                crowd, used = [], prompt.length
+                for other in shortest:
+                    if used + other.length > max(BUCKETS):
+                        break
+                    crowd.append(other)
+                    used += other.length
+                got[f"among {len(crowd)} short ones"] = run([*crowd[:5], prompt, *crowd[5:]], min(5, len(crowd)))
             scores[key] = got
     torch.save({key: {label: value.cpu() for label, value in got.items()} for key, got in scores.items()}, args.out)
     print(f"saved {sum(len(got) for got in scores.values())} scores of {len(scores)} held-out prompts", flush=True)
