@@ -257,4 +257,11 @@ def serve(settings: Settings) -> int:
             return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, daemon.on_signal)
-    return daemon.run()
+    try:
+        return daemon.run()
+    except RuntimeError as error:  # deterministic mode found at warm-up that this card does not keep it
+        invariant = sys.modules.get(f"{__package__}.fast.invariant")
+        if invariant is None or not isinstance(error, invariant.NotInvariant):
+            raise
+        log.error("cannot start: %s", error)
+        return 2

@@ -98,6 +98,23 @@ def test_the_fast_engines_deterministic_path_gives_a_prompt_the_same_bits_in_eve
     assert buckets == {256, 512, 1024}
 
 
+def test_a_card_that_breaks_the_promise_stops_the_warm_up(loaded):
+    """The warm-up's own check (FastEngine._check_invariance): probe prompts alone, then first and last in packs of
+    every bucket. Mixers whose sums change with the pack's size (as a kernel chosen by the pack does) stop the
+    start, saying where."""
+
+    class PackDependent(TorchMixers):
+        def attention(self, query, key, value, scale, causal, bounds, rows_only=False):
+            out = super().attention(query, key, value, scale, causal, bounds, rows_only)
+            return out * (1 + 1e-3 * (bounds.cu_host.numel() > 2))  # another order of sums beside others
+
+    settings = Settings(deterministic=True, cuda_graphs=True, buckets="256,512,1024", **SMALL)
+    engine = FastEngine(loaded("repo", 140), settings, mixers=PackDependent(), capture=PLAIN_CAPTURE)
+    with pytest.raises(invariant.NotInvariant, match="probe prompt scored other bits first in a pack of 2 prompts "
+                                                     r"\(bucket 256\)"):
+        engine.warmup()
+
+
 def test_deterministic_mode_is_refused_where_it_is_not_built_saying_what_runs_it(loaded, monkeypatch):
     model = loaded("repo")
     assert isinstance(create_engine(model, Settings(deterministic=True)), ReferenceAdapter)  # auto on the CPU

@@ -35,6 +35,8 @@ from .mixers import CudaMixers, Mixers
 
 log = logging.getLogger(__name__)
 SLOTS = 2
+WARMUP = Question(name="warmup", type="noul", instructions=None, options=["false", "true"], labels=["A", "B"],
+                  descriptions=[None, None])  # the warm-up's prompts ask this
 CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "TILELANG_CACHE_DIR": "tilelang"}
 
 
@@ -159,6 +161,8 @@ class FastEngine:
             self._timed(f"first pack of bucket {size}", [size // 2, size - size // 2])
         for number, (variant, lengths) in enumerate(variants.items(), 1):
             self._timed(f"delta-rule variant {number} of {len(variants)} ({variant})", lengths)
+        if self.invariant:
+            self._check_invariance()
         self.compile_seconds = time.perf_counter() - start - self.capture_seconds
         log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices, layers %s, %s), "
                  "fused kernels %s; capture %.1fs, first packs %.1fs (%d delta-rule variants)", self.buckets or "-",
@@ -166,6 +170,42 @@ class FastEngine:
                  self.settings.fp8_layers, self.settings.fp8_matrices, self.fwd.fused, self.capture_seconds,
                  self.compile_seconds,
                  len(variants))
+
+    def _check_invariance(self) -> None:
+        """Deterministic mode keeps its promise on this card and software before the worker reports ready: probe
+        prompts of random tokens alone, then first and last in packs of every bucket, beside one filler or many
+        short ones (the delta rule's widest tile, where alone it takes its narrowest), must score the same bits."""
+        began, checked = time.perf_counter(), 0
+        generator = torch.Generator().manual_seed(0)
+        vocab, image = int(self.fwd.embed_tokens.weight.shape[0]), self.fwd.image_token_id
+
+        def probe(length: int) -> Prompt:
+            ids = torch.randint(0, vocab, (length,), generator=generator)
+            if image is not None:
+                ids[ids == image] = self.pad_id
+            return Prompt(input_ids=ids, rows=torch.tensor([length // 2, length - 1]), questions=(WARMUP, WARMUP))
+
+        targets = [probe(37), probe(max(64, min(self.buckets or (self._budget,)) // 3))]
+        for target in targets:
+            alone = self.launch([target]).wait().scores[0]
+            for bucket in self.buckets or (self._budget,):
+                room = bucket - target.length
+                if room < 2:
+                    continue
+                short = min(32, room // 64 - 1)  # enough prompts to fill the card's grid, and one long
+                for fillers in ([room], [64] * short + [room - 64 * short]):
+                    crowd = [probe(n) for n in fillers if n > 1]
+                    for pack, at in (([target, *crowd], 0), ([*crowd, target], len(crowd))):
+                        got = self.launch(pack).wait().scores[at]
+                        checked += 1
+                        if not torch.equal(got, alone):
+                            raise invariant.NotInvariant(
+                                f"deterministic mode's check at warm-up: a {target.length}-token probe prompt "
+                                f"scored other bits {'first' if at == 0 else 'last'} in a pack of {len(pack)} "
+                                f"prompts (bucket {bucket}) than alone, up to {(got - alone).abs().max().item():g} "
+                                f"apart, on this card and software: run without --deterministic")
+        log.info("deterministic mode: %d probe packs scored their probe prompts bitwise as alone (%.1fs)", checked,
+                 time.perf_counter() - began)
 
     def _prebuild(self, variants: dict, dims: LinearDims | None) -> prebuild.Prebuild | None:
         """Children compiling FlashQLA's variants, where the delta rule runs on FlashQLA (CUDA, 128-wide heads)."""
@@ -201,10 +241,8 @@ class FastEngine:
 
     def _dummy_pack(self, lengths: Sequence[int]) -> list[Prompt]:
         """Prompts of padding of these lengths, one marker each."""
-        question = Question(name="warmup", type="noul", instructions=None, options=["false", "true"],
-                            labels=["A", "B"], descriptions=[None, None])
         return [Prompt(input_ids=torch.full((n,), self.pad_id, dtype=torch.long), rows=torch.tensor([n - 1]),
-                      questions=(question,)) for n in lengths if n > 0]
+                      questions=(WARMUP,)) for n in lengths if n > 0]
 
     # ---- packs ----
 
