@@ -42,6 +42,10 @@ def run_worker(args: argparse.Namespace) -> int:
     """A worker process: the real daemon around the seeded random model (both workers load the same weights)."""
     import torch
 
+    if args.deterministic:  # cuBLAS's settings precede the first GPU matmul, the model's making included
+        from worker.fast import invariant
+
+        invariant.prepare_process()
     torch.manual_seed(0)
     model = model_for(args.shape)
     model.max_length = MAX_PROMPT_TOKENS

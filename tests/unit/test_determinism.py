@@ -1,10 +1,12 @@
 """Deterministic mode (``--deterministic``): on the reference engine (CPU) a prompt's scores are bitwise the same
 alone, in any pack at any place, and in another process; the fast engine's bucketed path keeps one row count per
-bucket and the same bits in every bucket (its GPU kernels: tests/gpu/test_determinism.py); its start refuses GEMMs
+bucket and the same bits in every bucket (its GPU kernels: tests/gpu/test_bitwise.py); its start refuses GEMMs
 that depend on the batch; elsewhere the setting is refused, not ignored."""
 
 import multiprocessing
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,16 @@ from worker.config import Settings
 from worker.daemon import create_engine
 from worker.fast import FastEngine, invariant, ops
 from worker.fast.mixers import TorchMixers
+
+
+@pytest.fixture(autouse=True)
+def process_settings_kept(monkeypatch):
+    """The fast engine's deterministic mode switches process-wide settings (worker/fast/invariant.py enable): here
+    they are recorded, not made, so that later tests in this process run as they would alone; what enable does is
+    checked in a process of its own."""
+    calls = []
+    monkeypatch.setattr(invariant, "enable", lambda: calls.append("enable"))
+    return calls
 from worker.model.reference import ReferenceAdapter
 
 
@@ -74,15 +86,17 @@ def test_another_worker_process_computes_the_same_bits(loaded, checkpoints):
     assert all(torch.equal(a, b) for a, b in zip(here, there, strict=True))
 
 
-def test_the_fast_engines_deterministic_path_gives_a_prompt_the_same_bits_in_every_bucket_and_place(loaded):
+def test_the_fast_engines_deterministic_path_gives_a_prompt_the_same_bits_in_every_bucket_and_place(
+        loaded, process_settings_kept):
     """The bucketed path with its stand-ins (plain calls for CUDA graphs, plain-torch mixers): rows as many as the
     bucket's tokens (a pack with many questions stays graphed), no pruned layer, and each prompt's scores the same
-    alone, first, last and among others in every bucket. The GPU's kernels are tests/gpu/test_determinism.py's."""
+    alone, first, last and among others in every bucket. The GPU's kernels are tests/gpu/test_bitwise.py's."""
     model = loaded("repo", 140)
     prompts = prompts_of(model)
     settings = Settings(deterministic=True, cuda_graphs=True, buckets="256,512,1024", **SMALL)
     engine = FastEngine(model, settings, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
     engine.warmup()
+    assert process_settings_kept == ["enable"]
     assert not engine.fwd.pruned and engine.fwd.image_by_image
     assert [engine.rows_of(bucket) for bucket in engine.buckets] == [256, 512, 1024]
     alone = [scores(engine, [prompt])[0] for prompt in prompts]
@@ -125,6 +139,17 @@ def test_deterministic_mode_is_refused_where_it_is_not_built_saying_what_runs_it
     for fields in (dict(cuda_graphs=False), dict(compile="none")):  # eager packs run kernels of their own length
         with pytest.raises(ValueError, match="--cuda-graphs, --compile layer"):
             FastEngine(model, Settings(deterministic=True, **fields), mixers=TorchMixers())
+
+
+def test_enable_sets_cublas_without_split_k_and_inductor_without_timing_before_the_first_matmul():
+    code = ("import os, torch, torch._inductor.config as inductor\n"
+            "from worker.fast import invariant\n"
+            "invariant.enable()\n"
+            "print(os.environ['CUBLASLT_WORKSPACE_SIZE'], os.environ['CUBLAS_WORKSPACE_CONFIG'], "
+            "inductor.deterministic, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction, "
+            "getattr(torch.backends.cuda.matmul, 'allow_bf16_reduced_precision_reduction_split_k', False))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["1", ":16:8", "True", "False", "False"]
 
 
 def test_a_gemm_that_depends_on_the_batch_stops_the_start(monkeypatch):

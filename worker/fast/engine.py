@@ -103,6 +103,12 @@ class FastEngine:
                                  fp8=settings.fp8, fp8_layers=settings.fp8_layers, fp8_matrices=settings.fp8_matrices,
                                  compile=settings.compile, compile_pieces=not self.graphs_on, fused=fused,
                                  image_by_image=self.invariant)
+        linear = next((stage.dims for stage in self.fwd.stages if stage.kind == LINEAR), None)
+        if (self.invariant and isinstance(mixers, CudaMixers) and linear is not None
+                and not (model.dtype in (torch.bfloat16, torch.float16) and linear.head_k == linear.head_v == 128)):
+            # Elsewhere the delta rule runs on fla's kernels, which pick their configuration by timing.
+            raise ValueError(f"deterministic mode runs the delta rule on FlashQLA, which takes bf16 or fp16 and "
+                             f"128-wide heads; this model is {model.dtype} with {linear.head_k}-wide heads")
         if self.invariant and self.device.type == "cuda" and not (self.graphs_on and settings.compile == "layer"):
             # Eager packs run each length's own kernels (and their own reduction orders): only the graphed,
             # compiled pieces are built to be the same for every bucket.

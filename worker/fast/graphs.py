@@ -102,8 +102,9 @@ class Workspace:
             self.fq, self.fo = zeros(capacity, full.heads, full.head_dim), zeros(capacity, full.heads, full.head_dim)
             self.fk, self.fv = (zeros(capacity, full.kv_heads, full.head_dim) for _ in range(2))
             self.gate = zeros(capacity, full.heads * full.head_dim)
-            self.rq, self.ro = zeros(rows, full.heads, full.head_dim), zeros(rows, full.heads, full.head_dim)
-            self.rgate, self.rh = zeros(rows, full.heads * full.head_dim), zeros(rows, hidden)
+            if fwd.pruned:  # the pruned last layer's marker rows
+                self.rq, self.ro = zeros(rows, full.heads, full.head_dim), zeros(rows, full.heads, full.head_dim)
+                self.rgate, self.rh = zeros(rows, full.heads * full.head_dim), zeros(rows, hidden)
             rotary = fwd.rotary.inv_freq.shape[0] * 2
             self.cos, self.sin = zeros(capacity, rotary), zeros(capacity, rotary)
         self.scores = zeros(rows, verbalizers, kind=torch.float32)

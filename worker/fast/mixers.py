@@ -86,7 +86,11 @@ class CudaMixers:
                                       "configuration by timing in each process: run without --deterministic")
         self._varlen = _varlen_attn()
         # torch < 2.13 has no enable_gqa: the key/value heads are then repeated to the query heads.
-        self._native_gqa = "enable_gqa" in inspect.signature(self._varlen).parameters
+        parameters = inspect.signature(self._varlen).parameters
+        self._native_gqa = "enable_gqa" in parameters
+        # Deterministic mode: never split a sequence's keys across blocks, whose number FlashAttention picks from
+        # the pack (torch 2.11's FA2 splits only single-query GQA, which never runs here; later versions may).
+        self._splits = {"num_splits": 1} if invariant and "num_splits" in parameters else {}
 
     def variant_packs(self, heads: int, budget: int, longest: int = 0) -> dict[Any, list[int]]:
         """Packs (prompt lengths) that reach every delta-rule kernel variant: FlashQLA's (worker/fast/qla.py);
@@ -108,7 +112,7 @@ class CudaMixers:
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
                   bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
         assert not (causal and rows_only), "marker-row queries need a noncausal layer"
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(self._splits)
         if query.shape[1] != key.shape[1]:
             if self._native_gqa:
                 extra["enable_gqa"] = True

@@ -1,10 +1,11 @@
-"""One worker-like process for tests/gpu/test_determinism.py: loads a checkpoint, starts the fast engine (warm-up and
+"""One worker-like process for tests/gpu/test_bitwise.py: loads a checkpoint, starts the fast engine (warm-up and
 all), runs a held-out set of prompts alone and inside packs of random traffic (first, last, in the middle, in
 every bucket), and saves every held-out prompt's scores per composition.
 
-Usage: python determinism_run.py CHECKPOINT OUT.pt [--deterministic] [--fp8] [--seed N] [--cpu]
-``--seed``: the random traffic (two processes given other seeds share only the held-out set). ``--cpu``: the
-stand-ins (plain-torch mixers, plain calls for graphs) on the CPU, to check this script without a GPU.
+Usage: python bitwise_run.py CHECKPOINT OUT.pt [--deterministic] [--fp8] [--seed N] [--cache DIR] [--cpu]
+``--seed``: the random traffic (two processes given other seeds share only the held-out set). ``--cache``: the
+process's own compile cache (no process loads another's kernels or their tuning). ``--cpu``: the stand-ins
+(plain-torch mixers, plain calls for graphs) on the CPU, to check this script without a GPU.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--cache", default="")
     parser.add_argument("--cpu", action="store_true")
     args = parser.parse_args()
     if args.deterministic:
@@ -79,7 +81,8 @@ def main() -> None:
     device, dtype = ("cpu", "float32") if args.cpu else ("cuda", "bfloat16")
     model = checkpoint.load(args.checkpoint, device=device, dtype=dtype, max_prompt_tokens=2560)
     settings = Settings(deterministic=args.deterministic, fp8=args.fp8, buckets=",".join(map(str, BUCKETS)),
-                        pack_tokens=max(BUCKETS), max_prompt_tokens=2560, compile="none" if args.cpu else "layer")
+                        pack_tokens=max(BUCKETS), max_prompt_tokens=2560, compile="none" if args.cpu else "layer",
+                        compile_cache=args.cache)
     extra = {}
     if args.cpu:
         from worker.fast.mixers import TorchMixers
@@ -90,8 +93,8 @@ def main() -> None:
     engine.warmup()
     from torch._dynamo.utils import counters
 
-    print(f"engine ready in {time.perf_counter() - began:.1f}s, {counters['stats']['unique_graphs']} compiled graphs",
-          flush=True)
+    graphs = counters["stats"]["unique_graphs"]
+    print(f"engine ready in {time.perf_counter() - began:.1f}s, {graphs} compiled graphs", flush=True)
 
     encoder = Encoder(model)
     corpus = list(tiny.CORPUS)
@@ -101,7 +104,12 @@ def main() -> None:
     assert len(kept["split"]) > 1, "the split request must span several prompts"
     assert max(p.length for p in kept["long-tail"]) > max(BUCKETS), "one long-tail prompt runs alone, eagerly"
     rng = random.Random(args.seed)
-    traffic = [prompt for request in requests(corpus, rng, 200, 20)
+    from support import png
+
+    pictures = [{"state": f"See img-0. {rng.choice(corpus)}", "questions": {"tone": QUESTIONS["tone"]},
+                 "assets": {"img-0": {"data_base64": png(color, (rng.choice((32, 64, 96)), rng.choice((32, 64))))}}}
+                for color in ("green", "white", "black", "yellow")]  # other images beside the held-out one
+    traffic = [prompt for request in requests(corpus, rng, 200, 20) + pictures * 5
                for prompt in encoder.prompts(Request.model_validate(request))]
 
     shortest = [prompt for word in ("ok", "hello", "refund please", "thanks", "where is it", "stop")
@@ -111,6 +119,7 @@ def main() -> None:
 
     def run(pack: list, at: int) -> torch.Tensor:
         result = engine.launch(pack).wait()
+        assert result.graph or len(pack) == 1, "every pack within the budget runs from its bucket's graphs"
         return result.scores[at].clone()
 
     def filled(target, low: int, high: int) -> list:
@@ -149,7 +158,9 @@ def main() -> None:
                     used += other.length
                 got[f"among {len(crowd)} short ones"] = run([*crowd[:5], prompt, *crowd[5:]], min(5, len(crowd)))
             scores[key] = got
-    torch.save({key: {label: value.cpu() for label, value in got.items()} for key, got in scores.items()}, args.out)
+    torch.save({"graphs": graphs, "recompiled": counters["stats"]["unique_graphs"] - graphs,
+                "scores": {key: {label: value.cpu() for label, value in got.items()} for key, got in scores.items()}},
+               args.out)
     print(f"saved {sum(len(got) for got in scores.values())} scores of {len(scores)} held-out prompts", flush=True)
 
 
