@@ -129,6 +129,25 @@ def test_a_card_that_breaks_the_promise_stops_the_warm_up(loaded):
         engine.warmup()
 
 
+def test_the_check_at_warm_up_fills_small_buckets_exactly_and_never_passes_having_checked_nothing(loaded):
+    """Probe packs fill each bucket exactly, also where the buckets are smaller than the usual probe prompts (a
+    largest bucket under 128 once crashed the start); buckets too small to hold any probe pack refuse the start."""
+    settings = Settings(deterministic=True, cuda_graphs=True, buckets="40,100", **SMALL)
+    engine = FastEngine(loaded("repo"), settings, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
+    packs, launch = [], engine.launch
+    engine.launch = lambda pack: packs.append([p.length for p in pack]) or launch(pack)
+    try:
+        engine.warmup()
+    except invariant.NotInvariant:  # the CPU's BLAS may round a 40-row GEMM otherwise than a 100-row one
+        pass
+    probed = [pack for pack in packs if len(pack) > 1]
+    assert probed and all(sum(pack) in (40, 100) for pack in probed), probed
+    tiny_buckets = Settings(deterministic=True, cuda_graphs=True, buckets="3", **SMALL)
+    engine = FastEngine(loaded("repo"), tiny_buckets, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
+    with pytest.raises(invariant.NotInvariant, match="found no pack to check"):
+        engine.warmup()
+
+
 def test_deterministic_mode_is_refused_where_it_is_not_built_saying_what_runs_it(loaded, monkeypatch):
     model = loaded("repo")
     assert isinstance(create_engine(model, Settings(deterministic=True)), ReferenceAdapter)  # auto on the CPU

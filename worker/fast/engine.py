@@ -179,11 +179,15 @@ class FastEngine:
 
     def _check_invariance(self) -> None:
         """Deterministic mode keeps its promise on this card and software before the worker reports ready: probe
-        prompts of random tokens alone, then first and last in packs of every bucket, beside one filler or many
-        short ones (the delta rule's widest tile, where alone it takes its narrowest), must score the same bits."""
+        prompts of random tokens alone, then first and last in packs that fill every bucket, beside one filler or
+        many short ones (the delta rule's widest tile, where alone it takes its narrowest), must score the same
+        bits."""
         began, checked = time.perf_counter(), 0
         generator = torch.Generator().manual_seed(0)
-        vocab, image = int(self.fwd.embed_tokens.weight.shape[0]), self.fwd.image_token_id
+        tokenizer = getattr(self.model, "tokenizer", None)
+        vocab = int(self.fwd.embed_tokens.weight.shape[0])
+        vocab = min(vocab, len(tokenizer)) if tokenizer is not None else vocab  # ids a request can hold
+        image = self.fwd.image_token_id
 
         def probe(length: int) -> Prompt:
             ids = torch.randint(0, vocab, (length,), generator=generator)
@@ -191,25 +195,31 @@ class FastEngine:
                 ids[ids == image] = self.pad_id
             return Prompt(input_ids=ids, rows=torch.tensor([length // 2, length - 1]), questions=(WARMUP, WARMUP))
 
-        targets = [probe(37), probe(max(64, min(self.buckets or (self._budget,)) // 3))]
-        for target in targets:
+        buckets = self.buckets or (self._budget,)
+        smallest = min(buckets)
+        for length in sorted({max(2, min(37, smallest // 2)), max(2, smallest // 3)}):
+            target = probe(length)
             alone = self.launch([target]).wait().scores[0]
-            for bucket in self.buckets or (self._budget,):
-                room = bucket - target.length
+            for bucket in buckets:
+                room = bucket - length  # fillers fill the bucket exactly
                 if room < 2:
                     continue
                 short = min(32, room // 64 - 1)  # enough prompts to fill the card's grid, and one long
-                for fillers in ([room], [64] * short + [room - 64 * short]):
-                    crowd = [probe(n) for n in fillers if n > 1]
+                for fillers in [[room]] + ([[64] * short + [room - 64 * short]] if short > 0 else []):
+                    crowd = [probe(n) for n in fillers]
                     for pack, at in (([target, *crowd], 0), ([*crowd, target], len(crowd))):
-                        got = self.launch(pack).wait().scores[at]
-                        checked += 1
-                        if not torch.equal(got, alone):
+                        run = self.launch(pack).wait()
+                        assert run.bucket == (bucket if self.buckets else None), (run.bucket, bucket)
+                        got, checked = run.scores[at], checked + 1
+                        if not torch.equal(got.view(torch.int32), alone.view(torch.int32)):  # bits, NaN included
                             raise invariant.NotInvariant(
-                                f"deterministic mode's check at warm-up: a {target.length}-token probe prompt "
-                                f"scored other bits {'first' if at == 0 else 'last'} in a pack of {len(pack)} "
-                                f"prompts (bucket {bucket}) than alone, up to {(got - alone).abs().max().item():g} "
-                                f"apart, on this card and software: run without --deterministic")
+                                f"deterministic mode's check at warm-up: a {length}-token probe prompt scored other "
+                                f"bits {'first' if at == 0 else 'last'} in a pack of {len(pack)} prompts (bucket "
+                                f"{bucket}) than alone, up to {(got - alone).abs().max().item():g} apart, on this "
+                                f"card and software: run without --deterministic")
+        if not checked:
+            raise invariant.NotInvariant(f"deterministic mode's check at warm-up found no pack to check: the buckets "
+                                         f"{buckets} are too small (at least 4 tokens)")
         log.info("deterministic mode: %d probe packs scored their probe prompts bitwise as alone (%.1fs)", checked,
                  time.perf_counter() - began)
 
