@@ -97,8 +97,7 @@ def test_body_batch_and_in_flight_limits_each_with_its_status(stack):
             reply = http.post(path, json={"requests": [request(f"gw-if-{i}") for i in range(3)]})
             assert reply.status_code == 413 and "retry-after" not in reply.headers, reply.text
             assert reply.json()["error"]["code"] == "batch_too_large" and "never" in reply.json()["error"]["message"]
-        # Nothing answers it: it holds its slot for its whole timeout, long enough for a loaded machine to see it.
-        held = threading.Thread(target=lambda: http.post("/v1/decide", params={"timeout": 5},
+        held = threading.Thread(target=lambda: http.post("/v1/decide", params={"timeout": 1.5},
                                                          json=request(priority="normal")))
         held.start()  # one slot of two held: a batch of two waits for it
         deadline = time.monotonic() + 10
