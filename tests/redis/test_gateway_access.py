@@ -97,13 +97,14 @@ def test_body_batch_and_in_flight_limits_each_with_its_status(stack):
             reply = http.post(path, json={"requests": [request(f"gw-if-{i}") for i in range(3)]})
             assert reply.status_code == 413 and "retry-after" not in reply.headers, reply.text
             assert reply.json()["error"]["code"] == "batch_too_large" and "never" in reply.json()["error"]["message"]
-        held = threading.Thread(target=lambda: http.post("/v1/decide", params={"timeout": 1.5},
-                                                         json=request(priority="normal")))
-        held.start()  # one slot of two held: a batch of two waits for it
+        # One slot of two held for 3 s by a long-poll on an id never sent (a decide the worker answers would hold
+        # it only as long as the answer takes, a window a loaded machine can miss): a batch of two waits for it.
+        held = threading.Thread(target=lambda: http.get("/v1/results/gw-never-sent", params={"wait": 3}))
+        held.start()
         deadline = time.monotonic() + 10
         while (reply := http.post("/v1/decide/batch", params={"timeout": 0.2},
                                   json={"requests": [request(), request()]})).status_code != 429:
-            assert time.monotonic() < deadline, "the decide did not hold its slot"
+            assert time.monotonic() < deadline, "the long-poll did not hold its slot"
         assert reply.json()["error"]["code"] == "too_many_in_flight" and reply.headers["retry-after"] == "1"
         held.join()
         for _ in range(3):  # the slots come back when each call ends
