@@ -67,10 +67,10 @@ def check_gemms(linears: Iterable[Linear], sizes: Iterable[int], dtype: torch.dt
     distinct: dict[tuple, Linear] = {}
     for linear in linears:
         matrix = linear.weight if isinstance(linear, Dense) else linear.qweight
-        distinct.setdefault((type(linear), tuple(matrix.shape), matrix.device), linear)
+        distinct.setdefault((type(linear), tuple(matrix.shape), matrix.device, linear.bias is None), linear)
     generator = torch.Generator().manual_seed(seed)
     most = sizes[-1]
-    for (kind, (out_features, in_features), device), linear in distinct.items():
+    for (kind, (out_features, in_features), device, _), linear in distinct.items():
         rows = torch.randn(most, in_features, generator=generator).to(device, dtype)
         reference = ops.linear(rows, linear)
         for size in sizes[:-1]:
