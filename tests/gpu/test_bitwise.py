@@ -95,7 +95,7 @@ def test_without_the_mode_the_spread_is_reported_and_stays_within_bf16_rounding(
     report(test="determinism", mode="default", vs="default process, prompt alone", compared=compared,
            unequal=len(differ), max_score_diff=worst, vs_deterministic_unequal=len(against),
            vs_deterministic_max_score_diff=worst_against)
-    assert worst < 0.25 and worst_against < 0.25  # logits; bf16 rounding moves them by hundredths here
+    assert worst < 0.5 and worst_against < 0.5  # logits: 0.18 apart on an H100; a wiring fault moves them by more
 
 
 def test_fp8_in_deterministic_mode_keeps_the_same_bits_too(runs):
