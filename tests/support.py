@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import os
 import urllib.error
 import urllib.request
 
@@ -24,3 +26,12 @@ def http_get(url: str) -> tuple[int, str]:
             return reply.status, reply.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
+
+
+def report(**figures: object) -> None:
+    """A GPU test's measured figures: printed as a RESULT line, and appended as JSON to DQ_GPU_REPORT where set."""
+    line = json.dumps(figures)
+    print("RESULT", line)
+    if os.environ.get("DQ_GPU_REPORT"):
+        with open(os.environ["DQ_GPU_REPORT"], "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")

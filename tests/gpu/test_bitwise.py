@@ -11,8 +11,6 @@ figures.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +23,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("flash_qla", reason="deterministic mode runs the delta rule on FlashQLA")
 
+from support import report  # noqa: E402
 from worker.model import tiny  # noqa: E402
 
 RUN = Path(__file__).with_name("bitwise_run.py")
@@ -34,14 +33,6 @@ PROCESSES = {  # name -> flags
     "deterministic fp8": ["--deterministic", "--fp8", "--seed", "3"],
     "default": ["--seed", "1"],
 }
-
-
-def report(**figures) -> None:
-    line = json.dumps(figures)
-    print("RESULT", line)
-    if os.environ.get("DQ_GPU_REPORT"):
-        with open(os.environ["DQ_GPU_REPORT"], "a", encoding="utf-8") as handle:
-            handle.write(line + "\n")
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,6 @@ Set DQ_GPU_REPORT=path to append every measured figure as a JSON line.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 
 import pytest
@@ -31,7 +29,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("fla", reason="the fast engine needs flash-linear-attention")
 
-from support import png  # noqa: E402
+from support import png, report  # noqa: E402
 from producer.schema import Request  # noqa: E402
 from worker.config import Settings  # noqa: E402
 from worker.fast import FastEngine  # noqa: E402
@@ -56,14 +54,6 @@ CONFIGS = {  # name -> Settings fields; together they cover every option and mod
     "sub": dict(compile="sub", cuda_graphs=False, prune_last=True),
     "layer": dict(compile="layer", cuda_graphs=False, prune_last=False),
 }
-
-
-def report(**figures) -> None:
-    line = json.dumps(figures)
-    print("RESULT", line)
-    if os.environ.get("DQ_GPU_REPORT"):
-        with open(os.environ["DQ_GPU_REPORT"], "a", encoding="utf-8") as handle:
-            handle.write(line + "\n")
 
 
 @pytest.fixture(scope="module")

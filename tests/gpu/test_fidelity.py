@@ -10,8 +10,6 @@ quantisation fault, which moves the mean by several times that, fails it.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,7 +22,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("fla", reason="the fast engine needs flash-linear-attention")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops" / "bench"))
 
-import fidelity
+import fidelity  # noqa: E402
+from support import report  # noqa: E402
 
 BOUNDS = {  # configuration -> (mean, flips) against fp32 at most: the documented figures with a margin
     "fp8": (0.13, 0.25),
@@ -34,10 +33,7 @@ BOUNDS = {  # configuration -> (mean, flips) against fp32 at most: the documente
 
 def test_bf16_and_fp8_at_the_2b_shape_stay_within_their_bounds():
     result = fidelity.measure("2b", requests=200, configs=("bf16", "fp8", "fp8-full"))
-    print("RESULT", json.dumps(result))
-    if os.environ.get("DQ_GPU_REPORT"):
-        with open(os.environ["DQ_GPU_REPORT"], "a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"test": "fidelity-2b", **result}) + "\n")
+    report(test="fidelity-2b", **result)
     floor = result["floor"]
     bf16 = result["bf16"]["vs_fp32"]
     assert bf16["mean"] <= 2 * floor["mean"] + 0.005 and bf16["flips"] <= 2 * floor["flips"] + 0.02
