@@ -68,11 +68,11 @@ def settings_for(args: argparse.Namespace, **extra):
                     claim_idle_ms=600_000, **extra)
 
 
-def serve_worker(args: argparse.Namespace, model: Any = None, after_warmup: Callable[[Any], None] | None = None,
-                 **extra: Any) -> int:
-    """A benchmark's worker process (``--worker``): the real daemon around ``model`` (default: the random model of
-    ``--shape``), with the benchmarks' settings and ``extra``, its metrics and health on ``--metrics-port``;
-    ``after_warmup(daemon)`` runs before it reports ready."""
+def serve_worker(args: argparse.Namespace, make_model: Callable[[], Any] | None = None,
+                 after_warmup: Callable[[Any], None] | None = None, **extra: Any) -> int:
+    """A benchmark's worker process (``--worker``): the real daemon around ``make_model()`` (default: the random
+    model of ``--shape``), with the benchmarks' settings and ``extra``, its metrics and health on
+    ``--metrics-port``; ``after_warmup(daemon)`` runs before it reports ready."""
     from worker.daemon import Daemon
     from worker.health import serve_http
     from worker.logs import setup_logging
@@ -83,7 +83,7 @@ def serve_worker(args: argparse.Namespace, model: Any = None, after_warmup: Call
 
         invariant.prepare_process()
     daemon = Daemon(settings_for(args, redis_url=args.redis_url, metrics_port=args.metrics_port, **extra),
-                    model=model if model is not None else model_for(args.shape))
+                    model=make_model() if make_model is not None else model_for(args.shape))
     serve_http(daemon, args.metrics_port)
     return daemon.run(after_warmup=(lambda: after_warmup(daemon)) if after_warmup else None)
 

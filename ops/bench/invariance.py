@@ -23,6 +23,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,14 +43,13 @@ def run_worker(args: argparse.Namespace) -> int:
     """A worker process: the real daemon around the seeded random model (both workers load the same weights)."""
     import torch
 
-    if args.deterministic:  # cuBLAS's settings precede the first GPU matmul, the model's making included
-        from worker.fast import invariant
+    def make_model() -> Any:
+        torch.manual_seed(0)
+        model = model_for(args.shape)
+        model.max_length = MAX_PROMPT_TOKENS
+        return model
 
-        invariant.prepare_process()
-    torch.manual_seed(0)
-    model = model_for(args.shape)
-    model.max_length = MAX_PROMPT_TOKENS
-    return serve_worker(args, model, fanout_tokens=FANOUT_TOKENS)
+    return serve_worker(args, make_model, fanout_tokens=FANOUT_TOKENS)
 
 
 def held_out(args: argparse.Namespace, encoder) -> dict[str, list[dict]]:
