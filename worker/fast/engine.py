@@ -32,6 +32,7 @@ from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warme
 from .layout import Boundaries, Layout, Regions, lay_out, prompt_positions, row_capacity
 from . import invariant, prebuild
 from .mixers import CudaMixers, Mixers
+from .qla import FlashQLA
 
 log = logging.getLogger(__name__)
 SLOTS = 2
@@ -103,10 +104,12 @@ class FastEngine:
                                  fp8=settings.fp8, fp8_layers=settings.fp8_layers, fp8_matrices=settings.fp8_matrices,
                                  compile=settings.compile, compile_pieces=not self.graphs_on, fused=fused,
                                  image_by_image=self.invariant)
-        linear = next((stage.dims for stage in self.fwd.stages if stage.kind == LINEAR), None)
-        if (self.invariant and isinstance(mixers, CudaMixers) and linear is not None
-                and not (model.dtype in (torch.bfloat16, torch.float16) and linear.head_k == linear.head_v == 128)):
-            # Elsewhere the delta rule runs on fla's kernels, which pick their configuration by timing.
+        linear = self.linear_dims = next((stage.dims for stage in self.fwd.stages if stage.kind == LINEAR), None)
+        # Where the delta rule runs on FlashQLA (else on fla's kernels, or the stand-in mixers).
+        self.on_flash_qla = (linear is not None and getattr(mixers, "flash_qla", None) is not None
+                             and FlashQLA.takes(model.dtype, linear.head_k, linear.head_v))
+        if self.invariant and isinstance(mixers, CudaMixers) and linear is not None and not self.on_flash_qla:
+            # fla's kernels pick their configuration by timing, per process.
             raise ValueError(f"deterministic mode runs the delta rule on FlashQLA, which takes bf16 or fp16 and "
                              f"128-wide heads; this model is {model.dtype} with {linear.head_k}-wide heads")
         if self.invariant and self.device.type == "cuda" and not (self.graphs_on and settings.compile == "layer"):
@@ -148,7 +151,7 @@ class FastEngine:
         # grid size picks), each JIT-compiled on first use (15-50 s on an H200): one pack for each variant that
         # any pack of at most the budget, or one prompt up to the longest, can reach (worker/fast/qla.py). Child
         # processes compile them beside the capture (worker/fast/prebuild.py); the packs below then load them.
-        dims = next((stage.dims for stage in self.fwd.stages if stage.kind == LINEAR), None)
+        dims = self.linear_dims
         heads = dims.v_heads if dims is not None else 0
         longest = max(self.model.max_length, self._budget)
         variants = self.fwd.mixers.variant_packs(heads, self._budget, longest) if heads else {}
@@ -225,11 +228,10 @@ class FastEngine:
 
     def _prebuild(self, variants: dict, dims: LinearDims | None) -> prebuild.Prebuild | None:
         """Children compiling FlashQLA's variants, where the delta rule runs on FlashQLA (CUDA, 128-wide heads)."""
-        dtype = str(self.model.dtype).removeprefix("torch.")
-        if (not variants or getattr(self.fwd.mixers, "flash_qla", None) is None or dtype not in ("bfloat16", "float16")
-                or dims is None or (dims.head_k, dims.head_v) != (128, 128)):
+        if not variants or dims is None or not self.on_flash_qla:
             return None
-        return prebuild.start(variants, dims.k_heads, dims.v_heads, 128, 128, dtype)
+        return prebuild.start(variants, dims.k_heads, dims.v_heads, 128, 128,
+                              str(self.model.dtype).removeprefix("torch."))
 
     def _timed(self, what: str, lengths: Sequence[int]) -> None:
         """One warm-up pack, run to completion and logged with its time."""

@@ -55,8 +55,13 @@ class FlashQLA:
         self._context: Any = None
 
     @staticmethod
-    def supports(query: torch.Tensor, value: torch.Tensor) -> bool:
-        return query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] == value.shape[-1] == 128
+    def takes(dtype: torch.dtype, head_k: int, head_v: int) -> bool:
+        """FlashQLA's kernels: bf16 or fp16, 128-wide key and value heads."""
+        return dtype in (torch.bfloat16, torch.float16) and head_k == head_v == 128
+
+    @classmethod
+    def supports(cls, query: torch.Tensor, value: torch.Tensor) -> bool:
+        return cls.takes(query.dtype, query.shape[-1], value.shape[-1])
 
     def context(self, bounds: Boundaries, heads: int) -> Any:
         """The pack's context, built at its first layer (all layers of a pack share ``bounds``)."""
