@@ -128,19 +128,28 @@ def free_port() -> int:
     return free_ports(1)
 
 
+# Ports this process handed out: a server stopped for a fault and started again on its port, or a worker that binds
+# its metrics port seconds after, leaves one free for a while that is still promised (the CI once lost a worker so).
+_handed_out: set[int] = set()
+
+
 def free_ports(count: int) -> int:
     """The first of ``count`` consecutive ports free on loopback now (a launcher's and its workers'), below the
     ephemeral range: a port found free there is not taken a moment later by some client's outgoing connection."""
     low, high = _share(10000, ephemeral_start())
     for _ in range(100):
         base = random.randrange(low, max(low + 1, high - count))  # the whole run inside this process's slice
+        run = range(base, base + count)
+        if _handed_out.intersection(run):  # free now, but maybe not for long (a server stopped to restart)
+            continue
         try:
-            for port in range(base, base + count):
+            for port in run:
                 with socket.socket() as sock:
                     sock.bind(("127.0.0.1", port))
-            return base
         except OSError:  # taken
             continue
+        _handed_out.update(run)
+        return base
     raise RuntimeError(f"no {count} consecutive free ports")
 
 

@@ -86,6 +86,16 @@ def test_free_ports_lie_below_the_ephemeral_range_and_in_this_process_share(monk
         assert redis_server._share(10000, 20000) == (10000, 20000)
 
 
+def test_a_port_handed_out_is_not_handed_out_again_while_free(monkeypatch):
+    """A worker binds its metrics port seconds after it was picked, and a server stopped for a fault binds its port
+    again on restart: the port is free meanwhile, yet promised. The CI once lost a worker to the same port twice."""
+    first = redis_server.free_port()  # nothing binds it: free, and handed out
+    real, picks = random.Random(), iter([first, first])
+    monkeypatch.setattr(redis_server.random, "randrange", lambda *args: next(picks, None) or real.randrange(*args))
+    second = redis_server.free_port()
+    assert second != first and second in redis_server._handed_out
+
+
 def test_a_clusters_ports_and_bus_ports_are_distinct_free_and_in_this_process_share(monkeypatch):
     """A cluster node binds two ports: its own and its bus port (``cluster-port``). All of a cluster's ports are
     picked before any node binds one, so a random pick could repeat an earlier one: the node that bound it second
