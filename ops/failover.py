@@ -46,7 +46,7 @@ from producer.invariant import leftovers  # noqa: E402
 from producer.library import REVISION_FUNCTION  # noqa: E402
 from producer.keys import Field, Keys  # noqa: E402
 from producer.result import Result  # noqa: E402
-from worker.redis_server import Binary, RedisServer, find, free_port, free_ports, probe  # noqa: E402
+from worker.redis_server import Binary, RedisServer, find, free_port, probe  # noqa: E402
 
 SERVICE = "dq"
 SLOTS = 16384
@@ -174,15 +174,12 @@ class Clustered:
 
     def __init__(self, binary: Binary | None = None) -> None:
         self.binary = binary or find()
-        # Six node ports and six bus ports as one run of free ports: picked one by one before any node binds, a
-        # port could come up twice (as LocalCluster's once did).
-        first = free_ports(12)
-        self.buses = [first + 6 + i for i in range(6)]
+        self.buses = [free_port() for _ in range(6)]  # distinct, though none is bound before the nodes start
         # validity factor 0: a replica always stands for election (a replica of an idle primary can otherwise find
         # its data "too old" and nobody is promoted: seen here on Redis 7.0)
         self.nodes = [RedisServer("--cluster-port", str(bus), "--cluster-node-timeout", "2000",
-                                  "--cluster-replica-validity-factor", "0", binary=self.binary, cluster=True,
-                                  port=first + i) for i, bus in enumerate(self.buses)]
+                                  "--cluster-replica-validity-factor", "0", binary=self.binary, cluster=True)
+                      for bus in self.buses]
 
     @property
     def url(self) -> str:

@@ -260,13 +260,10 @@ class LocalCluster:
 
     def __init__(self, nodes: int = 3, *args: str, username: str | None = None, password: str | None = None) -> None:
         self.auth = {"username": username, "password": password}  # who joins the nodes (an aclfile's admin)
-        # Every node's port and bus port are picked before any node binds one. Picked one by one, a port could
-        # come up twice, and the node that bound it second failed ("Address already in use"). One run of
-        # consecutive free ports inside this process's slice gives each a different port.
-        first = free_ports(2 * nodes)
-        self.buses = [first + nodes + i for i in range(nodes)]
-        self.nodes = [RedisServer("--cluster-port", str(bus), "--cluster-node-timeout", "2000", *args, port=first + i,
-                                  cluster=True) for i, bus in enumerate(self.buses)]
+        # Every node's port and bus port are picked before any node binds one: free_port never hands one out twice.
+        self.buses = [free_port() for _ in range(nodes)]
+        self.nodes = [RedisServer("--cluster-port", str(bus), "--cluster-node-timeout", "2000", *args, cluster=True)
+                      for bus in self.buses]
 
     @property
     def url(self) -> str:
