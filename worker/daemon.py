@@ -241,9 +241,8 @@ def serve(settings: Settings) -> int:
     except (checkpoint.CheckpointError, ValueError, ImportError, UnsupportedServer) as error:
         log.error("cannot start: %s", error)
         return 2
-    except RuntimeError as error:  # the fast engine cannot run here (its module is loaded only when it was tried)
-        fast = sys.modules.get(f"{__package__}.fast.errors")
-        if fast is None or not isinstance(error, fast.FastPathUnavailable):
+    except RuntimeError as error:
+        if not _refused_here(error):
             raise
         log.error("cannot start: %s", error)
         return 2
@@ -259,9 +258,16 @@ def serve(settings: Settings) -> int:
         signal.signal(sig, daemon.on_signal)
     try:
         return daemon.run()
-    except RuntimeError as error:  # deterministic mode found at warm-up that this card does not keep it
-        invariant = sys.modules.get(f"{__package__}.fast.invariant")
-        if invariant is None or not isinstance(error, invariant.NotInvariant):
+    except RuntimeError as error:  # deterministic mode's check at warm-up
+        if not _refused_here(error):
             raise
         log.error("cannot start: %s", error)
         return 2
+
+
+def _refused_here(error: RuntimeError) -> bool:
+    """The fast engine cannot run here, or deterministic mode cannot be kept on this card. Their modules are loaded
+    only where the fast engine was tried, so they are looked up rather than imported."""
+    refusals = [("errors", "FastPathUnavailable"), ("invariant", "NotInvariant")]
+    loaded = [(sys.modules.get(f"{__package__}.fast.{module}"), name) for module, name in refusals]
+    return any(isinstance(error, getattr(module, name)) for module, name in loaded if module is not None)

@@ -128,3 +128,13 @@ def test_the_fast_engine_where_it_cannot_run_is_refused_with_exit_2_naming_the_r
     assert done.returncode == 2, done.stderr[-2000:]
     assert "cannot start:" in done.stderr and "--engine reference" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_serve_turns_the_fast_engines_refusals_into_exit_2_and_lets_other_errors_through():
+    """The fast engine's refusals (it cannot run here; deterministic mode's check at warm-up failed) end serve with
+    one line and exit 2; any other RuntimeError is a fault and keeps its traceback."""
+    from worker.daemon import _refused_here
+    from worker.fast import FastPathUnavailable, invariant
+
+    assert _refused_here(FastPathUnavailable("no CUDA")) and _refused_here(invariant.NotInvariant("other bits"))
+    assert not _refused_here(RuntimeError("CUDA error: an illegal memory access was encountered"))
