@@ -36,4 +36,5 @@ def test_soak_several_workers_and_producers_nothing_lost_nothing_duplicated(redi
     assert not stats["problems"], stats["problems"]
     assert stats["answered"] == stats["submitted"] > 500 and stats["bad"] > 0
     assert replaced and replaced[0].process.poll() is None
+    replaced[0].wait_ready()  # on a loaded machine it may still be loading: its metrics port opens when ready
     assert sum(w.metric("dq_entries_read_total", how="reclaimed") for w in workers[1:] + replaced) > 0
