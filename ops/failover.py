@@ -43,9 +43,9 @@ from redis.crc import key_slot  # noqa: E402
 
 from producer.client import Client, NotDurable, ResultTimeout  # noqa: E402
 from producer.invariant import leftovers  # noqa: E402
-from producer.library import REVISION_FUNCTION  # noqa: E402
-from producer.keys import Field, Keys  # noqa: E402
-from producer.result import Result  # noqa: E402
+from producer.wire.keys import Field, Keys  # noqa: E402
+from producer.wire.library import REVISION_FUNCTION  # noqa: E402
+from producer.wire.result import Result  # noqa: E402
 from worker.redis_server import Binary, RedisServer, find, free_port, probe  # noqa: E402
 
 SERVICE = "dq"

@@ -4,7 +4,7 @@
     python ops/redis_acl.py --development > ops/redis/users.acl   # the compose file's well-known passwords
 
 No role but admin runs Lua of its own (no EVAL, EVALSHA, SCRIPT or FUNCTION LOAD): Redis Functions of the
-queue's library (producer/library.py, loaded by ``dq-worker load-functions`` as admin) are called with FCALL.
+queue's library (producer/wire/library.py, loaded by ``dq-worker load-functions`` as admin) are called with FCALL.
 Redis checks every command a function runs against its caller's user, so each role also holds the commands its
 functions run, on exactly those keys. Selectors (the parenthesised groups) give each command its keys:
 
@@ -36,13 +36,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from producer.keys import ANY, HIGH, Keys  # noqa: E402
+from producer.wire.keys import ANY, HIGH, Keys  # noqa: E402
 
 # Connection set-up and the cluster topology a cluster client reads. (No CLIENT SETINFO: 7.0 lacks it, so the
 # project's clients do not send it.)
 CONNECT = "+ping +hello +client|setname +client|id +command +cluster|slots +cluster|shards +cluster|nodes"
 
-# Key patterns (the placeholders) are the deployment's own names, from producer/keys.py; see ``patterns``.
+# Key patterns (the placeholders) are the deployment's own names, from producer/wire/keys.py; see ``patterns``.
 ROLES = {
     "producer": (
         # the submit function's keys, and the commands it runs (also callable directly: see docs/OPERATIONS.md)

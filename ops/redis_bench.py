@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis  # noqa: E402
 
-from producer import library  # noqa: E402
 from producer.client import AsyncClient, Prepared, aconnect, prepare  # noqa: E402
-from producer.keys import NORMAL, Keys  # noqa: E402
+from producer.wire import library  # noqa: E402
+from producer.wire.keys import NORMAL, Keys  # noqa: E402
 from worker.consumer import Consumer  # noqa: E402
 from worker.entries import Identity  # noqa: E402
 from worker.outcomes import Outcome, Share, ok_result  # noqa: E402

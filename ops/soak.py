@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from producer.client import Client, QueueFull  # noqa: E402
 from producer.invariant import Report, settle  # noqa: E402
-from producer.keys import Field, Keys, shard_of  # noqa: E402
+from producer.wire.keys import Field, Keys, shard_of  # noqa: E402
 
 QUESTIONS = [
     {"type": "noul", "instructions": "Does the customer ask for a refund?"},

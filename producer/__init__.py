@@ -1,5 +1,5 @@
-"""The decision-queue producer and wire contract: ``producer.client`` (Client, AsyncClient), ``producer.schema``
-(requests, error codes), ``producer.result`` (results) and ``producer.keys`` (every Redis name). Needs redis and
+"""The decision-queue producer and wire contract: ``producer.client`` (Client, AsyncClient), ``producer.wire.schema``
+(requests, error codes), ``producer.wire.result`` (results) and ``producer.wire.keys`` (every Redis name). Needs redis and
 pydantic, not torch."""
 
 from importlib.metadata import PackageNotFoundError, version

@@ -30,10 +30,10 @@ from redis.retry import Retry
 
 from . import __version__, dead, exporter
 from .client import Client, LibraryUnavailable, NotDurable, QueueFull, ResultTimeout, UnsupportedServer
-from .connection import Deployment, check_reachable
-from .keys import GONE_S, LANES, PROTOCOL
 from .lines import FAILED, INTERRUPTED, OK, UNREACHABLE, USAGE, Line, Report, read_lines
-from .schema import ErrorCode
+from .wire.connection import Deployment, check_reachable
+from .wire.keys import GONE_S, LANES, PROTOCOL
+from .wire.schema import ErrorCode
 
 # Connection flags: the worker's names (worker/config.py), so one vocabulary serves both; the first is the flag.
 CONNECTION = {  # field of Deployment: (flags, metavar, help)

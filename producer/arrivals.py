@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 
 from .core import BLOCK_MS, WINDOW, Call, NotDurable, Plan, Producer, parse_result
-from .result import Result
+from .wire.result import Result
 
 
 def wait_any(core: Producer, request_ids: Iterable[str], timeout: float) -> Plan[dict[str, Result]]:

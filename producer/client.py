@@ -17,15 +17,16 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import arrivals, library, sentinel, stats
-from .connection import WAIT_MS, Deployment, aconnect, connect
+from . import arrivals, stats
 from .core import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
                    Step, Submittable, WrongResult, prepare)
-from .errors import DecisionQueueError, NotDurable, RedisUnreachable
-from .keys import Keys
-from .library import LibraryUnavailable
-from .result import Result, ResultError
-from .servers import Server, UnsupportedServer, acheck, check
+from .wire import library, sentinel
+from .wire.connection import WAIT_MS, Deployment, aconnect, connect
+from .wire.errors import DecisionQueueError, NotDurable, RedisUnreachable
+from .wire.keys import Keys
+from .wire.library import LibraryUnavailable
+from .wire.result import Result, ResultError
+from .wire.supported import Server, UnsupportedServer, acheck, check
 
 __all__ = ["AsyncClient", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "NotDurable", "Prepared",
            "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout", "UnsupportedServer", "WrongResult",
@@ -53,7 +54,7 @@ class _Face:
     """
 
     _connect: Any  # connect or aconnect
-    server: Server | None = None  # what the server said at first contact (producer/servers.py)
+    server: Server | None = None  # what the server said at first contact (producer/wire/supported.py)
 
     def __init__(self, url: str | None = None, namespace: str | None = None, max_unfinished: int = 100_000,
                  cluster: bool | None = None, connection: Any = None, shards: int | None = None,

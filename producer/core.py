@@ -6,7 +6,7 @@ has the error thrown in. The two faces only run those plans against their connec
 ``AsyncClient`` awaits. So batching, backpressure, the windowed wait, result parsing and stats are written once,
 and the faces have the same methods. ``Producer.send`` is the one place that writes to a request stream.
 
-Submitting is one call of the submit function (producer/library.py) per batch: it checks each id and body size
+Submitting is one call of the submit function (producer/wire/library.py) per batch: it checks each id and body size
 and refuses the batch when the request stream holds more than ``max_unfinished`` entries (its length is the
 unfinished work). A request goes to its lane's stream, so the limit holds per lane.
 Waiting is a blocking ``XREAD`` on the result streams of up to 256 awaited requests at once (a result keeps its
@@ -26,12 +26,12 @@ from typing import Any, NamedTuple, TypeVar
 import redis
 from pydantic import ValidationError
 
-from . import library
-from .connection import WAIT_MS
-from .errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here
-from .keys import LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, shard_of
-from .schema import Request, describe, digest
-from .result import Result
+from .wire import library
+from .wire.connection import WAIT_MS
+from .wire.errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here
+from .wire.keys import LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, shard_of
+from .wire.result import Result
+from .wire.schema import Request, describe, digest
 
 BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the time Redis spends in one call
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection

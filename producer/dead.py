@@ -23,9 +23,9 @@ from typing import Any
 
 import redis
 
-from .keys import LANES, Field, Keys, Priority, valid_id
 from .lines import FAILED, OK, USAGE
-from .schema import ErrorCode
+from .wire.keys import LANES, Field, Keys, Priority, valid_id
+from .wire.schema import ErrorCode
 
 PAGE = 100  # entries read per XRANGE
 OWN = {f.encode() for f in (Field.STREAM, Field.LANE, Field.ENTRY_ID, Field.DELIVERIES, Field.REASON)}

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, TextIO
 
 from .core import InvalidRequest, Prepared, prepare
-from .keys import valid_id
-from .result import Result
-from .schema import ErrorCode
+from .wire.keys import valid_id
+from .wire.result import Result
+from .wire.schema import ErrorCode
 
 # The exit codes of dq-producer (README "Command line"); 130 is the shell's code for an interrupt (128 + SIGINT).
 OK, FAILED, USAGE, QUEUE_FULL, UNREACHABLE, INTERRUPTED = 0, 1, 2, 3, 4, 130

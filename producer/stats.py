@@ -9,8 +9,8 @@ from typing import Any
 import redis
 
 from .core import Call, Plan, Producer
-from .keys import GONE_S, GROUP, LANES, Keys, beat_age
-from .servers import lag_of
+from .wire.keys import GONE_S, GROUP, LANES, Keys, beat_age
+from .wire.supported import lag_of
 
 
 def stats(core: Producer) -> Plan[dict[str, Any]]:

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from producer import __version__
-from producer.keys import PROTOCOL
+from producer.wire.keys import PROTOCOL
 
-from producer.connection import Deployment
+from producer.wire.connection import Deployment
 
 from .config import Settings
 
@@ -28,9 +28,9 @@ def _tiny(args: argparse.Namespace) -> int:
 def _load_functions(args: argparse.Namespace) -> int:
     import redis
 
-    from producer import library
-    from producer.connection import Deployment, connect
-    from producer.servers import UnsupportedServer, check
+    from producer.wire import library
+    from producer.wire.connection import Deployment, connect
+    from producer.wire.supported import UnsupportedServer, check
 
     try:
         deployment = Deployment.resolve(url=args.url, cluster=args.cluster or None, tls_ca=args.tls_ca,
@@ -61,7 +61,7 @@ def _create_groups(client: Any, deployment: Any) -> int:
     Workers create the same at start (from id 0: nothing already queued is skipped)."""
     import redis
 
-    from producer.keys import LANES, Keys
+    from producer.wire.keys import LANES, Keys
 
     created = 0
     for shard in range(deployment.shards):

@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from producer.connection import MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT, mode_problem, redact, tls_url, url_problem
+from producer.wire.connection import MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT, mode_problem, redact, tls_url, url_problem
 
 DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
 GPUS = re.compile(r"|all|cpu:[1-9][0-9]{0,2}|[0-9]{1,3}(,[0-9]{1,3})*")  # --gpus; worker/launcher.py reads it

@@ -17,8 +17,8 @@ from typing import Any
 
 import redis
 
-from producer.keys import LANES, Keys, Priority, text
-from producer.schema import ErrorCode
+from producer.wire.keys import LANES, Keys, Priority, text
+from producer.wire.schema import ErrorCode
 
 from .entries import PARTS, REQUESTS, Delivery, Stream
 

@@ -19,8 +19,8 @@ import time
 from typing import Any
 
 from producer import __version__
-from producer.keys import Keys
-from producer.servers import UnsupportedServer
+from producer.wire.keys import Keys
+from producer.wire.supported import UnsupportedServer
 
 from .compute import Compute
 from .config import Settings

@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from producer.keys import ID_PATTERN, NORMAL, Field, Keys, Priority, valid_id
-from producer.schema import (MAX_NAME_CHARS, MAX_QUESTIONS, ErrorCode, RequestError, load_json, valid_metadata,
+from producer.wire.keys import ID_PATTERN, NORMAL, Field, Keys, Priority, valid_id
+from producer.wire.schema import (MAX_NAME_CHARS, MAX_QUESTIONS, ErrorCode, RequestError, load_json, valid_metadata,
                              valid_traceparent)
 
 

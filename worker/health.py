@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from producer.exporter import NOT_FOUND, Answer, serve_paths
+from producer.wire.endpoints import NOT_FOUND, Answer, serve_paths
 
 from .metrics import Metrics
 
@@ -37,7 +37,7 @@ class Snapshot:
     reading_since: float | None  # the reader has waited on Redis since then (None: not reading)
     loop_running: bool  # the asyncio (Redis) thread still runs
     redis_ok: bool  # the last Redis call went through
-    library_ok: bool  # the server has the function library (producer/library.py): results can be published
+    library_ok: bool  # the server has the function library (producer/wire/library.py): results can be published
     ready: bool  # the engine is warm
     inflight: int
     stopping: bool

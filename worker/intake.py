@@ -15,7 +15,7 @@ import time
 
 import redis
 
-from producer.keys import LANES, Priority
+from producer.wire.keys import LANES, Priority
 
 from .config import Settings
 from .consumer import Consumer

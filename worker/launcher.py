@@ -34,8 +34,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from producer.exporter import NOT_FOUND, Answer, serve_paths
-from producer.keys import LANES, Keys, text
+from producer.wire.endpoints import NOT_FOUND, Answer, serve_paths
+from producer.wire.keys import LANES, Keys, text
 
 from .config import Settings
 from .host import Device, LaunchError, devices, environment, host_cores
@@ -180,7 +180,7 @@ class Launcher:
         """Entries pending for this host's consumers on the shard's work streams; None when Redis cannot say."""
         import redis
 
-        from producer.connection import connect
+        from producer.wire.connection import connect
 
         names, keys, total = {w.consumer for w in self.workers}, Keys(self.settings.namespace, self.settings.shard), 0
         try:

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from producer import library
-from producer.keys import LANES, Keys, Priority
-from producer.schema import ErrorCode
+from producer.wire import library
+from producer.wire.keys import LANES, Keys, Priority
+from producer.wire.schema import ErrorCode
 
 from .config import Settings
 from .consumer import Consumer

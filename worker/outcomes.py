@@ -12,9 +12,9 @@ from typing import Any
 
 import redis
 
-from producer.schema import ErrorCode
+from producer.wire.schema import ErrorCode
 
-from producer.result import Result, Timings, Usage
+from producer.wire.result import Result, Timings, Usage
 
 from .entries import Delivery, Identity
 from .tasks import Task

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 
-from producer.keys import HIGH, LANES, NORMAL, Priority
+from producer.wire.keys import HIGH, LANES, NORMAL, Priority
 
 from .tasks import Item
 

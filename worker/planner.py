@@ -19,8 +19,8 @@ import time
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Callable
 
-from producer.keys import Keys
-from producer.schema import ErrorCode, Request, RequestError, digest, validate
+from producer.wire.keys import Keys
+from producer.wire.schema import ErrorCode, Request, RequestError, digest, validate
 
 from .config import Settings
 from .entries import REQUESTS, Delivery, Identity, Job, Refusal, identity_of

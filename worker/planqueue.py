@@ -10,7 +10,7 @@ from collections import deque
 from concurrent.futures import BrokenExecutor, Executor, Future
 from typing import Any, Callable
 
-from producer.keys import HIGH, LANES, NORMAL, Priority
+from producer.wire.keys import HIGH, LANES, NORMAL, Priority
 
 
 class PlannerCrashed(RuntimeError):

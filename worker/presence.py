@@ -2,11 +2,11 @@
 ``python -m producer stats`` and the dashboards count the living only.
 
 - Heartbeat: every maintenance round (5 s) a worker writes ``{ts, inflight, model, engine}`` under its consumer
-  name in ``Keys.workers``. A beat older than ``GONE_S`` (producer/keys.py) is a worker that is gone: Redis 7.0 has
+  name in ``Keys.workers``. A beat older than ``GONE_S`` (producer/wire/keys.py) is a worker that is gone: Redis 7.0 has
   no per-field expiry, so any live worker deletes such beats, and stats never count them.
 - Consumers: the group keeps a consumer after its worker died (a restart under a new name, a KEDA scale-down). One
   with nothing pending that has been idle longer than ``--consumer-gone-ms`` is deleted, by a function of the library
-  (producer/library.py) that checks and deletes in one step: a consumer given an entry in between keeps it (deleting a consumer drops its pending list,
+  (producer/wire/library.py) that checks and deletes in one step: a consumer given an entry in between keeps it (deleting a consumer drops its pending list,
   and entries only it held would never be reclaimed). Consumers holding entries stay until another worker reclaims
   them (``--claim-idle-ms``).
 """
@@ -17,8 +17,8 @@ import json
 import time
 from typing import Any
 
-from producer import library
-from producer.keys import GONE_S, Keys, beat_age, text
+from producer.wire import library
+from producer.wire.keys import GONE_S, Keys, beat_age, text
 
 
 class Presence:

@@ -1,5 +1,5 @@
 """Publication, the Redis side of an entry's end: an outcome's result stored exactly once (the function library,
-producer/library.py: ``publish_as``, ``part_as``, ``reply``), its reply, the entry acknowledged and deleted;
+producer/wire/library.py: ``publish_as``, ``part_as``, ``reply``), its reply, the entry acknowledged and deleted;
 fan-out, dead letters, and watching the library. Torch-free: ops/redis_bench.py measures it alone.
 
 Order, for at-least-once processing with exactly one result: the publish function makes the result durable (the
@@ -23,11 +23,11 @@ from typing import Any
 import redis
 from redis.asyncio import RedisCluster
 
-from producer import library, sentinel
-from producer.connection import WAIT_MS
-from producer.errors import NotDurable
-from producer.keys import Field, Keys, text
-from producer.result import Result
+from producer.wire import library, sentinel
+from producer.wire.connection import WAIT_MS
+from producer.wire.errors import NotDurable
+from producer.wire.keys import Field, Keys, text
+from producer.wire.result import Result
 
 from .entries import REQUESTS, Delivery
 from .link import REDIS_ERRORS

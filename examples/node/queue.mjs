@@ -6,7 +6,7 @@
 //
 // Prints one result JSON per line and exits 0 when every result is ok.
 
-// The protocol's names (producer/keys.py is their one definition; the tests hold this copy to it).
+// The protocol's names (producer/wire/keys.py is their one definition; the tests hold this copy to it).
 export const names = (namespace, id, lane = 'normal') => ({
   requests: `${namespace}:v1:{s0}:requests` + (lane === 'high' ? ':high' : ''),
   result: `${namespace}:v1:result:{${id}}`,

@@ -100,7 +100,7 @@ def self_time(daemon, args: argparse.Namespace) -> None:
     from fast_path import timed
     from synthetic import packs, padded_batches, warmup_batches
 
-    from producer.schema import Request
+    from producer.wire.schema import Request
     from worker.model.encoder import Encoder
     from worker.model.reference import ReferenceEngine
 
@@ -142,7 +142,7 @@ def self_time(daemon, args: argparse.Namespace) -> None:
 def make_requests(count: int, seed: int, encoder, tokens: tuple[int, int] = (256, 768),
                   questions: dict = QUESTIONS) -> list[dict]:
     """Requests whose rendered prompts have ``tokens`` tokens (uniform; standard: 256-768)."""
-    from producer.schema import Request
+    from producer.wire.schema import Request
 
     rng = random.Random(seed)
     probe = [Request.model_validate({"state": " ".join(WORDS[:n]) if n else "", "questions": questions})

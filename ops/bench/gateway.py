@@ -138,8 +138,8 @@ async def echo(url: str, stop: asyncio.Event) -> None:
     model's own time and its spread (tens of milliseconds on a shared CPU, against the one being measured)."""
     import redis.asyncio as aioredis
 
-    from producer import library
-    from producer.keys import GROUP, Field, Keys
+    from producer.wire import library
+    from producer.wire.keys import GROUP, Field, Keys
 
     keys, r = Keys(), aioredis.Redis.from_url(url)
     try:

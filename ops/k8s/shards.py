@@ -21,7 +21,7 @@ import yaml
 K8S = Path(__file__).resolve().parent
 sys.path.insert(0, str(K8S.parents[1]))
 
-from producer.keys import Keys  # noqa: E402
+from producer.wire.keys import Keys  # noqa: E402
 
 SHARED = [("Namespace", None), ("TriggerAuthentication", None), ("Deployment", "dq-exporter"), ("PodMonitor", None),
           ("PrometheusRule", None), ("Deployment", "dq-gateway"), ("Service", "dq-gateway"),

@@ -16,9 +16,9 @@ import sys
 
 from .. import __version__
 from ..__main__ import CONNECTION
-from ..connection import Deployment, check_reachable
-from ..keys import PROTOCOL
 from ..lines import UNREACHABLE, USAGE
+from ..wire.connection import Deployment, check_reachable
+from ..wire.keys import PROTOCOL
 from .config import ConfigError, GatewayConfig, add_arguments, load
 
 log = logging.getLogger("producer.gateway")

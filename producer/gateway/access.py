@@ -13,7 +13,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from ..keys import LANES, Priority
+from ..wire.keys import LANES, Priority
 from .config import ApiKey, GatewayConfig
 
 OPEN = "open"  # the caller's name when the gateway has no keys

@@ -23,11 +23,11 @@ from redis.backoff import ExponentialBackoff
 
 from .. import __version__
 from ..client import AsyncClient
-from ..connection import aconnect
 from ..core import NotDurable, Prepared, QueueFull, ResultTimeout, WrongResult, prepare
-from ..keys import GONE_S, ID_PATTERN, NORMAL, Keys, Priority, beat_age
-from ..result import Result
-from ..schema import ErrorCode, Request, valid_traceparent
+from ..wire.connection import aconnect
+from ..wire.keys import GONE_S, ID_PATTERN, NORMAL, Keys, Priority, beat_age
+from ..wire.result import Result
+from ..wire.schema import ErrorCode, Request, valid_traceparent
 from . import replies
 from .access import Access, Inflight, Keyring
 from .batcher import Batcher

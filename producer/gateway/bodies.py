@@ -16,7 +16,7 @@ from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
 
-from ..schema import Request
+from ..wire.schema import Request
 
 
 class Batch(BaseModel):

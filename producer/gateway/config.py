@@ -22,10 +22,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..connection import Deployment
 from ..core import BATCH
-from ..keys import LANES, MAX_BODY_BYTES, NAMESPACE_PATTERN, Priority
-from ..schema import describe
+from ..wire.connection import Deployment
+from ..wire.keys import LANES, MAX_BODY_BYTES, NAMESPACE_PATTERN, Priority
+from ..wire.schema import describe
 
 KEYS_VARIABLE = "DQ_GATEWAY_API_KEYS"
 MIN_TOKEN_CHARS = 16  # a guessable token is no key; 32 random URL-safe bytes (secrets.token_urlsafe) is the advice

@@ -23,10 +23,10 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from ..core import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult
-from ..library import LibraryUnavailable
-from ..result import Result
-from ..schema import ErrorCode
-from ..servers import UnsupportedServer
+from ..wire.library import LibraryUnavailable
+from ..wire.result import Result
+from ..wire.schema import ErrorCode
+from ..wire.supported import UnsupportedServer
 
 log = logging.getLogger("producer.gateway")
 RETRY_AFTER_S = 1  # a full queue drains at the workers' pace; callers back off from here

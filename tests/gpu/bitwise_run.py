@@ -72,7 +72,7 @@ def main() -> None:
         invariant.prepare_process()  # before the first GPU matmul, as the daemon does
     import torch
 
-    from producer.schema import Request
+    from producer.wire.schema import Request
     from worker.config import Settings
     from worker.fast import FastEngine
     from worker.model import checkpoint, tiny

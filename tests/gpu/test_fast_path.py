@@ -29,8 +29,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("fla", reason="the fast engine needs flash-linear-attention")
 
+from producer.wire.schema import Request  # noqa: E402
 from support import png, report  # noqa: E402
-from producer.schema import Request  # noqa: E402
 from worker.config import Settings  # noqa: E402
 from worker.fast import FastEngine  # noqa: E402
 from worker.model import checkpoint, tiny  # noqa: E402

@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from ops.redis_acl import ROLES, render
-from producer import library
 from producer.client import Client, LibraryUnavailable
-from producer.keys import HIGH, Keys
+from producer.wire import library
+from producer.wire.keys import HIGH, Keys
 from test_e2e import QUESTIONS, requests
 from worker.redis_server import RedisServer, free_port
 

@@ -1,4 +1,4 @@
-"""Property tests of result aggregation: the real functions (producer/library.py: part, then publish) through the
+"""Property tests of result aggregation: the real functions (producer/wire/library.py: part, then publish) through the
 real Publisher, against a real redis-server, over random part orders, duplicates, batchings and two workers
 settling at the same time. Whatever the order: one publication, every question once, nothing left behind."""
 
@@ -13,14 +13,14 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer import library
 from producer.client import aconnect
-from producer.keys import Keys
-from producer.result import Result
-from worker.redis_server import RedisServer
+from producer.wire import library
+from producer.wire.keys import Keys
+from producer.wire.result import Result
 from worker.entries import PARTS, REQUESTS, Delivery
 from worker.outcomes import Outcome, Share
 from worker.publisher import Publisher
+from worker.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 

@@ -10,9 +10,9 @@ import redis
 from redis.crc import key_slot
 
 from faults import wait_for
-from producer import library
 from producer.client import AsyncClient, Client
-from producer.keys import Keys, shard_of
+from producer.wire import library
+from producer.wire.keys import Keys, shard_of
 from test_e2e import QUESTIONS, requests
 from worker.redis_server import LocalCluster
 

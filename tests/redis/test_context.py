@@ -8,7 +8,7 @@ import time
 import pytest
 
 from producer.client import Client
-from producer.keys import Field
+from producer.wire.keys import Field
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

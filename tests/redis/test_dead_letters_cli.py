@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from ops.redis_acl import ROLES, render
-from producer.keys import HIGH, NORMAL, Field, Keys
-from producer.result import Result
-from producer.schema import ErrorCode
+from producer.wire.keys import HIGH, NORMAL, Field, Keys
+from producer.wire.result import Result
+from producer.wire.schema import ErrorCode
 from worker.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis

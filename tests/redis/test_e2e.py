@@ -4,10 +4,10 @@ producer."""
 import pytest
 import torch
 
-from support import png
 from producer.client import Client
 from producer.invariant import settle
-from producer.schema import Request
+from producer.wire.schema import Request
+from support import png
 from worker.model.encoder import Encoder
 from worker.model.readout import answer, option_logits
 from worker.model.reference import ReferenceEngine

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ops.redis_acl import ROLES, render
-from producer.keys import HIGH, NORMAL, Keys
+from producer.wire.keys import HIGH, NORMAL, Keys
 from worker.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.redis

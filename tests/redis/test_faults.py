@@ -19,10 +19,10 @@ import pytest
 import redis
 
 from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log, wait_released
-from producer import library
 from producer.client import Client
 from producer.invariant import settle
-from producer.keys import NORMAL
+from producer.wire import library
+from producer.wire.keys import NORMAL
 from worker import link as links
 from worker.config import Settings
 from worker.consumer import Consumer

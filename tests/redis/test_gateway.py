@@ -14,7 +14,7 @@ import httpx
 import redis
 
 from gateways import request
-from producer.keys import HIGH, Keys
+from producer.wire.keys import HIGH, Keys
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

@@ -15,7 +15,7 @@ import httpx
 import redis
 
 from gateways import ROOT, TOKENS, GatewayProcess, auth, request
-from producer.keys import Keys
+from producer.wire.keys import Keys
 from worker.redis_server import RedisServer
 
 
@@ -251,7 +251,7 @@ def test_as_the_producer_acl_user_it_queues_reads_and_sees_the_workers(tmp_path)
     """Compose's set-up: the gateway holds only the producer role of ops/redis_acl.py (submit, read results, read the
     workers' heartbeats): it queues and reads, and /ready counts the live workers (none here: 503)."""
     from ops.redis_acl import ROLES, render
-    from producer import library
+    from producer.wire import library
 
     passwords = {role: f"test-{role}-password" for role in ROLES}
     (tmp_path / "users.acl").write_text(render(passwords))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from gateways import ROOT, TOKENS
-from producer import library
-from producer.keys import HIGH, Field, Keys
+from producer.wire import library
+from producer.wire.keys import HIGH, Field, Keys
 
 EXAMPLE = ROOT / "examples" / "node"
 NODE = shutil.which("node")

@@ -14,7 +14,7 @@ from keyspace import WrittenKeys
 
 from producer.client import Client
 from producer.invariant import settle
-from producer.keys import Keys
+from producer.wire.keys import Keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""The function library (producer/library.py) on a real server: the submit function's admission (request streams
+"""The function library (producer/wire/library.py) on a real server: the submit function's admission (request streams
 only, ids, body sizes, batch size, backpressure, all or nothing), and ``ensure``: loaded when missing, an older
 revision replaced, a newer one never, persisted by AOF, refused clearly where the user may not load it."""
 
@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import redis
 
-from producer import library
 from producer.client import AsyncClient, Client, LibraryUnavailable
-from producer.keys import MAX_BODY_BYTES, Keys
+from producer.wire import library
+from producer.wire.keys import MAX_BODY_BYTES, Keys
 from test_e2e import QUESTIONS
 
 pytestmark = pytest.mark.redis

@@ -16,8 +16,8 @@ import pytest
 from faults import FANOUT, batch, long_request, wait_for
 from producer.client import Client
 from producer.invariant import settle
-from producer.keys import Field
-from producer.result import Result
+from producer.wire.keys import Field
+from producer.wire.result import Result
 
 pytestmark = pytest.mark.redis
 

@@ -161,8 +161,8 @@ def test_one_read_brings_in_a_bounded_number_of_bytes(redis_server):
 
     import redis.asyncio as aioredis
 
-    from producer.keys import NORMAL, Keys
-    from producer.schema import ErrorCode
+    from producer.wire.keys import NORMAL, Keys
+    from producer.wire.schema import ErrorCode
     from worker.consumer import Consumer
 
     async def scenario() -> list[list[int]]:

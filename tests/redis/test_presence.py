@@ -14,7 +14,7 @@ import redis
 
 from faults import batch, wait_for
 from producer.client import Client
-from producer.keys import GONE_S
+from producer.wire.keys import GONE_S
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

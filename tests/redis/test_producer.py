@@ -13,8 +13,8 @@ import pytest
 
 from producer.client import AsyncClient, Client, InvalidRequest, QueueFull, ResultTimeout, WrongResult
 from producer.core import prepare
-from producer.keys import Keys, shard_of
-from producer.result import Result
+from producer.wire.keys import Keys, shard_of
+from producer.wire.result import Result
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUEST = {"state": "hello", "questions": {"q": {"type": "noul", "instructions": "ok?"}}}

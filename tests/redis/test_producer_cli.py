@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from producer.client import Client
-from producer.connection import SOCKET_TIMEOUT
-from producer.keys import Keys, shard_of
+from producer.wire.connection import SOCKET_TIMEOUT
+from producer.wire.keys import Keys, shard_of
 from worker.redis_server import free_port
 
 pytestmark = pytest.mark.redis

@@ -16,15 +16,15 @@ import redis
 
 from faults import FAULTY, batch, wait_for, wait_log
 from producer.client import Client
-from producer.invariant import settle
 from producer.client import AsyncClient
-from producer.servers import MINIMUM, UnsupportedServer
+from producer.invariant import settle
+from producer.wire.supported import MINIMUM, UnsupportedServer
 from worker import redis_server as servers  # its test_servers, not collected as a test here
 from worker.redis_server import RedisServer, free_port, on_path, probe
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 # python -m worker, with the supported minimum raised above every real server: the refusal path on any machine.
-TOO_OLD_FOR = ["-c", "import sys; import producer.servers as s; s.MINIMUM.update(redis=(99, 0), valkey=(99, 0)); "
+TOO_OLD_FOR = ["-c", "import sys; import producer.wire.supported as s; s.MINIMUM.update(redis=(99, 0), valkey=(99, 0)); "
                "from worker.__main__ import main; sys.exit(main(sys.argv[1:]))"]
 
 
@@ -101,7 +101,7 @@ def test_the_producer_refuses_an_unsupported_server_before_sending_anything(redi
     with pytest.raises(UnsupportedServer, match=needs):
         asyncio.run(AsyncClient(redis_server.url).stats())
     assert redis.Redis.from_url(redis_server.url).keys("*") == []  # nothing was written
-    code = ("import sys; import producer.servers as s; s.MINIMUM.update(redis=(99, 0), valkey=(99, 0)); "
+    code = ("import sys; import producer.wire.supported as s; s.MINIMUM.update(redis=(99, 0), valkey=(99, 0)); "
             "from producer.__main__ import main; sys.exit(main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", code, "stats", "--redis", redis_server.url], capture_output=True,
                           text=True, timeout=60)

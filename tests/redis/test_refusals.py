@@ -17,7 +17,7 @@ from faults import FANOUT, batch, long_request, wait_for, wait_released
 
 from producer.client import Client
 from producer.invariant import settle
-from producer.keys import Keys
+from producer.wire.keys import Keys
 from worker.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

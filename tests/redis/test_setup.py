@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from ops.redis_acl import ROLES, render
-from producer.keys import GROUP, LANES, Keys
+from producer.wire.keys import GROUP, LANES, Keys
 from worker.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis

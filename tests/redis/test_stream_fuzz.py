@@ -23,7 +23,7 @@ from faults import FANOUT, long_request, wait_released
 from keyspace import WrittenKeys
 from producer.client import Client
 from producer.invariant import settle
-from producer.keys import Keys
+from producer.wire.keys import Keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

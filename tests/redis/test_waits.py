@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from ops.redis_acl import ROLES, render
-from producer import library
-from producer.keys import Keys
+from producer.wire import library
+from producer.wire.keys import Keys
 from worker.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis

@@ -9,7 +9,7 @@ import redis
 
 from producer import client as client_module
 from producer.client import AsyncClient, Client, DecisionQueueError, RedisUnreachable
-from producer.connection import SOCKET_TIMEOUT
+from producer.wire.connection import SOCKET_TIMEOUT
 from worker.redis_server import free_port
 
 

@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from producer.schema import Request
+from producer.wire.schema import Request
 from worker.compute import Compute
 from worker.entries import REQUESTS, Delivery
 from worker.metrics import Metrics

@@ -2,7 +2,7 @@
 
 import pytest
 
-from producer.connection import Deployment, redact
+from producer.wire.connection import Deployment, redact
 
 
 def test_arguments_then_environment_then_defaults():
@@ -34,7 +34,7 @@ def test_bad_values_are_named(environ, given, message):
 
 
 def test_a_sentinel_url_is_parsed_once_and_checked():
-    from producer import sentinel
+    from producer.wire import sentinel
 
     parsed = sentinel.parse("redis+sentinel://worker:p%40ss@s1:26379,s2,[::1]:26380/mymaster/3")
     assert parsed == sentinel.SentinelUrl((("s1", 26379), ("s2", 26379), ("::1", 26380)), "mymaster", 3, "worker",

@@ -2,8 +2,8 @@ import pytest
 import torch
 from PIL import Image
 
+from producer.wire.schema import ErrorCode, Request, RequestError
 from support import png
-from producer.schema import ErrorCode, Request, RequestError
 from worker.model.encoder import Encoder
 
 QUESTIONS = {

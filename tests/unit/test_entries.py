@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from producer.keys import MAX_BODY_BYTES, Keys
-from producer.schema import ErrorCode
+from producer.wire.keys import MAX_BODY_BYTES, Keys
+from producer.wire.schema import ErrorCode
 from worker.entries import PARTS, REQUESTS, Delivery, Identity
 from worker.entries import Job, identity_of
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
+from producer.wire.schema import Request
 from support import png
-from producer.schema import Request
 from worker.config import Settings
 from worker.fast import FastEngine, FastPathUnavailable, fp8, ops
 from worker.fast.layout import GDN_CHUNK, Layout, Regions, choose_bucket, gdn_chunk_indices, lay_out, prompt_positions

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from producer.schema import Request
+from producer.wire.schema import Request
 from worker.config import Settings
 from worker.fast import FastEngine, fp8, layers, ops
 from worker.fast.engine import CACHES, use_compile_cache

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fuzz_requests import _deep, bodies
-from producer.schema import ErrorCode, RequestError
+from producer.wire.schema import ErrorCode, RequestError
 from worker.config import Settings
 from worker.entries import REQUESTS, Delivery, Job
 from worker.model.encoder import Encoder

@@ -10,7 +10,7 @@ import pytest
 from producer.gateway.access import Inflight, Keyring
 from producer.gateway.config import ConfigError, load, loopback
 from producer.gateway.replies import field_of, problems
-from producer.keys import HIGH, NORMAL
+from producer.wire.keys import HIGH, NORMAL
 
 TOKEN = "a-token-of-enough-length-0001"
 KEYS = [{"name": "acme", "token": TOKEN}, {"name": "globex", "token": TOKEN + "x", "namespace": "globex",

@@ -155,7 +155,7 @@ def test_each_extra_shard_is_an_overlay_of_the_base_for_its_own_streams(tmp_path
     sys.path.insert(0, str(K8S))
     import shards
 
-    from producer.keys import LANES, Keys
+    from producer.wire.keys import LANES, Keys
 
     overlay = OPS / "k8s-shards" / "s1" / "kustomization.yaml"
     assert overlay.read_text() == shards.overlay(1), "python ops/k8s/shards.py COUNT"

@@ -1,9 +1,9 @@
 """The function library's revision moves with its code: every change of the Lua text gets a new REVISION, so that
-a worker can tell an older library on a server from its own and replace it (producer/library.py)."""
+a worker can tell an older library on a server from its own and replace it (producer/wire/library.py)."""
 
 import hashlib
 
-from producer import library
+from producer.wire import library
 
 # REVISION -> the first 16 hex digits of the SHA-256 of library.CODE at that revision. A change of the code without
 # a new revision fails here: bump library.REVISION and add the new revision's line. Within protocol v1 a revision
@@ -18,7 +18,7 @@ REVISIONS = {
 def test_each_revision_of_the_code_is_pinned():
     digest = hashlib.sha256(library.CODE.encode()).hexdigest()[:16]
     assert REVISIONS.get(library.REVISION) == digest, (
-        f"producer/library.py CODE changed ({digest}): bump REVISION to {max(REVISIONS) + 1} and pin it here")
+        f"producer/wire/library.py CODE changed ({digest}): bump REVISION to {max(REVISIONS) + 1} and pin it here")
     assert library.REVISION == max(REVISIONS)
 
 

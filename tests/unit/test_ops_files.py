@@ -17,7 +17,7 @@ from prometheus_client import Counter, Histogram
 
 from producer.exporter import EXPORTED
 from producer.gateway.front import Metrics as GatewayMetrics
-from producer.keys import GROUP, LANES, Keys
+from producer.wire.keys import GROUP, LANES, Keys
 from worker.config import Settings
 from worker.host import devices
 from worker.launcher import Launcher

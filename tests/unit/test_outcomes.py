@@ -6,8 +6,8 @@ between)."""
 
 import asyncio
 
-from producer.keys import Keys
-from producer.schema import ErrorCode
+from producer.wire.keys import Keys
+from producer.wire.schema import ErrorCode
 from worker.config import Settings
 from worker.entries import REQUESTS, Delivery, Identity
 from worker.lifecycle import Lifecycle

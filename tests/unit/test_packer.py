@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from producer.keys import HIGH, NORMAL, Keys
-from producer.schema import Request
+from producer.wire.keys import HIGH, NORMAL, Keys
+from producer.wire.schema import Request
 from worker.entries import REQUESTS, Delivery
 from worker.model.engine import Prompt
 from worker.packer import Packer

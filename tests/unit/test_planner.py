@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from producer.keys import HIGH, NORMAL
-from producer.schema import ErrorCode
+from producer.wire.keys import HIGH, NORMAL
+from producer.wire.schema import ErrorCode
 from worker.config import Settings
 from worker.entries import PARTS, REQUESTS, Delivery
 from worker.planner import Planner, Refusal

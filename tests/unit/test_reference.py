@@ -8,8 +8,8 @@ import torch
 from PIL import Image
 from transformers.decision import prepare_inputs
 
+from producer.wire.schema import Request
 from support import png
-from producer.schema import Request
 from worker.model.encoder import Encoder
 from worker.model.readout import answer, option_logits
 from worker.model.reference import ReferenceEngine

@@ -3,9 +3,9 @@ import json
 import pytest
 
 from producer.core import InvalidRequest, prepare
-from producer.schema import ErrorCode, Request, RequestError, parse_request
+from producer.wire.schema import ErrorCode, Request, RequestError, parse_request
 
-from producer.result import Result
+from producer.wire.result import Result
 
 GOOD = {"state": "hi", "questions": {"spam": {"type": "noul", "instructions": "Spam?"}}}
 
@@ -164,7 +164,7 @@ def test_results_accept_fields_they_do_not_know_and_keep_them():
 
 
 def test_ok_raise_for_error_and_probabilities_by_option():
-    from producer.result import ResultError
+    from producer.wire.result import ResultError
 
     result = Result(id="r", status="ok", answers={"tone": {}}, probabilities={"tone": [0.75, 0.25], "spam": [0.5, 0.5]},
                     options={"tone": ["calm", "angry"], "spam": ["true", "false"]})
@@ -182,7 +182,7 @@ def test_ok_raise_for_error_and_probabilities_by_option():
 
 def test_priority_is_high_or_normal_and_names_a_lane_stream():
     from producer.core import prepare
-    from producer.keys import HIGH, NORMAL, Keys
+    from producer.wire.keys import HIGH, NORMAL, Keys
 
     base = {"state": "x", "questions": {"q": {"type": "noul"}}}
     assert prepare({**base, "priority": "high"}).lane == HIGH

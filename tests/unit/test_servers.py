@@ -1,4 +1,4 @@
-"""Which servers the project accepts (producer/servers.py) and which one it runs (worker/redis_server.py)."""
+"""Which servers the project accepts (producer/wire/supported.py) and which one it runs (worker/redis_server.py)."""
 
 import os
 import random
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from producer.servers import Server, UnsupportedServer, from_hello, require, supported
+from producer.wire.supported import Server, UnsupportedServer, from_hello, require, supported
 from worker import redis_server
 
 

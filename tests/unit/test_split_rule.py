@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from producer.schema import Request
+from producer.wire.schema import Request
 
-from producer.result import Usage
+from producer.wire.result import Usage
 from worker.config import Settings
 from worker.entries import REQUESTS, Delivery
 from worker.model.encoder import Encoder

@@ -20,12 +20,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from jinja2 import TemplateError
 from PIL import Image
+from jinja2 import TemplateError
 from transformers.decision import DECISION_PROMPT, Question, prepare_inputs
 from transformers.utils.chat_template_utils import _get_template_variables
 
-from producer.schema import ErrorCode, Request, RequestError
+from producer.wire.schema import ErrorCode, Request, RequestError
 
 from .checkpoint import DecisionModel, RenderSpec
 from .engine import Prompt

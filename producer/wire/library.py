@@ -58,6 +58,8 @@ def _stream_pattern(template: str) -> str:
 # Streams the submit function writes to, each lane's request stream: producers reach no other key through it.
 SUBMIT_STREAMS = tuple(Keys("\0", "\1").requests_in(lane) for lane in LANES)
 
+# The Lua text is part of the wire (its digest is pinned per revision): its first comment names producer/library.py,
+# this module's path when revision 3 was written, until a new revision changes the code anyway.
 CODE = f"""#!lua name={LIBRARY}
 -- decision-queue, wire protocol v{PROTOCOL}, revision {REVISION} (producer/library.py)
 local REVISION = {REVISION}
