@@ -42,7 +42,7 @@ import redis  # noqa: E402
 from redis.crc import key_slot  # noqa: E402
 
 from producer.client import Client, NotDurable, ResultTimeout  # noqa: E402
-from producer.invariant import leftovers  # noqa: E402
+from producer.admin.audit import leftovers  # noqa: E402
 from producer.wire.keys import Field, Keys  # noqa: E402
 from producer.wire.library import REVISION_FUNCTION  # noqa: E402
 from producer.wire.result import Result  # noqa: E402

@@ -1,5 +1,5 @@
 """Soak: producers submit System One requests to a running deployment for a bounded time; then the queue's invariant
-is checked (producer/invariant.py): every request has exactly one result, none lost, none duplicated, and the
+is checked (producer/admin/audit.py): every request has exactly one result, none lost, none duplicated, and the
 queue drained. Prints throughput and latency; exits 1 if the invariant does not hold.
 
     python ops/soak.py --redis redis://redis:6379/0 --namespace dq --requests 200000 --producers 8 --duration 900
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from producer.client import Client, QueueFull  # noqa: E402
-from producer.invariant import Report, settle  # noqa: E402
+from producer.admin.audit import Report, settle  # noqa: E402
 from producer.wire.keys import Field, Keys, shard_of  # noqa: E402
 
 QUESTIONS = [

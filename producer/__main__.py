@@ -28,26 +28,15 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import __version__, dead, exporter
+from . import __version__
+from .admin import dead_letters, exporter
 from .client import Client, LibraryUnavailable, NotDurable, QueueFull, ResultTimeout, UnsupportedServer
-from .lines import FAILED, INTERRUPTED, OK, UNREACHABLE, USAGE, Line, Report, read_lines
+from .exits import FAILED, INTERRUPTED, OK, UNREACHABLE, USAGE
+from .submission import Line, Report, read_lines
 from .wire.connection import Deployment, check_reachable
 from .wire.keys import GONE_S, LANES, PROTOCOL
 from .wire.schema import ErrorCode
 
-# Connection flags: the worker's names (worker/config.py), so one vocabulary serves both; the first is the flag.
-CONNECTION = {  # field of Deployment: (flags, metavar, help)
-    "url": (["--redis-url", "--redis"], "URL", "Redis URL (rediss:// for TLS; redis://user:password@host for an "
-            "ACL user; redis+sentinel://host:port,host:port/SERVICE[/db] through Sentinel)"),
-    "namespace": (["--namespace"], "NAME", "prefix of every Redis name of the deployment"),
-    "cluster": (["--redis-cluster", "--cluster"], None, "the URL is a node of a Redis Cluster"),
-    "shards": (["--shards"], "N", "stream shards of the deployment: submit spreads over them, stats shows each"),
-    "tls_ca": (["--redis-tls-ca"], "FILE", "CA certificate file that verifies the Redis server (rediss://)"),
-    "tls_cert": (["--redis-tls-cert"], "FILE", "client certificate file, when Redis requires one (rediss://)"),
-    "tls_key": (["--redis-tls-key"], "FILE", "the client certificate's private key file (rediss://)"),
-    "wait_replicas": (["--wait-replicas"], "N", "durable mode: an enqueue is acknowledged, a result read, once N "
-                      "replicas have it (0: off)"),
-}
 
 
 def submit(args: argparse.Namespace, client: Client) -> int:
@@ -176,7 +165,7 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
     defaults = Deployment()
-    for name, (flags, metavar, text) in CONNECTION.items():
+    for name, (flags, metavar, text) in Deployment.FLAGS.items():
         default, env = getattr(defaults, name), Deployment.ENV[name]
         kind: dict[str, Any] = ({"action": "store_true"} if isinstance(default, bool)
                                 else {"type": int, "metavar": metavar} if isinstance(default, int)
@@ -220,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
     res.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                      help="seconds to wait for it (0: look once) [default 0]")
     res.set_defaults(run=result)
-    dead.add_parser(commands, common)
+    dead_letters.add_parser(commands, common)
 
     exporter.add_parser(commands, common)
     return top
@@ -243,7 +232,7 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:  # everything that can be wrong before a byte is sent
-        deployment = Deployment.resolve(**{name: getattr(args, name) for name in CONNECTION})
+        deployment = Deployment.resolve(**{name: getattr(args, name) for name in Deployment.FLAGS})
         if args.command == "submit":
             with sys.stdin.buffer if args.file == "-" else open(args.file, "rb") as handle:
                 args.lines = read_lines(handle, args.priority)

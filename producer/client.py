@@ -1,7 +1,7 @@
 """The Python producer: submit requests, wait for their results, read queue stats; blocking (``Client``) or
 asyncio (``AsyncClient``), with the same methods.
 
-Both faces run the plans of one core (``producer.core.Producer``) against their connection: the logic is written
+Both faces run the plans of one core (``producer.plans.Producer``) against their connection: the logic is written
 once, only the I/O differs.
 """
 
@@ -18,7 +18,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from . import arrivals, stats
-from .core import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
+from .plans import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
                    Step, Submittable, WrongResult, prepare)
 from .wire import library, sentinel
 from .wire.connection import WAIT_MS, Deployment, aconnect, connect

@@ -1,4 +1,4 @@
-"""Queue stats, plans of the core (producer/core.py) that both client faces run (``Client.stats``,
+"""Queue stats, plans of the core (producer/plans.py) that both client faces run (``Client.stats``,
 ``AsyncClient.stats``, ``live_workers``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from .core import Call, Plan, Producer
+from .plans import Call, Plan, Producer
 from .wire.keys import GONE_S, GROUP, LANES, Keys, beat_age
 from .wire.supported import lag_of
 

@@ -109,10 +109,8 @@ def parser() -> argparse.ArgumentParser:
 
     load_cmd = commands.add_parser(
         "load-functions", help="load the function library producers and workers call (an admin's Redis URL)")
-    from producer.__main__ import CONNECTION  # the same connection flags as serve and dq-producer
-
     for name in ("url", "cluster", "tls_ca", "tls_cert", "tls_key", "namespace", "shards"):
-        flags, metavar, text = CONNECTION[name]
+        flags, metavar, text = Deployment.FLAGS[name]  # the same flags as serve and dq-producer
         text += " (a user that may FUNCTION LOAD: admin)" if name == "url" else ""
         text += ": load on every primary" if name == "cluster" else ""
         text = "stream shards of the deployment: each one's work streams and consumer group are created" \

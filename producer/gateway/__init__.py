@@ -2,7 +2,8 @@
 the wire protocol (docs/GATEWAY.md). Stateless: it holds no request between calls, so any number of replicas run
 behind a load balancer. Torch-free; needs the ``http`` extra (FastAPI, uvicorn, prometheus-client).
 
-config.py (the one settings object, API keys)  access.py (who may do what; in-flight limits)  app.py (the routes)
+config.py (the one settings object, API keys)  access.py (who may do what; in-flight limits)  routes.py (the routes)
+service.py (what the routes call: admission, submission, results as they land, readiness)
 bodies.py (what the POST routes read)  batcher.py (concurrent submissions in one call)
 front.py (the ASGI layer before the routes: authentication, body size, metrics)  replies.py (errors as HTTP
 statuses)  __main__.py (the command)

@@ -15,8 +15,7 @@ import logging
 import sys
 
 from .. import __version__
-from ..__main__ import CONNECTION
-from ..lines import UNREACHABLE, USAGE
+from ..exits import UNREACHABLE, USAGE
 from ..wire.connection import Deployment, check_reachable
 from ..wire.keys import PROTOCOL
 from .config import ConfigError, GatewayConfig, add_arguments, load
@@ -30,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version",
                      version=f"dq-gateway {__version__} (decision-queue, wire protocol v{PROTOCOL})")
     defaults = Deployment()
-    for name, (flags, metavar, text) in CONNECTION.items():
+    for name, (flags, metavar, text) in Deployment.FLAGS.items():
         default, env = getattr(defaults, name), Deployment.ENV[name]
         kind: dict = ({"action": "store_true"} if isinstance(default, bool)
                       else {"type": int, "metavar": metavar} if isinstance(default, int) else {"metavar": metavar})
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve(config: GatewayConfig) -> int:
     import uvicorn
 
-    from .app import create_app
+    from .routes import create_app
 
     if not config.keys:
         log.warning("no API keys: anyone who can reach %s:%d may use the queue (namespace %s); listening on a "

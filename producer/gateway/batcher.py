@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Sequence
 
 from ..client import AsyncClient
-from ..core import BATCH, Prepared, QueueFull
+from ..plans import BATCH, Prepared, QueueFull
 
 
 class Batcher:

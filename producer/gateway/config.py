@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..core import BATCH
+from ..plans import BATCH
 from ..wire.connection import Deployment
 from ..wire.keys import LANES, MAX_BODY_BYTES, NAMESPACE_PATTERN, Priority
 from ..wire.schema import describe

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from ..core import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult
+from ..plans import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult
 from ..wire.library import LibraryUnavailable
 from ..wire.result import Result
 from ..wire.schema import ErrorCode

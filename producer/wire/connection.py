@@ -48,6 +48,20 @@ class Deployment:
     ENV = {"url": "DQ_REDIS_URL", "namespace": "DQ_NAMESPACE", "cluster": "DQ_REDIS_CLUSTER",
            "shards": "DQ_SHARDS", "tls_ca": "DQ_REDIS_TLS_CA", "tls_cert": "DQ_REDIS_TLS_CERT",
            "tls_key": "DQ_REDIS_TLS_KEY", "wait_replicas": "DQ_WAIT_REPLICAS"}
+    # Each field's flags (the first one shown), metavar and help: the worker's names (worker/config.py), so that
+    # dq-producer, dq-gateway and dq-worker load-functions spell the connection alike.
+    FLAGS = {
+        "url": (["--redis-url", "--redis"], "URL", "Redis URL (rediss:// for TLS; redis://user:password@host for an "
+                "ACL user; redis+sentinel://host:port,host:port/SERVICE[/db] through Sentinel)"),
+        "namespace": (["--namespace"], "NAME", "prefix of every Redis name of the deployment"),
+        "cluster": (["--redis-cluster", "--cluster"], None, "the URL is a node of a Redis Cluster"),
+        "shards": (["--shards"], "N", "stream shards of the deployment: submit spreads over them, stats shows each"),
+        "tls_ca": (["--redis-tls-ca"], "FILE", "CA certificate file that verifies the Redis server (rediss://)"),
+        "tls_cert": (["--redis-tls-cert"], "FILE", "client certificate file, when Redis requires one (rediss://)"),
+        "tls_key": (["--redis-tls-key"], "FILE", "the client certificate's private key file (rediss://)"),
+        "wait_replicas": (["--wait-replicas"], "N", "durable mode: an enqueue is acknowledged, a result read, once N "
+                          "replicas have it (0: off)"),
+    }
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str] | None = None, **given: Any) -> Deployment:

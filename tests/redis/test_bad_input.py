@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from faults import batch, wait_released
 from fuzz_requests import _deep, bodies
 from producer.client import Client
-from producer.invariant import settle
+from producer.admin.audit import settle
 from support import png
 from worker.entries import REQUESTS, Delivery, Job, identity_of
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from producer.client import Client
-from producer.invariant import settle
+from producer.admin.audit import settle
 from producer.wire.schema import Request
 from support import png
 from worker.model.encoder import Encoder

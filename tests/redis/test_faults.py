@@ -2,7 +2,7 @@
 fault is a signal (SIGTERM, SIGSTOP, kill -9) or the test reads the process's own log, else the same daemon in the
 test's process (tests/redis/inprocess.py).
 
-Every test ends with the invariant (producer/invariant.py): each submitted request has exactly one result, ok or
+Every test ends with the invariant (producer/admin/audit.py): each submitted request has exactly one result, ok or
 an error with a code, and the queue is drained. Faults in the forward pass come from tests/redis/faulty_worker.py:
 the real daemon and model, with the engine's ``launch`` made to raise or to be slow.
 """
@@ -20,7 +20,7 @@ import redis
 
 from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log, wait_released
 from producer.client import Client
-from producer.invariant import settle
+from producer.admin.audit import settle
 from producer.wire import library
 from producer.wire.keys import NORMAL
 from worker import link as links

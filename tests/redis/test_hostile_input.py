@@ -13,7 +13,7 @@ from faults import FANOUT, batch, long_request
 from keyspace import WrittenKeys
 
 from producer.client import Client
-from producer.invariant import settle
+from producer.admin.audit import settle
 from producer.wire.keys import Keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from faults import FAULTY, batch, wait_for
 from producer.client import Client
-from producer.invariant import check, settle
+from producer.admin.audit import check, settle
 from support import http_get
 from worker import redis_server as servers
 from worker.redis_server import free_ports

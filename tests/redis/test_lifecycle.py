@@ -15,7 +15,7 @@ import pytest
 
 from faults import FANOUT, batch, long_request, wait_for
 from producer.client import Client
-from producer.invariant import settle
+from producer.admin.audit import settle
 from producer.wire.keys import Field
 from producer.wire.result import Result
 

@@ -13,7 +13,7 @@ import pytest
 
 from faults import FANOUT, batch, long_request, wait_for
 from producer.client import Client
-from producer.invariant import settle
+from producer.admin.audit import settle
 from worker.health import status
 
 pytestmark = pytest.mark.redis

@@ -13,7 +13,7 @@ import pytest
 
 from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log, wait_released
 from producer.client import Client
-from producer.invariant import settle
+from producer.admin.audit import settle
 from producer.wire.keys import HIGH, LANES, NORMAL
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

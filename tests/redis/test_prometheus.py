@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from producer.client import Client
-from producer.exporter import Exporter, serve
+from producer.admin.exporter import Exporter, serve
 from test_e2e import requests
 from worker import redis_server as servers  # its test_servers, not collected as a test here
 from worker.redis_server import free_port

@@ -17,7 +17,7 @@ import redis
 from faults import FAULTY, batch, wait_for, wait_log
 from producer.client import Client
 from producer.client import AsyncClient
-from producer.invariant import settle
+from producer.admin.audit import settle
 from producer.wire.supported import MINIMUM, UnsupportedServer
 from worker import redis_server as servers  # its test_servers, not collected as a test here
 from worker.redis_server import RedisServer, free_port, on_path, probe

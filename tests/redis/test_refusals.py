@@ -16,7 +16,7 @@ import redis
 from faults import FANOUT, batch, long_request, wait_for, wait_released
 
 from producer.client import Client
-from producer.invariant import settle
+from producer.admin.audit import settle
 from producer.wire.keys import Keys
 from worker.redis_server import RedisServer
 

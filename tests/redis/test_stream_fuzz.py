@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from faults import FANOUT, long_request, wait_released
 from keyspace import WrittenKeys
 from producer.client import Client
-from producer.invariant import settle
+from producer.admin.audit import settle
 from producer.wire.keys import Keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

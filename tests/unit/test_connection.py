@@ -77,11 +77,10 @@ def test_passwords_never_shown():
 def test_the_producer_speaks_the_workers_connection_vocabulary():
     from dataclasses import fields
 
-    from producer.__main__ import CONNECTION
     from worker.config import Settings
 
     worker_variables = {Settings.env_name(field.name) for field in fields(Settings)}
     assert set(Deployment.ENV.values()) - worker_variables == {"DQ_SHARDS"}  # producers spread, a worker reads one
     assert "DQ_WAIT_REPLICAS" in worker_variables
     worker_flags = {"--" + field.name.replace("_", "-") for field in fields(Settings)}
-    assert {flags[0] for flags, _, _ in CONNECTION.values()} - worker_flags == {"--shards"}
+    assert {flags[0] for flags, _, _ in Deployment.FLAGS.values()} - worker_flags == {"--shards"}

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client import Counter, Histogram
 
-from producer.exporter import EXPORTED
+from producer.admin.exporter import EXPORTED
 from producer.gateway.front import Metrics as GatewayMetrics
 from producer.wire.keys import GROUP, LANES, Keys
 from worker.config import Settings

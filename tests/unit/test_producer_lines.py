@@ -7,7 +7,7 @@ import json
 import pytest
 
 from producer.__main__ import parser
-from producer.lines import read_lines
+from producer.submission import read_lines
 
 
 def test_a_deeply_nested_line_is_refused_alone():

@@ -1,40 +1,36 @@
-"""The gateway's routes (FastAPI): the queue's request JSON in, its result JSON out, through the project's async
-client (``AsyncClient``), one per namespace its keys reach, all on one connection pool.
+"""What every route of the gateway calls (routes.py): admission (the caller's key, lanes, batch size and in-flight
+slots), submission through the project's async client (``AsyncClient``, one per namespace its keys reach, all on
+one connection pool), results streamed as they land, and readiness.
 
 Nothing is kept between calls: a result is read from its result stream, whichever replica submitted it, so replicas
-behind a load balancer need no affinity. Routes raise; replies.py turns each exception into its status.
+behind a load balancer need no affinity.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Any
 
 import redis
-from fastapi import FastAPI, Query
+from fastapi import FastAPI
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from .. import __version__
 from ..client import AsyncClient
-from ..core import NotDurable, Prepared, QueueFull, ResultTimeout, WrongResult, prepare
+from ..plans import NotDurable, Prepared, QueueFull, WrongResult, prepare
 from ..wire.connection import aconnect
-from ..wire.keys import GONE_S, ID_PATTERN, NORMAL, Keys, Priority, beat_age
+from ..wire.keys import GONE_S, NORMAL, Keys, Priority, beat_age
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request, valid_traceparent
 from . import replies
 from .access import Access, Inflight, Keyring
 from .batcher import Batcher
-from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
-from .front import Front, Metrics
-from .replies import READ, SUBMIT, WAIT, Refused, Unsettled
+from .front import Metrics
+from .replies import SUBMIT, Refused, Unsettled
 
 # A request with a deadline is answered deadline_exceeded by the worker that finds it late: wait that long past it.
 DEADLINE_GRACE_S = 2.0
@@ -46,8 +42,6 @@ RETRIES, RETRY_CAP = 2, 0.2
 # Connections beyond the in-flight slots (every call that waits on Redis holds one slot per request, and uses at
 # most one connection at a time): /ready's probes, a namespace's first contact.
 SPARE_CONNECTIONS = 32
-NDJSON = "application/x-ndjson"
-CLIENT_GONE = 499  # a decide whose caller went away: nobody reads it, but the metrics count it (nginx's status)
 
 
 class Gateway:
@@ -203,130 +197,5 @@ class Gateway:
         return all(n != 0 for n in workers.values()), {"redis": "ok", "workers": workers}
 
 
-async def watched(http: HttpRequest, work: Awaitable[dict[str, Result]], ids: list[str],
-                  phase: str) -> dict[str, Result] | None:
-    """``work``'s outcome (a wait for the results of ``ids``), or None once the caller has gone away (``work``
-    cancelled): its in-flight slots and its Redis connection come back then, not when its wait would have ended.
-    A Redis error is Unsettled, naming the ids (``phase``: where the call was). The body is read by now, so the
-    next ASGI message is the disconnect."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnect(http))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        return None
-    try:
-        return task.result()
-    except (redis.RedisError, WrongResult) as error:
-        raise Unsettled(error, ids, phase) from error
-
-
-async def _disconnect(http: HttpRequest) -> None:
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _line(result: Result) -> bytes:
     return result.model_dump_json(exclude_none=True).encode() + b"\n"
-
-
-def create_app(config: GatewayConfig, connection: Any = None) -> Front:
-    """The ASGI application: the routes behind the front layer (keys, body size, metrics)."""
-    gateway = Gateway(config, connection)
-    app = FastAPI(title="dq-gateway", version=__version__, lifespan=gateway.lifespan, redoc_url=None,
-                  description="The decision queue over HTTP: the queue's request and result JSON (docs/PROTOCOL.md).")
-    replies.install(app)
-    app.state.gateway = gateway
-    failures = {status: {"description": text} for status, text in (
-        (401, "no valid API key"), (403, "the key may not use this lane"),
-        (409, "id_conflict: the id has another request's result"),
-        (413, "body or batch too large (a batch over the key's in-flight limit included)"),
-        (422, "invalid input: error.code and error.field say what"), (429, "queue full or too many in flight: "
-                                                                          "Retry-After"),
-        (503, "Redis unreachable, or replicas did not confirm (not_durable); names the id once known"),
-        (504, "no result in time: the id, to fetch later"))}
-
-    # The POST routes: plain Starlette routes, described in the OpenAPI document by bodies.describe.
-    async def decide(http: HttpRequest) -> Response:
-        body: Request = await parse(http, ONE)
-        asked = seconds(http)  # checked before anything is sent
-        access, prepared = gateway.admit(http, [body], batch=False)
-        client = gateway.clients[access.namespace]
-        await gateway.submit(access.namespace, prepared)
-        request_id = prepared[0].id
-        landed = await watched(http, client.wait_any([request_id], gateway.wait_for(asked, [body.deadline_ms])),
-                               [request_id], WAIT)
-        if landed is None:
-            return Response(status_code=CLIENT_GONE)
-        if request_id not in landed:
-            raise ResultTimeout("no result in time", missing=[request_id])
-        # The result under this id may be another request's (a reused id): then id_conflict, never its answer.
-        return replies.result_response(prepared[0].answered_by(landed[request_id]))
-
-    async def decide_batch(http: HttpRequest) -> Response:
-        body: Batch = await parse(http, MANY)
-        asked = seconds(http)
-        access, prepared = gateway.admit(http, body.requests, batch=True)
-        client = gateway.clients[access.namespace]
-        refused = await gateway.submit(access.namespace, prepared, partial=True)
-        wait = gateway.wait_for(asked, [r.deadline_ms for r in body.requests])
-        digests = {p.id: p.asked() for p in prepared}
-        return StreamingResponse(gateway.lines(client, digests, refused, wait), media_type=NDJSON)
-
-    async def enqueue(http: HttpRequest) -> Response:
-        body: Request | Batch = await parse(http, EITHER)
-        batch = isinstance(body, Batch)
-        access, prepared = gateway.admit(http, body.requests if batch else [body], batch)
-        await gateway.submit(access.namespace, prepared)
-        return JSONResponse({"ids": [p.id for p in prepared]}, 202)
-
-    posts = [("/v1/decide", "Decide one request and wait for its result", "200", ("Request",), True, decide),
-             ("/v1/decide/batch", "Decide many; results as they land (NDJSON)", "200", ("Batch",), True,
-              decide_batch),
-             ("/v1/requests", "Enqueue; answers the ids at once", "202", ("Request", "Batch"), False, enqueue)]
-    for path, *_, endpoint in posts:
-        app.add_route(path, endpoint, methods=["POST"], include_in_schema=False)
-
-    @app.get("/v1/results/{request_id}", responses=failures, summary="A result, waiting up to ?wait= seconds")
-    async def result(request_id: str, http: HttpRequest,
-                     wait: Annotated[float, Query(ge=0, description="seconds to wait for it")] = 0) -> Response:
-        access: Access = http.state.access
-        if not ID_PATTERN.match(request_id):
-            raise Refused(422, ErrorCode.INVALID_REQUEST.value, "an id is 1-128 characters of A-Z a-z 0-9 . _ : -",
-                          "id")
-        client = gateway.clients[access.namespace]
-        gateway.hold(http, 1)  # a long-poll holds a Redis connection as a decide does: it counts against the key
-        landed = await watched(http, client.wait_any([request_id], min(wait, config.max_wait_s)), [request_id], READ)
-        if landed is None:
-            return Response(status_code=CLIENT_GONE)
-        found = landed.get(request_id)
-        if found is None:
-            raise Refused(404, "not_found", "no result for this id: not answered yet, expired, or never sent "
-                          "with this key's namespace")
-        return Response(found.model_dump_json(exclude_none=True), media_type=replies.JSON)
-
-    @app.get("/health", summary="The process answers")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/ready", summary="Redis reachable and workers alive", responses={503: {"description": "not ready"}})
-    async def ready() -> JSONResponse:
-        ok, detail = await gateway.ready()
-        return JSONResponse({"ready": ok, **detail}, 200 if ok else 503)
-
-    @app.get("/metrics", summary="Prometheus metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:  # FastAPI's description, and the plain routes'
-            schema = FastAPI.openapi(app)
-            describe(schema, [(*post[:5], failures) for post in posts])
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-    return Front(app, gateway.keyring, gateway.inflight, gateway.metrics, config.max_body_bytes)

@@ -23,9 +23,9 @@ from typing import Any
 
 import redis
 
-from .lines import FAILED, OK, USAGE
-from .wire.keys import LANES, Field, Keys, Priority, valid_id
-from .wire.schema import ErrorCode
+from ..exits import FAILED, OK, USAGE
+from ..wire.keys import LANES, Field, Keys, Priority, valid_id
+from ..wire.schema import ErrorCode
 
 PAGE = 100  # entries read per XRANGE
 OWN = {f.encode() for f in (Field.STREAM, Field.LANE, Field.ENTRY_ID, Field.DELIVERIES, Field.REASON)}

@@ -13,13 +13,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TextIO
 
-from .core import InvalidRequest, Prepared, prepare
+from .exits import FAILED, INTERRUPTED, OK, QUEUE_FULL
+from .plans import InvalidRequest, Prepared, prepare
 from .wire.keys import valid_id
 from .wire.result import Result
 from .wire.schema import ErrorCode
 
-# The exit codes of dq-producer (README "Command line"); 130 is the shell's code for an interrupt (128 + SIGINT).
-OK, FAILED, USAGE, QUEUE_FULL, UNREACHABLE, INTERRUPTED = 0, 1, 2, 3, 4, 130
 FINAL = ("refused", "answered", "timed_out", "not_sent")
 
 

@@ -18,8 +18,8 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from .wire.keys import LANES, NORMAL, Field, Keys
-from .wire.result import Result
+from ..wire.keys import LANES, NORMAL, Field, Keys
+from ..wire.result import Result
 
 BATCH = 1000  # result streams read per pipelined round trip
 
