@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from producer.client import Client  # noqa: E402
-from worker.redis_server import RedisServer, free_port  # noqa: E402
+from producer.local.ports import free_port  # noqa: E402
+from producer.local.server import RedisServer  # noqa: E402
 
 QUESTIONS = {
     "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},

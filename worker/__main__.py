@@ -144,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     if settings.gpus:  # one worker process per device, supervised by this one
-        from .launcher import serve as launch
+        from .launch.launcher import serve as launch
 
         return launch(settings)
     from .daemon import serve

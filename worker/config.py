@@ -18,7 +18,7 @@ from typing import Any
 from producer.wire.connection import MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT, mode_problem, redact, tls_url, url_problem
 
 DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
-GPUS = re.compile(r"|all|cpu:[1-9][0-9]{0,2}|[0-9]{1,3}(,[0-9]{1,3})*")  # --gpus; worker/launcher.py reads it
+GPUS = re.compile(r"|all|cpu:[1-9][0-9]{0,2}|[0-9]{1,3}(,[0-9]{1,3})*")  # --gpus; worker/launch/launcher.py reads it
 NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a prefix of every key: no braces (hash tags), no colons
 REDIS_SCHEMES = tuple(f"{scheme}://" for scheme in SCHEMES)
 

@@ -22,22 +22,22 @@ from producer import __version__
 from producer.wire.keys import Keys
 from producer.wire.supported import UnsupportedServer
 
-from .compute import Compute
 from .config import Settings
-from .consumer import Consumer
+from .gpu.compute import Compute
+from .gpu.packer import Packer
 from .health import Snapshot
-from .intake import Intake
-from .lifecycle import Lifecycle
-from .link import REDIS_ERRORS, Link, first_contact
-from .link import client as redis_client
+from .loop.consumer import Consumer
+from .loop.intake import Intake
+from .loop.lifecycle import Lifecycle
+from .loop.presence import Presence
+from .loop.publisher import Publisher
+from .loop.redis_calls import REDIS_ERRORS, Link, first_contact
+from .loop.redis_calls import client as redis_client
 from .metrics import Metrics
 from .model import checkpoint
 from .model.engine import Engine
 from .model.reference import ReferenceAdapter
-from .packer import Packer
-from .planner import Planner
-from .presence import Presence
-from .publisher import Publisher
+from .plan.planner import Planner
 
 log = logging.getLogger("worker")
 
@@ -70,9 +70,9 @@ class Daemon:
         self.keys = Keys(settings.namespace, settings.shard)
         self.metrics = Metrics(shard=settings.shard)
         if settings.deterministic:
-            from .fast import invariant
+            from .fast import deterministic
 
-            invariant.prepare_process()  # cuBLAS reads it when it starts: before the first GPU matmul
+            deterministic.prepare_process()  # cuBLAS reads it when it starts: before the first GPU matmul
         self.model = model or checkpoint.load(settings.checkpoint, settings.device, settings.dtype,
                                               settings.max_prompt_tokens)
         self.engine = create_engine(self.model, settings)
@@ -268,6 +268,6 @@ def serve(settings: Settings) -> int:
 def _refused_here(error: RuntimeError) -> bool:
     """The fast engine cannot run here, or deterministic mode cannot be kept on this card. Their modules are loaded
     only where the fast engine was tried, so they are looked up rather than imported."""
-    refusals = [("errors", "FastPathUnavailable"), ("invariant", "NotInvariant")]
+    refusals = [("errors", "FastPathUnavailable"), ("deterministic", "NotDeterministic")]
     loaded = [(sys.modules.get(f"{__package__}.fast.{module}"), name) for module, name in refusals]
     return any(isinstance(error, getattr(module, name)) for module, name in loaded if module is not None)

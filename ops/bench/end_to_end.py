@@ -79,9 +79,9 @@ def serve_worker(args: argparse.Namespace, make_model: Callable[[], Any] | None 
 
     setup_logging("text", "INFO")
     if args.deterministic:  # cuBLAS's settings precede the first GPU matmul, the random model's making included
-        from worker.fast import invariant
+        from worker.fast import deterministic
 
-        invariant.prepare_process()
+        deterministic.prepare_process()
     daemon = Daemon(settings_for(args, redis_url=args.redis_url, metrics_port=args.metrics_port, **extra),
                     model=make_model() if make_model is not None else model_for(args.shape))
     serve_http(daemon, args.metrics_port)
@@ -230,7 +230,7 @@ def worker_process(script: str, args: argparse.Namespace, url: str, log_path: Pa
                    *extra: str) -> Iterator[tuple[int, float]]:
     """A benchmark's worker process (``script --worker`` with the shared worker flags, then ``extra``), its output
     in ``log_path``: yields its metrics port and its seconds to ready; stopped on leaving."""
-    from worker.redis_server import free_port
+    from producer.local.ports import free_port
 
     port = free_port()
     cmd = [sys.executable, script, "--worker", "--shape", args.shape, "--redis-url", url, "--metrics-port", str(port),
@@ -262,7 +262,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from producer.client import Client
     from worker.model import tiny
     from worker.model.encoder import Encoder
-    from worker.redis_server import RedisServer
+    from producer.local.server import RedisServer
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The gateway's cost, on the CPU machine against a real Redis (worker/redis_server.py's choice of server):
+"""The gateway's cost, on the CPU machine against a real Redis (producer/local/binaries.py's choice of server):
 
     python ops/bench/gateway.py --out OUT            # about a minute; OUT/gateway.json
 
@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from producer.client import AsyncClient  # noqa: E402
-from worker.redis_server import RedisServer, free_port  # noqa: E402
+from producer.local.ports import free_port  # noqa: E402
+from producer.local.server import RedisServer  # noqa: E402
 
 QUESTIONS = {"refund": {"type": "noul", "instructions": "Is a refund requested?"},
              "tone": {"type": "choice", "criteria": {"calm": None, "angry": None}}}

@@ -78,7 +78,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from producer.client import Client
     from worker.model import tiny
     from worker.model.encoder import Encoder
-    from worker.redis_server import RedisServer
+    from producer.local.server import RedisServer
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

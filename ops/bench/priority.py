@@ -133,7 +133,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stage timeout: unwind, stopping the worker too
-    from worker.redis_server import RedisServer
+    from producer.local.server import RedisServer
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """Horizontal scaling on one host: the standard workload end to end through one Redis with 1, 2, 4 (8) GPUs, the
-workers started by the launcher (``dq-worker serve --gpus``, worker/launcher.py), then over Redis shards.
+workers started by the launcher (``dq-worker serve --gpus``, worker/launch/launcher.py), then over Redis shards.
 
     python ops/bench/scaling.py --gpus 1,2,4 --shape 2b --out results/scaling            # one Redis, 1/2/4 GPUs
     python ops/bench/scaling.py --gpus 4 --shape 2b --shards 2 --out results/scaling      # a 2-node Redis Cluster
@@ -44,7 +44,7 @@ from end_to_end import gpu_time, make_requests, model_for, percentile, scrape, w
 
 def run_launcher(args: argparse.Namespace) -> int:
     """One shard's launcher: the settings come as DQ_* variables; GPU workers are this file's --worker."""
-    from worker import launcher
+    from worker.launch import launcher
     from worker.config import Settings
 
     command = None if args.shape == "tiny" else [sys.executable, __file__, "--worker", "--shape", args.shape]
@@ -131,7 +131,7 @@ def paced(client, requests: list[dict], rate: float) -> tuple[list[str], float]:
 def start_launchers(args: argparse.Namespace, gpus: int, url: str, cluster: bool, out: Path, tiny: str
                     ) -> list[tuple[subprocess.Popen, int, int]]:
     """(process, base port, workers) per shard."""
-    from worker.redis_server import free_ports
+    from producer.local.ports import free_ports
 
     started = []
     cpu = args.shape == "tiny"
@@ -154,7 +154,7 @@ def start_launchers(args: argparse.Namespace, gpus: int, url: str, cluster: bool
 def planners(args: argparse.Namespace, gpus: int) -> int:
     """Planner processes per worker: as the launcher sizes them, but over all the host's GPUs (each shard's
     launcher alone would count only its own workers against the whole host's cores)."""
-    from worker.host import host_cores, planner_processes
+    from worker.launch.host import host_cores, planner_processes
 
     return planner_processes(args.planner_processes, gpus, host_cores(), args.shape != "tiny")
 
@@ -163,7 +163,7 @@ def run_once(args: argparse.Namespace, gpus: int, out: Path) -> dict:
     from producer.client import Client
     from worker.model import tiny as tiny_model
     from worker.model.encoder import Encoder
-    from worker.redis_server import LocalCluster, RedisServer
+    from producer.local.server import LocalCluster, RedisServer
 
     encoder = Encoder(tiny_model.rendering())
     tiny = str(tiny_model.write(out / "tiny-checkpoint", multimodal=False)) if args.shape == "tiny" else ""

@@ -24,7 +24,7 @@ from ..exits import OK
 from ..wire.endpoints import NOT_FOUND, Answer, serve_paths
 from ..wire.errors import DecisionQueueError
 
-log = logging.getLogger("producer.admin.exporter")
+log = logging.getLogger("producer.exporter")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STREAM_GAUGES = {  # name: (the stats field, help)
     "dq_stream_length": ("length", "Entries in the stream (unfinished work)"),

@@ -140,7 +140,7 @@ class Keys:
 
     def workers(self) -> str:
         """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, engine}``, written every 5 s
-        (worker/presence.py); beats older than GONE_S are gone and deleted by the live workers."""
+        (worker/loop/presence.py); beats older than GONE_S are gone and deleted by the live workers."""
         return f"{self.base}:workers"
 
     @property

@@ -67,9 +67,9 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true")
     args = parser.parse_args()
     if args.deterministic:
-        from worker.fast import invariant
+        from worker.fast import deterministic
 
-        invariant.prepare_process()  # before the first GPU matmul, as the daemon does
+        deterministic.prepare_process()  # before the first GPU matmul, as the daemon does
     import torch
 
     from producer.wire.schema import Request

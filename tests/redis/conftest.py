@@ -1,6 +1,6 @@
 """Real redis-server processes and real worker processes (tiny checkpoint, CPU) for integration tests.
 
-Every test here runs once per supported server on the machine (worker/redis_server.py ``test_servers``: the
+Every test here runs once per supported server on the machine (producer/local/binaries.py ``servers_under_test``: the
 embedded Valkey always, a system Redis when there), the server and its version in the test id
 (``test_dead_letters[valkey-9.1.2]``): each guarantee is checked on each server the project accepts."""
 
@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from producer.local.binaries import servers_under_test
+from producer.local.ports import free_port
+from producer.local.server import RedisServer
 from support import http_get
-from worker.redis_server import RedisServer, free_port, test_servers
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVERS = test_servers()
+SERVERS = servers_under_test()
 
 
 @pytest.fixture(autouse=True, params=SERVERS or [None], ids=[b.label for b in SERVERS] or ["no-server"])

@@ -73,8 +73,8 @@ PLANNER_KILLER = b"KILLS-ITS-PLANNER"
 
 def plan_or_die(job):
     """Planning in a planner process, except that a body holding PLANNER_KILLER ends the process at once (an image
-    decoder that crashes on one input): put in place of worker.planner._plan_in_process."""
-    from worker import planner
+    decoder that crashes on one input): put in place of worker.plan.planner._plan_in_process."""
+    from worker.plan import planner
 
     if job.raw is not None and PLANNER_KILLER in job.raw:
         os._exit(9)
@@ -84,7 +84,7 @@ def plan_or_die(job):
 def main() -> int:
     from worker.__main__ import main as worker_main
     from worker import daemon as daemons
-    from worker import launcher
+    from worker.launch import launcher
 
     real_create = daemons.create_engine
 

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from worker.redis_server import RedisServer, free_port
+from producer.local.ports import free_port
+
+from producer.local.server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = {name: f"test-token-{name}-0123456789abcdef" for name in ("acme", "acme-normal", "globex", "initech",

@@ -17,11 +17,11 @@ import time
 from typing import Any
 
 from faulty_worker import FaultyEngine
+from producer.local.ports import free_port
 from support import http_get
 from worker.config import Settings
 from worker.daemon import Daemon
 from worker.health import serve_http, status
-from worker.redis_server import free_port
 
 NUMBERS = itertools.count()
 # Short waits: a burst run ends one read after the streams empty; a stop drains within seconds.

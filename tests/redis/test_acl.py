@@ -14,10 +14,11 @@ import redis
 
 from ops.redis_acl import ROLES, render
 from producer.client import Client, LibraryUnavailable
+from producer.local.ports import free_port
+from producer.local.server import RedisServer
 from producer.wire import library
 from producer.wire.keys import HIGH, Keys
 from test_e2e import QUESTIONS, requests
-from worker.redis_server import RedisServer, free_port
 
 pytestmark = [pytest.mark.redis]
 ROOT = Path(__file__).resolve().parents[2]

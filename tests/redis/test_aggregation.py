@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from producer.client import aconnect
+from producer.local.server import RedisServer
 from producer.wire import library
 from producer.wire.keys import Keys
 from producer.wire.result import Result
 from worker.entries import PARTS, REQUESTS, Delivery
+from worker.loop.publisher import Publisher
 from worker.outcomes import Outcome, Share
-from worker.publisher import Publisher
-from worker.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 

@@ -11,10 +11,10 @@ from redis.crc import key_slot
 
 from faults import wait_for
 from producer.client import AsyncClient, Client
+from producer.local.server import LocalCluster
 from producer.wire import library
 from producer.wire.keys import Keys, shard_of
 from test_e2e import QUESTIONS, requests
-from worker.redis_server import LocalCluster
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

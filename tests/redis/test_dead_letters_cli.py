@@ -13,10 +13,10 @@ import pytest
 import redis
 
 from ops.redis_acl import ROLES, render
+from producer.local.server import RedisServer
 from producer.wire.keys import HIGH, NORMAL, Field, Keys
 from producer.wire.result import Result
 from producer.wire.schema import ErrorCode
-from worker.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def dead_letter(admin: redis.Redis, keys: Keys, fields: dict, stream: str, lane: str, reason: str) -> str:
-    """As worker/publisher.py writes one: the entry's fields, then where it was and why. A millisecond apart: entry
+    """As worker/loop/publisher.py writes one: the entry's fields, then where it was and why. A millisecond apart: entry
     ids of two shards' streams made in the same one would be equal (a case the test makes on purpose below)."""
     time.sleep(0.002)
     return admin.xadd(keys.dead, {**fields, Field.STREAM: stream, Field.LANE: lane, Field.ENTRY_ID: "1-1",

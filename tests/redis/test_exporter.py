@@ -15,8 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ops.redis_acl import ROLES, render
+from producer.local.ports import free_port
+from producer.local.server import RedisServer
 from producer.wire.keys import HIGH, NORMAL, Keys
-from worker.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.redis
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,10 +16,10 @@ import redis
 
 from ops.failover import KINDS, session
 from producer.client import AsyncClient, Client, NotDurable
+from producer.local.server import RedisServer
 from producer.wire.keys import Field, Keys
 from producer.wire.library import REVISION
 from producer.wire.result import Result
-from worker.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

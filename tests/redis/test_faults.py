@@ -19,18 +19,18 @@ import pytest
 import redis
 
 from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log, wait_released
-from producer.client import Client
 from producer.admin.audit import settle
+from producer.client import Client
 from producer.wire import library
 from producer.wire.keys import NORMAL
-from worker import link as links
 from worker.config import Settings
-from worker.consumer import Consumer
-from worker.intake import Intake
-from worker.lifecycle import Lifecycle
+from worker.loop import redis_calls as links
+from worker.loop.consumer import Consumer
+from worker.loop.intake import Intake
+from worker.loop.lifecycle import Lifecycle
+from worker.loop.presence import Presence
+from worker.loop.publisher import Publisher
 from worker.metrics import Metrics
-from worker.presence import Presence
-from worker.publisher import Publisher
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -15,8 +15,8 @@ import httpx
 import redis
 
 from gateways import ROOT, TOKENS, GatewayProcess, auth, request
+from producer.local.server import RedisServer
 from producer.wire.keys import Keys
-from worker.redis_server import RedisServer
 
 
 def test_a_valid_key_is_needed_and_checked_before_the_body_is_read(stack):

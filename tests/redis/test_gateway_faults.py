@@ -12,8 +12,8 @@ import redis
 
 from faults import FAULTY, wait_log
 from gateways import GatewayProcess, request
+from producer.local.server import RedisServer
 from producer.wire.keys import Keys
-from worker.redis_server import RedisServer
 
 SLOW = {"entry": FAULTY, "env": {"DQ_FAULT_SLOW_S": "4"}}  # every pack sleeps 4 s first: time to kill the worker
 

@@ -7,13 +7,13 @@ import signal
 import pytest
 
 from producer.client import Client
-from worker import redis_server as servers  # its test_servers, not collected as a test here
+from producer.local.binaries import servers_under_test
 
 pytestmark = pytest.mark.redis
 
 
 def test_every_line_a_json_worker_writes_is_a_json_object(server_binary, redis_server, start_worker, tiny_dir):
-    if server_binary.label != servers.test_servers()[0].label:
+    if server_binary.label != servers_under_test()[0].label:
         pytest.skip("one server is enough: what the worker writes does not depend on it")
     worker = start_worker(tiny_dir, redis_server.url, log_format="json", log_level="DEBUG")
     client = Client(redis_server.url)

@@ -18,11 +18,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from faults import FAULTY, batch, wait_for
-from producer.client import Client
 from producer.admin.audit import check, settle
+from producer.client import Client
+from producer.local.binaries import servers_under_test
+from producer.local.ports import free_ports
 from support import http_get
-from worker import redis_server as servers
-from worker.redis_server import free_ports
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -45,7 +45,7 @@ def pending_of(client: Client, consumer: str) -> int:
 
 def test_a_killed_worker_is_restarted_and_sigterm_drains_every_worker(server_binary, redis_server, tiny_dir,
                                                                       tmp_path):
-    if server_binary.label != servers.test_servers()[0].label:
+    if server_binary.label != servers_under_test()[0].label:
         pytest.skip("one server is enough: the workers' use of Redis is tested on each elsewhere")
     port, log = free_ports(3), tmp_path / "launcher.log"
     launcher = subprocess.Popen(
@@ -105,7 +105,7 @@ def test_a_killed_worker_is_restarted_and_sigterm_drains_every_worker(server_bin
 
 def launch_exiting(code: int, redis_url: str, port: int, log) -> subprocess.Popen:
     """A launcher of two workers that exit with ``code`` at once (no model: the launcher's side alone)."""
-    script = ("import sys; from worker import launcher; from worker.__main__ import main; "
+    script = ("import sys; from worker.launch import launcher; from worker.__main__ import main; "
               f"launcher.ENTRY = ['-c', 'import sys; sys.exit({code})']; sys.exit(main(sys.argv[1:]))")
     return subprocess.Popen([sys.executable, "-c", script, "serve", "--gpus", "cpu:2", "--checkpoint", "unused",
                              "--redis-url", redis_url, "--metrics-port", str(port)],
@@ -114,7 +114,7 @@ def launch_exiting(code: int, redis_url: str, port: int, log) -> subprocess.Pope
 
 
 def test_a_worker_that_keeps_exiting_is_reported_and_an_exit_2_stops_the_host(server_binary, redis_server, tmp_path):
-    if server_binary.label != servers.test_servers()[0].label:
+    if server_binary.label != servers_under_test()[0].label:
         pytest.skip("one server is enough: the launcher's one Redis call is the same on each")
     port, log = free_ports(3), tmp_path / "loop.log"
     looping = launch_exiting(3, redis_server.url, port, log)

@@ -1,4 +1,4 @@
-"""An entry's life (worker/lifecycle.py), in process against a real server: accepted, planned, queued and
+"""An entry's life (worker/loop/lifecycle.py), in process against a real server: accepted, planned, queued and
 published; a failed pack retried with its planned task, then dead-lettered at the cap; a deadline passed while
 queued; a long request fanned out into parts; a bad entry answered where its body says; every entry let go.
 
@@ -14,8 +14,8 @@ import time
 import pytest
 
 from faults import FANOUT, batch, long_request, wait_for
-from producer.client import Client
 from producer.admin.audit import settle
+from producer.client import Client
 from producer.wire.keys import Field
 from producer.wire.result import Result
 

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from faults import FANOUT, batch, long_request, wait_for
-from producer.client import Client
 from producer.admin.audit import settle
+from producer.client import Client
 from worker.health import status
 
 pytestmark = pytest.mark.redis
@@ -163,7 +163,7 @@ def test_one_read_brings_in_a_bounded_number_of_bytes(redis_server):
 
     from producer.wire.keys import NORMAL, Keys
     from producer.wire.schema import ErrorCode
-    from worker.consumer import Consumer
+    from worker.loop.consumer import Consumer
 
     async def scenario() -> list[list[int]]:
         client, keys = aioredis.from_url(redis_server.url), Keys()
@@ -255,7 +255,7 @@ def test_an_input_that_kills_its_planner_is_dead_lettered_and_the_worker_stays(r
     as deaths in a row, the worker exited 70 at the third delivery, before the input was dead-lettered, and its
     entries waited for a reclaim. One culprit counts once now: dead-lettered, and the worker serves on."""
     import faulty_worker
-    from worker import planner
+    from worker.plan import planner
 
     monkeypatch.setattr(planner, "_plan_in_process", faulty_worker.plan_or_die)
     worker = inprocess(redis_server.url, planner_processes=1, max_deliveries=3).start()

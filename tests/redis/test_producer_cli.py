@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from producer.client import Client
+from producer.local.ports import free_port
 from producer.wire.connection import SOCKET_TIMEOUT
 from producer.wire.keys import Keys, shard_of
-from worker.redis_server import free_port
 
 pytestmark = pytest.mark.redis
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from producer.client import Client
 from producer.admin.exporter import Exporter, serve
+from producer.client import Client
+from producer.local.binaries import servers_under_test
+from producer.local.ports import free_port
 from test_e2e import requests
-from worker import redis_server as servers  # its test_servers, not collected as a test here
-from worker.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus")
@@ -81,7 +81,7 @@ def prometheus(tmp_path):
 
 def test_a_real_prometheus_scrapes_workers_and_every_panel_shows_its_series(server_binary, redis_server, start_worker,
                                                                              tiny_dir, prometheus):
-    if server_binary.label != servers.test_servers()[0].label:
+    if server_binary.label != servers_under_test()[0].label:
         pytest.skip("one server is enough: what the workers export and the panels query do not depend on it")
     workers = [start_worker(tiny_dir, redis_server.url, shard=shard, max_prompt_tokens=220, fanout_tokens=200)
                for shard in (0, 1)]

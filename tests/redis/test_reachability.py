@@ -15,12 +15,14 @@ import pytest
 import redis
 
 from faults import FAULTY, batch, wait_for, wait_log
+from producer.admin.audit import settle
 from producer.client import Client
 from producer.client import AsyncClient
-from producer.admin.audit import settle
+from producer.local.binaries import servers_under_test
+from producer.local.binaries import on_path, probe
+from producer.local.ports import free_port
+from producer.local.server import RedisServer
 from producer.wire.supported import MINIMUM, UnsupportedServer
-from worker import redis_server as servers  # its test_servers, not collected as a test here
-from worker.redis_server import RedisServer, free_port, on_path, probe
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 # python -m worker, with the supported minimum raised above every real server: the refusal path on any machine.
@@ -36,7 +38,7 @@ def answers(worker, path: str) -> int | None:
 
 
 def test_unreachable_redis_is_named_every_few_seconds_and_a_stop_claims_nothing(server_binary, start_worker, tiny_dir):
-    if server_binary.label != servers.test_servers()[0].label:
+    if server_binary.label != servers_under_test()[0].label:
         pytest.skip("one server is enough: no server answers in this test")
     port = free_port()  # nothing listens there
     worker = start_worker(tiny_dir, f"redis://dq:s3cret-pw@127.0.0.1:{port}/0", ready=False, drain_timeout_s=60)

@@ -15,10 +15,10 @@ import pytest
 import redis
 from faults import FANOUT, batch, long_request, wait_for, wait_released
 
-from producer.client import Client
 from producer.admin.audit import settle
+from producer.client import Client
+from producer.local.server import RedisServer
 from producer.wire.keys import Keys
-from worker.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from ops.redis_acl import ROLES, render
+from producer.local.server import RedisServer
 from producer.wire.keys import GROUP, LANES, Keys
-from worker.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 ROOT = Path(__file__).resolve().parents[2]

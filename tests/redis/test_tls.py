@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from producer.client import Client
+from producer.local.server import RedisServer
 from test_e2e import requests
-from worker.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from ops.redis_acl import ROLES, render
+from producer.local.server import RedisServer
 from producer.wire import library
 from producer.wire.keys import Keys
-from worker.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,12 +6,12 @@ import json
 import torch
 
 from producer.wire.schema import Request
-from worker.compute import Compute
 from worker.entries import REQUESTS, Delivery
+from worker.gpu.compute import Compute
+from worker.gpu.packer import Packer
 from worker.metrics import Metrics
 from worker.model.encoder import Encoder
 from worker.model.engine import Prompt, PackRun, Pending
-from worker.packer import Packer
 from worker.tasks import Item, Task
 
 BUDGET = 100
@@ -88,7 +88,7 @@ def test_a_pack_finishing_after_a_stop_closed_the_loop_is_dropped_not_raised():
     are dropped (the entries stay pending, reclaimed elsewhere); it once ended the worker with exit 1 and a traceback."""
     import asyncio
 
-    from worker.lifecycle import Lifecycle
+    from worker.loop.lifecycle import Lifecycle
 
     lifecycle = Lifecycle.__new__(Lifecycle)  # only the hand-over is exercised
     lifecycle.loop = asyncio.new_event_loop()

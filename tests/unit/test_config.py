@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from producer.local.ports import free_port
 from worker.config import Settings, SettingsError
-from worker.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -134,7 +134,7 @@ def test_serve_turns_the_fast_engines_refusals_into_exit_2_and_lets_other_errors
     """The fast engine's refusals (it cannot run here; deterministic mode's check at warm-up failed) end serve with
     one line and exit 2; any other RuntimeError is a fault and keeps its traceback."""
     from worker.daemon import _refused_here
-    from worker.fast import FastPathUnavailable, invariant
+    from worker.fast import FastPathUnavailable, deterministic
 
-    assert _refused_here(FastPathUnavailable("no CUDA")) and _refused_here(invariant.NotInvariant("other bits"))
+    assert _refused_here(FastPathUnavailable("no CUDA")) and _refused_here(deterministic.NotDeterministic("other bits"))
     assert not _refused_here(RuntimeError("CUDA error: an illegal memory access was encountered"))

@@ -1,8 +1,8 @@
-"""Entries deleted before the group read them, told from XINFO STREAM and XINFO GROUPS (worker/consumer.py); the
+"""Entries deleted before the group read them, told from XINFO STREAM and XINFO GROUPS (worker/loop/consumer.py); the
 shapes below are what Redis 7 and Valkey answer after each kind of deletion (tests/redis/test_ordinary_faults.py
 makes the trim on real servers)."""
 
-from worker.consumer import entry_order, unread_deleted
+from worker.loop.consumer import entry_order, unread_deleted
 
 
 def stream(length: int, first: str = "0-0", generated: str = "9-0", deleted: str = "0-0") -> dict:

@@ -14,17 +14,17 @@ import torch
 from test_fast_cpu import PLAIN_CAPTURE, SMALL, prompts_of
 from worker.config import Settings
 from worker.daemon import create_engine
-from worker.fast import FastEngine, invariant, ops
+from worker.fast import FastEngine, deterministic, ops
 from worker.fast.mixers import TorchMixers
 
 
 @pytest.fixture(autouse=True)
 def process_settings_kept(monkeypatch):
-    """The fast engine's deterministic mode switches process-wide settings (worker/fast/invariant.py enable): here
+    """The fast engine's deterministic mode switches process-wide settings (worker/fast/deterministic.py enable): here
     they are recorded, not made, so that later tests in this process run as they would alone; what enable does is
     checked in a process of its own."""
     calls = []
-    monkeypatch.setattr(invariant, "enable", lambda: calls.append("enable"))
+    monkeypatch.setattr(deterministic, "enable", lambda: calls.append("enable"))
     return calls
 from worker.model.reference import ReferenceAdapter
 
@@ -50,17 +50,17 @@ def test_a_prompt_scores_the_same_bits_alone_and_in_any_pack(loaded):
     prompts = prompts_of(model)
     rng = random.Random(3)
     apart = {}
-    for deterministic in (True, False):
-        engine = ReferenceAdapter(model, Settings(deterministic=deterministic))
+    for mode in (True, False):
+        engine = ReferenceAdapter(model, Settings(deterministic=mode))
         alone = [scores(engine, [prompt])[0] for prompt in prompts]
         worst = 0.0
         for index in range(len(prompts)):
             for pack, at in packs_around(len(prompts), index, rng):
                 got = scores(engine, [prompts[i] for i in pack])[at]
-                if deterministic:
+                if mode:
                     assert torch.equal(got, alone[index]), (index, (got - alone[index]).abs().max())
                 worst = max(worst, (got - alone[index]).abs().max().item())
-        apart[deterministic] = worst
+        apart[mode] = worst
     print(f"largest score difference alone against packed: deterministic {apart[True]:g}, default {apart[False]:g}")
 
 
@@ -124,7 +124,7 @@ def test_a_card_that_breaks_the_promise_stops_the_warm_up(loaded):
 
     settings = Settings(deterministic=True, cuda_graphs=True, buckets="256,512,1024", **SMALL)
     engine = FastEngine(loaded("repo", 140), settings, mixers=PackDependent(), capture=PLAIN_CAPTURE)
-    with pytest.raises(invariant.NotInvariant, match="probe prompt scored other bits first in a pack of 2 prompts "
+    with pytest.raises(deterministic.NotDeterministic, match="probe prompt scored other bits first in a pack of 2 prompts "
                                                      r"\(bucket 256\)"):
         engine.warmup()
 
@@ -138,13 +138,13 @@ def test_the_check_at_warm_up_fills_small_buckets_exactly_and_never_passes_havin
     engine.launch = lambda pack: packs.append([p.length for p in pack]) or launch(pack)
     try:
         engine.warmup()
-    except invariant.NotInvariant:  # the CPU's BLAS may round a 40-row GEMM otherwise than a 100-row one
+    except deterministic.NotDeterministic:  # the CPU's BLAS may round a 40-row GEMM otherwise than a 100-row one
         pass
     probed = [pack for pack in packs if len(pack) > 1]
     assert probed and all(sum(pack) in (40, 100) for pack in probed), probed
     tiny_buckets = Settings(deterministic=True, cuda_graphs=True, buckets="3", **SMALL)
     engine = FastEngine(loaded("repo"), tiny_buckets, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
-    with pytest.raises(invariant.NotInvariant, match="found no pack to check"):
+    with pytest.raises(deterministic.NotDeterministic, match="found no pack to check"):
         engine.warmup()
 
 
@@ -162,8 +162,8 @@ def test_deterministic_mode_is_refused_where_it_is_not_built_saying_what_runs_it
 
 def test_enable_sets_cublas_without_split_k_and_inductor_without_timing_before_the_first_matmul():
     code = ("import os, torch, torch._inductor.config as inductor\n"
-            "from worker.fast import invariant\n"
-            "invariant.enable()\n"
+            "from worker.fast import deterministic\n"
+            "deterministic.enable()\n"
             "print(os.environ['CUBLASLT_WORKSPACE_SIZE'], os.environ['CUBLAS_WORKSPACE_CONFIG'], "
             "inductor.deterministic, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction, "
             "getattr(torch.backends.cuda.matmul, 'allow_bf16_reduced_precision_reduction_split_k', False))\n")
@@ -172,16 +172,16 @@ def test_enable_sets_cublas_without_split_k_and_inductor_without_timing_before_t
 
 
 def test_a_gemm_that_depends_on_the_batch_stops_the_start(monkeypatch):
-    """invariant.check_gemms, run by the fast engine's warm-up in deterministic mode: rows at other places and
+    """deterministic.check_gemms, run by the fast engine's warm-up in deterministic mode: rows at other places and
     counts must come out bitwise as at the largest count. A GEMM whose sums change with M (as split-K does) is
     refused by name."""
     weight = ops.Dense(torch.randn(48, 32))
-    assert invariant.check_gemms([weight, weight], [16, 64, 256], torch.float32) == 1
+    assert deterministic.check_gemms([weight, weight], [16, 64, 256], torch.float32) == 1
 
     def split_by_rows(inputs, weights):  # another order of the same sums when the batch is small
         out = torch.nn.functional.linear(inputs, weights.weight)
         return out if inputs.shape[0] >= 256 else out + out.abs() * 1e-6
 
-    monkeypatch.setattr(invariant.ops, "linear", split_by_rows)
-    with pytest.raises(invariant.NotInvariant, match="48 x 32 Dense GEMM gives other bits at 16 rows"):
-        invariant.check_gemms([weight], [16, 64, 256], torch.float32)
+    monkeypatch.setattr(deterministic.ops, "linear", split_by_rows)
+    with pytest.raises(deterministic.NotDeterministic, match="48 x 32 Dense GEMM gives other bits at 16 rows"):
+        deterministic.check_gemms([weight], [16, 64, 256], torch.float32)

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from producer.local.ports import free_port
 from worker.health import Snapshot, serve_http
 from worker.metrics import Metrics
-from worker.redis_server import free_port
 
 
 class Daemon:

@@ -15,8 +15,8 @@ from producer.wire.schema import ErrorCode, RequestError
 from worker.config import Settings
 from worker.entries import REQUESTS, Delivery, Job
 from worker.model.encoder import Encoder
-from worker.planner import Refusal
-from worker.planner import plan_entry as planned
+from worker.plan.planner import Refusal
+from worker.plan.planner import plan_entry as planned
 
 
 def plan_entry(encoder: Encoder, config: Settings, raw: bytes, questions: None):

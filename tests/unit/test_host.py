@@ -1,11 +1,11 @@
-"""The plan of a host's workers (worker/host.py) and the --gpus setting, without starting anything: which devices a
+"""The plan of a host's workers (worker/launch/host.py) and the --gpus setting, without starting anything: which devices a
 --gpus value names, and what each worker is given (device, consumer name, port, planner processes, every setting)."""
 
 import pytest
 
 from worker.config import Settings, SettingsError
-from worker.host import Device, LaunchError, devices, environment, planner_processes
-from worker.launcher import Launcher
+from worker.launch.host import Device, LaunchError, devices, environment, planner_processes
+from worker.launch.launcher import Launcher
 
 
 def test_cpu_workers_see_no_gpu_and_gpu_numbers_are_positions_in_the_visible_list():

@@ -19,8 +19,8 @@ from producer.admin.exporter import EXPORTED
 from producer.gateway.front import Metrics as GatewayMetrics
 from producer.wire.keys import GROUP, LANES, Keys
 from worker.config import Settings
-from worker.host import devices
-from worker.launcher import Launcher
+from worker.launch.host import devices
+from worker.launch.launcher import Launcher
 from worker.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ from producer.wire.keys import Keys
 from producer.wire.schema import ErrorCode
 from worker.config import Settings
 from worker.entries import REQUESTS, Delivery, Identity
-from worker.lifecycle import Lifecycle
-from worker.link import Link
+from worker.loop.lifecycle import Lifecycle
+from worker.loop.redis_calls import Link
 from worker.metrics import Metrics
 from worker.outcomes import Outcome, Share, error_outcome, ok_result
 
@@ -65,7 +65,7 @@ class Published:
     model = "tiny"
 
     async def settle(self, outcomes):
-        from worker.publisher import Settlement
+        from worker.loop.publisher import Settlement
 
         return Settlement(settled=[(outcome, outcome.result, True) for outcome in outcomes])
 

@@ -1,4 +1,4 @@
-"""Packs filled high-priority first, with a share kept for normal work (worker/packer.py)."""
+"""Packs filled high-priority first, with a share kept for normal work (worker/gpu/packer.py)."""
 
 import threading
 import time
@@ -8,8 +8,8 @@ import torch
 from producer.wire.keys import HIGH, NORMAL, Keys
 from producer.wire.schema import Request
 from worker.entries import REQUESTS, Delivery
+from worker.gpu.packer import Packer
 from worker.model.engine import Prompt
-from worker.packer import Packer
 from worker.tasks import Item, Task
 
 REQUEST = Request.model_validate({"state": "x", "questions": {"spam": {"type": "noul"}}})

@@ -13,8 +13,8 @@ from producer.wire.keys import HIGH, NORMAL
 from producer.wire.schema import ErrorCode
 from worker.config import Settings
 from worker.entries import PARTS, REQUESTS, Delivery
-from worker.planner import Planner, Refusal
-from worker.planqueue import LaneQueue, PlannerCrashed, _Waiting
+from worker.plan.planner import Planner, Refusal
+from worker.plan.pool import LaneQueue, PlannerCrashed, _Waiting
 
 BODY = {"id": "p-1", "state": "Refund please.", "questions": {
     "spam": {"type": "noul"}, "tone": {"type": "choice", "criteria": {"calm": None, "angry": None}}}}
@@ -95,7 +95,7 @@ def test_planner_processes_leave_when_their_worker_is_killed(tmp_path):
         "import os, sys, time\n"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
         "import multiprocessing\n"
-        "from worker.planner import _exit_with_parent\n"
+        "from worker.plan.planner import _exit_with_parent\n"
         "if __name__ == '__main__':\n"
         "    child = multiprocessing.get_context('spawn').Process(target=_exit_with_parent, args=(os.getpid(),))\n"
         "    child.start()\n"

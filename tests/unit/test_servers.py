@@ -1,4 +1,4 @@
-"""Which servers the project accepts (producer/wire/supported.py) and which one it runs (worker/redis_server.py)."""
+"""Which servers the project accepts (producer/wire/supported.py) and which one it runs (producer/local/server.py)."""
 
 import os
 import random
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from producer.local import server
 from producer.wire.supported import Server, UnsupportedServer, from_hello, require, supported
-from worker import redis_server
 
 
 def test_hello_replies_in_both_protocols():
@@ -44,56 +44,56 @@ def fake_server(directory, version_line: str):
 
 
 def test_an_old_server_early_on_path_shadows_nothing(tmp_path, monkeypatch):
-    embedded = redis_server.embedded()
+    embedded = server.embedded()
     assert embedded is not None and embedded.server.supported, "the embedded Valkey is a test dependency"
     old = fake_server(tmp_path / "venv-bin", "Redis server v=6.2.14 sha=00000000:0 malloc=libc bits=64")
     monkeypatch.delenv("DQ_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", str(old.parent))
-    assert [b.server for b in redis_server.on_path()] == [Server("redis", (6, 2, 14))]
-    assert redis_server.find() == embedded  # not the 6.2 that comes first
+    assert [b.server for b in server.on_path()] == [Server("redis", (6, 2, 14))]
+    assert server.find() == embedded  # not the 6.2 that comes first
     newer = tmp_path / "system-bin"
     newer.mkdir()
     (newer / "redis-server").symlink_to(embedded.path)  # a supported system server, later on PATH
     monkeypatch.setenv("PATH", os.pathsep.join([str(old.parent), str(newer)]))
-    chosen = redis_server.find()
+    chosen = server.find()
     assert chosen.server == embedded.server and not chosen.embedded  # the system's wins over the embedded one
-    assert [b.label for b in redis_server.test_servers()] == [embedded.label]  # one per version: no double run
+    assert [b.label for b in server.servers_under_test()] == [embedded.label]  # one per version: no double run
     monkeypatch.setenv("DQ_REDIS_SERVER", str(old))
-    assert redis_server.find().path == str(old)  # named explicitly: taken as it is (and refused at connect)
+    assert server.find().path == str(old)  # named explicitly: taken as it is (and refused at connect)
 
 
 def test_no_supported_server_is_a_clear_error(tmp_path, monkeypatch):
     old = fake_server(tmp_path / "bin", "Redis server v=6.2.14 sha=00000000:0")
     monkeypatch.delenv("DQ_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", str(old.parent))
-    monkeypatch.setattr(redis_server, "embedded", lambda: None)  # as without the embedded extra
+    monkeypatch.setattr(server, "embedded", lambda: None)  # as without the embedded extra
     with pytest.raises(RuntimeError, match=r"no supported server \(Redis >= 7.0 or Valkey >= 7.2\): found Redis "
                                            r"6.2.14"):
-        redis_server.find()
+        server.find()
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_in_this_process_share(monkeypatch):
-    ephemeral = redis_server.ephemeral_start()
+    ephemeral = server.ephemeral_start()
     monkeypatch.setenv("DQ_PORT_SHARE", "1/2")
-    low, high = redis_server._share(10000, ephemeral)
+    low, high = server._share(10000, ephemeral)
     assert low == 10000 + (ephemeral - 10000) // 2 and high <= ephemeral
-    assert all(low <= redis_server.free_port() < high for _ in range(50))
+    assert all(low <= server.free_port() < high for _ in range(50))
     monkeypatch.setenv("DQ_PORT_SHARE", "0/2")
-    assert all(10000 <= redis_server.free_port() < low for _ in range(50))
-    assert all(base + 8 <= low for base in (redis_server.free_ports(8) for _ in range(50)))  # a run stays inside
+    assert all(10000 <= server.free_port() < low for _ in range(50))
+    assert all(base + 8 <= low for base in (server.free_ports(8) for _ in range(50)))  # a run stays inside
     for malformed in ("", "2/2", "x", "1/0"):  # no slice: the whole range below the ephemeral ports
         monkeypatch.setenv("DQ_PORT_SHARE", malformed)
-        assert redis_server._share(10000, 20000) == (10000, 20000)
+        assert server._share(10000, 20000) == (10000, 20000)
 
 
 def test_a_port_handed_out_is_not_handed_out_again_while_free(monkeypatch):
     """A worker binds its metrics port seconds after it was picked, and a server stopped for a fault binds its port
     again on restart: the port is free meanwhile, yet promised. The CI once lost a worker to the same port twice."""
-    first = redis_server.free_port()  # nothing binds it: free, and handed out
+    first = server.free_port()  # nothing binds it: free, and handed out
     real, picks = random.Random(), iter([first, first])
-    monkeypatch.setattr(redis_server.random, "randrange", lambda *args: next(picks, None) or real.randrange(*args))
-    second = redis_server.free_port()
-    assert second != first and second in redis_server._handed_out
+    monkeypatch.setattr(server.random, "randrange", lambda *args: next(picks, None) or real.randrange(*args))
+    second = server.free_port()
+    assert second != first and second in server._handed_out
 
 
 def test_a_clusters_ports_and_bus_ports_are_distinct_free_and_in_this_process_share(monkeypatch):
@@ -108,15 +108,15 @@ def test_a_clusters_ports_and_bus_ports_are_distinct_free_and_in_this_process_sh
         repeat.append(random.randrange(low, high))
         return repeat[0]
 
-    monkeypatch.setattr(redis_server, "random", SimpleNamespace(randrange=each_twice))
-    low, high = redis_server._share(10000, redis_server.ephemeral_start())
-    cluster = redis_server.LocalCluster(3)
+    monkeypatch.setattr(server, "random", SimpleNamespace(randrange=each_twice))
+    low, high = server._share(10000, server.ephemeral_start())
+    cluster = server.LocalCluster(3)
     try:
-        ports = [node.port for node in cluster.nodes] + cluster.buses
-        assert len(set(ports)) == 6 and all(low <= port < high for port in ports), ports
+        taken = [node.port for node in cluster.nodes] + cluster.buses
+        assert len(set(taken)) == 6 and all(low <= port < high for port in taken), taken
         for node, bus in zip(cluster.nodes, cluster.buses):
             assert node.args[node.args.index("--cluster-port") + 1] == str(bus)
-        for port in ports:  # free now
+        for port in taken:  # free now
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", port))
     finally:

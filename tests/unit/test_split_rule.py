@@ -12,7 +12,7 @@ from producer.wire.result import Usage
 from worker.config import Settings
 from worker.entries import REQUESTS, Delivery
 from worker.model.encoder import Encoder
-from worker.planner import Planner
+from worker.plan.planner import Planner
 
 CONTEXT = 4096  # the tiny checkpoint's max_position_embeddings
 

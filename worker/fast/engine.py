@@ -25,12 +25,12 @@ from transformers.decision import Question
 from ..config import Settings
 from ..model.checkpoint import DecisionModel
 from ..model.engine import Prompt, PackRun, Pending
+from . import deterministic, prebuild
 from .errors import ALTERNATIVE, FastPathUnavailable
 from .forward import COMPILE_MODES, PackedForward
-from .layers import LINEAR, LinearDims
 from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warmer
+from .layers import LINEAR, LinearDims
 from .layout import Boundaries, Layout, Regions, lay_out, prompt_positions, row_capacity
-from . import invariant, prebuild
 from .mixers import CudaMixers, Mixers
 from .qla import FlashQLA
 
@@ -71,15 +71,15 @@ class FastEngine:
         if settings.compile_cache:
             use_compile_cache(settings.compile_cache)  # before anything compiles or imports TileLang
         # Deterministic mode: the same kernels, in the same order of sums, for a row whatever its pack
-        # (worker/fast/invariant.py).
-        self.invariant = settings.deterministic
-        if self.invariant:
-            invariant.enable()
+        # (worker/fast/deterministic.py).
+        self.deterministic = settings.deterministic
+        if self.deterministic:
+            deterministic.enable()
         if mixers is None:
             if model.device.type != "cuda":
                 raise FastPathUnavailable(f"the fast engine runs on CUDA; this model is on {model.device}: "
                                           f"load it on a GPU (--device cuda), or {ALTERNATIVE}")
-            mixers = CudaMixers(invariant=self.invariant)
+            mixers = CudaMixers(invariant=self.deterministic)
         self.device = model.device
         self.graphs_on = settings.cuda_graphs and (self.device.type == "cuda" or capture is not None)
         self._capture_with = capture
@@ -99,20 +99,20 @@ class FastEngine:
                                                                                          torch.float16)
         # Deterministic mode computes the head at every row of the bucket: one row count per bucket, and no pack
         # sent down the eager path for having more questions than a pruned layer's rows.
-        self.rows_of = (lambda bucket: bucket) if self.invariant else row_capacity
-        self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last and not self.invariant,
+        self.rows_of = (lambda bucket: bucket) if self.deterministic else row_capacity
+        self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last and not self.deterministic,
                                  fp8=settings.fp8, fp8_layers=settings.fp8_layers, fp8_matrices=settings.fp8_matrices,
                                  compile=settings.compile, compile_pieces=not self.graphs_on, fused=fused,
-                                 image_by_image=self.invariant)
+                                 image_by_image=self.deterministic)
         linear = self.linear_dims = next((stage.dims for stage in self.fwd.stages if stage.kind == LINEAR), None)
         # Where the delta rule runs on FlashQLA (else on fla's kernels, or the stand-in mixers).
         self.on_flash_qla = (linear is not None and getattr(mixers, "flash_qla", None) is not None
                              and FlashQLA.takes(model.dtype, linear.head_k, linear.head_v))
-        if self.invariant and isinstance(mixers, CudaMixers) and linear is not None and not self.on_flash_qla:
+        if self.deterministic and isinstance(mixers, CudaMixers) and linear is not None and not self.on_flash_qla:
             # fla's kernels pick their configuration by timing, per process.
             raise ValueError(f"deterministic mode runs the delta rule on FlashQLA, which takes bf16 or fp16 and "
                              f"128-wide heads; this model is {model.dtype} with {linear.head_k}-wide heads")
-        if self.invariant and self.device.type == "cuda" and not (self.graphs_on and settings.compile == "layer"):
+        if self.deterministic and self.device.type == "cuda" and not (self.graphs_on and settings.compile == "layer"):
             # Eager packs run each length's own kernels (and their own reduction orders): only the graphed,
             # compiled pieces are built to be the same for every bucket.
             raise ValueError(f"deterministic mode runs packs from CUDA graphs of compiled layers (--cuda-graphs, "
@@ -142,9 +142,9 @@ class FastEngine:
         compilation and the mixers' JIT happen now rather than on the first request. Each stage is logged as it
         goes (minutes on a cold machine)."""
         start = time.perf_counter()
-        if self.invariant and self.device.type == "cuda":
-            linears = [linear for stage in self.fwd.stages for linear in invariant.linears_of(stage.weights)]
-            checked = invariant.check_gemms([*linears, self.fwd.head.proj], self.buckets, self.model.dtype)
+        if self.deterministic and self.device.type == "cuda":
+            linears = [linear for stage in self.fwd.stages for linear in deterministic.linears_of(stage.weights)]
+            checked = deterministic.check_gemms([*linears, self.fwd.head.proj], self.buckets, self.model.dtype)
             log.info("deterministic mode: %d GEMMs give every row the same bits at buckets %s (%.1fs)", checked,
                      self.buckets, time.perf_counter() - start)
         # The delta rule's kernels come in variants (FlashQLA: split across the card or not, and the tile width its
@@ -170,7 +170,7 @@ class FastEngine:
             self._timed(f"first pack of bucket {size}", [size // 2, size - size // 2])
         for number, (variant, lengths) in enumerate(variants.items(), 1):
             self._timed(f"delta-rule variant {number} of {len(variants)} ({variant})", lengths)
-        if self.invariant:
+        if self.deterministic:
             self._check_invariance()
         self.compile_seconds = time.perf_counter() - start - self.capture_seconds
         log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices, layers %s, %s), "
@@ -215,13 +215,13 @@ class FastEngine:
                         assert run.bucket == (bucket if self.buckets else None), (run.bucket, bucket)
                         got, checked = run.scores[at], checked + 1
                         if not torch.equal(got.view(torch.int32), alone.view(torch.int32)):  # bits, NaN included
-                            raise invariant.NotInvariant(
+                            raise deterministic.NotDeterministic(
                                 f"deterministic mode's check at warm-up: a {length}-token probe prompt scored other "
                                 f"bits {'first' if at == 0 else 'last'} in a pack of {len(pack)} prompts (bucket "
                                 f"{bucket}) than alone, up to {(got - alone).abs().max().item():g} apart, on this "
                                 f"card and software: run without --deterministic")
         if not checked:
-            raise invariant.NotInvariant(f"deterministic mode's check at warm-up found no pack to check: the buckets "
+            raise deterministic.NotDeterministic(f"deterministic mode's check at warm-up found no pack to check: the buckets "
                                          f"{buckets} are too small (at least 4 tokens)")
         log.info("deterministic mode: %d probe packs scored their probe prompts bitwise as alone (%.1fs)", checked,
                  time.perf_counter() - began)
@@ -246,7 +246,7 @@ class FastEngine:
             ws = Workspace(self.fwd, max(self.buckets), self.rows_of(max(self.buckets)), self.verbalizers,
                            self.device, self.model.dtype)
             self.graphed = GraphedForward(self.fwd, ws, compile_layers=self.settings.compile == "layer",
-                                          rows_of=self.rows_of, invariant=self.invariant)
+                                          rows_of=self.rows_of, invariant=self.deterministic)
             capture, warm = self._capture_with or (cuda_capture(torch.cuda.graph_pool_handle()), cuda_warmer())
             self.graphed.capture(self.buckets, self._static_inputs, capture, warm, log=log)
             if self.device.type == "cuda":

@@ -129,7 +129,7 @@ class GraphedForward:
     def __init__(self, fwd: PackedForward, workspace: Workspace, compile_layers: bool,
                  rows_of: Callable[[int], int] = row_capacity, invariant: bool = False) -> None:
         """``rows_of``: a bucket's marker rows. ``invariant`` (deterministic mode): the compiled pieces take the
-        token count as a symbol, so that every bucket runs the same kernels (worker/fast/invariant.py)."""
+        token count as a symbol, so that every bucket runs the same kernels (worker/fast/deterministic.py)."""
         self.fwd, self.ws, self.rows_of = fwd, workspace, rows_of
         # Static shapes: one compiled graph per bucket, so inductor's kernels know every size and alignment
         # (vectorised loads, persistent reductions). With symbolic sizes the same pieces ran 2.8x slower on an

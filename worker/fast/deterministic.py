@@ -31,7 +31,7 @@ from .ops import Dense, Fp8, Linear
 ENVIRONMENT = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
 
 
-class NotInvariant(RuntimeError):
+class NotDeterministic(RuntimeError):
     """Deterministic mode cannot be kept here (the GEMMs of this card and library depend on M)."""
 
 
@@ -78,10 +78,10 @@ def check_gemms(linears: Iterable[Linear], sizes: Iterable[int], dtype: torch.dt
             got = ops.linear(rows[order], linear)
             if not torch.equal(got, reference[order]):
                 worst = (got.float() - reference[order].float()).abs().max().item()
-                raise NotInvariant(
+                raise NotDeterministic(
                     f"a {out_features} x {in_features} {kind.__name__} GEMM gives other bits at {size} rows than at "
                     f"{most} (up to {worst:g} apart): this card's or library's matmul depends on the batch, or a GPU "
-                    f"matmul ran before deterministic mode was set up (worker/fast/invariant.py)")
+                    f"matmul ran before deterministic mode was set up (worker/fast/deterministic.py)")
     return len(distinct)
 
 

@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from producer.wire.endpoints import NOT_FOUND, Answer, serve_paths
 from producer.wire.keys import LANES, Keys, text
 
-from .config import Settings
+from ..config import Settings
 from .host import Device, LaunchError, devices, environment, host_cores
 
 log = logging.getLogger("worker.launcher")
@@ -268,7 +268,7 @@ def _die_with_parent() -> None:
 
 def serve(settings: Settings, command: list[str] | None = None) -> int:
     """``dq-worker serve --gpus ...``: 2 when the host cannot give what --gpus asks, else the launcher's code."""
-    from .logs import setup_logging
+    from ..logs import setup_logging
 
     setup_logging(settings.log_format, settings.log_level)
     try:

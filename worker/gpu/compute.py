@@ -22,12 +22,12 @@ from typing import Callable, Protocol
 
 import torch
 
-from .metrics import Metrics
-from .model.checkpoint import DecisionModel
-from .model.engine import Engine, Pending, PackRun
-from .model.readout import Answer, answer, option_logits
+from ..metrics import Metrics
+from ..model.checkpoint import DecisionModel
+from ..model.engine import Engine, Pending, PackRun
+from ..model.readout import Answer, answer, option_logits
+from ..tasks import Item, Task
 from .packer import Packer
-from .tasks import Item, Task
 
 log = logging.getLogger("worker")
 # A pack this full (of the engine's token budget) is launched before the previous one is read out.

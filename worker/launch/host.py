@@ -1,4 +1,4 @@
-"""The plan of one host's workers (worker/launcher.py runs it): which devices a --gpus value names, and what each
+"""The plan of one host's workers (worker/launch/launcher.py runs it): which devices a --gpus value names, and what each
 worker is given: its device, consumer name, metrics port, planner processes and threads, as DQ_* variables."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .config import Settings
+from ..config import Settings
 
 PLANNERS_MAX = 8  # planner processes per GPU worker when sized from the cores
 

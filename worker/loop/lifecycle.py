@@ -26,19 +26,19 @@ from producer.wire import library
 from producer.wire.keys import LANES, Keys, Priority
 from producer.wire.schema import ErrorCode
 
-from .config import Settings
+from ..config import Settings
+from ..entries import PARTS, REQUESTS, Delivery, Identity, Job, Refusal, identity_of
+from ..metrics import Metrics
+from ..outcomes import Outcome, answered_before, error_outcome, task_outcome
+from ..tasks import Item, Task
 from .consumer import Consumer
-from .entries import PARTS, REQUESTS, Delivery, Identity, Job, Refusal, identity_of
-from .link import Link
-from .metrics import Metrics
-from .outcomes import Outcome, answered_before, error_outcome, task_outcome
 from .publisher import Publisher
-from .tasks import Item, Task
+from .redis_calls import Link
 
 if TYPE_CHECKING:  # torch-free at run time: the Redis side loads without the model's libraries
-    from .model.readout import Answer
-    from .packer import Packer
-    from .planner import Planner
+    from ..model.readout import Answer
+    from ..gpu.packer import Packer
+    from ..plan.planner import Planner
 
 log = logging.getLogger("worker")
 BATCH = 512  # outcomes settled in one go at most

@@ -20,7 +20,7 @@ import redis
 from producer.wire.keys import LANES, Keys, Priority, text
 from producer.wire.schema import ErrorCode
 
-from .entries import PARTS, REQUESTS, Delivery, Stream
+from ..entries import PARTS, REQUESTS, Delivery, Stream
 
 
 class Consumer:

