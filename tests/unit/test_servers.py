@@ -1,4 +1,4 @@
-"""Which servers the project accepts (producer/wire/supported.py) and which one it runs (producer/local/server.py)."""
+"""Which servers the project accepts (producer/wire/supported.py) and which one it runs (producer/local/binaries.py)."""
 
 import os
 import random
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from producer.local import server
+from producer.local import binaries, ports, server
 from producer.wire.supported import Server, UnsupportedServer, from_hello, require, supported
 
 
@@ -44,56 +44,56 @@ def fake_server(directory, version_line: str):
 
 
 def test_an_old_server_early_on_path_shadows_nothing(tmp_path, monkeypatch):
-    embedded = server.embedded()
+    embedded = binaries.embedded()
     assert embedded is not None and embedded.server.supported, "the embedded Valkey is a test dependency"
     old = fake_server(tmp_path / "venv-bin", "Redis server v=6.2.14 sha=00000000:0 malloc=libc bits=64")
     monkeypatch.delenv("DQ_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", str(old.parent))
-    assert [b.server for b in server.on_path()] == [Server("redis", (6, 2, 14))]
-    assert server.find() == embedded  # not the 6.2 that comes first
+    assert [b.server for b in binaries.on_path()] == [Server("redis", (6, 2, 14))]
+    assert binaries.find() == embedded  # not the 6.2 that comes first
     newer = tmp_path / "system-bin"
     newer.mkdir()
     (newer / "redis-server").symlink_to(embedded.path)  # a supported system server, later on PATH
     monkeypatch.setenv("PATH", os.pathsep.join([str(old.parent), str(newer)]))
-    chosen = server.find()
+    chosen = binaries.find()
     assert chosen.server == embedded.server and not chosen.embedded  # the system's wins over the embedded one
-    assert [b.label for b in server.servers_under_test()] == [embedded.label]  # one per version: no double run
+    assert [b.label for b in binaries.servers_under_test()] == [embedded.label]  # one per version: no double run
     monkeypatch.setenv("DQ_REDIS_SERVER", str(old))
-    assert server.find().path == str(old)  # named explicitly: taken as it is (and refused at connect)
+    assert binaries.find().path == str(old)  # named explicitly: taken as it is (and refused at connect)
 
 
 def test_no_supported_server_is_a_clear_error(tmp_path, monkeypatch):
     old = fake_server(tmp_path / "bin", "Redis server v=6.2.14 sha=00000000:0")
     monkeypatch.delenv("DQ_REDIS_SERVER", raising=False)
     monkeypatch.setenv("PATH", str(old.parent))
-    monkeypatch.setattr(server, "embedded", lambda: None)  # as without the embedded extra
+    monkeypatch.setattr(binaries, "embedded", lambda: None)  # as without the embedded extra
     with pytest.raises(RuntimeError, match=r"no supported server \(Redis >= 7.0 or Valkey >= 7.2\): found Redis "
                                            r"6.2.14"):
-        server.find()
+        binaries.find()
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_in_this_process_share(monkeypatch):
-    ephemeral = server.ephemeral_start()
+    ephemeral = ports.ephemeral_start()
     monkeypatch.setenv("DQ_PORT_SHARE", "1/2")
-    low, high = server._share(10000, ephemeral)
+    low, high = ports._share(10000, ephemeral)
     assert low == 10000 + (ephemeral - 10000) // 2 and high <= ephemeral
-    assert all(low <= server.free_port() < high for _ in range(50))
+    assert all(low <= ports.free_port() < high for _ in range(50))
     monkeypatch.setenv("DQ_PORT_SHARE", "0/2")
-    assert all(10000 <= server.free_port() < low for _ in range(50))
-    assert all(base + 8 <= low for base in (server.free_ports(8) for _ in range(50)))  # a run stays inside
+    assert all(10000 <= ports.free_port() < low for _ in range(50))
+    assert all(base + 8 <= low for base in (ports.free_ports(8) for _ in range(50)))  # a run stays inside
     for malformed in ("", "2/2", "x", "1/0"):  # no slice: the whole range below the ephemeral ports
         monkeypatch.setenv("DQ_PORT_SHARE", malformed)
-        assert server._share(10000, 20000) == (10000, 20000)
+        assert ports._share(10000, 20000) == (10000, 20000)
 
 
 def test_a_port_handed_out_is_not_handed_out_again_while_free(monkeypatch):
     """A worker binds its metrics port seconds after it was picked, and a server stopped for a fault binds its port
     again on restart: the port is free meanwhile, yet promised. The CI once lost a worker to the same port twice."""
-    first = server.free_port()  # nothing binds it: free, and handed out
+    first = ports.free_port()  # nothing binds it: free, and handed out
     real, picks = random.Random(), iter([first, first])
-    monkeypatch.setattr(server.random, "randrange", lambda *args: next(picks, None) or real.randrange(*args))
-    second = server.free_port()
-    assert second != first and second in server._handed_out
+    monkeypatch.setattr(ports.random, "randrange", lambda *args: next(picks, None) or real.randrange(*args))
+    second = ports.free_port()
+    assert second != first and second in ports._handed_out
 
 
 def test_a_clusters_ports_and_bus_ports_are_distinct_free_and_in_this_process_share(monkeypatch):
@@ -108,8 +108,8 @@ def test_a_clusters_ports_and_bus_ports_are_distinct_free_and_in_this_process_sh
         repeat.append(random.randrange(low, high))
         return repeat[0]
 
-    monkeypatch.setattr(server, "random", SimpleNamespace(randrange=each_twice))
-    low, high = server._share(10000, server.ephemeral_start())
+    monkeypatch.setattr(ports, "random", SimpleNamespace(randrange=each_twice))
+    low, high = ports._share(10000, ports.ephemeral_start())
     cluster = server.LocalCluster(3)
     try:
         taken = [node.port for node in cluster.nodes] + cluster.buses
