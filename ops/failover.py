@@ -89,7 +89,7 @@ class Replicated:
             log = open(self.directory / f"sentinel-{port}.log", "ab")
             self.sentinels.append(subprocess.Popen([self.binary.path, str(conf), "--sentinel"], stdout=log,
                                                    stderr=subprocess.STDOUT))
-        self.settle(initial=True)
+        self.wait_stable(initial=True)
         return self
 
     def sentinel(self, port: int) -> redis.Redis:
@@ -109,7 +109,7 @@ class Replicated:
             time.sleep(0.05)
         raise TimeoutError("the sentinels do not agree on a primary")
 
-    def settle(self, initial: bool = False, timeout: float = 60.0) -> RedisServer:
+    def wait_stable(self, initial: bool = False, timeout: float = 60.0) -> RedisServer:
         """Wait until one node is the primary by every sentinel and its own word, the other its replica in sync,
         and the sentinels know both (so that the next failure can fail over)."""
         deadline = time.monotonic() + timeout
@@ -128,7 +128,7 @@ class Replicated:
             except (redis.RedisError, StopIteration):
                 pass
             time.sleep(0.1)
-        raise TimeoutError("the primary and its replica did not settle")
+        raise TimeoutError("the primary and its replica did not become stable")
 
     def fail(self, kind: str) -> float:
         """One failure of the primary; returns the seconds until the sentinels named another one."""
@@ -151,11 +151,11 @@ class Replicated:
             kept = [arg for i, arg in enumerate(old.args) if "--replicaof" not in old.args[max(0, i - 2): i + 1]]
             old.args = [*kept, "--replicaof", "127.0.0.1", str(self.primary().port)]
             old.start()
-        self.settle()
+        self.wait_stable()
         return took
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.settle().port)
+        return redis.Redis(port=self.wait_stable().port)
 
     def close(self) -> None:
         for process in self.sentinels:
@@ -205,7 +205,7 @@ class Clustered:
             time.sleep(0.05)
         for primary, replica in zip(self.nodes[:3], self.nodes[3:]):
             self._ask(replica, "CLUSTER", "REPLICATE", self._ask(primary, "CLUSTER", "MYID"))
-        self.settle()
+        self.wait_stable()
         return self
 
     def _view(self) -> list[list[str]]:
@@ -217,7 +217,7 @@ class Clustered:
                 continue
         raise redis.ConnectionError("no node answers")
 
-    def settle(self, timeout: float = 60.0) -> RedisServer:
+    def wait_stable(self, timeout: float = 60.0) -> RedisServer:
         """Wait until every node says ``cluster_state:ok`` and each of the three primaries has a replica in sync."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -231,7 +231,7 @@ class Clustered:
             except redis.RedisError:
                 pass
             time.sleep(0.1)
-        raise TimeoutError("the cluster did not settle")
+        raise TimeoutError("the cluster did not become stable")
 
     def owner(self) -> RedisServer:
         """The primary of shard 0's work streams' slot."""
@@ -257,11 +257,11 @@ class Clustered:
             time.sleep(0.05)
         took = time.monotonic() - start
         old.start()  # its nodes.conf names the cluster: it rejoins as the promoted node's replica
-        self.settle()
+        self.wait_stable()
         return took
 
     def client(self) -> redis.RedisCluster:
-        return redis.RedisCluster(host="127.0.0.1", port=self.settle().port)
+        return redis.RedisCluster(host="127.0.0.1", port=self.wait_stable().port)
 
     def close(self) -> None:
         for node in self.nodes:
@@ -420,10 +420,10 @@ def answer(result_json: str) -> str:
                                (result.get("error") or {}).get("code")]), sort_keys=True)
 
 
-def check(primary: redis.Redis, run: Run, settle_s: float) -> None:
-    """Wait for the queue to drain (up to ``settle_s``), then count what was lost, changed and left."""
+def check(primary: redis.Redis, run: Run, drain_s: float) -> None:
+    """Wait for the queue to drain (up to ``drain_s``), then count what was lost, changed and left."""
     keys = Keys(run.namespace)
-    deadline = time.monotonic() + settle_s
+    deadline = time.monotonic() + drain_s
     while time.monotonic() < deadline and leftovers(primary, keys):
         time.sleep(0.2)
     run.pending = sum(leftovers(primary, keys).values())
@@ -452,7 +452,7 @@ def commandstats(primary: redis.Redis) -> dict[str, int]:
 
 def one_run(cluster: Replicated | Clustered, workers: list[Worker], kind: str, wait_replicas: int, failovers: int,
             producers: int = 4, batch: int = 5, gap_s: float = 1.5, duration_s: float = 20.0,
-            settle_s: float = 60.0) -> Run:
+            drain_s: float = 60.0) -> Run:
     """Load, ``failovers`` failures of ``kind`` (``mixed``: each kind in turn; ``none``: ``duration_s`` of load
     without), then the checker."""
     run, stop, lock = Run(kind, wait_replicas, cluster.cluster), threading.Event(), threading.Lock()
@@ -474,7 +474,7 @@ def one_run(cluster: Replicated | Clustered, workers: list[Worker], kind: str, w
         thread.join(60)
     run.seconds = time.monotonic() - started
     primary = cluster.client()
-    check(primary, run, settle_s)
+    check(primary, run, drain_s)
     revisions = primary.execute_command("FCALL", REVISION_FUNCTION, 0, **(
         {"target_nodes": redis.RedisCluster.PRIMARIES} if cluster.cluster else {}))
     run.library = min(map(int, revisions.values())) if isinstance(revisions, dict) else int(revisions)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from producer.client import Client, QueueFull  # noqa: E402
-from producer.admin.audit import Report, settle  # noqa: E402
+from producer.admin.audit import Report, wait_and_check  # noqa: E402
 from producer.wire.keys import Field, Keys, shard_of  # noqa: E402
 
 QUESTIONS = [
@@ -140,7 +140,7 @@ def run(url: str, requests: int = 10_000, producers: int = 4, duration: float = 
             t.join(timeout=5 / len(threads))
         log(f"soak: {len(soak.ids)} submitted after {time.monotonic() - start:.0f} s")
     soak.submit_seconds = time.monotonic() - start
-    soak.report = settle(clients[0].redis, clients[0].keys, soak.ids, timeout=timeout, drained=drained,
+    soak.report = wait_and_check(clients[0].redis, clients[0].keys, soak.ids, timeout=timeout, drained=drained,
                          shards=shards)
     soak.total_seconds = time.monotonic() - start
     for c in clients:

@@ -31,7 +31,7 @@ from .loop.intake import Intake
 from .loop.lifecycle import Lifecycle
 from .loop.presence import Presence
 from .loop.publisher import Publisher
-from .loop.redis_calls import REDIS_ERRORS, Link, first_contact
+from .loop.redis_calls import REDIS_ERRORS, RedisCalls, first_contact
 from .loop.redis_calls import client as redis_client
 from .metrics import Metrics
 from .model import checkpoint
@@ -82,8 +82,8 @@ class Daemon:
         self.loop = asyncio.new_event_loop()  # runs on the "redis" thread
         client = redis_client(settings)
         # A call that cannot reach Redis stops retrying once stopping with nothing left to save, or past the drain.
-        self.link = Link(client, self.metrics, where=settings.redis_where, give_up=lambda: self.stopping.is_set() and (
-            not self.lifecycle.held or time.monotonic() > self.stop_deadline))
+        self.redis_calls = RedisCalls(client, self.metrics, where=settings.redis_where, give_up=lambda: (
+            self.stopping.is_set() and (not self.lifecycle.held or time.monotonic() > self.stop_deadline)))
         consumer = Consumer(client, self.keys, settings.consumer_name, settings.max_entry_bytes,
                             once=redis_client(settings, retries=0), max_read_bytes=settings.max_read_bytes)
         presence = Presence(client, self.keys, settings.consumer_name, list(consumer.streams),
@@ -94,9 +94,9 @@ class Daemon:
                                fatal=lambda code: self.exit(code))
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
                              settings.high_pack_tokens)
-        self.lifecycle = Lifecycle(self.keys, settings, self.metrics, self.link, consumer, self.planner, self.packer,
-                                   self.publisher, self.loop)
-        self.intake = Intake(consumer, self.lifecycle, self.link, settings, self.metrics, self.stopping, presence)
+        self.lifecycle = Lifecycle(self.keys, settings, self.metrics, self.redis_calls, consumer, self.planner,
+                                   self.packer, self.publisher, self.loop)
+        self.intake = Intake(consumer, self.lifecycle, self.redis_calls, settings, self.metrics, self.stopping, presence)
         self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.lifecycle)
         self.metrics.built(__version__, self.model.name, self.engine.name, str(self.model.device))
 
@@ -120,10 +120,10 @@ class Daemon:
         log.info("start-up objects frozen: %d (collection %.2fs)", gc.get_freeze_count(), time.perf_counter() - collect)
         self.ready.set()
         deadline = time.monotonic() + 2.0  # first contact runs beside the warm-up: normally done by now
-        while not self.link.reachable and time.monotonic() < deadline:
+        while not self.redis_calls.reachable and time.monotonic() < deadline:
             time.sleep(0.05)
-        log.info("%s: model %s, engine %s on %s, consumer %s", "ready" if self.link.reachable else
-                 f"warm, ready once Redis at {self.link.where} answers", self.model.name, self.engine.name,
+        log.info("%s: model %s, engine %s on %s, consumer %s", "ready" if self.redis_calls.reachable else
+                 f"warm, ready once Redis at {self.redis_calls.where} answers", self.model.name, self.engine.name,
                  self.model.device, self.settings.consumer_name)
         self.compute.run(lambda: (self._burst_over() if burst else self.stopping.is_set()) and self._drained())
         redis_thread.join(timeout=max(5.0, self.settings.drain_timeout_s))
@@ -133,17 +133,18 @@ class Daemon:
 
     def _burst_over(self) -> bool:
         empty_since = self.intake.streams_empty_since
-        if not self.lifecycle.held and empty_since is not None and empty_since > (self.lifecycle.settled_at or 0.0):
+        held = self.lifecycle.held
+        if not held and empty_since is not None and empty_since > (held.released_at or 0.0):
             self.stop()
         return self.stopping.is_set()
 
     def _last_word(self, held: int) -> None:
         """What the stop left behind, saying only what this worker knows."""
-        where, consumer, claim = self.link.where, self.settings.consumer_name, self.settings.claim_idle_ms
-        if not self.link.reached:
+        where, consumer, claim = self.redis_calls.where, self.settings.consumer_name, self.settings.claim_idle_ms
+        if not self.redis_calls.reached:
             log.warning("stopped without ever reaching Redis at %s: this worker took no entry; what an earlier run "
                         "of consumer %s left pending there stays pending", where, consumer)
-        elif held and not self.link.reachable:
+        elif held and not self.redis_calls.reachable:
             log.warning("stopped with Redis unreachable at %s: %d entries taken were not acknowledged; they stay "
                         "pending for consumer %s, and other workers reclaim them after %d ms", where, held, consumer,
                         claim)
@@ -163,11 +164,11 @@ class Daemon:
         beats = {"reader": self.intake.read_turn, "gpu": self.compute.turned_at}
         return Snapshot(beats={name: beat for name, beat in beats.items() if beat is not None},
                         reading_since=self.intake.reading_since, loop_running=self.loop.is_running(),
-                        redis_ok=self.link.reachable, library_ok=self.publisher.library_ok,
+                        redis_ok=self.redis_calls.reachable, library_ok=self.publisher.library_ok,
                         ready=self.ready.is_set(), inflight=len(self.lifecycle.held),
                         stopping=self.stopping.is_set(), block_ms=self.settings.block_ms,
-                        refusing=self.link.refusing, oldest_taken=self.lifecycle.oldest_taken(),
-                        settled_at=self.lifecycle.settled_at, stall_s=self.settings.stall_timeout_s)
+                        refusing=self.redis_calls.refusing, oldest_taken=self.lifecycle.held.oldest_taken(),
+                        released_at=self.lifecycle.held.released_at, stall_s=self.settings.stall_timeout_s)
 
     def on_signal(self, signum: int, _frame: Any = None) -> None:
         if self.stopping.is_set():
@@ -199,12 +200,12 @@ class Daemon:
 
     async def _main(self) -> None:
         try:
-            await self.link.introduce()
+            await self.redis_calls.introduce()
             await self.intake.start()
         except REDIS_ERRORS:  # stopped before Redis ever answered: nothing was taken, nothing to settle
             return
-        loops = [asyncio.create_task(self.lifecycle.run()), asyncio.create_task(self.intake.run_maintenance()),
-                 asyncio.create_task(self.publisher.watch_library())]
+        loops = [asyncio.create_task(loop()) for loop in (self.lifecycle.settler.run, self.intake.run_maintenance,
+                                                           self.publisher.watch_library)]
         reader = asyncio.create_task(self.intake.run_reader())  # until stopping
         while not (self.stopping.is_set() or reader.done()):
             await asyncio.sleep(0.1)
@@ -219,9 +220,9 @@ class Daemon:
         for task in loops:
             task.cancel()
         try:
-            if self.link.reachable:  # best effort: a heartbeat left behind is forgotten by the others
+            if self.redis_calls.reachable:  # best effort: a heartbeat left behind is forgotten by the others
                 await asyncio.wait_for(self.intake.leave(), timeout=2.0)
-            await self.link.close()
+            await self.redis_calls.close()
             await self.intake.consumer.close()
         except (asyncio.TimeoutError, *REDIS_ERRORS):
             pass

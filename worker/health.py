@@ -44,7 +44,7 @@ class Snapshot:
     block_ms: int  # the reader's BLOCK time
     refusing: bool = False  # Redis refused a write the work waits on, lately (out of memory, an ACL, ...)
     oldest_taken: float | None = None  # when the longest-held entry was taken (s since the epoch; None: none held)
-    settled_at: float | None = None  # when an entry was last settled (released)
+    released_at: float | None = None  # when an entry was last let go (settled, fanned out, acknowledged)
     stall_s: float = 60.0  # held entries with nothing settled for this long: stalled
 
 
@@ -71,7 +71,7 @@ def status(state: Snapshot) -> dict[str, Any]:
                                        and now - reading > state.block_ms / 1000 + REDIS_GRACE_SECONDS)
     # In-flight work that cannot progress (a refused write retried, a task lost): nothing settled since the oldest
     # held entry was taken, or since the last settlement, whichever is later, for longer than the bound.
-    waiting = now - max(state.oldest_taken, state.settled_at or 0.0) if state.oldest_taken is not None else 0.0
+    waiting = now - max(state.oldest_taken, state.released_at or 0.0) if state.oldest_taken is not None else 0.0
     # And one entry left behind while the rest moves (its idle time kept fresh, so no other worker takes it).
     held = now - state.oldest_taken if state.oldest_taken is not None else 0.0
     stalled = waiting > state.stall_s or held > HELD_STALLS * state.stall_s

@@ -81,9 +81,9 @@ class Outcome:
         entry = self.delivery
         return f"{entry.key} {entry.entry_id} {entry.deliveries}"
 
-    def merge(self, shares: list[Share], model: str) -> None:
+    def merge(self, shares: list[Share], model_name: str) -> None:
         """The last part: every part's share merged into the request's whole result, to publish from now on."""
-        self.result = ok_result(self.identity, shares, self.order, self.delivery.enqueued_ms, model)
+        self.result = ok_result(self.identity, shares, self.order, self.delivery.enqueued_ms, model_name)
         self.share = None
 
 
@@ -92,7 +92,8 @@ def echo(identity: Identity) -> dict[str, Any]:
     return {"metadata": identity.metadata, "traceparent": identity.traceparent, "digest": identity.digest}
 
 
-def ok_result(identity: Identity, shares: list[Share], order: list[str], enqueued_ms: int, model: str) -> Result:
+def ok_result(identity: Identity, shares: list[Share], order: list[str], enqueued_ms: int,
+              model_name: str) -> Result:
     """The result of a request answered in one or more shares, its questions in the request's order."""
     merged: dict[str, dict[str, Any]] = {key: {} for key in ("answers", "logits", "probabilities", "options")}
     for share in shares:
@@ -100,14 +101,14 @@ def ok_result(identity: Identity, shares: list[Share], order: list[str], enqueue
             values.update(getattr(share, key))
     ordered = {key: {n: merged[key][n] for n in order} for key in merged}
     return Result(
-        id=identity.request_id, status="ok", model=model, **ordered, **echo(identity),
+        id=identity.request_id, status="ok", model=model_name, **ordered, **echo(identity),
         usage=Usage(tokens=sum(s.tokens for s in shares), prompts=sum(s.prompts for s in shares), parts=len(shares),
                     split=any(s.split for s in shares) or None),
         timings=Timings(enqueued_ms=enqueued_ms, started_ms=min(s.started_ms for s in shares),
                         finished_ms=int(time.time() * 1000), compute_ms=round(sum(s.compute_ms for s in shares), 3)))
 
 
-def task_outcome(task: Task, model: str) -> Outcome:
+def task_outcome(task: Task, model_name: str) -> Outcome:
     """A computed task: a whole request's result, or a part's share (merged by whichever part finishes last)."""
     order, share = list(task.request.questions), Share.of(task)
     if task.delivery.parts > 1:
@@ -115,24 +116,25 @@ def task_outcome(task: Task, model: str) -> Outcome:
                        parts=task.delivery.parts, order=order)
     names = [q.name for prompt in task.prompts for q in prompt.questions]
     return Outcome(task.delivery, task.identity, result=ok_result(task.identity, [share], names,
-                                                                  task.delivery.enqueued_ms, model))
+                                                                  task.delivery.enqueued_ms, model_name))
 
 
-def answered_before(delivery: Delivery, identity: Identity, stored: Result, model: str) -> Outcome:
+def answered_before(delivery: Delivery, identity: Identity, stored: Result, model_name: str) -> Outcome:
     """A request whose id already has a result: the stored result marked as a replay when it asked the same (or the
     stored result predates digests), else an ``id_conflict`` error (the stored result stays)."""
     if stored.digest in (None, identity.digest):
         return Outcome(delivery, identity, result=stored.model_copy(update={"replay": True}), replay=True)
     conflict = error_outcome(delivery, identity, ErrorCode.ID_CONFLICT,
                              f"id {identity.request_id} was answered before for a different request (its digest "
-                             f"{stored.digest}, this one's {identity.digest}); send it under a new id", model)
+                             f"{stored.digest}, this one's {identity.digest}); send it under a new id", model_name)
     conflict.replay = True
     return conflict
 
 
-def error_outcome(delivery: Delivery, identity: Identity, code: ErrorCode, message: str, model: str) -> Outcome:
+def error_outcome(delivery: Delivery, identity: Identity, code: ErrorCode, message: str,
+                  model_name: str) -> Outcome:
     """An error result for the entry's request."""
     timings = Timings(enqueued_ms=delivery.enqueued_ms, started_ms=int(delivery.taken * 1000),
                       finished_ms=int(time.time() * 1000))
     return Outcome(delivery, identity, result=Result.failure(identity.request_id, code, message, timings=timings,
-                                                             model=model, **echo(identity)))
+                                                             model=model_name, **echo(identity)))

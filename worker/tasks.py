@@ -31,7 +31,7 @@ class Task:
     answers: dict[str, Answer] = field(default_factory=dict)
     remaining: int = 0  # prompts not answered yet
     compute_seconds: float = 0.0
-    cancelled: bool = False  # failed or expired: its prompts still queued are skipped
+    closed: bool = False  # ended early (failed, expired): its prompts still queued are skipped, late answers dropped
 
     @property
     def request_id(self) -> str:

@@ -139,8 +139,8 @@ def check(connection: Any, keys: Keys, ids: Iterable[str], drained: bool = True,
     return report
 
 
-def settle(connection: Any, keys: Keys, ids: Iterable[str], timeout: float = 120.0, drained: bool = True,
-           allow_missing: Iterable[str] = (), shards: int = 1, poll: float = 0.2) -> Report:
+def wait_and_check(connection: Any, keys: Keys, ids: Iterable[str], timeout: float = 120.0, drained: bool = True,
+                           allow_missing: Iterable[str] = (), shards: int = 1, poll: float = 0.2) -> Report:
     """Wait (up to ``timeout``) until every id has a result and the queue has drained, then check.
 
     Polling is fine here: this is a checker, not a client. Only the ids still unanswered are read again while

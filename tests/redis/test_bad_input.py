@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from faults import batch, wait_released
 from fuzz_requests import _deep, bodies
 from producer.client import Client
-from producer.admin.audit import settle
+from producer.admin.audit import wait_and_check
 from support import png
 from worker.entries import REQUESTS, Delivery, Job, identity_of
 
@@ -138,7 +138,7 @@ def test_bad_input_is_answered_at_once_and_harms_nothing(redis_server, inprocess
     client.submit_many(good[3:])
 
     ids = [r["id"] for r in good] + list(expected)
-    report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=90).assert_ok()
     for request_id, code in expected.items():
         result = report.results[request_id]
         assert not result.ok and result.error.code.value == code, (request_id, result.error)
@@ -171,6 +171,6 @@ def test_fuzzed_bodies_end_to_end_each_get_exactly_one_result(redis_server, inpr
         raw = body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass")
         entry_id = client.redis.xadd(stream, {"body": raw}).decode()
         ids.append(answered_as(client.keys, stream, entry_id, raw))
-    report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=90).assert_ok()
     assert len(report.results) == len(set(ids))
     assert worker.metric("dq_retries_total") == 0 and worker.metric("dq_dead_letters_total") == 0

@@ -16,7 +16,7 @@ import redis
 
 from faults import FANOUT, FAULTY, batch, long_request, wait_for
 from producer.client import Client
-from producer.admin.audit import settle
+from producer.admin.audit import wait_and_check
 from producer.wire.keys import Field
 from producer.wire.result import Result
 
@@ -73,7 +73,7 @@ def test_chaos_never_changes_an_answer(redis_server, start_worker, tiny_dir):
         stop.set()
         killer.join(10)
     assert not producer.is_alive() and len(submitted) == len(requests)
-    report = settle(client.redis, keys, submitted, timeout=180).assert_ok()
+    report = wait_and_check(client.redis, keys, submitted, timeout=180).assert_ok()
 
     results = report.results
     assert results["poison"].error.code.value == "dead_lettered"

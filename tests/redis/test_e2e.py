@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from producer.client import Client
-from producer.admin.audit import settle
+from producer.admin.audit import wait_and_check
 from producer.wire.schema import Request
 from support import png
 from worker.model.encoder import Encoder
@@ -111,7 +111,7 @@ def test_dead_letters(redis_server, inprocess):
     assert worker.metric("dq_dead_letters_total") == 1
     # The result is readable a moment before the worker's XACK and XDEL land: wait for the queue to drain (an
     # immediate XLEN raced them), then nothing is left of the entry.
-    settle(client.redis, keys, [entry], timeout=30).assert_ok()
+    wait_and_check(client.redis, keys, [entry], timeout=30).assert_ok()
 
 
 def test_kill_9_mid_work_the_other_worker_finishes(redis_server, start_worker, tiny_dir):

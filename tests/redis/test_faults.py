@@ -19,12 +19,12 @@ import pytest
 import redis
 
 from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log, wait_released
-from producer.admin.audit import settle
+from producer.admin.audit import wait_and_check
 from producer.client import Client
 from producer.wire import library
 from producer.wire.keys import NORMAL
 from worker.config import Settings
-from worker.loop import redis_calls as links
+from worker.loop import redis_calls
 from worker.loop.consumer import Consumer
 from worker.loop.intake import Intake
 from worker.loop.lifecycle import Lifecycle
@@ -51,7 +51,7 @@ def test_poison_prompt_is_retried_to_the_cap_then_dead_lettered_and_its_pack_mat
                         "questions": {"q": {"type": "noul"}}})
     ids = client.submit_many(requests)  # queued before the worker starts: its first read takes them all at once
     worker = inprocess(redis_server.url, raise_on="POISON-7f3a", max_deliveries=3, max_wait_ms=300).burst()
-    report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=90).assert_ok()
 
     poison = report.results["poison"]
     assert poison.error.code.value == "dead_lettered"
@@ -73,7 +73,7 @@ def test_pack_slower_than_the_claim_idle_time_is_not_stolen(redis_server, inproc
     ids = client.submit_many(batch(12, "slow"))
     wait_for(lambda: holder.faults.slow_packs, what="a slow pack")
     other = inprocess(redis_server.url, claim_idle_ms=1500).start()  # reclaims anything idle over 1.5 s
-    report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=90).assert_ok()
     assert all(r.ok for r in report.results.values())
     assert holder.metric("dq_packs_total") >= 1  # the slow worker did answer some (packs of 3 s > 1.5 s idle)
     for worker in (holder, other):
@@ -93,7 +93,7 @@ def test_sigterm_mid_pack_drains_and_leaves_nothing_to_redeliver(redis_server, s
     answered = [r for r in ids if client.fetch(r) is not None]
     assert 0 < len(answered) < len(ids)
     second = start_worker(tiny_dir, redis_server.url)
-    settle(client.redis, keys, ids, timeout=90).assert_ok()
+    wait_and_check(client.redis, keys, ids, timeout=90).assert_ok()
     assert second.metric("dq_redeliveries_total") == 0 and second.metric("dq_entries_read_total") == len(ids) - len(
         answered)
 
@@ -121,7 +121,7 @@ def test_redis_killed_and_restarted_with_aof_workers_and_producers_carry_on(redi
     redis_server.start()
     producer.join(60)
     assert not producer.is_alive() and len(submitted) == 120
-    report = settle(client.redis, client.keys, submitted, timeout=120).assert_ok()
+    report = wait_and_check(client.redis, client.keys, submitted, timeout=120).assert_ok()
     assert all(r.ok for r in report.results.values())
     for worker in workers:
         assert worker.process.poll() is None and worker.get("/readyz")[0] == 200
@@ -142,7 +142,7 @@ def test_redis_restarted_without_persistence_recreates_the_group_and_reports_the
     failed = sum(v.get("failed_calls", 0) for v in stats.values())
     assert failed < 100, {k: v for k, v in stats.items() if v.get("failed_calls")}
     after = client.submit_many(batch(6, "after"))
-    report = settle(client.redis, client.keys, before + after, timeout=90, allow_missing=before).assert_ok(
+    report = wait_and_check(client.redis, client.keys, before + after, timeout=90, allow_missing=before).assert_ok(
         allow_missing=before)
     assert all(r.ok for r in report.results.values())
     assert set(after) <= set(report.results)
@@ -160,7 +160,7 @@ def test_redis_paused_longer_than_the_socket_timeout(redis_server, inprocess):
     time.sleep(7.0)
     redis_server.resume()
     more = client.submit_many(batch(10, "resumed"))
-    report = settle(client.redis, client.keys, ids + more, timeout=120).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids + more, timeout=120).assert_ok()
     assert all(r.ok for r in report.results.values())
     assert worker.alive and worker.get("/readyz")[0] == 200
 
@@ -191,7 +191,7 @@ def test_function_flush_mid_run(redis_server, start_worker, tiny_dir):
     finally:            # machine could starve a fan-out's two rounds of calls for as long as it lasts)
         done.set()
         thread.join()
-    report = settle(client.redis, client.keys, ids, timeout=120).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=120).assert_ok()
     assert all(r.ok for r in report.results.values()) and flushes > 20
     assert client.redis.info("errorstats")["errorstat_ERR"]["count"] > 0  # the flushes did hit function calls
     log = worker.log.read_text()
@@ -221,7 +221,7 @@ def test_pending_entries_trimmed_from_the_stream(redis_server, inprocess, caplog
     wait_for(lambda: worker.faults.slow_packs, what="a slow pack")
     for entry_id, _ in client.redis.xrange(keys.requests):
         client.redis.xdel(keys.requests, entry_id)
-    report = settle(client.redis, keys, gone + held, timeout=60, allow_missing=gone).assert_ok(allow_missing=gone)
+    report = wait_and_check(client.redis, keys, gone + held, timeout=60, allow_missing=gone).assert_ok(allow_missing=gone)
     assert sorted(report.missing) == sorted(gone)  # nothing to answer them with ...
     assert all(report.results[r].ok for r in held)
     time.sleep(1.0)  # a few more reclaim rounds: the loss must be counted once per entry, whichever path saw it
@@ -235,14 +235,15 @@ async def bare_intake(url: str, name: str, route) -> tuple[Intake, str]:
     ``route``): for races a worker process cannot be made to hit on purpose; and the normal lane's request stream,
     its group created."""
     settings = Settings.from_env({}, redis_url=url, claim_idle_ms=60_000)
-    client, keys, metrics = links.client(settings), Client(url).keys, Metrics()
+    client, keys, metrics = redis_calls.client(settings), Client(url).keys, Metrics()
     consumer = Consumer(client, keys, name, settings.max_entry_bytes)
     await consumer.ensure_groups()
-    link = links.Link(client, metrics, give_up=lambda: False, where="test")
+    calls = redis_calls.RedisCalls(client, metrics, give_up=lambda: False, where="test")
     publisher = Publisher(client, keys, 60, "tiny")
-    lifecycle = Lifecycle(keys, settings, metrics, link, consumer, None, None, publisher, asyncio.get_running_loop())
+    lifecycle = Lifecycle(keys, settings, metrics, calls, consumer, None, None, publisher,
+                          asyncio.get_running_loop())
     lifecycle._route = route
-    return Intake(consumer, lifecycle, link, settings, metrics, threading.Event(),
+    return Intake(consumer, lifecycle, calls, settings, metrics, threading.Event(),
                   Presence(client, keys, name, list(consumer.streams), 60_000, {})), keys.requests_in(NORMAL)
 
 
@@ -310,7 +311,7 @@ def test_the_same_part_delivered_twice_is_published_once(redis_server, inprocess
                                         "questions": json.dumps(groups[index]), "enqueued_ms": 0})
     ids = ["twice"] + client.submit_many([request | {"id": "dup"}] * 3)  # the same request three times
     inprocess(redis_server.url).burst()
-    report = settle(client.redis, keys, ids, timeout=60).assert_ok()
+    report = wait_and_check(client.redis, keys, ids, timeout=60).assert_ok()
     result = report.results["twice"]
     assert result.ok and list(result.answers) == list(request["questions"]) and result.usage.parts == 3
     assert report.results["dup"].ok
@@ -330,7 +331,7 @@ def test_a_stalled_worker_whose_entries_were_reclaimed_publishes_nothing_twice(r
     finally:
         frozen.signal(signal.SIGCONT)
     wait_for(lambda: frozen.metric("dq_packs_total") >= 1, timeout=30, what="the thawed pack")
-    report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=60).assert_ok()
     assert all(r.ok for r in report.results.values())
     assert other.metric("dq_entries_read_total", how="reclaimed") == 4
     wait_released(frozen)
@@ -350,5 +351,5 @@ def test_redis_out_of_memory_while_publishing_loses_nothing(redis_server, start_
     wait_for(lambda: worker.metric("dq_redis_errors_total", op="publish") >= 3, timeout=60, what="OOM on publish")
     assert all(client.fetch(r) is None for r in ids)  # nothing published, nothing acknowledged and lost
     client.redis.config_set("maxmemory", 0)
-    settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+    wait_and_check(client.redis, client.keys, ids, timeout=90).assert_ok()
     assert worker.log.read_text().count("redis refused publish") == 1  # one line per 30 s, not one per retry

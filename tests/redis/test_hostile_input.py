@@ -13,7 +13,7 @@ from faults import FANOUT, batch, long_request
 from keyspace import WrittenKeys
 
 from producer.client import Client
-from producer.admin.audit import settle
+from producer.admin.audit import wait_and_check
 from producer.wire.keys import Keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -78,7 +78,7 @@ def test_bad_fields_are_answered_at_once_under_the_right_id(watched):
     no_body = xadd(other=b"field")
     good = client.submit_many(batch(3, "beside"))
     ids = ["extra-time", "extra-any", newline, "padded", late_id, no_body, *good]
-    report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=90).assert_ok()
 
     assert error_of(report, "extra-time") == ("invalid_request", "field 'enqueued_ms' is not a field of requests "
                                                                  "entries (body)")
@@ -101,7 +101,7 @@ def test_ids_shaped_like_entry_ids_are_refused(watched):
     future = f"{int(time.time() * 1000) + 600_000}-0"
     squatter = client.redis.xadd(stream, {"body": request(future, questions={"squat": {"type": "noul"}})}).decode()
     victim = client.redis.xadd(stream, {"body": request()}, id=future).decode()  # sent without an id, later
-    report = settle(client.redis, client.keys, [squatter, victim], timeout=60).assert_ok()
+    report = wait_and_check(client.redis, client.keys, [squatter, victim], timeout=60).assert_ok()
     assert error_of(report, squatter)[0] == "invalid_request" and "stream entry id" in error_of(report, squatter)[1]
     assert report.results[victim].ok and list(report.results[victim].answers) == ["q"]  # its own answers
     assert written.keys() <= own_keys([squatter, victim])
@@ -120,7 +120,7 @@ def test_reply_to_is_this_namespaces_reply_streams_only(watched):
     longest = KEYS.reply_prefix + "r" * 128
     client.redis.xadd(client.keys.requests, {"body": request("longest", reply_to=longest)})
     ids = [victim, *hostile, "longest"]
-    report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=60).assert_ok()
     for name in hostile:
         code, message = error_of(report, name)
         assert code == "invalid_request" and "reply_to must be" in message, (name, message)
@@ -141,7 +141,7 @@ def test_bad_part_entries_answer_their_request_or_are_dead_lettered(watched):
     client.redis.xadd(prompts, {**good, "request_id": b"forged-3", "reply_to": REPLY})
     orphans = [client.redis.xadd(prompts, {**good, "request_id": value}).decode() for value in (b"a{b}", b"\xff")]
     watched.dead_letters = 2
-    report = settle(client.redis, client.keys, ["forged-1", "forged-2", "forged-3"], timeout=60).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ["forged-1", "forged-2", "forged-3"], timeout=60).assert_ok()
     assert error_of(report, "forged-1") == ("invalid_request", "field 'part' is 7, outside 0..1")
     assert error_of(report, "forged-2")[1].startswith("field 'questions' is not a list")
     assert error_of(report, "forged-3")[1].startswith("field 'reply_to' is not a field of chunks entries")
@@ -159,7 +159,7 @@ def test_a_fanned_out_request_past_its_deadline_still_replies(watched):
     for index, names in enumerate([["q0", "q1"], ["q2", "q3"]]):
         client.redis.xadd(client.keys.parts, {"request_id": "late-long", "part": index, "parts": 2,
                                                "questions": json.dumps(names), "enqueued_ms": 0})
-    report = settle(client.redis, client.keys, ["late-long"], timeout=60).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ["late-long"], timeout=60).assert_ok()
     assert error_of(report, "late-long")[0] == "deadline_exceeded"
     [(_, fields)] = client.redis.xrange(reply)
     assert fields[b"id"] == b"late-long" and json.loads(fields[b"body"])["error"]["code"] == "deadline_exceeded"
@@ -171,7 +171,7 @@ def test_error_results_are_bounded_whatever_the_request(watched):
     client = watched.client
     questions = {f"q{i}": {"type": "bogus"} for i in range(3000)}
     client.redis.xadd(client.keys.requests, {"body": request("many-bad", questions=questions)})
-    report = settle(client.redis, client.keys, ["many-bad"], timeout=60).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ["many-bad"], timeout=60).assert_ok()
     code, message = error_of(report, "many-bad")
     assert code == "invalid_request" and len(message) <= 2000 and message.endswith("more problems")
     assert len(client.redis.xrange(client.keys.result("many-bad"))[0][1][b"body"]) < 3000
@@ -186,5 +186,5 @@ def test_entries_of_both_streams_with_the_same_entry_id_are_both_taken(watched):
     client.redis.xadd(client.keys.parts, {"request_id": "twin-part", "part": "0", "parts": "2", "questions": "[]",
                                            "enqueued_ms": "0"}, id=same)
     client.redis.xadd(client.keys.requests, {"body": request("twin-request")}, id=same)
-    report = settle(client.redis, client.keys, ["twin-part", "twin-request"], timeout=30).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ["twin-part", "twin-request"], timeout=30).assert_ok()
     assert report.results["twin-request"].ok and error_of(report, "twin-part")[0] == "invalid_request"

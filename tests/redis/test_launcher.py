@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from faults import FAULTY, batch, wait_for
-from producer.admin.audit import check, settle
+from producer.admin.audit import check, wait_and_check
 from producer.client import Client
 from producer.local.binaries import servers_under_test
 from producer.local.ports import free_ports
@@ -76,7 +76,7 @@ def test_a_killed_worker_is_restarted_and_sigterm_drains_every_worker(server_bin
         os.kill(victim["pid"], signal.SIGKILL)
         wait_for(lambda: ready() and state()["workers"][0]["pid"] != victim["pid"], timeout=120, every=0.2,
                  what="worker 0 started again and ready")
-        settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+        wait_and_check(client.redis, client.keys, ids, timeout=90).assert_ok()
         restarted = {s.labels["how"]: s.value for f in text_string_to_metric_families(
             get(f"http://127.0.0.1:{port + 1}/metrics")[1]) for s in f.samples
             if s.name == "dq_entries_read_total" and s.labels["stream"] == "requests"}

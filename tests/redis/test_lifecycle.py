@@ -14,7 +14,7 @@ import time
 import pytest
 
 from faults import FANOUT, batch, long_request, wait_for
-from producer.admin.audit import settle
+from producer.admin.audit import wait_and_check
 from producer.client import Client
 from producer.wire.keys import Field
 from producer.wire.result import Result
@@ -36,7 +36,7 @@ def test_requests_are_accepted_planned_computed_published_and_let_go(redis_serve
     client = Client(redis_server.url)
     ids = client.submit_many(batch(9, "life"))
     worker = inprocess(redis_server.url).burst()
-    report = settle(client.redis, client.keys, ids, timeout=30).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=30).assert_ok()
     assert all(report.results[i].ok for i in ids)
     assert worker.metric("dq_entries_read_total", stream="requests", how="read") == 9
     assert worker.metric("dq_results_total", status="ok") == 9
@@ -54,7 +54,7 @@ def test_a_failed_pack_is_retried_with_its_planned_task_and_answered(redis_serve
                         "metadata": {"ticket": 7}, "questions": {"q": {"type": "noul"}}})
     ids = client.submit_many(requests)
     worker = inprocess(redis_server.url, raise_on=POISON, max_deliveries=3).burst()
-    report = settle(client.redis, client.keys, ids, timeout=30).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=30).assert_ok()
     poison = report.results["poison"]
     assert poison.error.code.value == "dead_lettered" and "3 deliveries" in poison.error.message
     assert poison.metadata == {"ticket": 7}  # the identity from the one parse of its body
@@ -80,7 +80,7 @@ def test_an_entry_delivered_too_often_is_dead_lettered_with_its_identity(redis_s
     for _ in range(3):  # three workers took it and died
         client.redis.xreadgroup(keys.group, "dead-worker", {keys.requests: "0" if _ else ">"})
     worker = inprocess(redis_server.url, max_deliveries=3, claim_idle_ms=1).burst()
-    report = settle(client.redis, keys, ["crashy"], timeout=30).assert_ok()
+    report = wait_and_check(client.redis, keys, ["crashy"], timeout=30).assert_ok()
     assert report.results["crashy"].error.code.value == "dead_lettered"
     assert worker.metric("dq_planning_seconds_count") == 0 and worker.metric("dq_dead_letters_total") == 1
     assert client.redis.xlen(keys.reply_prefix + "mine") == 1
@@ -94,7 +94,7 @@ def test_a_deadline_that_passes_while_queued_is_answered_without_compute(redis_s
     time.sleep(0.5)  # its pack is on the (slow) engine now
     client.submit({"id": "late", "state": "y", "questions": {"q": {"type": "noul"}},
                    "deadline_ms": int(time.time() * 1000) + 300})
-    report = settle(client.redis, client.keys, ["slow-first", "late"], timeout=30).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ["slow-first", "late"], timeout=30).assert_ok()
     assert report.results["slow-first"].ok
     late = report.results["late"]
     assert late.error.code.value == "deadline_exceeded" and "before compute" in late.error.message
@@ -107,7 +107,7 @@ def test_a_long_request_fans_out_and_its_parts_merge_into_one_result(redis_serve
     client = Client(redis_server.url)
     ids = client.submit_many([long_request("long-1"), *batch(3, "short")])
     worker = inprocess(redis_server.url, **FANOUT).burst()
-    report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=60).assert_ok()
     long = report.results["long-1"]
     assert long.ok and long.usage.parts > 1 and list(long.answers) == [f"q{i}" for i in range(24)]
     assert worker.metric("dq_fanouts_total") == 1
@@ -125,7 +125,7 @@ def test_a_dead_lettered_part_answers_its_request_on_its_reply_stream(redis_serv
     poisoned["reply_to"] = client.keys.reply_prefix + "parts"
     client.submit(poisoned)
     inprocess(redis_server.url, raise_on=POISON, max_deliveries=2, **FANOUT).burst()
-    report = settle(client.redis, client.keys, ["long-p"], timeout=60).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ["long-p"], timeout=60).assert_ok()
     assert report.results["long-p"].error.code.value == "dead_lettered"
     [(_, reply)] = client.redis.xrange(client.keys.reply_prefix + "parts")
     assert reply[Field.REPLY_ID.encode()] == b"long-p"
@@ -138,7 +138,7 @@ def test_a_bad_field_is_answered_where_the_body_says(redis_server, inprocess):
     body = json.dumps({"id": "extra", "state": "x", "reply_to": keys.reply_prefix + "bad", "questions": {"q": {"type": "noul"}}})
     client.redis.xadd(keys.requests, {Field.BODY: body, "priority": "high"})
     inprocess(redis_server.url).burst()
-    report = settle(client.redis, keys, ["extra"], timeout=30).assert_ok()
+    report = wait_and_check(client.redis, keys, ["extra"], timeout=30).assert_ok()
     assert report.results["extra"].error.code.value == "invalid_request"
     assert report.results["extra"].error.message.startswith("field 'priority' is not a field of requests entries")
     assert client.redis.xlen(keys.reply_prefix + "bad") == 1

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from faults import FANOUT, batch, long_request, wait_for
-from producer.admin.audit import settle
+from producer.admin.audit import wait_and_check
 from producer.client import Client
 from worker.health import status
 
@@ -50,7 +50,7 @@ def test_dropped_connections_do_not_count_as_deliveries(redis_server, inprocess)
     assert killed >= 4
     pending = client.redis.xpending_range(client.keys.requests, client.keys.group, "-", "+", 100)
     assert len(pending) == 6 and {entry["times_delivered"] for entry in pending} == {1}
-    report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=60).assert_ok()
     assert all(report.results[i].ok for i in ids)
     worker.stop()
     assert worker.metric("dq_dead_letters_total") == 0 and worker.metric("dq_redis_errors_total") > 0
@@ -72,7 +72,7 @@ def test_a_deleted_stream_or_flushed_server_recreates_the_group_once_and_the_wor
     time.sleep(1.0)
     assert worker.metric("dq_groups_recreated_total") == 2 and worker.exit_code is None
     [request_id] = client.submit_many(batch(1, "after"))
-    assert settle(client.redis, client.keys, [request_id], timeout=30).assert_ok().results[request_id].ok
+    assert wait_and_check(client.redis, client.keys, [request_id], timeout=30).assert_ok().results[request_id].ok
     worker.stop()
     assert worker.exit_code is None
 
@@ -86,11 +86,11 @@ def test_a_group_recreated_on_a_drained_stream_reports_no_deleted_requests(redis
     keys = client.keys
     worker = inprocess(redis_server.url, block_ms=500).start()
     done = client.submit_many(batch(3, "answered"))
-    settle(client.redis, keys, done, timeout=30).assert_ok()
+    wait_and_check(client.redis, keys, done, timeout=30).assert_ok()
     client.redis.xgroup_destroy(keys.requests, keys.group)
     wait_for(lambda: worker.metric("dq_groups_recreated_total") == 1, 20, what="the group recreated")
     [after] = client.submit_many(batch(1, "after"))
-    assert settle(client.redis, keys, [after], timeout=30).assert_ok().results[after].ok
+    assert wait_and_check(client.redis, keys, [after], timeout=30).assert_ok().results[after].ok
     time.sleep(5.5)  # a stats interval
     assert worker.metric("dq_unread_entries_deleted_total") == 0
     [group] = [g for g in client.redis.xinfo_groups(keys.requests) if g["name"].decode() == keys.group]
@@ -131,7 +131,7 @@ def test_entries_deleted_before_any_worker_read_them_are_detected(redis_server, 
     found = dict(stream="requests", priority="normal")
     wait_for(lambda: worker.metric("dq_unread_entries_deleted_total", **found) == 1, 20, what="the trim detected")
     [kept] = client.submit_many(batch(1, "kept"))  # delivered and deleted by the worker: no new detection
-    assert settle(client.redis, keys, [kept], timeout=30).assert_ok().results[kept].ok
+    assert wait_and_check(client.redis, keys, [kept], timeout=30).assert_ok().results[kept].ok
     time.sleep(5.5)  # the next report
     assert worker.metric("dq_unread_entries_deleted_total") == 1
     worker.stop()
@@ -147,7 +147,7 @@ def test_reply_and_dead_letter_streams_keep_to_their_caps(redis_server, inproces
     for n in range(250):  # parts that name no request: dead-lettered unanswered, at once
         client.redis.xadd(keys.parts, {"part": n})
     inprocess(redis_server.url, reply_maxlen=100, dead_maxlen=100).burst()
-    report = settle(client.redis, keys, ids, timeout=60).assert_ok()
+    report = wait_and_check(client.redis, keys, ids, timeout=60).assert_ok()
     assert all(report.results[i].ok for i in ids)
     assert 100 <= client.redis.xlen(reply_to) <= 200 and 100 <= client.redis.xlen(keys.dead) <= 200
 
@@ -197,13 +197,13 @@ def test_a_dead_planner_process_costs_no_request(redis_server, inprocess):
     worker = inprocess(redis_server.url, planner_processes=2, max_deliveries=2).start()
     client = Client(redis_server.url)
     first = client.submit_many(batch(3, "before"))
-    assert all(settle(client.redis, client.keys, first, timeout=60).assert_ok().results[i].ok for i in first)
+    assert all(wait_and_check(client.redis, client.keys, first, timeout=60).assert_ok().results[i].ok for i in first)
     # This worker's own planner processes (a pool's, by its private table: other tests' may still be exiting).
     planners = list(worker.daemon.planner.pool._processes)
     assert planners, "the worker plans in processes"
     os.kill(planners[0], signal.SIGKILL)
     ids = client.submit_many(batch(8, "after"))
-    report = settle(client.redis, client.keys, ids, timeout=120).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=120).assert_ok()
     assert all(report.results[i].ok for i in ids), [report.results[i].error for i in ids]
     assert worker.metric("dq_planner_crashes_total") == 1
     assert worker.metric("dq_dead_letters_total") == 0 and worker.metric("dq_retries_total") == 0
@@ -262,11 +262,11 @@ def test_an_input_that_kills_its_planner_is_dead_lettered_and_the_worker_stays(r
     client = Client(redis_server.url)
     [killer] = client.submit_many([{"id": "killer", "state": faulty_worker.PLANNER_KILLER.decode(),
                                     "questions": {"q": {"type": "noul"}}}])
-    report = settle(client.redis, client.keys, [killer], timeout=180).assert_ok()  # alone: nothing planned between
+    report = wait_and_check(client.redis, client.keys, [killer], timeout=180).assert_ok()  # alone: nothing planned between
     assert report.results[killer].error.code == "dead_lettered" and worker.alive
     assert worker.metric("dq_planner_crashes_total") == 6  # two per delivery
     [after] = client.submit_many(batch(1, "after"))
-    assert settle(client.redis, client.keys, [after], timeout=60).assert_ok().results[after].ok
+    assert wait_and_check(client.redis, client.keys, [after], timeout=60).assert_ok().results[after].ok
     worker.stop()
 
 
@@ -288,7 +288,7 @@ def test_a_fanned_out_request_that_loses_the_race_under_its_id_is_told(redis_ser
     assert slow.faults.slow_packs == 1 and slow.daemon.lifecycle.held, "the long request's parts are still in work"
     slow.join(30)
     fast.stop()
-    settle(client.redis, keys, [short], timeout=30).assert_ok()  # and nothing left: the parts settled too
+    wait_and_check(client.redis, keys, [short], timeout=30).assert_ok()  # and nothing left: the parts settled too
     replies = replies_on(client, ("long", "short"))
     assert [r["status"] for r in replies["short"]] == ["ok"]
     # Each part that found the other's result says so: a reply at least once, all of them id_conflict.

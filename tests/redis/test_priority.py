@@ -13,7 +13,7 @@ import pytest
 
 from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log, wait_released
 from producer.client import Client
-from producer.admin.audit import settle
+from producer.admin.audit import wait_and_check
 from producer.wire.keys import HIGH, LANES, NORMAL
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -60,7 +60,7 @@ def test_a_worker_holding_max_inflight_normal_entries_still_takes_a_high_request
     result = client.wait(urgent, timeout=60)
     done = answered(client, bulk)
     assert result.ok and done <= 8, done  # in the pack after the one on the way, not behind the 16 left
-    settle(client.redis, client.keys, bulk + [urgent], timeout=90).assert_ok()
+    wait_and_check(client.redis, client.keys, bulk + [urgent], timeout=90).assert_ok()
 
 
 def test_normal_work_keeps_its_share_under_a_steady_flood_of_high_work(redis_server, inprocess):
@@ -129,7 +129,7 @@ def test_a_plain_xadd_is_served_in_the_lane_of_its_stream_and_a_body_naming_the_
     for request_id, (where, body) in added.items():
         client.redis.xadd(keys.requests_in(where), {"body": json.dumps({**body, "id": request_id})})
     worker = inprocess(redis_server.url).start()
-    report = settle(client.redis, keys, list(added), timeout=60).assert_ok()
+    report = wait_and_check(client.redis, keys, list(added), timeout=60).assert_ok()
     results = report.results
     assert results["high-unsaid"].ok and results["high-said"].ok
     for refused in ("normal-said-high", "high-said-normal", "bad-value"):
@@ -163,7 +163,7 @@ def test_kill_9_mid_pack_the_other_worker_reclaims_and_finishes_in_both_lanes(re
     survivor.wait_ready()
     rest = client.submit_many([*lane(batch(4, "kill-high", start=4), HIGH),
                                *lane(batch(4, "kill-normal", start=4), NORMAL)])
-    report = settle(client.redis, client.keys, first + rest, timeout=90).assert_ok()
+    report = wait_and_check(client.redis, client.keys, first + rest, timeout=90).assert_ok()
     assert all(r.ok for r in report.results.values())
     assert survivor.metric("dq_entries_read_total", how="reclaimed") == 8, (
         survivor.metric("dq_entries_read_total", how="recovered"), survivor.metric("dq_redis_errors_total"),
@@ -182,7 +182,7 @@ def test_poison_is_dead_lettered_with_its_lane_and_a_past_deadline_answered_at_o
     requests.append({**requests[0], "id": "late", "deadline_ms": int(time.time() * 1000) - 1000})
     ids = client.submit_many(requests)
     inprocess(redis_server.url, raise_on="POISON-7f3a", max_deliveries=2).burst()
-    report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=90).assert_ok()
     assert report.results["poison"].error.code.value == "dead_lettered"
     assert report.results["late"].error.code.value == "deadline_exceeded"
     assert all(report.results[r].ok for r in ids if r not in ("poison", "late"))
@@ -195,7 +195,7 @@ def test_the_parts_of_a_fanned_out_request_stay_in_its_lane(redis_server, inproc
     client = Client(redis_server.url)
     workers = [inprocess(redis_server.url, read_count=1, max_inflight=1, **FANOUT).start() for _ in range(2)]
     ids = client.submit_many([{**long_request(f"long-{k}"), "priority": str(priority)} for k in range(2)])
-    report = settle(client.redis, client.keys, ids, timeout=120).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=120).assert_ok()
     assert all(r.ok and r.usage.parts > 1 for r in report.results.values())
     parts = sum(r.usage.parts for r in report.results.values())
     assert sum(w.metric("dq_entries_read_total", stream="chunks") for w in workers) == parts

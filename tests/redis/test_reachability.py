@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from faults import FAULTY, batch, wait_for, wait_log
-from producer.admin.audit import settle
+from producer.admin.audit import wait_and_check
 from producer.client import Client
 from producer.client import AsyncClient
 from producer.local.binaries import servers_under_test
@@ -71,7 +71,7 @@ def test_a_stop_with_redis_down_leaves_what_it_holds_pending_and_says_so(redis_s
     assert "entries taken were not acknowledged; they stay pending for consumer holder" in log
     redis_server.start()
     start_worker(tiny_dir, redis_server.url, claim_idle_ms=1000)
-    settle(client.redis, client.keys, ids, timeout=120).assert_ok()  # each answered once, by the other worker
+    wait_and_check(client.redis, client.keys, ids, timeout=120).assert_ok()  # each answered once, by the other worker
 
 
 def test_an_unsupported_server_ends_the_worker_with_exit_2_before_the_model_loads(redis_server, start_worker,

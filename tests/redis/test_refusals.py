@@ -15,7 +15,7 @@ import pytest
 import redis
 from faults import FANOUT, batch, long_request, wait_for, wait_released
 
-from producer.admin.audit import settle
+from producer.admin.audit import wait_and_check
 from producer.client import Client
 from producer.local.server import RedisServer
 from producer.wire.keys import Keys
@@ -43,7 +43,7 @@ def test_a_reply_stream_that_cannot_be_written_wedges_nothing(redis_server, star
     worker = start_worker(tiny_dir, redis_server.url)
     requests = replying(batch(6, "blocked"), blocked) + batch(30, "beside") + replying(batch(6, "fine"), fine)
     ids = client.submit_many(requests)
-    report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=60).assert_ok()
     assert all(r.ok for r in report.results.values())
     assert client.redis.get(blocked) == b"not a stream" and client.redis.ttl(blocked) == -1
     assert sorted(fields[b"id"].decode() for _, fields in client.redis.xrange(fine)) == sorted(f"fine-{i}" for i in
@@ -92,7 +92,7 @@ def test_replies_are_not_lost_when_connections_drop(redis_server, inprocess):
     finally:
         done.set()
         killer.join()
-    report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=60).assert_ok()
     assert all(r.ok for r in report.results.values()) and kills > 20
     replied = Counter(fields[b"id"].decode() for _, fields in client.redis.xrange(reply))
     assert set(replied) == set(ids), f"{len(set(ids) - set(replied))} replies lost"
@@ -120,7 +120,7 @@ def test_out_of_memory_while_fanning_out_is_retried_and_reported(redis_server, s
         assert state["refusing"] and state["live"] and worker.process.poll() is None
     finally:
         client.redis.config_set("maxmemory", 0)
-    report = settle(client.redis, client.keys, ids, timeout=90).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=90).assert_ok()
     assert all(r.ok and r.usage.parts > 1 for r in report.results.values())
     wait_for(lambda: readiness(worker)["code"] == 200, timeout=30, what="ready again")
     assert worker.log.read_text().count("redis refused fan out") == 1
@@ -137,7 +137,7 @@ def test_work_that_cannot_progress_makes_the_worker_unready_within_the_bound(red
     state = wait_for(lambda: (lambda s: s if s["code"] == 503 else None)(readiness(worker)), timeout=10,
                      what="unready")
     assert state["stalled"] and state["live"] and time.monotonic() - started < 4.5  # 2 s, and the polling
-    settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    wait_and_check(client.redis, client.keys, ids, timeout=60).assert_ok()
     wait_for(lambda: readiness(worker)["code"] == 200, timeout=10, what="ready again")
 
     more = client.submit_many(batch(2, "refused"))
@@ -149,7 +149,7 @@ def test_work_that_cannot_progress_makes_the_worker_unready_within_the_bound(red
         assert state["code"] == 503 and worker.metric("dq_redis_errors_total", op="publish") >= 1
     finally:
         client.redis.config_set("maxmemory", 0)
-    settle(client.redis, client.keys, more, timeout=60).assert_ok()
+    wait_and_check(client.redis, client.keys, more, timeout=60).assert_ok()
     wait_for(lambda: readiness(worker)["code"] == 200, timeout=30, what="ready again")
 
 
@@ -165,7 +165,7 @@ def test_a_reclaiming_worker_stays_within_max_inflight(redis_server, inprocess):
         held = {c["name"]: c["pending"] for c in client.redis.xpending(KEYS.requests, KEYS.group)["consumers"]}
         most = max(most, held.get(b"w-limit", 0))
         time.sleep(0.02)
-    settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    wait_and_check(client.redis, client.keys, ids, timeout=60).assert_ok()
     assert worker.metric("dq_entries_read_total", how="reclaimed") == 24
     assert 0 < most <= 4
 
@@ -199,7 +199,7 @@ def test_reads_redis_refuses_leave_the_worker_up_and_unready_until_they_pass(red
         assert worker.alive
     finally:
         client.redis.execute_command("ACL", "SETUSER", "default", "+xreadgroup")
-    report = settle(client.redis, client.keys, ids, timeout=60).assert_ok()
+    report = wait_and_check(client.redis, client.keys, ids, timeout=60).assert_ok()
     assert all(report.results[i].ok for i in ids) and worker.alive
     wait_for(lambda: readiness(worker)["code"] == 200, timeout=30, what="ready again")
 
@@ -221,4 +221,4 @@ def test_a_primary_turned_replica_is_left_for_new_connections(redis_server, inpr
         finally:
             client.redis.execute_command("REPLICAOF", "NO", "ONE")
     [after] = client.submit_many(batch(1, "after-failover"))
-    assert settle(client.redis, client.keys, [after], timeout=60).assert_ok().results[after].ok and worker.alive
+    assert wait_and_check(client.redis, client.keys, [after], timeout=60).assert_ok().results[after].ok and worker.alive

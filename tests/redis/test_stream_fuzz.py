@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from faults import FANOUT, long_request, wait_released
 from keyspace import WrittenKeys
 from producer.client import Client
-from producer.admin.audit import settle
+from producer.admin.audit import wait_and_check
 from producer.wire.keys import Keys
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -162,7 +162,7 @@ def test_any_entry_on_any_stream_gets_its_own_one_result_and_writes_nowhere_else
                 expected.append(request_id)
         expected += client.submit_many([{"id": f"{tag}good-{i}", "state": "fine", "questions": QUESTIONS}
                                         for i in range(2)])
-        report = settle(client.redis, client.keys, expected, timeout=120).assert_ok()
+        report = wait_and_check(client.redis, client.keys, expected, timeout=120).assert_ok()
         assert report.results[f"{tag}good-0"].ok and report.results[f"{tag}good-1"].ok
         wait_released(worker)
         own = {key for request_id in expected for key in (KEYS.result(request_id), KEYS.shares(request_id),

@@ -52,15 +52,15 @@ def test_held_work_that_settles_nothing_for_the_bound_is_unready_until_it_does()
     base = dict(beats={"reader": now, "gpu": now}, reading_since=None, loop_running=True, redis_ok=True, ready=True,
                 library_ok=True,
                 inflight=3, stopping=False, block_ms=1000, stall_s=10.0)
-    waiting = status(Snapshot(**base, oldest_taken=now - 11, settled_at=now - 30))
+    waiting = status(Snapshot(**base, oldest_taken=now - 11, released_at=now - 30))
     assert waiting["stalled"] and not waiting["ready"] and waiting["live"]  # unready, not restarted
-    assert status(Snapshot(**base, oldest_taken=now - 11, settled_at=now - 9))["ready"]  # another entry settled
-    assert status(Snapshot(**base, oldest_taken=now - 9, settled_at=None))["ready"]  # taken lately
-    assert status(Snapshot(**{**base, "inflight": 0}, oldest_taken=None, settled_at=now - 99))["ready"]  # idle
+    assert status(Snapshot(**base, oldest_taken=now - 11, released_at=now - 9))["ready"]  # another entry settled
+    assert status(Snapshot(**base, oldest_taken=now - 9, released_at=None))["ready"]  # taken lately
+    assert status(Snapshot(**{**base, "inflight": 0}, oldest_taken=None, released_at=now - 99))["ready"]  # idle
     # One entry left behind while the others settle: its idle time is kept fresh, so no other worker ever takes it.
-    left = status(Snapshot(**base, oldest_taken=now - 101, settled_at=now - 1))
+    left = status(Snapshot(**base, oldest_taken=now - 101, released_at=now - 1))
     assert left["stalled"] and not left["ready"] and left["live"]
-    assert status(Snapshot(**base, oldest_taken=now - 99, settled_at=now - 1))["ready"]
+    assert status(Snapshot(**base, oldest_taken=now - 99, released_at=now - 1))["ready"]
 
 
 def test_redis_refusing_the_works_writes_makes_it_unready():

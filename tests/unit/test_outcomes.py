@@ -10,8 +10,9 @@ from producer.wire.keys import Keys
 from producer.wire.schema import ErrorCode
 from worker.config import Settings
 from worker.entries import REQUESTS, Delivery, Identity
-from worker.loop.lifecycle import Lifecycle
-from worker.loop.redis_calls import Link
+from worker.loop.held import HeldEntries
+from worker.loop.redis_calls import RedisCalls
+from worker.loop.settler import Settler
 from worker.metrics import Metrics
 from worker.outcomes import Outcome, Share, error_outcome, ok_result
 
@@ -60,9 +61,9 @@ def test_a_whole_result_keeps_only_its_questions():
 
 class Published:
     """The Redis side settling every outcome at once, published by this delivery (what ``Publisher.settle``
-    answers when Redis takes them all): this test is about the lifecycle's order of work, not Redis."""
+    answers when Redis takes them all): this test is about the settle loop's order of work, not Redis."""
 
-    model = "tiny"
+    model_name = "tiny"
 
     async def settle(self, outcomes):
         from worker.loop.publisher import Settlement
@@ -75,10 +76,10 @@ def test_a_result_is_counted_before_its_entry_is_let_go():
     counted_at_release: list[tuple[float, float]] = []
 
     async def scenario() -> None:
-        link = Link(None, metrics, give_up=lambda: True, where="test")
-        lifecycle = Lifecycle(KEYS, Settings(), metrics, link, None, None, None, Published(),
-                              asyncio.get_running_loop())
-        release = lifecycle.release
+        redis_calls = RedisCalls(None, metrics, give_up=lambda: True, where="test")
+        held = HeldEntries(Settings().max_inflight, metrics)
+        settler = Settler(Published(), redis_calls, metrics, held, asyncio.get_running_loop())
+        release = held.release
 
         def counted_then_release(entry: Delivery) -> None:
             counted_at_release.append((metrics.registry.get_sample_value("dq_results_total", {
@@ -86,10 +87,10 @@ def test_a_result_is_counted_before_its_entry_is_let_go():
                 "dq_request_latency_seconds_count", {"status": "error", "priority": "normal"}) or 0.0))
             release(entry)
 
-        lifecycle.release = counted_then_release
-        running = asyncio.ensure_future(lifecycle.run())
+        held.release = counted_then_release
+        running = asyncio.ensure_future(settler.run())
         for n in range(3):
-            lifecycle.settle(error_outcome(delivery(n), Identity(f"r-{n}"), ErrorCode.INVALID_REQUEST, "bad", "tiny"))
+            settler.put(error_outcome(delivery(n), Identity(f"r-{n}"), ErrorCode.INVALID_REQUEST, "bad", "tiny"))
         while len(counted_at_release) < 3:
             await asyncio.sleep(0.01)
         running.cancel()

@@ -1,12 +1,12 @@
-"""The GPU stage: packs from the work queue through the engine, head scores to answers, handed to one sink.
+"""The GPU stage: packs from the packer through the engine, head scores to answers, each handed to the Redis loop.
 
 Runs on the main thread. While pack n is on the GPU, pack n+1 is formed from what is queued. Its scores are read out
-(temperatures, softmax, System One answers) and handed to the sink (results.py, which hops onto the asyncio thread
-that owns every task's state), either before or after pack n+1 is launched:
+(temperatures, softmax, System One answers) and handed over (``Sink``: the lifecycle, which hops onto the Redis loop
+thread that owns every task's state), either before or after pack n+1 is launched:
 
 - n+1 full (the queue is ahead of the GPU; full: of the budget the packer filled it to, smaller while high-priority
-  work flows): launch first. Reading out first would leave the GPU idle for the
-  read-out and the launch's host work, a quarter of the time on an H200 (end to end 71% of in process, 95% after).
+  work flows): launch first. Reading out first would leave the GPU idle for the read-out and the launch's host work,
+  a large share of each pack's time (docs/BENCHMARKS.md has the figures).
 - n+1 partly full (the GPU keeps up): read out first. The launch's host work (milliseconds per pack, whatever its
   size) would otherwise delay n's answers.
 
@@ -76,7 +76,7 @@ class Compute:
     def _take(self, wait: bool) -> list[Item]:
         pack = []
         for item in self.packer.next(wait=wait):
-            if item.task.cancelled:
+            if item.task.closed:
                 continue
             if item.task.expired:  # no compute for work past its deadline
                 self.sink.task_expired(item.task)

@@ -46,7 +46,7 @@ class Consumer:
             self.streams[keys.requests_in(lane)] = (REQUESTS, lane)
         self.lanes = {lane: [key for key, (_, of) in self.streams.items() if of == lane] for lane in LANES}  # read keys
 
-    async def close(self) -> None:  # the client of its own (the shared one is the link's)
+    async def close(self) -> None:  # the client of its own (the shared one is RedisCalls')
         if self.once is not self.redis:
             await self.once.aclose()
 

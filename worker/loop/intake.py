@@ -22,7 +22,7 @@ from ..metrics import Metrics
 from .consumer import Consumer
 from .lifecycle import Lifecycle
 from .presence import Presence
-from .redis_calls import REDIS_ERRORS, Link
+from .redis_calls import REDIS_ERRORS, RedisCalls
 
 log = logging.getLogger("worker")
 
@@ -48,10 +48,10 @@ class Reader:
 
 
 class Intake:
-    def __init__(self, consumer: Consumer, lifecycle: Lifecycle, link: Link, settings: Settings, metrics: Metrics,
+    def __init__(self, consumer: Consumer, lifecycle: Lifecycle, redis_calls: RedisCalls, settings: Settings, metrics: Metrics,
                  stopping: threading.Event, presence: Presence) -> None:
-        self.consumer, self.lifecycle, self.link, self.settings, self.metrics = consumer, lifecycle, link, settings, \
-            metrics
+        self.consumer, self.lifecycle, self.redis_calls = consumer, lifecycle, redis_calls
+        self.settings, self.metrics = settings, metrics
         self.stopping = stopping
         self.presence = presence  # the heartbeat, and forgetting the workers and consumers that are gone
         self.readers = {lane: Reader() for lane in LANES}
@@ -99,11 +99,11 @@ class Intake:
             reader.turn = time.time()
             self.metrics.heartbeat.labels("reader").set(self.read_turn or reader.turn)
             reader.reading_since = None
-            room = lifecycle.room_in(lane)
+            room = lifecycle.held.room_in(lane)
             if room <= 0:
-                lifecycle.room[lane].clear()
+                lifecycle.held.room[lane].clear()
                 try:
-                    await asyncio.wait_for(lifecycle.room[lane].wait(), timeout=0.5)
+                    await asyncio.wait_for(lifecycle.held.room[lane].wait(), timeout=0.5)
                 except asyncio.TimeoutError:
                     pass
                 continue
@@ -111,16 +111,16 @@ class Intake:
             try:
                 if reader.recover:  # at most ``room`` of them: the rest on the next turns
                     deliveries, gone, reader.recover = await self.consumer.own_pending(lane, room, set(lifecycle.held))
-                    self._lost([entry for entry in gone if not lifecycle.known(entry, since)])
+                    self._lost([entry for entry in gone if not lifecycle.held.known(entry, since)])
                     how = "recovered"
                     if not any(each.recover for each in self.readers.values()):
                         self.recovered.set()
                 else:
                     deliveries = await self.consumer.read(lane, min(settings.read_count, room), settings.block_ms)
                     reader.empty_since, how = None if deliveries else reader.reading_since, "read"
-                self.link.answered()
+                self.redis_calls.answered()
             except REDIS_ERRORS as error:
-                self.link.failed("read", error)
+                self.redis_calls.failed("read", error)
                 self.doubt()
                 await asyncio.sleep(0.5)
                 continue
@@ -130,8 +130,8 @@ class Intake:
                     continue
                 # Refused (MISCONF after a failed save, NOPERM, a primary turned replica): it lasts until an operator
                 # or a failover acts, and ending the worker would only begin a crash loop: unready, and read again.
-                self.link.refused("read", error)
-                await self.link.reconnect_if_demoted(error, self.consumer.redis, self.consumer.once)
+                self.redis_calls.refused("read", error)
+                await self.redis_calls.reconnect_if_demoted(error, self.consumer.redis, self.consumer.once)
                 self.doubt()
                 await asyncio.sleep(REFUSED_READ_PAUSE_S)
                 continue
@@ -145,7 +145,7 @@ class Intake:
             reader.recover = True
 
     def _lost(self, gone: list[tuple[str, str]]) -> None:
-        if lost := self.lifecycle.count_lost(gone):
+        if lost := self.lifecycle.held.count_lost(gone):
             log.error("%d pending entries had no payload any more (trimmed?)", lost)
 
     async def run_maintenance(self) -> None:
@@ -157,13 +157,13 @@ class Intake:
         while True:
             self.metrics.heartbeat.labels("maintenance").set(time.time())
             try:
-                await self.consumer.keep_alive(list(lifecycle.held.values()))
+                await self.consumer.keep_alive(lifecycle.held.deliveries())
                 since = time.monotonic()
                 reclaimed, gone = [], []
                 for lane in LANES if not self.stopping.is_set() else ():  # a drain takes nothing new
                     try:  # claims beyond a lane's room would exceed --max-inflight
                         found, lost_here = await self.consumer.reclaim(lane, settings.claim_idle_ms,
-                                                                       settings.read_count, lifecycle.room_in(lane))
+                                                                       settings.read_count, lifecycle.held.room_in(lane))
                     except REDIS_ERRORS:
                         self.doubt()  # what it claimed before the error is pending here, held by no one
                         raise
@@ -171,7 +171,7 @@ class Intake:
                     gone += lost_here
                 # An entry held in memory (or settled since the reclaim began) is answered from memory, not lost:
                 # a held entry trimmed while it computes can be reported gone before keep_alive drops it.
-                self._lost([entry for entry in gone if not lifecycle.known(entry, since)])
+                self._lost([entry for entry in gone if not lifecycle.held.known(entry, since)])
                 fresh = [d for d in reclaimed if (d.key, d.entry_id) not in lifecycle.held]
                 if fresh:  # one line per reclaim, not one per entry (a dead worker may have held hundreds)
                     log.info("reclaimed %d entries from consumers idle over %d ms", len(fresh), settings.claim_idle_ms)
@@ -189,12 +189,12 @@ class Intake:
                 if group_gone(error):  # not left to the reader: it may be waiting for room, not reading
                     await self._group_lost()
                 else:  # e.g. OOM refusing the heartbeat: counted, logged once per interval
-                    self.link.refused("maintenance", error, stalls=False)
+                    self.redis_calls.refused("maintenance", error, stalls=False)
             await asyncio.sleep(every)
 
     async def start(self) -> None:
         """Create the group on every work stream unless it is there (waits for Redis)."""
-        await self.link.until(self.consumer.ensure_groups, "create groups")
+        await self.redis_calls.until(self.consumer.ensure_groups, "create groups")
 
     async def leave(self) -> None:
         """Take this worker's heartbeat out of Keys.workers (on a clean stop)."""
@@ -204,7 +204,7 @@ class Intake:
         """Redis lost the group (a restart without persistence, a failover to an empty replica): recreate it once,
         whichever loop noticed first, and report the loss."""
         async with self.recreating:
-            if await self.link.until(lambda: self.consumer.ensure_groups(lost=True), "create groups"):
+            if await self.redis_calls.until(lambda: self.consumer.ensure_groups(lost=True), "create groups"):
                 log.error("consumer group missing (Redis lost its data?): recreated it; entries not yet read are lost")
                 self.metrics.groups_recreated.inc()
 

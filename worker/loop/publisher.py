@@ -53,12 +53,12 @@ class Settlement:
 class Publisher:
     """Settles outcomes in batches: a few pipelined round trips however many there are."""
 
-    def __init__(self, redis_client: Any, keys: Keys, ttl_seconds: int, model: str, reply_maxlen: int = 10000,
+    def __init__(self, redis_client: Any, keys: Keys, ttl_seconds: int, model_name: str, reply_maxlen: int = 10000,
                  dead_maxlen: int = 100000, wait_replicas: int = 0) -> None:
         self.redis = redis_client
         self.keys = keys
         self.ttl = ttl_seconds
-        self.model = model
+        self.model_name = model_name  # what results say answered them
         self.reply_maxlen, self.dead_maxlen = reply_maxlen, dead_maxlen  # approximate caps: Redis memory bounded
         self.inline_replies = not isinstance(redis_client, RedisCluster)  # in the publish call (library.PUBLISH_AS)
         self.wait_replicas = wait_replicas  # durable mode: publications and acks WAIT for this many replicas
@@ -87,7 +87,7 @@ class Publisher:
         for outcome, reply in zip(outcomes, await self._functions(calls)):
             if outcome.share is not None and isinstance(reply, list) and reply[:1] != [PUBLISHED]:
                 indexes = sorted(range(0, len(reply), 2), key=lambda at: int(reply[at]))  # HGETALL: index, share, ...
-                outcome.merge([Share.from_json(reply[at + 1]) for at in indexes], self.model)  # the last part
+                outcome.merge([Share.from_json(reply[at + 1]) for at in indexes], self.model_name)  # the last part
                 merged.append(outcome)
             else:
                 decided.append((outcome, reply))
@@ -102,7 +102,7 @@ class Publisher:
             if self._lost_race(outcome, reply, *who):
                 # Another request under this id published first (both were queued before either was answered): this
                 # one is answered as a reused id is at planning, its own reply a replay or an id_conflict.
-                answer = answered_before(outcome.delivery, outcome.identity, who[0], self.model)
+                answer = answered_before(outcome.delivery, outcome.identity, who[0], self.model_name)
                 outcome.result, outcome.replay = answer.result, True
                 done.reused.append(outcome)
                 who = (answer.result, False, True)
@@ -203,7 +203,7 @@ class Publisher:
         published."""
         try:
             loaded = await library.aensure(self.redis)
-        except REDIS_ERRORS:  # Redis down: the link reports that
+        except REDIS_ERRORS:  # Redis down: RedisCalls reports that
             self.library_ok = False
             return False
         except (library.LibraryUnavailable, redis.ResponseError) as error:  # or NOPERM on the check itself
@@ -256,7 +256,7 @@ class Publisher:
             await self._durable(replies[-1], "acknowledgements", len(deliveries))
 
     async def _durable(self, replicas: Any, what: str, count: int) -> None:
-        """Raise NotDurable (a refusal: the link counts it, and the whole settlement is made again, idempotent)
+        """Raise NotDurable (a refusal: RedisCalls counts it, and the whole settlement is made again, idempotent)
         unless the replicas asked for confirmed; ask the sentinels again first (a replaced primary)."""
         if isinstance(replicas, BaseException):
             raise replicas

@@ -1,6 +1,6 @@
-"""The worker's link to Redis: one asyncio client, calls retried until Redis answers, and whether it does.
+"""The worker's Redis calls: one asyncio client, each call retried until Redis answers, and whether it does.
 
-Every stage on the asyncio thread (intake, results, the daemon's planning step) calls Redis through ``until``;
+Every stage on the asyncio thread (intake, the lifecycle, the settle loop) calls Redis through ``until``;
 ``reachable`` is what readiness reports. A Redis outage makes the worker unready and its calls wait; it never loses
 work: each call retried here is one that may run twice. While Redis cannot be reached, a warning every few seconds
 names the URL (its password left out). The server is checked at first contact (``introduce``), and before the
@@ -38,7 +38,7 @@ REFUSED_READY_S = 5.0  # unready until this long after Redis last refused a call
 T = TypeVar("T")
 
 
-class Link:
+class RedisCalls:
     def __init__(self, client: Any, metrics: Metrics, give_up: Callable[[], bool], where: str) -> None:
         self.redis = client
         self.metrics = metrics
@@ -94,7 +94,7 @@ class Link:
     async def reconnect_if_demoted(self, error: BaseException, *clients: Any) -> None:
         """A primary turned replica (READONLY, or a blocked read ended by the change) keeps refusing on these
         connections: where a failover moves an address (a DNS name) rather than a Sentinel's answer, only new
-        connections reach the new primary. So every connection of ``clients`` (the link's own by default) is closed,
+        connections reach the new primary. So every connection of ``clients`` (this one's own by default) is closed,
         and the next call connects again. A Cluster client follows its own topology and is left alone."""
         message = str(error)
         if not (isinstance(error, redis.exceptions.ReadOnlyError) or "read only replica" in message
@@ -153,7 +153,7 @@ def first_contact(settings: Settings) -> Server | None:
 
 def client(settings: Settings, retries: int = 1) -> Any:
     """The worker's asyncio client: the producers' connection options, with one quick retry instead of redis-py's
-    dozen (about 12 s) before a call fails: the link retries for as long as it takes and says so every few seconds,
+    dozen (about 12 s) before a call fails: RedisCalls.until retries for as long as it takes and says so every few seconds,
     which a call that keeps retrying inside the client would hide. ``retries=0`` for the calls whose re-sending
     would lose what the first one delivered (consumer.py)."""
     return aconnect(settings.redis_url, settings.redis_cluster, **settings.redis_options(),

@@ -1,0 +1,86 @@
+"""The settle loop, on the Redis loop thread: the outcomes the lifecycle hands it are settled in batches (each
+result published once, replied to, its entry acknowledged: ``Publisher.settle``), counted, and their entries let go.
+An outcome Redis refused is settled again later, never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis
+
+from producer.wire import library
+
+from ..metrics import Metrics
+from ..outcomes import Outcome
+from .held import HeldEntries
+from .publisher import Publisher
+from .redis_calls import RedisCalls
+
+log = logging.getLogger("worker")
+BATCH = 512  # outcomes settled in one go at most
+
+
+class Settler:
+    def __init__(self, publisher: Publisher, redis_calls: RedisCalls, metrics: Metrics, held: HeldEntries,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.publisher, self.redis_calls, self.metrics, self.held, self.loop = publisher, redis_calls, metrics, \
+            held, loop
+        self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
+
+    def put(self, outcome: Outcome) -> None:
+        """Settle this outcome in a coming batch (the loop thread)."""
+        self.outcomes.put_nowait(outcome)
+
+    def count_reused(self, outcome: Outcome) -> None:
+        self.metrics.reused_ids.labels("conflict" if outcome.result and outcome.result.error else "replay").inc()
+
+    async def run(self) -> None:
+        """Until cancelled: settle what is queued, up to BATCH outcomes at a time; never drop one."""
+        while True:
+            batch = [await self.outcomes.get()]
+            while not self.outcomes.empty() and len(batch) < BATCH:
+                batch.append(self.outcomes.get_nowait())
+            try:
+                done = await self.redis_calls.until(lambda: self.publisher.settle(batch), "publish")
+            except Exception:  # noqa: BLE001 - a bug, or stopping past the drain: keep the batch, try again
+                log.exception("settling %d outcomes failed; trying again in a second", len(batch))
+                for outcome in batch:
+                    self.loop.call_later(1.0, self.outcomes.put_nowait, outcome)
+                continue
+            for outcome in batch:  # Redis refused its publication (OOM, NOPERM, ...): the others went on
+                if outcome.refused is not None:
+                    self._again(outcome, outcome.refused)
+            for outcome, error in done.replies_refused:  # the result stream holds the result: work goes on
+                self.redis_calls.refused("reply", error, stalls=False,
+                                         detail=f"reply to {(outcome.reply_to or '')[:200]} of {outcome.request_id}")
+            now = time.time()
+            for outcome in done.reused:  # lost the race to another request under its id: answered as reused
+                self.count_reused(outcome)
+            for outcome, result, published in done.settled:
+                if result is not None and published:
+                    code = result.error.code.value if result.error else ""
+                    self.metrics.results.labels(result.status, code).inc()
+                    self.metrics.latency.labels(result.status, outcome.delivery.lane).observe(
+                        max(0.0, now - outcome.delivery.enqueued_ms / 1000))
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("published %s: %s", result.id, code or result.status,
+                                  extra=outcome.identity.log_fields)
+                # Let go once counted: a scrape (another thread) that sees nothing held sees every result counted.
+                self.held.release(outcome.delivery)
+
+    def _again(self, outcome: Outcome, error: redis.ResponseError) -> None:
+        """Settle a refused outcome again later: soon once the function library is loaded again (a server restarted
+        empty, FUNCTION FLUSH), else in a second, counted, logged once per interval, the worker unready meanwhile."""
+        outcome.refused = None
+        if library.missing(error):
+            asyncio.ensure_future(self._after_library(outcome))
+            return
+        self.redis_calls.refused("publish", error)
+        self.loop.call_later(1.0, self.outcomes.put_nowait, outcome)
+
+    async def _after_library(self, outcome: Outcome) -> None:
+        await asyncio.sleep(0.01 if await self.publisher.recheck_library() else 1.0)
+        self.outcomes.put_nowait(outcome)
