@@ -1,4 +1,6 @@
-"""The plain objects handed between the queue stages: the task an entry becomes, and the prompts of work it holds.
+"""The plain objects handed between the queue stages: the task an entry becomes, the prompts of work it holds, and
+what the GPU thread hands the Redis loop about them (``GpuEvent``: one typed event per fact, handed over by
+``Lifecycle.hand_over``).
 
 Torch-free at run time: prompts and answers are only named here, for their types.
 """
@@ -62,3 +64,40 @@ class Item:
     @property
     def lane(self) -> Priority:
         return self.task.delivery.lane
+
+
+# ---- what the GPU thread hands the Redis loop (compute.py -> Lifecycle.hand_over)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A pack holding these prompts went to the GPU."""
+
+    items: tuple[Item, ...]
+
+
+@dataclass(frozen=True)
+class Computed:
+    """One prompt's answers, and its share of its pack's time."""
+
+    item: Item
+    answers: list[Answer]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A prompt of the task failed alone (its pack bisected down to it)."""
+
+    task: Task
+    reason: str
+
+
+@dataclass(frozen=True)
+class Expired:
+    """The task's deadline passed before its prompt was computed."""
+
+    task: Task
+
+
+GpuEvent = Launched | Computed | Failed | Expired

@@ -12,7 +12,7 @@ from worker.gpu.packer import Packer
 from worker.metrics import Metrics
 from worker.model.encoder import Encoder
 from worker.model.engine import Prompt, PackRun, Pending
-from worker.tasks import Item, Task
+from worker.tasks import Computed, Expired, Failed, Item, Launched, Task
 
 BUDGET = 100
 
@@ -61,15 +61,21 @@ def run(model, lengths):
     for item in items(model, lengths):
         packer.put(item)
     engine = RecordingEngine(int(model.model.proj.out_features))
-    answered = []
+    handed = []
 
     class Sink:
-        def prompt_done(self, item, answers, seconds):
-            answered.append(item.task.request_id)
+        def hand_over(self, event):
+            handed.append(event)
 
     compute = Compute(model, engine, packer, Metrics(), Sink())
     compute.run(done=lambda: not any(packer.lanes.values()))
+    answered = [event.item.task.request_id for event in handed if isinstance(event, Computed)]
     assert sorted(answered) == sorted(f"r{i}" for i in range(len(lengths)))  # every prompt answered once
+    launched = [item.task.request_id for event in handed if isinstance(event, Launched) for item in event.items]
+    assert sorted(launched) == sorted(answered)  # each prompt's pack reported launched ...
+    for event in handed:  # ... before its answers
+        if isinstance(event, Computed):
+            assert any(isinstance(e, Launched) and event.item in e.items for e in handed[:handed.index(event)])
     return engine.events
 
 
@@ -93,6 +99,5 @@ def test_a_pack_finishing_after_a_stop_closed_the_loop_is_dropped_not_raised():
     lifecycle = Lifecycle.__new__(Lifecycle)  # only the hand-over is exercised
     lifecycle.loop = asyncio.new_event_loop()
     lifecycle.loop.close()
-    lifecycle.prompt_done(None, [], 0.0)
-    lifecycle.task_failed(None, "x")
-    lifecycle.task_expired(None)
+    for event in (Launched(()), Computed(None, [], 0.0), Failed(None, "x"), Expired(None)):
+        lifecycle.hand_over(event)

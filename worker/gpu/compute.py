@@ -25,8 +25,8 @@ import torch
 from ..metrics import Metrics
 from ..model.checkpoint import DecisionModel
 from ..model.engine import Engine, Pending, PackRun
-from ..model.readout import Answer, answer, option_logits
-from ..tasks import Item, Task
+from ..model.readout import answer, option_logits
+from ..tasks import Computed, Expired, Failed, GpuEvent, Item, Launched
 from .packer import Packer
 
 log = logging.getLogger("worker")
@@ -35,13 +35,9 @@ LAUNCH_FIRST_FILL = 0.9
 
 
 class Sink(Protocol):
-    """Where each item's fate goes; called on this (the GPU) thread."""
+    """Where each fact about the work goes (the lifecycle); called on this (the GPU) thread."""
 
-    def prompt_done(self, item: Item, answers: list[Answer], seconds: float) -> None: ...
-
-    def task_failed(self, task: Task, reason: str) -> None: ...
-
-    def task_expired(self, task: Task) -> None: ...
+    def hand_over(self, event: GpuEvent) -> None: ...
 
 
 class Compute:
@@ -69,6 +65,8 @@ class Compute:
                     launched = (pack, self.engine.launch([item.prompt for item in pack]))
                 except Exception as error:  # noqa: BLE001 - isolated below, prompt by prompt
                     self._isolate(pack, error)
+                else:
+                    self.sink.hand_over(Launched(tuple(pack)))
             if in_flight is not None:
                 self._finish(*in_flight)
             in_flight = launched
@@ -79,7 +77,7 @@ class Compute:
             if item.task.closed:
                 continue
             if item.task.expired:  # no compute for work past its deadline
-                self.sink.task_expired(item.task)
+                self.sink.hand_over(Expired(item.task))
                 continue
             pack.append(item)
         return pack
@@ -96,7 +94,7 @@ class Compute:
             questions = item.prompt.questions
             answers = [answer(config, q, logits)
                        for q, logits in zip(questions, option_logits(self.model, questions, scores))]
-            self.sink.prompt_done(item, answers, run.seconds * item.tokens / max(run.tokens, 1))
+            self.sink.hand_over(Computed(item, answers, run.seconds * item.tokens / max(run.tokens, 1)))
 
     def _record(self, run: PackRun) -> None:
         metrics = self.metrics
@@ -122,7 +120,7 @@ class Compute:
         if len(pack) == 1:
             log.warning("prompt of %s failed: %r", pack[0].task.request_id, error,
                         extra=pack[0].task.delivery.log_fields)
-            self.sink.task_failed(pack[0].task, f"{type(error).__name__}: {error}")
+            self.sink.hand_over(Failed(pack[0].task, f"{type(error).__name__}: {error}"))
             return
         for half in (pack[: len(pack) // 2], pack[len(pack) // 2:]):
             try:

@@ -1,22 +1,45 @@
 """The entries this worker holds, on the Redis loop thread: each held once however it arrived (read, recovered,
-reclaimed, retried), room for ``--max-inflight`` of them per lane, and what was let go or lost lately. Other threads
-read only its length and ``oldest_taken`` (health, the drain).
+reclaimed, retried), with its state (one field, set at each step of its life), room for ``--max-inflight`` of them
+per lane, and what was let go or lost lately. Other threads read only its length and ``oldest_taken`` (health, the
+drain).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from producer.wire.keys import LANES, Priority
 
 from ..entries import Delivery
 from ..metrics import Metrics
+from ..tasks import Task
 
 # Remembered lately: payload-less entries (each counted once), entries let go (a read begun before takes none again)
 LOST_REMEMBERED = RELEASED_REMEMBERED = 10_000
 Entry = tuple[str, str]  # (stream key, entry id): entry ids are unique per stream only
+
+
+class State(enum.StrEnum):
+    """Where a held entry is in its life."""
+
+    TAKEN = "taken"  # held and being routed, or taken again for a retry
+    PLANNING = "planning"  # with the planners: its body parsed, validated, rendered, tokenized
+    QUEUED = "queued"  # its prompts wait in the packer
+    COMPUTING = "computing"  # a pack with one of its prompts went to the GPU
+    SETTLING = "settling"  # its end is being written: a result, a dead letter, its parts (a fan-out), an ack
+
+
+@dataclass(eq=False)
+class Held:
+    """One held entry: the delivery as taken, its state, and its task once planned."""
+
+    delivery: Delivery
+    state: State = State.TAKEN
+    task: Task | None = None
 
 
 class HeldEntries:
@@ -24,7 +47,7 @@ class HeldEntries:
 
     def __init__(self, max_inflight: int, metrics: Metrics) -> None:
         self.max_inflight, self.metrics = max_inflight, metrics
-        self.entries: dict[Entry, Delivery] = {}
+        self.entries: dict[Entry, Held] = {}
         self.held_in = dict.fromkeys(LANES, 0)
         self.room = {lane: asyncio.Event() for lane in LANES}  # set when an entry of the lane is let go
         self.lost: dict[Entry, None] = {}  # counted as lost, recent ones
@@ -41,13 +64,24 @@ class HeldEntries:
         return iter(self.entries)
 
     def deliveries(self) -> list[Delivery]:
-        return list(self.entries.values())
+        return [held.delivery for held in self.entries.values()]
+
+    def get(self, entry: Entry) -> Held | None:
+        return self.entries.get(entry)
+
+    def move(self, delivery: Delivery, state: State, task: Task | None = None) -> None:
+        """The entry's next state (and its task, once planned), while this delivery of it is held: not once a stop
+        past its deadline let it go, nor after a retry took it again under a new delivery."""
+        held = self.entries.get((delivery.key, delivery.entry_id))
+        if held is not None and held.delivery is delivery:
+            held.state = state
+            held.task = task or held.task
 
     def hold(self, delivery: Delivery, how: str, since: float | None) -> bool:
         """Hold an entry, counted, unless it is held already or was let go ``since`` the call that found it."""
         if self.known((delivery.key, delivery.entry_id), since):
             return False
-        self.entries[delivery.key, delivery.entry_id] = delivery
+        self.entries[delivery.key, delivery.entry_id] = Held(delivery)
         self.held_in[delivery.lane] += 1
         metrics = self.metrics
         metrics.inflight.set(len(self.entries))
@@ -81,7 +115,7 @@ class HeldEntries:
         """When the longest-held entry was taken. Any thread: the loop thread may change the entries meanwhile."""
         for _ in range(3):
             try:
-                return next(iter(self.entries.values())).taken if self.entries else None
+                return next(iter(self.entries.values())).delivery.taken if self.entries else None
             except (RuntimeError, StopIteration):
                 continue
         return None

@@ -1,15 +1,18 @@
 """An entry's life, on the Redis loop thread, which owns every held entry and task (held.py); the GPU thread only
-hands compute's results over (``prompt_done``, ``task_failed``, ``task_expired``), onto the loop.
+hands its events over (``hand_over``: a pack launched, a prompt computed, a task failed or expired), onto the loop.
+Each step sets the held entry's state (``State``, in capitals below).
 
-    take     held once, however it arrived (read, recovered, reclaimed, retried), then routed: payload trimmed away
-             -> acknowledged, counted lost; a part naming no request -> dead-lettered, unanswered; delivered over
-             --max-deliveries times -> dead-lettered with an error result; else planned
-    plan     the planner parses the body once (threads or processes): a Task, or a Refusal answered at once; an id
-             answered before is a replay or a conflict, not computed again
-    queue    a task's prompts to the packer; a task over --fanout-tokens is fanned out as parts instead
-    failed   a failed pack: the same task again under a new delivery (its counter up), or dead-lettered
-    settle   each outcome handed to the settle loop (settler.py): published once, replied to, acknowledged; then the
-             entry is let go (``HeldEntries.release``)
+    take     TAKEN: held once, however it arrived (read, recovered, reclaimed, retried), then routed: payload trimmed
+             away -> acknowledged, counted lost; a part naming no request -> dead-lettered, unanswered; delivered
+             over --max-deliveries times -> dead-lettered with an error result; else planned
+    plan     PLANNING: the planner parses the body once (threads or processes): a Task, or a Refusal answered at
+             once; an id answered before is a replay or a conflict, not computed again
+    queue    QUEUED: a task's prompts to the packer; a task over --fanout-tokens is fanned out as parts instead
+    compute  COMPUTING: a pack with one of its prompts went to the GPU
+    failed   a failed pack: the same task again under a new delivery (its counter up: TAKEN), or dead-lettered
+    settle   SETTLING: each outcome handed to the settle loop (settler.py): published once, replied to,
+             acknowledged; then the entry is let go (``HeldEntries.release``); so are a dead letter, a fan-out's
+             parts and an acknowledgement alone
 
 Held entries keep the order they were taken in; each lane has room for ``--max-inflight`` of them.
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from producer.wire.keys import Keys
 from producer.wire.schema import ErrorCode
@@ -28,16 +31,15 @@ from ..config import Settings
 from ..entries import PARTS, REQUESTS, Delivery, Identity, Job, Refusal, identity_of
 from ..metrics import Metrics
 from ..outcomes import answered_before, error_outcome, task_outcome
-from ..tasks import Item, Task
+from ..tasks import Computed, Expired, Failed, GpuEvent, Item, Launched, Task
 from .consumer import Consumer
-from .held import HeldEntries
+from .held import HeldEntries, State
 from .publisher import Publisher
 from .redis_calls import RedisCalls
 from .settler import Settler
 
 if TYPE_CHECKING:  # torch-free at run time: the Redis side loads without the model's libraries
     from ..gpu.packer import Packer
-    from ..model.readout import Answer
     from ..plan.planner import Planner
 
 log = logging.getLogger("worker")
@@ -65,12 +67,16 @@ class Lifecycle:
             log.error("entry %s of %s has no payload any more (trimmed?): acknowledged", delivery.entry_id,
                       delivery.key, extra=delivery.log_fields)
             self.held.count_lost([(delivery.key, delivery.entry_id)])
+            self.held.move(delivery, State.SETTLING)
             asyncio.ensure_future(self._ack_only(delivery))
         elif not delivery.answerable:  # a part that names no request: its result could go nowhere
+            self.held.move(delivery, State.SETTLING)
             asyncio.ensure_future(self._dead_letter(delivery, delivery.invalid or "no request", answer=False))
         elif delivery.deliveries > self.settings.max_deliveries:
+            self.held.move(delivery, State.SETTLING)
             asyncio.ensure_future(self._dead_letter(delivery, f"delivered {delivery.deliveries} times unfinished"))
         else:  # bad fields too: the planner answers them with the identity its parse finds
+            self.held.move(delivery, State.PLANNING)
             asyncio.ensure_future(self._plan(delivery))
 
     async def _plan(self, delivery: Delivery) -> None:
@@ -92,6 +98,7 @@ class Lifecycle:
             self.settler.count_reused(outcome)
             self.settler.put(outcome)
         elif planned.fan_out:
+            self.held.move(delivery, State.SETTLING)  # its parts added, then it is acknowledged
             await self.redis_calls.until(lambda: self.publisher.fan_out(planned), "fan out")
             self.metrics.fanouts.inc()
             log.debug("fanned %s out in %d parts", planned.request_id, len(planned.fan_out),
@@ -101,6 +108,7 @@ class Lifecycle:
             self._queue(planned)
 
     def _queue(self, task: Task) -> None:
+        self.held.move(task.delivery, State.QUEUED, task)
         for index, prompt in enumerate(task.prompts):
             self.packer.put(Item(task, index, prompt))
 
@@ -112,9 +120,11 @@ class Lifecycle:
     def _failed(self, delivery: Delivery, reason: str, task: Task | None = None) -> None:
         """Retry until ``--max-deliveries``, then dead-letter with an error result."""
         if delivery.deliveries >= self.settings.max_deliveries:
+            self.held.move(delivery, State.SETTLING)
             asyncio.ensure_future(self._dead_letter(delivery, reason, task.identity if task else None))
         else:
             self.metrics.retries.inc()
+            self.held.move(delivery, State.TAKEN)  # taken again once the claim answers
             asyncio.ensure_future(self._retry(delivery, task))
 
     async def _retry(self, delivery: Delivery, task: Task | None) -> None:
@@ -149,42 +159,37 @@ class Lifecycle:
         await self.redis_calls.until(lambda: self.publisher.ack([delivery]), "ack")
         self.held.release(delivery)
 
-    # ---- compute's sink: called on the GPU thread, handled on this one
+    # ---- the GPU thread's events: handed over there, handled on this thread
 
-    def prompt_done(self, item: Item, answers: list[Answer], seconds: float) -> None:
-        self._hop(self._prompt_done, item, answers, seconds)
-
-    def task_failed(self, task: Task, reason: str) -> None:
-        self._hop(self._task_failed, task, reason)
-
-    def task_expired(self, task: Task) -> None:
-        self._hop(self._task_expired, task)
-
-    def _hop(self, callback: Any, *args: Any) -> None:
+    def hand_over(self, event: GpuEvent) -> None:
         """Onto the loop thread; dropped once a stop past its deadline closed it (the entries stay pending)."""
         try:
-            self.loop.call_soon_threadsafe(callback, *args)
+            self.loop.call_soon_threadsafe(self._handle, event)
         except RuntimeError:
             if not self.loop.is_closed():
                 raise
 
-    def _prompt_done(self, item: Item, answers: list[Answer], seconds: float) -> None:
-        if (task := item.task).closed:
-            return
-        task.answers.update({answer.name: answer for answer in answers})
-        task.compute_seconds += seconds
-        task.remaining -= 1
-        if task.remaining == 0:
-            self.settler.put(task_outcome(task, self.model_name))
-
-    def _task_failed(self, task: Task, reason: str) -> None:
-        if not task.closed:
-            task.closed = True
-            self._failed(task.delivery, reason, task)
-
-    def _task_expired(self, task: Task) -> None:
-        if task.closed or task.remaining == 0:
-            return
-        task.closed = True
-        self.settler.put(error_outcome(task.delivery, task.identity, ErrorCode.DEADLINE_EXCEEDED,
-                                       "the deadline passed before compute", self.model_name))
+    def _handle(self, event: GpuEvent) -> None:
+        match event:
+            case Launched(items):
+                for task in {id(item.task): item.task for item in items}.values():
+                    if not task.closed:
+                        self.held.move(task.delivery, State.COMPUTING)
+            case Computed(item, answers, seconds):
+                if (task := item.task).closed:
+                    return
+                task.answers.update({answer.name: answer for answer in answers})
+                task.compute_seconds += seconds
+                task.remaining -= 1
+                if task.remaining == 0:
+                    self.settler.put(task_outcome(task, self.model_name))
+            case Failed(task, reason):
+                if not task.closed:
+                    task.closed = True
+                    self._failed(task.delivery, reason, task)
+            case Expired(task):
+                if task.closed or task.remaining == 0:
+                    return
+                task.closed = True
+                self.settler.put(error_outcome(task.delivery, task.identity, ErrorCode.DEADLINE_EXCEEDED,
+                                               "the deadline passed before compute", self.model_name))

@@ -15,7 +15,7 @@ from producer.wire import library
 
 from ..metrics import Metrics
 from ..outcomes import Outcome
-from .held import HeldEntries
+from .held import HeldEntries, State
 from .publisher import Publisher
 from .redis_calls import RedisCalls
 
@@ -32,6 +32,7 @@ class Settler:
 
     def put(self, outcome: Outcome) -> None:
         """Settle this outcome in a coming batch (the loop thread)."""
+        self.held.move(outcome.delivery, State.SETTLING)
         self.outcomes.put_nowait(outcome)
 
     def count_reused(self, outcome: Outcome) -> None:

@@ -1,0 +1,185 @@
+"""A held entry's state, one field set at each step of its life (worker/loop/held.py ``State``): the lifecycle and
+the settle loop on a real event loop, the GPU thread's events handed over as compute hands them; the planner, the
+consumer and the Redis side stand in (this is about the order of states, not Redis: tests/redis/ has the rest)."""
+
+import asyncio
+import json
+from concurrent.futures import Future
+
+import torch
+
+from producer.wire.keys import Keys
+from producer.wire.schema import ErrorCode, Request
+from worker.config import Settings
+from worker.entries import REQUESTS, Delivery, Refusal
+from worker.gpu.packer import Packer
+from worker.loop.held import State
+from worker.loop.lifecycle import Lifecycle
+from worker.loop.publisher import Settlement
+from worker.loop.redis_calls import RedisCalls
+from worker.metrics import Metrics
+from worker.model.engine import Prompt
+from worker.tasks import Computed, Expired, Failed, Launched, Task
+
+REQUEST = Request.model_validate({"state": "x", "questions": {"q": {"type": "noul"}}})
+
+
+class Planner:
+    """Plans each entry into a one-prompt task (or a refusal), when the test says so."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse, self.waiting = refuse, []
+
+    def submit(self, delivery: Delivery, stored_body: bytes | None = None) -> Future:
+        out: Future = Future()
+        self.waiting.append((delivery, out))
+        return out
+
+    async def finish(self) -> None:
+        """Plan what was submitted (the lifecycle's planning step runs first, on the loop)."""
+        await turn()
+        for delivery, out in self.waiting:
+            if self.refuse:
+                out.set_result(Refusal(delivery.identity, ErrorCode.INVALID_REQUEST, "refused"))
+            else:
+                prompt = Prompt(input_ids=torch.zeros(8, dtype=torch.long), rows=torch.tensor([7]), questions=())
+                out.set_result(Task(delivery, delivery.identity, REQUEST, prompts=[prompt], remaining=1))
+        self.waiting.clear()
+
+
+class Redis:
+    """The Redis side of the consumer and the publisher: every call answers at once, and is recorded."""
+
+    model_name = "tiny"
+
+    def __init__(self) -> None:
+        self.settled, self.dead = [], []
+
+    async def claim_again(self, delivery: Delivery) -> Delivery:
+        return delivery.again()
+
+    async def stored(self, request_id: str) -> None:
+        return None
+
+    async def settle(self, outcomes):
+        self.settled += outcomes
+        return Settlement(settled=[(outcome, outcome.result, True) for outcome in outcomes])
+
+    async def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        self.dead.append(delivery.entry_id)
+
+
+def scenario(steps, max_deliveries: int = 5, refuse: bool = False):
+    """Run ``steps(lifecycle, planner, packer, redis, entry, state)`` on a loop; ``state()`` the held state now
+    (None once let go)."""
+    async def run():
+        metrics, redis = Metrics(), Redis()
+        planner, packer = Planner(refuse), Packer(100, max_wait=0.0)
+        lifecycle = Lifecycle(Keys(), Settings(max_deliveries=max_deliveries), metrics,
+                              RedisCalls(None, metrics, give_up=lambda: True, where="test"), redis, planner, packer,
+                              redis, asyncio.get_running_loop())
+        settling = asyncio.ensure_future(lifecycle.settler.run())
+        delivery = Delivery.parse(REQUESTS, "k", "1-0", {b"body": json.dumps({"id": "r"}).encode()}, 1)
+        entry = ("k", "1-0")
+
+        def state():
+            held = lifecycle.held.get(entry)
+            return None if held is None else held.state
+
+        try:
+            await steps(lifecycle, planner, packer, redis, delivery, state)
+        finally:
+            settling.cancel()
+
+    asyncio.run(asyncio.wait_for(run(), timeout=10))
+
+
+async def turn(times: int = 5) -> None:
+    for _ in range(times):  # callbacks handed over, futures resolved, the settle loop's batch
+        await asyncio.sleep(0)
+
+
+def test_an_answered_entry_goes_taken_planning_queued_computing_settling_then_is_let_go():
+    async def steps(lifecycle, planner, packer, redis, delivery, state):
+        lifecycle.take(delivery, "read")
+        assert state() == State.PLANNING  # routed at once: taken, then handed to the planners
+        await planner.finish()
+        await turn()
+        assert state() == State.QUEUED and lifecycle.held.get(("k", "1-0")).task.request_id == "r"
+        [item] = packer.next(wait=False)
+        lifecycle.hand_over(Launched((item,)))  # as compute does, on the GPU thread
+        await turn()
+        assert state() == State.COMPUTING
+        lifecycle.hand_over(Computed(item, [], 0.01))
+        await asyncio.sleep(0)
+        assert state() == State.SETTLING  # handed to the settle loop, not yet settled
+        await turn()
+        assert state() is None and [o.request_id for o in redis.settled] == ["r"]
+
+    scenario(steps)
+
+
+def test_a_failed_pack_takes_the_entry_again_then_queues_its_task_again():
+    async def steps(lifecycle, planner, packer, redis, delivery, state):
+        lifecycle.take(delivery, "read")
+        await planner.finish()
+        await turn()
+        [item] = packer.next(wait=False)
+        lifecycle.hand_over(Launched((item,)))
+        lifecycle.hand_over(Failed(item.task, "RuntimeError: boom"))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert state() in (State.TAKEN, State.QUEUED)  # taken again: its claim answered at once here
+        await turn()
+        held = lifecycle.held.get(("k", "1-0"))
+        assert held.state == State.QUEUED and held.delivery.deliveries == 2 and held.task is not item.task
+        [again] = packer.next(wait=False)
+        assert again.task is held.task and item.task.closed
+        lifecycle.hand_over(Computed(item, [], 0.01))  # the failed task's late answer changes nothing
+        await turn()
+        assert state() == State.QUEUED and not redis.settled
+
+    scenario(steps)
+
+
+def test_the_last_delivery_failing_is_dead_lettered_while_settling():
+    async def steps(lifecycle, planner, packer, redis, delivery, state):
+        lifecycle.take(delivery, "read")
+        await planner.finish()
+        await turn()
+        [item] = packer.next(wait=False)
+        lifecycle.hand_over(Failed(item.task, "RuntimeError: boom"))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert state() == State.SETTLING
+        await turn(10)
+        assert state() is None and redis.dead == ["1-0"]
+        assert redis.settled[0].result.error.code == ErrorCode.DEAD_LETTERED
+
+    scenario(steps, max_deliveries=1)
+
+
+def test_an_expired_task_and_a_refused_entry_go_straight_to_settling():
+    async def expired(lifecycle, planner, packer, redis, delivery, state):
+        lifecycle.take(delivery, "read")
+        await planner.finish()
+        await turn()
+        [item] = packer.next(wait=False)
+        lifecycle.hand_over(Expired(item.task))
+        await asyncio.sleep(0)
+        assert state() == State.SETTLING
+        await turn()
+        assert state() is None and redis.settled[0].result.error.code == ErrorCode.DEADLINE_EXCEEDED
+
+    async def refused(lifecycle, planner, packer, redis, delivery, state):
+        lifecycle.take(delivery, "read")
+        assert state() == State.PLANNING
+        await planner.finish()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert state() == State.SETTLING and not any(packer.lanes.values())
+        await turn()
+        assert state() is None and redis.settled[0].result.error.code == ErrorCode.INVALID_REQUEST
+
+    scenario(expired)
+    scenario(refused, refuse=True)
