@@ -58,14 +58,16 @@ class Settings:
     fanout_tokens: int = _opt(8192, "requests with more tokens than this (over several prompts) fan out to all workers",
                               low=1)
     # Packing and the fast path
-    pack_tokens: int = _opt(16384, "token budget of one forward pass", low=1)
+    pack_tokens: int = _opt(16384, "token budget of one forward pass; with CUDA graphs also the largest bucket "
+                                   "(--buckets above it are dropped)", low=1)
     max_wait_ms: float = _opt(5.0, "longest a partly filled pack waits for more work before it runs", low=0)
     normal_share: float = _opt(0.1, "share of each pack's tokens kept for normal-priority work while some waits "
                                     "(high work never starves it)", low=0.01, high=0.9)
     high_pack_tokens: int = _opt(4096, "token budget of packs while high-priority work flows (queued in the last "
                                        "second): a high request waits behind less work on the GPU (0: pack_tokens)",
                                  low=0)
-    buckets: str = _opt("2048,4096,8192,16384", "static pack sizes captured as CUDA graphs (fast path)")
+    buckets: str = _opt("2048,4096,8192,16384", "static pack sizes captured as CUDA graphs (fast path), those below "
+                                                "--pack-tokens kept, --pack-tokens always one")
     cuda_graphs: bool = _opt(True, "replay packs through CUDA graphs (fast path)")
     compile: str = _opt("layer", "torch.compile mode of the fast path: none, sub or layer",
                         choices=("none", "sub", "layer"))
@@ -157,7 +159,7 @@ class Settings:
             problems.append((tls[0], "empty unless the Redis URL is rediss:// or rediss+sentinel:// (TLS)",
                              "a file, with a plain URL"))
         try:
-            if not self.bucket_sizes or min(self.bucket_sizes) < 1:
+            if not self.listed_buckets or min(self.listed_buckets) < 1:
                 raise ValueError
         except ValueError:
             problems.append(("buckets", "comma-separated token counts of at least 1", self.buckets))
@@ -175,8 +177,15 @@ class Settings:
         return redact(self.redis_url)
 
     @property
-    def bucket_sizes(self) -> tuple[int, ...]:
+    def listed_buckets(self) -> tuple[int, ...]:
+        """--buckets as given."""
         return tuple(sorted(int(b) for b in self.buckets.split(",") if b.strip()))
+
+    @property
+    def bucket_sizes(self) -> tuple[int, ...]:
+        """The static pack sizes captured as CUDA graphs: --pack-tokens, the budget of every pack, with or without
+        graphs, and the listed sizes below it (larger ones would hold no pack)."""
+        return tuple(sorted({size for size in self.listed_buckets if size < self.pack_tokens} | {self.pack_tokens}))
 
     def redis_options(self) -> dict[str, Any]:
         """Connection options beyond the URL: the TLS files (only valid with a rediss:// URL)."""

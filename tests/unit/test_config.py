@@ -34,8 +34,22 @@ def test_bad_environment_values_are_named():
 
 def test_buckets_and_consumer_name():
     settings = Settings(buckets="8192, 2048,4096")
-    assert settings.bucket_sizes == (2048, 4096, 8192)
+    assert settings.listed_buckets == (2048, 4096, 8192)
     assert Settings().consumer_name and Settings(consumer="gpu-7").consumer_name == "gpu-7"
+
+
+@pytest.mark.parametrize("pack_tokens, buckets, graphed", [
+    (16384, "2048,4096,8192,16384", (2048, 4096, 8192, 16384)),  # the defaults: nothing to decide
+    (4096, "2048,4096,8192,16384", (2048, 4096)),  # lowered for latency: the larger buckets would hold no pack
+    (6000, "2048,4096,8192,16384", (2048, 4096, 6000)),  # between two: the budget is a bucket of its own
+    (32768, "2048,4096,8192,16384", (2048, 4096, 8192, 16384, 32768)),  # raised: packs that large are graphed too
+    (16384, "2048,4096", (2048, 4096, 16384)),  # --buckets lowered alone no longer lowers the budget in silence
+])
+def test_pack_tokens_is_every_packs_budget_and_the_largest_bucket(pack_tokens, buckets, graphed):
+    """--pack-tokens decides the budget, with CUDA graphs or without: it was once ignored under graphs (the budget
+    was the largest bucket, both 16384 by default), so an operator lowering it for latency got nothing."""
+    settings = Settings(pack_tokens=pack_tokens, buckets=buckets)
+    assert settings.bucket_sizes == graphed and max(settings.bucket_sizes) == pack_tokens
 
 
 @pytest.mark.parametrize("field", [f.name for f in fields(Settings)])

@@ -132,7 +132,7 @@ def test_a_card_that_breaks_the_promise_stops_the_warm_up(loaded):
 def test_the_check_at_warm_up_fills_small_buckets_exactly_and_never_passes_having_checked_nothing(loaded):
     """Probe packs fill each bucket exactly, also where the buckets are smaller than the usual probe prompts (a
     largest bucket under 128 once crashed the start); buckets too small to hold any probe pack refuse the start."""
-    settings = Settings(deterministic=True, cuda_graphs=True, buckets="40,100", **SMALL)
+    settings = Settings(deterministic=True, cuda_graphs=True, buckets="40,100", **{**SMALL, "pack_tokens": 100})
     engine = FastEngine(loaded("repo"), settings, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
     packs, launch = [], engine.launch
     engine.launch = lambda pack: packs.append([p.length for p in pack]) or launch(pack)
@@ -142,7 +142,7 @@ def test_the_check_at_warm_up_fills_small_buckets_exactly_and_never_passes_havin
         pass
     probed = [pack for pack in packs if len(pack) > 1]
     assert probed and all(sum(pack) in (40, 100) for pack in probed), probed
-    tiny_buckets = Settings(deterministic=True, cuda_graphs=True, buckets="3", **SMALL)
+    tiny_buckets = Settings(deterministic=True, cuda_graphs=True, buckets="3", **{**SMALL, "pack_tokens": 3})
     engine = FastEngine(loaded("repo"), tiny_buckets, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
     with pytest.raises(deterministic.NotDeterministic, match="found no pack to check"):
         engine.warmup()

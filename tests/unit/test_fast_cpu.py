@@ -247,10 +247,21 @@ def test_bucketed_path_with_static_buffers_equals_the_reference(loaded, prune_la
         assert_scores_close(result.scores, [reference[i] for i in pack])
 
 
+@pytest.mark.parametrize("graphs, pack_tokens, buckets, budget", [
+    (True, 512, (256, 512), 512), (True, 700, (256, 512, 700), 700), (True, 2048, (256, 512, 1024, 2048), 2048),
+    (False, 700, (), 700)])
+def test_the_engines_budget_is_pack_tokens_with_graphs_or_without(loaded, graphs, pack_tokens, buckets, budget):
+    """The packer fills packs to the engine's budget (the daemon passes max_pack_tokens): --pack-tokens, and with
+    graphs the largest bucket too, whatever --buckets lists above it."""
+    settings = Settings(cuda_graphs=graphs, buckets="256,512,1024", **{**SMALL, "pack_tokens": pack_tokens})
+    engine = FastEngine(loaded("repo"), settings, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
+    assert (engine.buckets, engine.max_pack_tokens) == (buckets, budget)
+
+
 def test_a_prompt_longer_than_every_bucket_runs_eagerly(loaded):
     model = loaded("repo")
     prompt = max(prompts_of(model), key=lambda c: c.length)
-    engine = FastEngine(model, Settings(cuda_graphs=True, buckets="64,128", **SMALL), mixers=TorchMixers(),
+    engine = FastEngine(model, Settings(cuda_graphs=True, buckets="64,128", **{**SMALL, "pack_tokens": 128}), mixers=TorchMixers(),
                         capture=PLAIN_CAPTURE)
     engine.warmup()
     assert prompt.length > engine.max_pack_tokens

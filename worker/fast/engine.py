@@ -87,12 +87,12 @@ class FastEngine:
             from .fp8 import require_fp8
 
             require_fp8(self.device)
+        # Every pack's budget is --pack-tokens; with graphs it is the largest bucket too (worker/config.py).
         self.buckets = settings.bucket_sizes if self.graphs_on else ()
-        if self.graphs_on and not self.buckets:
-            raise ValueError("cuda_graphs needs at least one bucket size (--buckets)")
-        self._budget = max(self.buckets) if self.buckets else settings.pack_tokens
-        if self._budget < 1:
-            raise ValueError("the pack budget must be positive")
+        self._budget = settings.pack_tokens
+        if self.graphs_on and self.buckets != settings.listed_buckets:
+            log.info("CUDA graph buckets %s: --buckets %s up to --pack-tokens %d, which is the largest",
+                     ",".join(map(str, self.buckets)), settings.buckets, settings.pack_tokens)
         self.model, self.settings = model, settings
         self.pad_id = model.pad_id
         fused = settings.fused_kernels and self.device.type == "cuda" and model.dtype in (torch.bfloat16,
