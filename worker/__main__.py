@@ -4,17 +4,21 @@ queue's function library onto a Redis server."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from producer import __version__
-from producer.wire.keys import PROTOCOL
-
 from producer.wire.connection import Deployment
+from producer.wire.keys import PROTOCOL
+from producer.wire.supported import UnsupportedServer
 
 from .config import Settings
+
+log = logging.getLogger("worker")
 
 
 def _tiny(args: argparse.Namespace) -> int:
@@ -147,8 +151,6 @@ def _serve(args: argparse.Namespace) -> int:
         from .launch.launcher import serve as launch
 
         return launch(settings)
-    from .daemon import serve
-
     return serve(settings)
 
 
@@ -168,6 +170,56 @@ def _check(args: argparse.Namespace) -> int:
         host = settings.metrics_host if settings.metrics_host not in ("", "::", "0.0.0.0") else "127.0.0.1"
         url = f"http://{'[' + host + ']' if ':' in host else host}:{settings.metrics_port}"
     return check(url, "/healthz" if args.live else "/readyz")
+
+
+def serve(settings: Settings) -> int:
+    """``dq-worker serve`` without --gpus: this process is the worker. Exit 2 for what no restart can mend."""
+    from .daemon import Daemon
+    from .logs import setup_logging
+    from .loop.redis_calls import first_contact
+    from .model import checkpoint
+
+    setup_logging(settings.log_format, settings.log_level)
+    if not settings.checkpoint:
+        log.error("--checkpoint (DQ_CHECKPOINT) is required")
+        return 2
+    try:
+        settings.redis_options()  # a TLS file with a plain redis:// URL: refuse before loading the model
+        first_contact(settings)  # an unsupported server too, when it answers now
+        daemon = Daemon(settings)
+    except (checkpoint.CheckpointError, ValueError, ImportError, UnsupportedServer) as error:
+        log.error("cannot start: %s", error)
+        return 2
+    except RuntimeError as error:
+        if not _refused_here(error):
+            raise
+        log.error("cannot start: %s", error)
+        return 2
+    if settings.metrics_port:
+        from .health import serve_http
+
+        try:
+            serve_http(daemon, settings.metrics_port, settings.metrics_host)
+        except OSError as error:
+            log.error("cannot serve metrics on port %d: %s", settings.metrics_port, error)
+            return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, daemon.on_signal)
+    try:
+        return daemon.run()
+    except RuntimeError as error:  # deterministic mode's check at warm-up
+        if not _refused_here(error):
+            raise
+        log.error("cannot start: %s", error)
+        return 2
+
+
+def _refused_here(error: RuntimeError) -> bool:
+    """The fast engine cannot run here, or deterministic mode cannot be kept on this card. Their modules are loaded
+    only where the fast engine was tried, so they are looked up rather than imported."""
+    refusals = [("errors", "FastPathUnavailable"), ("deterministic", "NotDeterministic")]
+    loaded = [(sys.modules.get(f"{__package__}.fast.{module}"), name) for module, name in refusals]
+    return any(isinstance(error, getattr(module, name)) for module, name in loaded if module is not None)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""The worker daemon: the stages wired together, their threads, signals and drain. The words for what passes
-through (entry, request, part, delivery, task, prompt, pack, outcome, ...) are defined in the README's layout.
+"""The worker daemon: the stages wired together, their threads, the stop and its drain. The words for what passes
+through (entry, request, part, delivery, task, prompt, pack, outcome, ...) are the README's glossary.
 
-Threads: the Redis loop thread (asyncio) runs intake.py (readers, maintenance) and lifecycle.py (every held entry
-and task, from taken to let go); the planner's threads or processes parse, render and tokenize; the main thread
-runs compute.py (packs on the GPU). SIGTERM stops reading, finishes and settles what is held, and exits 0.
+Threads, one folder each: the Redis loop thread (asyncio, loop/) runs the readers and maintenance (intake.py), every
+held entry and task from taken to let go (lifecycle.py, held.py) and the settle loop (settler.py); the planners'
+threads or processes (plan/) parse, render and tokenize; the main thread runs the GPU stage (gpu/compute.py).
+A stop (SIGTERM, through ``on_signal``) stops reading, finishes and settles what is held, and exits 0.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import gc
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from typing import Any
@@ -31,7 +31,7 @@ from .loop.intake import Intake
 from .loop.lifecycle import Lifecycle
 from .loop.presence import Presence
 from .loop.publisher import Publisher
-from .loop.redis_calls import REDIS_ERRORS, RedisCalls, first_contact
+from .loop.redis_calls import REDIS_ERRORS, RedisCalls
 from .loop.redis_calls import client as redis_client
 from .metrics import Metrics
 from .model import checkpoint
@@ -226,49 +226,3 @@ class Daemon:
             await self.intake.consumer.close()
         except (asyncio.TimeoutError, *REDIS_ERRORS):
             pass
-
-
-def serve(settings: Settings) -> int:
-    from .logs import setup_logging
-
-    setup_logging(settings.log_format, settings.log_level)
-    if not settings.checkpoint:
-        log.error("--checkpoint (DQ_CHECKPOINT) is required")
-        return 2
-    try:
-        settings.redis_options()  # a TLS file with a plain redis:// URL: refuse before loading the model
-        first_contact(settings)  # an unsupported server too, when it answers now
-        daemon = Daemon(settings)
-    except (checkpoint.CheckpointError, ValueError, ImportError, UnsupportedServer) as error:
-        log.error("cannot start: %s", error)
-        return 2
-    except RuntimeError as error:
-        if not _refused_here(error):
-            raise
-        log.error("cannot start: %s", error)
-        return 2
-    if settings.metrics_port:
-        from .health import serve_http
-
-        try:
-            serve_http(daemon, settings.metrics_port, settings.metrics_host)
-        except OSError as error:
-            log.error("cannot serve metrics on port %d: %s", settings.metrics_port, error)
-            return 2
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, daemon.on_signal)
-    try:
-        return daemon.run()
-    except RuntimeError as error:  # deterministic mode's check at warm-up
-        if not _refused_here(error):
-            raise
-        log.error("cannot start: %s", error)
-        return 2
-
-
-def _refused_here(error: RuntimeError) -> bool:
-    """The fast engine cannot run here, or deterministic mode cannot be kept on this card. Their modules are loaded
-    only where the fast engine was tried, so they are looked up rather than imported."""
-    refusals = [("errors", "FastPathUnavailable"), ("deterministic", "NotDeterministic")]
-    loaded = [(sys.modules.get(f"{__package__}.fast.{module}"), name) for module, name in refusals]
-    return any(isinstance(error, getattr(module, name)) for module, name in loaded if module is not None)

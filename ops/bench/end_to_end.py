@@ -17,75 +17,17 @@ checkpoint's tokenizer and template: token counts are what matter, the weights a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import random
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Iterator
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-QUESTIONS = {
-    "spam": {"type": "noul", "instructions": "Is this message spam?"},
-    "topic": {"type": "choice", "instructions": "What is it about?",
-              "criteria": {"billing": None, "delivery": None, "account": None, "other": None}},
-    "urgency": {"type": "score", "instructions": "How urgent is it?",
-                "criteria": ["none", "low", "medium", "high", "critical"]},
-}
-WORDS = ("the customer was charged twice for the order and the parcel arrived damaged please send a refund today "
-         "account billing delivery message urgent help support team reply week month phone free offer").split()
-
-
-def model_for(shape: str):
-    """A random model at ``shape`` that renders requests with the tiny checkpoint's tokenizer and template;
-    ``tiny``: the tiny checkpoint itself, on the CPU (checks this harness without a GPU)."""
-    import tempfile
-
-    from worker.model import checkpoint, tiny
-
-    if shape == "tiny":
-        return checkpoint.load(tiny.write(tempfile.mkdtemp(), multimodal=False), device="cpu")
-    from synthetic import random_model
-
-    return random_model(shape, rendering=tiny.rendering())
-
-
-def settings_for(args: argparse.Namespace, **extra):
-    from worker.config import Settings
-
-    gpu = args.shape != "tiny"
-    return Settings(checkpoint="(random)", device="cuda" if gpu else "cpu", engine="fast" if gpu else "reference",
-                    fp8=args.fp8, fp8_layers=args.fp8_layers, compile=args.compile, compile_cache=args.compile_cache,
-                    cuda_graphs=not args.no_graphs, buckets=args.buckets, planner_processes=args.planner_processes,
-                    max_inflight=args.max_inflight, deterministic=args.deterministic, read_count=128,
-                    claim_idle_ms=600_000, **extra)
-
-
-def serve_worker(args: argparse.Namespace, make_model: Callable[[], Any] | None = None,
-                 after_warmup: Callable[[Any], None] | None = None, **extra: Any) -> int:
-    """A benchmark's worker process (``--worker``): the real daemon around ``make_model()`` (default: the random
-    model of ``--shape``), with the benchmarks' settings and ``extra``, its metrics and health on
-    ``--metrics-port``; ``after_warmup(daemon)`` runs before it reports ready."""
-    from worker.daemon import Daemon
-    from worker.health import serve_http
-    from worker.logs import setup_logging
-
-    setup_logging("text", "INFO")
-    if args.deterministic:  # cuBLAS's settings precede the first GPU matmul, the random model's making included
-        from worker.fast import deterministic
-
-        deterministic.prepare_process()
-    daemon = Daemon(settings_for(args, redis_url=args.redis_url, metrics_port=args.metrics_port, **extra),
-                    model=make_model() if make_model is not None else model_for(args.shape))
-    serve_http(daemon, args.metrics_port)
-    return daemon.run(after_warmup=(lambda: after_warmup(daemon)) if after_warmup else None)
+from served import serve_worker, worker_flags, worker_process  # noqa: E402
+from traffic import (gc_collections, gpu_time, make_requests, percentile, redis_fsync_stalls, scrape,  # noqa: E402
+                     slowest_pack_ms)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -137,118 +79,6 @@ def self_time(daemon, args: argparse.Namespace) -> None:
         report["reference_tokens_per_s"] = round(sum(c.length for c in sample) / ref_seconds)
     report["self_time_seconds"] = round(time.perf_counter() - began, 1)  # the benchmark's own work before ready
     Path(args.self_time_file).write_text(json.dumps(report))
-
-
-def make_requests(count: int, seed: int, encoder, tokens: tuple[int, int] = (256, 768),
-                  questions: dict = QUESTIONS) -> list[dict]:
-    """Requests whose rendered prompts have ``tokens`` tokens (uniform; standard: 256-768)."""
-    from producer.wire.schema import Request
-
-    rng = random.Random(seed)
-    probe = [Request.model_validate({"state": " ".join(WORDS[:n]) if n else "", "questions": questions})
-             for n in (0, len(WORDS))]
-    base, full = (encoder.prompts(r)[0].length for r in probe)
-    per_word = (full - base) / len(WORDS)
-    out = []
-    for i in range(count):
-        target = rng.randint(*tokens)
-        words = max(1, round((target - base) / per_word))
-        out.append({"id": f"b{seed}-{i}", "state": " ".join(rng.choice(WORDS) for _ in range(words)),
-                    "questions": questions})
-    return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
-def scrape(port: int) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items()))
-            out[key] = sample.value
-    return out
-
-
-def gpu_time(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
-    """The packs' own GPU time and the GPU's idle time between packs over a phase (engine-measured, CUDA events)."""
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    busy, idle = delta("dq_pack_gpu_seconds_sum"), delta("dq_gpu_idle_seconds_sum")
-    return {"gpu_busy_fraction": round(busy / seconds, 3), "gpu_idle_between_packs_s": round(idle, 2),
-            "packs": int(delta("dq_pack_gpu_seconds_count"))}
-
-
-def gc_collections(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
-    """The worker's garbage collections over a phase, by generation (a full one, generation 2, stops every thread
-    of the process while it walks what start-up did not freeze)."""
-    return {generation: int(after.get(f"python_gc_collections_total{{generation={generation}}}", 0)
-                            - before.get(f"python_gc_collections_total{{generation={generation}}}", 0))
-            for generation in ("0", "1", "2")}
-
-
-def slowest_pack_ms(before: dict[str, float], after: dict[str, float]) -> str:
-    """The histogram bucket of the slowest pack (GPU time) in a phase: a stall shows here."""
-    edges = sorted((float(key.split("{le=")[1].rstrip("}")), after[key] - before.get(key, 0.0))
-                   for key in after if key.startswith("dq_pack_gpu_seconds_bucket"))
-    total = edges[-1][1] if edges else 0
-    below = [le for le, count in edges if count >= total]
-    return f"<= {below[0] * 1000:g}" if below and total else "-"
-
-
-def redis_fsync_stalls(url: str) -> int:
-    """Writes Redis delayed because the AOF's fsync of the second before had not finished (a slow disk)."""
-    import redis
-
-    return int(redis.Redis.from_url(url).info("persistence").get("aof_delayed_fsync", 0))
-
-
-def wait_ready(worker: subprocess.Popen, port: int, timeout: float, log_path: Path) -> float:
-    """Seconds until the benchmark's worker answers /readyz with 200; SystemExit, with its log's tail, if it exits
-    or takes longer than ``timeout``."""
-    started = time.monotonic()
-    while True:
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2).status == 200:
-                return round(time.monotonic() - started, 1)
-        except OSError:
-            pass
-        if worker.poll() is not None or time.monotonic() - started > timeout:
-            print(log_path.read_text()[-4000:])
-            raise SystemExit("the worker did not become ready")
-        time.sleep(0.5)
-
-
-@contextlib.contextmanager
-def worker_process(script: str, args: argparse.Namespace, url: str, log_path: Path,
-                   *extra: str) -> Iterator[tuple[int, float]]:
-    """A benchmark's worker process (``script --worker`` with the shared worker flags, then ``extra``), its output
-    in ``log_path``: yields its metrics port and its seconds to ready; stopped on leaving."""
-    from producer.local.ports import free_port
-
-    port = free_port()
-    cmd = [sys.executable, script, "--worker", "--shape", args.shape, "--redis-url", url, "--metrics-port", str(port),
-           "--compile", args.compile, "--buckets", args.buckets, "--planner-processes", str(args.planner_processes),
-           "--max-inflight", str(args.max_inflight)]
-    cmd += ["--fp8", "--fp8-layers", args.fp8_layers] if args.fp8 else []
-    cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
-    cmd += ["--no-graphs"] if args.no_graphs else []
-    cmd += ["--deterministic"] if args.deterministic else []
-    with open(log_path, "w") as log:
-        worker = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        try:
-            ready = wait_ready(worker, port, args.start_timeout, log_path)
-            print(f"worker ready in {ready} s", flush=True)
-            yield port, ready
-        finally:
-            worker.terminate()
-            worker.wait(120)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -356,25 +186,6 @@ def paced(client, encoder, port: int, url: str, rate: float, args: argparse.Name
             "slowest_pack_ms": slowest_pack_ms(before, final), "gc_collections": gc_collections(before, final),
             **gpu_time(before, final, phase_seconds),
             "redis_delayed_fsyncs": redis_fsync_stalls(url) - fsync}
-
-
-def worker_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of the benchmark's worker process, shared with priority.py."""
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--redis-url", help=argparse.SUPPRESS)
-    parser.add_argument("--metrics-port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--shape", default="2b", choices=("0.8b", "2b", "4b", "tiny"),
-                        help="tiny: the tiny checkpoint on the CPU (checks this harness without a GPU)")
-    parser.add_argument("--fp8", action="store_true")
-    parser.add_argument("--fp8-layers", default="all", help="the worker's --fp8-layers (with --fp8)")
-    parser.add_argument("--compile", default="layer", choices=("none", "sub", "layer"))
-    parser.add_argument("--no-graphs", action="store_true")
-    parser.add_argument("--deterministic", action="store_true", help="the worker's --deterministic")
-    parser.add_argument("--compile-cache", default="", help="the worker's compile_cache (empty: the defaults)")
-    parser.add_argument("--buckets", default="2048,4096,8192,16384")
-    parser.add_argument("--planner-processes", type=int, default=4)
-    parser.add_argument("--max-inflight", type=int, default=1024)
-    parser.add_argument("--start-timeout", type=float, default=400.0)
 
 
 def main() -> int:

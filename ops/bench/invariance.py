@@ -28,7 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from end_to_end import QUESTIONS, make_requests, model_for, serve_worker, worker_flags, worker_process  # noqa: E402
+from served import model_for, serve_worker, worker_flags, worker_process  # noqa: E402
+from traffic import QUESTIONS, make_requests  # noqa: E402
 
 MAX_PROMPT_TOKENS = 2048  # the workers' longest prompt: a longer one is split by question
 FANOUT_TOKENS = 3072  # the workers' fan-out threshold: a split request over it goes out in parts

@@ -30,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from end_to_end import (gc_collections, gpu_time, make_requests, percentile, scrape, serve_worker,  # noqa: E402
-                        slowest_pack_ms, worker_flags, worker_process)
+from served import serve_worker, worker_flags, worker_process  # noqa: E402
+from traffic import gc_collections, gpu_time, make_requests, percentile, scrape, slowest_pack_ms  # noqa: E402
 
 LANE_SETTINGS = ("normal_share", "high_pack_tokens")  # passed to the worker when given
 TARGETS = {"high_p99_ms": 150, "high_p50_ms": 80, "normal_over_peak": 0.9}  # issue 15

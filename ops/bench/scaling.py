@@ -10,7 +10,7 @@ For each GPU count N (one command per count where a command's time is bounded; t
 
 - Redis: one server (AOF, fsync every second, as end_to_end.py), or with ``--shards K`` a Redis Cluster of K
   primaries carrying K stream shards; one launcher per shard, GPU i serving shard i mod K. GPU workers run the real
-  daemon around a random model at ``--shape`` (end_to_end.py's); ``tiny`` runs ``python -m worker serve`` on the
+  daemon around a random model at ``--shape`` (served.py's); ``tiny`` runs ``python -m worker serve`` on the
   tiny checkpoint, on the CPU.
 - warm-up (``--warmup-per-gpu``, 256), then peak: a backlog of ``--requests-per-gpu`` x N standard requests (256-768
   tokens), tokens/s from the first enqueue to the last result; then latency: requests paced at ``--load`` x that
@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from end_to_end import gpu_time, make_requests, model_for, percentile, scrape, wait_ready  # noqa: E402
+from served import model_for, wait_ready  # noqa: E402
+from traffic import gpu_time, make_requests, percentile, scrape  # noqa: E402
 
 # ---------------------------------------------------------------- the launcher's and the workers' processes
 

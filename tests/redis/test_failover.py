@@ -14,7 +14,8 @@ import time
 import pytest
 import redis
 
-from ops.failover import KINDS, session
+from ops.failover import session
+from ops.failover_deployments import KINDS
 from producer.client import AsyncClient, Client, NotDurable
 from producer.local.server import RedisServer
 from producer.wire.keys import Field, Keys
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 def test_durable_mode_loses_nothing_acknowledged_through_a_kill_and_a_freeze(tiny_dir, tmp_path):
     assert KINDS[:2] == ("kill", "stop")  # "mixed" takes the kinds in this order
-    [run] = session(tiny_dir, [("mixed", 1, 2)], logs=tmp_path, gap_s=0.5, settle_s=30.0)
+    [run] = session(tiny_dir, [("mixed", 1, 2)], logs=tmp_path, gap_s=0.5, drain_s=30.0)
     row = run.row()
     print("\nfailover:", json.dumps(row))
     assert len(run.failovers) == 2 and row["acked"] > 0 and row["read"] > 0, row

@@ -168,7 +168,7 @@ def test_a_frozen_redis_is_503_within_the_socket_timeout_naming_the_id_it_may_ha
 def test_through_sentinel_in_durable_mode_it_queues_and_returns_confirmed_results(tmp_path):
     """A redis+sentinel:// URL (a primary, its replica, three sentinels) with --wait-replicas 1: the replica
     confirms, so an enqueue is 202 and a result is returned, with or without a wait (docs/GATEWAY.md, "Settings")."""
-    from ops.failover import Replicated
+    from ops.failover_deployments import Replicated
 
     cluster = Replicated().start()
     gateway = GatewayProcess(cluster.url, tmp_path / "gateway.log", wait_replicas=1).wait_up()

@@ -147,7 +147,7 @@ def test_the_fast_engine_where_it_cannot_run_is_refused_with_exit_2_naming_the_r
 def test_serve_turns_the_fast_engines_refusals_into_exit_2_and_lets_other_errors_through():
     """The fast engine's refusals (it cannot run here; deterministic mode's check at warm-up failed) end serve with
     one line and exit 2; any other RuntimeError is a fault and keeps its traceback."""
-    from worker.daemon import _refused_here
+    from worker.__main__ import _refused_here
     from worker.fast import FastPathUnavailable, deterministic
 
     assert _refused_here(FastPathUnavailable("no CUDA")) and _refused_here(deterministic.NotDeterministic("other bits"))

@@ -113,9 +113,9 @@ def test_the_fast_engines_deterministic_path_gives_a_prompt_the_same_bits_in_eve
 
 
 def test_a_card_that_breaks_the_promise_stops_the_warm_up(loaded):
-    """The warm-up's own check (FastEngine._check_invariance): probe prompts alone, then first and last in packs of
-    every bucket. Mixers whose sums change with the pack's size (as a kernel chosen by the pack does) stop the
-    start, saying where."""
+    """The warm-up's own check (worker/fast/warmup.py, _check_deterministic): probe prompts alone, then first and
+    last in packs of every bucket. Mixers whose sums change with the pack's size (as a kernel chosen by the pack
+    does) stop the start, saying where."""
 
     class PackDependent(TorchMixers):
         def attention(self, query, key, value, scale, causal, bounds, rows_only=False):

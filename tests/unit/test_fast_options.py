@@ -9,7 +9,7 @@ import torch
 from producer.wire.schema import Request
 from worker.config import Settings
 from worker.fast import FastEngine, fp8, layers, ops
-from worker.fast.engine import CACHES, use_compile_cache
+from worker.fast.warmup import CACHES, use_compile_cache
 from worker.fast.forward import PackedForward
 from worker.fast.layers import FULL, LINEAR
 from worker.fast.mixers import TorchMixers
