@@ -34,9 +34,10 @@ ALIASES = {"redis_url": ("--redis",), "redis_cluster": ("--cluster",)}  # dq-pro
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] = (), low: float | None = None,
-         high: float | None = None) -> Any:
-    """A field; ``choices`` (matched ignoring case), ``low`` and ``high`` (inclusive) are checked on creation."""
-    return field(default=default, metadata={"help": help, "choices": choices, "low": low, "high": high})
+         high: float | None = None, more: str = "") -> Any:
+    """A field; ``choices`` (matched ignoring case), ``low`` and ``high`` (inclusive) are checked on creation.
+    ``more``: what docs/CONFIGURATION.md adds to ``help`` (ops/configuration.py writes it from these fields)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "low": low, "high": high, "more": more})
 
 
 @dataclass(frozen=True)
@@ -45,27 +46,33 @@ class Settings:
     checkpoint: str = _opt("", "decision checkpoint directory (any format transformers.decision loads)")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     gpus: str = _opt("", "one worker process per GPU, started and supervised by this one: all, a list like 0,1,3, or "
-                         "cpu:N (N CPU workers: tests, CPU hosts); empty: this process is the worker")
+                         "cpu:N (N CPU workers: tests, CPU hosts); empty: this process is the worker",
+                more="docs/OPERATIONS.md, \"One host, many GPUs\"")
     dtype: str = _opt("auto", "auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16 or float32",
                       choices=("auto", "bfloat16", "float16", "float32"))
     engine: str = _opt("auto", "auto (fast on cuda, reference on cpu), fast or reference",
                        choices=("auto", "fast", "reference"))
     deterministic: bool = _opt(False, "a request's logits depend on the request alone, bitwise, never on what shares "
                                       "its pack or which worker ran it (the fast engine on a GPU, the reference "
-                                      "engine on the CPU)")
+                                      "engine on the CPU)", more="the same kernels for every bucket on the GPU, "
+                      "each prompt alone on the CPU; docs/RELIABILITY.md, \"Deterministic mode\"")
     max_prompt_tokens: int = _opt(0, "longest prompt (0: the model's context); a request whose prompt is longer is "
-                                     "split by question, a shorter one runs whole", low=0)
+                                     "split by question, a shorter one runs whole", low=0,
+                                more="one over --pack-tokens runs alone, eagerly: set both alike to keep every prompt in "
+                                     "one pack; a split request's result says usage.split (docs/PROTOCOL.md)")
     fanout_tokens: int = _opt(8192, "requests with more tokens than this (over several prompts) fan out to all workers",
                               low=1)
     # Packing and the fast path
     pack_tokens: int = _opt(16384, "token budget of one forward pass; with CUDA graphs also the largest bucket "
-                                   "(--buckets above it are dropped)", low=1)
+                                   "(--buckets above it are dropped)", low=1,
+                            more="lower it for shorter packs, with graphs or without")
     max_wait_ms: float = _opt(5.0, "longest a partly filled pack waits for more work before it runs", low=0)
     normal_share: float = _opt(0.1, "share of each pack's tokens kept for normal-priority work while some waits "
                                     "(high work never starves it)", low=0.01, high=0.9)
     high_pack_tokens: int = _opt(4096, "token budget of packs while high-priority work flows (queued in the last "
                                        "second): a high request waits behind less work on the GPU (0: pack_tokens)",
-                                 low=0)
+                                 low=0, more="what 4096 costs and buys at the 2B shape: docs/BENCHMARKS.md, "
+                                             "\"Priority lanes\"")
     buckets: str = _opt("2048,4096,8192,16384", "static pack sizes captured as CUDA graphs (fast path), those below "
                                                 "--pack-tokens kept, --pack-tokens always one")
     cuda_graphs: bool = _opt(True, "replay packs through CUDA graphs (fast path)")
@@ -74,7 +81,8 @@ class Settings:
     prune_last: bool = _opt(True, "last layer computes only the marker rows (fast path)")
     fp8: bool = _opt(False, "FP8 rowwise matmuls (fast path, Hopper)")
     fp8_layers: str = _opt("all", "layers fp8 converts: all, full (full-attention), linear, late (the second half: "
-                                  "within twice bf16's error at 2B), or indices like 0-5,18")
+                                  "within twice bf16's error at 2B), or indices like 0-5,18",
+                       more="fidelity and speed of each: docs/BENCHMARKS.md, \"FP8 fidelity and speed\"")
     fp8_matrices: str = _opt("all", "matrices fp8 converts in those layers: all, or some of mlp, attention "
                                     "(full-attention projections), linear (linear-attention projections)")
     fused_kernels: bool = _opt(True, "the fast path's own Triton kernels (convolution, SwiGLU and norm + FP8)")
@@ -85,13 +93,17 @@ class Settings:
     # Queue
     redis_url: str = _opt("redis://127.0.0.1:6379/0",
                           "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user; "
-                          "redis+sentinel://host:port,host:port/SERVICE[/db] through Sentinel)")
+                          "redis+sentinel://host:port,host:port/SERVICE[/db] through Sentinel)",
+                          more="rediss+sentinel:// with TLS; through Sentinel a failover is followed without a restart "
+                               "(docs/OPERATIONS.md)")
     redis_cluster: bool = _opt(False, "the URL is a node of a Redis Cluster (the client follows slot moves)")
     redis_tls_ca: str = _opt("", "CA certificate file that verifies the Redis server (rediss://)")
     redis_tls_cert: str = _opt("", "client certificate file, when Redis requires client certificates (rediss://)")
     redis_tls_key: str = _opt("", "the client certificate's private key file (rediss://)")
     wait_replicas: int = _opt(0, "durable mode: a publication and its acknowledgement count once this many "
-                                 "replicas have them (WAIT; 0: off)", low=0, high=MAX_WAIT_REPLICAS)
+                                 "replicas have them (WAIT; 0: off)", low=0, high=MAX_WAIT_REPLICAS,
+                            more="producers take the same flag (Client(wait_replicas=N)); docs/RELIABILITY.md, "
+                                 "\"Failover\"")
     namespace: str = _opt("dq", "prefix of every Redis name of this deployment")
     shard: int = _opt(0, "stream shard this worker reads", low=0)
     consumer: str = _opt("", "consumer name in the group (default: host-pid)")
@@ -99,7 +111,8 @@ class Settings:
                         high=SOCKET_TIMEOUT * 1000 - 1000)
     read_count: int = _opt(64, "entries fetched per read (fewer where --max-read-bytes says)", low=1)
     max_read_bytes: int = _opt(64 << 20, "one read or claim asks for at most this many bytes of entries: "
-                                         "max(1, this / --max-entry-bytes) entries", low=1)
+                                         "max(1, this / --max-entry-bytes) entries", low=1,
+                               more="after an entry over --max-entry-bytes, one at a time until a read brings none")
     max_inflight: int = _opt(512, "entries of each lane held at once (read, planned, queued or computing); reading "
                                   "that lane pauses above", low=1)
     claim_idle_ms: int = _opt(60000, "reclaim entries pending longer than this from dead consumers", low=1)
@@ -111,7 +124,8 @@ class Settings:
                              low=100)
     dead_maxlen: int = _opt(100000, "the dead-letter stream keeps about this many newest entries", low=100)
     max_entry_bytes: int = _opt(8 << 20, "an entry whose body is larger (all fields counted, with 1 KiB to spare for "
-                                         "the other fields) is refused with too_large, unparsed", low=1)
+                                         "the other fields) is refused with too_large, unparsed", low=1,
+                                more="a body at the producers' own limit passes")
     max_image_pixels: int = _opt(4096 * 4096, "a request whose images have more pixels in all is refused "
                                               "(decompression bombs)", low=1)
     drain_timeout_s: float = _opt(60.0, "on SIGTERM, longest wait for in-flight work before exiting", low=0)

@@ -254,7 +254,7 @@ def test_the_client_reads_the_workers_environment(redis_server, monkeypatch):
 def test_the_readme_python_snippet_runs_as_written(served):
     """The README's snippet, verbatim, against a real worker (its Client() reads DQ_REDIS_URL)."""
     readme = (ROOT / "README.md").read_text()
-    snippet = readme.split("## Using it from a service", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    snippet = readme.split("## Sending requests", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**os.environ, "DQ_REDIS_URL": served.url})
     assert done.returncode == 0, done.stderr

@@ -2,7 +2,6 @@ import argparse
 import os
 import subprocess
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,6 @@ from producer.local.ports import free_port
 from worker.config import Settings, SettingsError
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
 
 
 def test_environment_then_flags():
@@ -50,14 +48,6 @@ def test_pack_tokens_is_every_packs_budget_and_the_largest_bucket(pack_tokens, b
     was the largest bucket, both 16384 by default), so an operator lowering it for latency got nothing."""
     settings = Settings(pack_tokens=pack_tokens, buckets=buckets)
     assert settings.bucket_sizes == graphed and max(settings.bucket_sizes) == pack_tokens
-
-
-@pytest.mark.parametrize("field", [f.name for f in fields(Settings)])
-def test_readme_documents_every_setting_with_its_default(field):
-    default = next(f.default for f in fields(Settings) if f.name == field)
-    row = next((line for line in README.splitlines() if line.startswith(f"| `--{field.replace('_', '-')}` ")), None)
-    assert row is not None, f"README has no row for --{field}"
-    assert f"`{Settings.env_name(field)}`" in row and f"`{default!r}`" in row
 
 
 @pytest.mark.parametrize("environ, named", [
