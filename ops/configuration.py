@@ -34,7 +34,8 @@ variables under the same names (docs/CLIENT.md, docs/GATEWAY.md).
 
 def code(text: str) -> str:
     """Flags, variables, URLs' schemes and the like as code."""
-    return re.sub(r"(?<![`\w])(--[a-z0-9-]+|DQ_[A-Z0-9_]+|[a-z+]+://\S*?(?=[;,)]?(?:\s|$))|usage\.split)", r"`\1`", text)
+    names = r"--[a-z0-9-]+|DQ_[A-Z0-9_]+|[a-z+]+://\S*?(?=[;,)]?(?:\s|$))|usage\.split"
+    return re.sub(rf"(?<![`\w])({names})", r"`\1`", text)
 
 
 def allowed(meta: dict) -> str:

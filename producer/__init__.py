@@ -1,6 +1,7 @@
-"""The decision-queue producer and wire contract: ``producer.client`` (Client, AsyncClient), ``producer.wire.schema``
-(requests, error codes), ``producer.wire.result`` (results) and ``producer.wire.keys`` (every Redis name). Needs redis and
-pydantic, not torch."""
+"""decision-queue's torch-free side: the wire contract every role imports (``producer.wire``: keys, schema, result,
+errors, the function library, connections), the Python client (``producer.client``: Client, AsyncClient), dq-producer
+and its admin tools (``producer.admin``), the HTTP gateway (``producer.gateway``) and a local Redis for development
+(``producer.local``). Needs redis and pydantic (the gateway: the ``http`` extra), never torch."""
 
 from importlib.metadata import PackageNotFoundError, version
 

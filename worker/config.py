@@ -15,7 +15,8 @@ import socket
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from producer.wire.connection import MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT, mode_problem, redact, tls_url, url_problem
+from producer.wire.connection import (MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT, mode_problem, redact, tls_url,
+                                      url_problem)
 
 DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
 GPUS = re.compile(r"|all|cpu:[1-9][0-9]{0,2}|[0-9]{1,3}(,[0-9]{1,3})*")  # --gpus; worker/launch/launcher.py reads it
@@ -58,8 +59,8 @@ class Settings:
                       "each prompt alone on the CPU; docs/RELIABILITY.md, \"Deterministic mode\"")
     max_prompt_tokens: int = _opt(0, "longest prompt (0: the model's context); a request whose prompt is longer is "
                                      "split by question, a shorter one runs whole", low=0,
-                                more="one over --pack-tokens runs alone, eagerly: set both alike to keep every prompt in "
-                                     "one pack; a split request's result says usage.split (docs/PROTOCOL.md)")
+                                more="one over --pack-tokens runs alone, eagerly: set both alike to keep every prompt "
+                                     "in one pack; a split request's result says usage.split (docs/PROTOCOL.md)")
     fanout_tokens: int = _opt(8192, "requests with more tokens than this (over several prompts) fan out to all workers",
                               low=1)
     # Packing and the fast path

@@ -96,7 +96,8 @@ class Daemon:
                              settings.high_pack_tokens)
         self.lifecycle = Lifecycle(self.keys, settings, self.metrics, self.redis_calls, consumer, self.planner,
                                    self.packer, self.publisher, self.loop)
-        self.intake = Intake(consumer, self.lifecycle, self.redis_calls, settings, self.metrics, self.stopping, presence)
+        self.intake = Intake(consumer, self.lifecycle, self.redis_calls, settings, self.metrics, self.stopping,
+                             presence)
         self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.lifecycle)
         self.metrics.built(__version__, self.model.name, self.engine.name, str(self.model.device))
 

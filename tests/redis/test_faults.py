@@ -221,7 +221,8 @@ def test_pending_entries_trimmed_from_the_stream(redis_server, inprocess, caplog
     wait_for(lambda: worker.faults.slow_packs, what="a slow pack")
     for entry_id, _ in client.redis.xrange(keys.requests):
         client.redis.xdel(keys.requests, entry_id)
-    report = wait_and_check(client.redis, keys, gone + held, timeout=60, allow_missing=gone).assert_ok(allow_missing=gone)
+    report = wait_and_check(client.redis, keys, gone + held, timeout=60, allow_missing=gone)
+    report.assert_ok(allow_missing=gone)
     assert sorted(report.missing) == sorted(gone)  # nothing to answer them with ...
     assert all(report.results[r].ok for r in held)
     time.sleep(1.0)  # a few more reclaim rounds: the loss must be counted once per entry, whichever path saw it

@@ -262,7 +262,8 @@ def test_an_input_that_kills_its_planner_is_dead_lettered_and_the_worker_stays(r
     client = Client(redis_server.url)
     [killer] = client.submit_many([{"id": "killer", "state": faulty_worker.PLANNER_KILLER.decode(),
                                     "questions": {"q": {"type": "noul"}}}])
-    report = wait_and_check(client.redis, client.keys, [killer], timeout=180).assert_ok()  # alone: nothing planned between
+    # alone: nothing planned between
+    report = wait_and_check(client.redis, client.keys, [killer], timeout=180).assert_ok()
     assert report.results[killer].error.code == "dead_lettered" and worker.alive
     assert worker.metric("dq_planner_crashes_total") == 6  # two per delivery
     [after] = client.submit_many(batch(1, "after"))

@@ -26,7 +26,8 @@ from producer.wire.supported import MINIMUM, UnsupportedServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 # python -m worker, with the supported minimum raised above every real server: the refusal path on any machine.
-TOO_OLD_FOR = ["-c", "import sys; import producer.wire.supported as s; s.MINIMUM.update(redis=(99, 0), valkey=(99, 0)); "
+TOO_OLD_FOR = ["-c", "import sys; import producer.wire.supported as s; "
+               "s.MINIMUM.update(redis=(99, 0), valkey=(99, 0)); "
                "from worker.__main__ import main; sys.exit(main(sys.argv[1:]))"]
 
 

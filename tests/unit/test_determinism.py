@@ -124,7 +124,8 @@ def test_a_card_that_breaks_the_promise_stops_the_warm_up(loaded):
 
     settings = Settings(deterministic=True, cuda_graphs=True, buckets="256,512,1024", **SMALL)
     engine = FastEngine(loaded("repo", 140), settings, mixers=PackDependent(), capture=PLAIN_CAPTURE)
-    with pytest.raises(deterministic.NotDeterministic, match="probe prompt scored other bits first in a pack of 2 prompts "
+    with pytest.raises(deterministic.NotDeterministic,
+                       match="probe prompt scored other bits first in a pack of 2 prompts "
                                                      r"\(bucket 256\)"):
         engine.warmup()
 

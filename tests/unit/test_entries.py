@@ -176,7 +176,8 @@ def test_a_trimmed_entry_has_no_payload():
 def test_the_redis_side_of_the_worker_loads_without_torch():
     """Intake, results, publication and the entries (and the Redis benchmark built on them) import no torch, PIL or
     transformers: ops/redis_bench.py runs where the model's libraries are not installed."""
-    code = ("import sys; sys.path.insert(0, 'ops'); import worker.loop.intake, worker.loop.lifecycle, worker.loop.publisher, "
+    code = ("import sys; sys.path.insert(0, 'ops'); "
+            "import worker.loop.intake, worker.loop.lifecycle, worker.loop.publisher, "
             "worker.outcomes, worker.entries, redis_bench; print(sorted(m for m in ('torch', 'PIL', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -261,7 +261,8 @@ def test_the_engines_budget_is_pack_tokens_with_graphs_or_without(loaded, graphs
 def test_a_prompt_longer_than_every_bucket_runs_eagerly(loaded):
     model = loaded("repo")
     prompt = max(prompts_of(model), key=lambda c: c.length)
-    engine = FastEngine(model, Settings(cuda_graphs=True, buckets="64,128", **{**SMALL, "pack_tokens": 128}), mixers=TorchMixers(),
+    settings = Settings(cuda_graphs=True, buckets="64,128", **{**SMALL, "pack_tokens": 128})
+    engine = FastEngine(model, settings, mixers=TorchMixers(),
                         capture=PLAIN_CAPTURE)
     engine.warmup()
     assert prompt.length > engine.max_pack_tokens

@@ -1,5 +1,6 @@
-"""The plan of a host's workers (worker/launch/host.py) and the --gpus setting, without starting anything: which devices a
---gpus value names, and what each worker is given (device, consumer name, port, planner processes, every setting)."""
+"""The plan of a host's workers (worker/launch/host.py) and the --gpus setting, without starting anything: which
+devices a --gpus value names, and what each worker is given (device, consumer name, port, planner processes, every
+setting)."""
 
 import pytest
 

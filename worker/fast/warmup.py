@@ -146,8 +146,8 @@ class WarmUp:
                                 f"{bucket}) than alone, up to {(got - alone).abs().max().item():g} apart, on this "
                                 f"card and software: run without --deterministic")
         if not checked:
-            raise deterministic.NotDeterministic(f"deterministic mode's check at warm-up found no pack to check: the buckets "
-                                         f"{buckets} are too small (at least 4 tokens)")
+            raise deterministic.NotDeterministic(f"deterministic mode's check at warm-up found no pack to check: the "
+                                                 f"buckets {buckets} are too small (at least 4 tokens)")
         log.info("deterministic mode: %d probe packs scored their probe prompts bitwise as alone (%.1fs)", checked,
                  time.perf_counter() - began)
 

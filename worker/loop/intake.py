@@ -48,8 +48,8 @@ class Reader:
 
 
 class Intake:
-    def __init__(self, consumer: Consumer, lifecycle: Lifecycle, redis_calls: RedisCalls, settings: Settings, metrics: Metrics,
-                 stopping: threading.Event, presence: Presence) -> None:
+    def __init__(self, consumer: Consumer, lifecycle: Lifecycle, redis_calls: RedisCalls, settings: Settings,
+                 metrics: Metrics, stopping: threading.Event, presence: Presence) -> None:
         self.consumer, self.lifecycle, self.redis_calls = consumer, lifecycle, redis_calls
         self.settings, self.metrics = settings, metrics
         self.stopping = stopping
@@ -162,8 +162,8 @@ class Intake:
                 reclaimed, gone = [], []
                 for lane in LANES if not self.stopping.is_set() else ():  # a drain takes nothing new
                     try:  # claims beyond a lane's room would exceed --max-inflight
-                        found, lost_here = await self.consumer.reclaim(lane, settings.claim_idle_ms,
-                                                                       settings.read_count, lifecycle.held.room_in(lane))
+                        found, lost_here = await self.consumer.reclaim(
+                            lane, settings.claim_idle_ms, settings.read_count, lifecycle.held.room_in(lane))
                     except REDIS_ERRORS:
                         self.doubt()  # what it claimed before the error is pending here, held by no one
                         raise

@@ -1,14 +1,14 @@
 """A worker's presence on its shard: its heartbeat, and forgetting the workers and consumers that are gone, so that
 ``python -m producer stats`` and the dashboards count the living only.
 
-- Heartbeat: every maintenance round (5 s) a worker writes ``{ts, inflight, model, engine}`` under its consumer
-  name in ``Keys.workers``. A beat older than ``GONE_S`` (producer/wire/keys.py) is a worker that is gone: Redis 7.0 has
-  no per-field expiry, so any live worker deletes such beats, and stats never count them.
+- Heartbeat: every maintenance round (5 s) a worker writes ``{ts, inflight, model, engine}`` under its consumer name
+  in ``Keys.workers``. A beat older than ``GONE_S`` (producer/wire/keys.py) is a worker that is gone: Redis 7.0 has no
+  per-field expiry, so any live worker deletes such beats, and stats never count them.
 - Consumers: the group keeps a consumer after its worker died (a restart under a new name, a KEDA scale-down). One
   with nothing pending that has been idle longer than ``--consumer-gone-ms`` is deleted, by a function of the library
-  (producer/wire/library.py) that checks and deletes in one step: a consumer given an entry in between keeps it (deleting a consumer drops its pending list,
-  and entries only it held would never be reclaimed). Consumers holding entries stay until another worker reclaims
-  them (``--claim-idle-ms``).
+  (producer/wire/library.py) that checks and deletes in one step: a consumer given an entry in between keeps it
+  (deleting a consumer drops its pending list, and entries only it held would never be reclaimed). Consumers holding
+  entries stay until another worker reclaims them (``--claim-idle-ms``).
 """
 
 from __future__ import annotations

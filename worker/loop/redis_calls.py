@@ -153,7 +153,7 @@ def first_contact(settings: Settings) -> Server | None:
 
 def client(settings: Settings, retries: int = 1) -> Any:
     """The worker's asyncio client: the producers' connection options, with one quick retry instead of redis-py's
-    dozen (about 12 s) before a call fails: RedisCalls.until retries for as long as it takes and says so every few seconds,
+    dozen (about 12 s) before a call fails: ``until`` retries for as long as it takes and says so every few seconds,
     which a call that keeps retrying inside the client would hide. ``retries=0`` for the calls whose re-sending
     would lose what the first one delivered (consumer.py)."""
     return aconnect(settings.redis_url, settings.redis_cluster, **settings.redis_options(),
