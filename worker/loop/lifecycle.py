@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from typing import Protocol
 
 from producer.wire.keys import Keys
 from producer.wire.schema import ErrorCode
@@ -38,16 +39,24 @@ from .publisher import Publisher
 from .redis_calls import RedisCalls
 from .settler import Settler
 
-if TYPE_CHECKING:  # torch-free at run time: the Redis side loads without the model's libraries
-    from ..gpu.packer import Packer
-    from ..plan.planner import Planner
-
 log = logging.getLogger("worker")
+
+
+class Planners(Protocol):
+    """Where an entry is planned (plan/planner.py, on the planners' threads or processes)."""
+
+    def submit(self, delivery: Delivery, stored_body: bytes | None = None) -> Future[Task | Refusal]: ...
+
+
+class Packs(Protocol):
+    """Where a task's prompts wait for the GPU (gpu/packer.py; any thread may put)."""
+
+    def put(self, item: Item) -> None: ...
 
 
 class Lifecycle:
     def __init__(self, keys: Keys, settings: Settings, metrics: Metrics, redis_calls: RedisCalls, consumer: Consumer,
-                 planner: Planner, packer: Packer, publisher: Publisher, loop: asyncio.AbstractEventLoop) -> None:
+                 planner: Planners, packer: Packs, publisher: Publisher, loop: asyncio.AbstractEventLoop) -> None:
         self.keys, self.settings, self.metrics, self.redis_calls, self.loop = keys, settings, metrics, redis_calls, \
             loop
         self.consumer, self.planner, self.packer, self.publisher = consumer, planner, packer, publisher
