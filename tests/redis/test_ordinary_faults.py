@@ -202,6 +202,9 @@ def test_a_dead_planner_process_costs_no_request(redis_server, inprocess):
     planners = list(worker.daemon.planner.pool._processes)
     assert planners, "the worker plans in processes"
     os.kill(planners[0], signal.SIGKILL)
+    # The pool learns of the death on a thread of its own: requests sent before that could all be planned by the
+    # surviving process, and the broken pool replaced (and counted) only at a later submit. Wait for it, not a time.
+    wait_for(lambda: worker.daemon.planner.pool._broken, 30, what="the pool broken by its planner's death")
     ids = client.submit_many(batch(8, "after"))
     report = wait_and_check(client.redis, client.keys, ids, timeout=120).assert_ok()
     assert all(report.results[i].ok for i in ids), [report.results[i].error for i in ids]
