@@ -87,7 +87,8 @@ class Daemon:
         consumer = Consumer(client, self.keys, settings.consumer_name, settings.max_entry_bytes,
                             once=redis_client(settings, retries=0), max_read_bytes=settings.max_read_bytes)
         presence = Presence(client, self.keys, settings.consumer_name, list(consumer.streams),
-                            settings.consumer_gone_ms, {"model": self.model.name, "engine": self.engine.name})
+                            settings.consumer_gone_ms, {"model": self.model.name, "engine": self.engine.name,
+                                                        "shard": settings.shard}, self._state)
         self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name, settings.reply_maxlen,
                                    settings.dead_maxlen, settings.wait_replicas)
         self.planner = Planner(self.model, settings, on_crash=self.metrics.planner_crashes.inc,
@@ -131,6 +132,10 @@ class Daemon:
         self.planner.shutdown()
         self._last_word(len(self.lifecycle.held))
         return 0
+
+    def _state(self) -> str:
+        """What the heartbeat says this worker is doing (``dq-producer stats``)."""
+        return "draining" if self.stopping.is_set() else "ready" if self.ready.is_set() else "warming"
 
     def _burst_over(self) -> bool:
         empty_since = self.intake.streams_empty_since

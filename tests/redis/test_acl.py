@@ -251,7 +251,7 @@ def test_daemon_and_producer_run_end_to_end_under_their_users(acl_server, start_
     [(_, [(_, reply)])] = client.redis.xread({KEYS.reply_prefix + "svc-1": "0-0"}, count=1, block=4000)
     assert reply[b"id"] == b"reply"
 
-    stats = subprocess.run([sys.executable, "-m", "producer", "stats", "--redis", url(acl_server, "monitor")],
+    stats = subprocess.run([sys.executable, "-m", "producer", "stats", "--json", "--redis", url(acl_server, "monitor")],
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout)["dead_letters"] == 1
