@@ -1,5 +1,5 @@
-"""Queue stats, plans of the core (producer/plans.py) that both client faces run (``Client.stats``,
-``AsyncClient.stats``, ``live_workers``)."""
+"""Queue stats, a plan of the core (producer/plans.py) that both client faces run (``Client.stats``,
+``AsyncClient.stats``)."""
 
 from __future__ import annotations
 
@@ -59,17 +59,6 @@ def _heartbeat(name: Any, raw: Any, now: float) -> dict[str, Any]:
     return {"name": text(name), "shard": beat.get("shard"), "model": beat.get("model"), "engine": beat.get("engine"),
             "state": "gone" if age >= GONE_S else beat.get("state"), "held": beat.get("inflight"),
             "beat_age_s": round(age, 1) if age != float("inf") else None}
-
-
-def live_workers(core: Producer) -> Plan[int | None]:
-    """Workers of this namespace whose heartbeat is younger than ``GONE_S`` (any shard); None when this user may
-    not read the heartbeat hash (an aclfile older than the producer's read of it)."""
-    try:
-        beats = yield Call("hgetall", (core.keys.workers(),))
-    except redis.exceptions.NoPermissionError:
-        return None
-    now = time.time()
-    return sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
 
 
 def _stream_stats(stream: str) -> Plan[dict[str, Any]]:

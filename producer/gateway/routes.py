@@ -86,8 +86,9 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
                                [request_id], WAIT)
         if landed is None:
             return Response(status_code=CLIENT_GONE)
-        if request_id not in landed:
-            raise ResultTimeout("no result in time", missing=[request_id])
+        if request_id not in landed:  # with why, when no worker of the namespace is alive to answer it
+            raise ResultTimeout("no result in time", missing=[request_id],
+                                no_worker=access.namespace if await gateway.no_worker(client) else None)
         # The result under this id may be another request's (a reused id): then id_conflict, never its answer.
         return replies.result_response(prepared[0].answered_by(landed[request_id]))
 

@@ -179,6 +179,13 @@ class Gateway:
             yield _line(Result.failure(request_id, ErrorCode.TIMEOUT, f"no result within {wait:g} s; the request "
                                        f"stays queued: GET /v1/results/{request_id}"))
 
+    async def no_worker(self, client: AsyncClient) -> bool:
+        """No worker of the client's namespace is alive (False when unknown: Redis failing, heartbeats unreadable)."""
+        try:
+            return await client.live_workers() == 0
+        except redis.RedisError:
+            return False
+
     async def ready(self) -> tuple[bool, dict[str, Any]]:
         """Redis answers, and each namespace has a live worker (or the gateway's user may not read heartbeats)."""
         try:
