@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve(config: GatewayConfig) -> int:
     import uvicorn
 
+    from ..wire import traces
     from .routes import create_app
 
     if not config.keys:
@@ -65,8 +66,10 @@ def serve(config: GatewayConfig) -> int:
                     "loopback address only", config.host, config.port, config.deployment.namespace)
     else:
         log.info("%d API keys; namespaces %s", len(config.keys), ", ".join(config.namespaces()))
+    traces.configure("dq-gateway")  # on when an OTLP endpoint is set (OTEL_EXPORTER_OTLP_*)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level.lower(),
                 access_log=False, proxy_headers=False, server_header=False)
+    traces.shutdown()
     return 0
 
 

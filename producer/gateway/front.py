@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
+from ..wire import traces
+from ..wire.schema import valid_traceparent
 from .access import Inflight, Keyring
 from .replies import JSON, error_body
 
@@ -54,9 +56,10 @@ class Metrics:
 
 class Front:
     def __init__(self, app: ASGIApp, keyring: Keyring, inflight: Inflight, metrics: Metrics,
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, tracer: Any = None) -> None:
         self.app, self.keyring, self.inflight, self.metrics = app, keyring, inflight, metrics
         self.max_body_bytes = max_body_bytes
+        self.tracer = tracer  # None: tracing off (producer/wire/traces.py)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -75,6 +78,7 @@ class Front:
 
         gauge = self.metrics.in_flight.labels(route)
         gauge.inc()
+        end_span = self._span(scope, route) if self.tracer is not None and route not in PUBLIC else None
         try:
             refusal = self._refuse(scope, route, state)
             if refusal is not None:
@@ -82,11 +86,32 @@ class Front:
                 return
             await self.app(scope, self._counting(receive), sending)
         finally:
+            if end_span is not None:  # the call's span: ended once its last byte went
+                end_span(status[0])
             gauge.dec()
             self._give_back(state)  # a call cut short, or one that failed before its last byte
             lane = state.get("lane", "")
             self.metrics.calls.labels(route, lane, str(status[0])).inc()
             self.metrics.seconds.labels(route, lane).observe(time.perf_counter() - started)
+
+    def _span(self, scope: Scope, route: str) -> Any:
+        """Start the call's span, current while it runs (its parent: the call's ``traceparent`` header; the requests
+        it enqueues carry it, service.py); what ends it with the call's status."""
+        from opentelemetry import context
+        from opentelemetry.trace import SpanKind, set_span_in_context
+
+        header = dict(scope["headers"]).get(b"traceparent")
+        span = self.tracer.start_span(f"{scope['method']} {route}", kind=SpanKind.SERVER, attributes={
+            "http.request.method": scope["method"], "http.route": route},
+            context=traces.context_of(valid_traceparent(header.decode("latin-1") if header else None)))
+        token = context.attach(set_span_in_context(span))
+
+        def end(status: int) -> None:
+            span.set_attribute("http.response.status_code", status)
+            context.detach(token)
+            span.end()
+
+        return end
 
     def _give_back(self, state: dict[str, Any]) -> None:
         for name, count in state.pop("held", ()):

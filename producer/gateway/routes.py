@@ -154,4 +154,4 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    return Front(app, gateway.keyring, gateway.inflight, gateway.metrics, config.max_body_bytes)
+    return Front(app, gateway.keyring, gateway.inflight, gateway.metrics, config.max_body_bytes, gateway.tracer)
