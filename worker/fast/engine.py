@@ -103,7 +103,7 @@ class FastEngine:
         self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last and not self.invariant,
                                  fp8=settings.fp8, fp8_layers=settings.fp8_layers, fp8_matrices=settings.fp8_matrices,
                                  compile=settings.compile, compile_pieces=not self.graphs_on, fused=fused,
-                                 image_by_image=self.invariant)
+                                 image_by_image=self.invariant, epilogues=settings.epilogues, invariant=self.invariant)
         linear = self.linear_dims = next((stage.dims for stage in self.fwd.stages if stage.kind == LINEAR), None)
         # Where the delta rule runs on FlashQLA (else on fla's kernels, or the stand-in mixers).
         self.on_flash_qla = (linear is not None and getattr(mixers, "flash_qla", None) is not None
@@ -174,10 +174,10 @@ class FastEngine:
             self._check_invariance()
         self.compile_seconds = time.perf_counter() - start - self.capture_seconds
         log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices, layers %s, %s), "
-                 "fused kernels %s; capture %.1fs, first packs %.1fs (%d delta-rule variants)", self.buckets or "-",
-                 self.settings.compile, self.graphs_on, self.fwd.pruned, self.settings.fp8, self.fwd.fp8_matrices,
-                 self.settings.fp8_layers, self.settings.fp8_matrices, self.fwd.fused, self.capture_seconds,
-                 self.compile_seconds,
+                 "fused kernels %s (epilogues %s); capture %.1fs, first packs %.1fs (%d delta-rule variants)",
+                 self.buckets or "-", self.settings.compile, self.graphs_on, self.fwd.pruned, self.settings.fp8,
+                 self.fwd.fp8_matrices, self.settings.fp8_layers, self.settings.fp8_matrices, self.fwd.fused,
+                 ",".join(sorted(self.fwd.epilogues)) or "none", self.capture_seconds, self.compile_seconds,
                  len(variants))
 
     def _check_invariance(self) -> None:
