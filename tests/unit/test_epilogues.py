@@ -49,3 +49,38 @@ def test_the_kernels_in_triton_s_interpreter():
                            timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
     assert " passed" in child.stdout and " failed" not in child.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs triton, compiling")
+def test_the_gemm_compiles_for_hopper_to_pipelined_wgmma_on_tma(tmp_path):
+    """Compiled for sm_90 here (no GPU needed; Triton ships ptxas): every configuration uses TMA loads and wgmma,
+    fits Hopper's shared memory, spills no register, and ptxas does not serialise its wgmma (what two accumulators
+    in the flattened loop did)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from worker.fast import epilogues
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this Triton has no ptxas")
+    for name, config in epilogues.CONFIGS.items():
+        m, n, k = config.block_m, config.block_n, config.block_k
+        signature = {"x_desc": f"tensordesc<bf16[{m}, {k}]>", "w_desc": f"tensordesc<bf16[2, {n}, {k}]>",
+                     "out_desc": f"tensordesc<bf16[{m}, {n}]>", "M": "i32", "I": "i32", "K": "i32",
+                     **dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PROGRAMS"), "constexpr")}
+        constants = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=config.group_m, PROGRAMS=132)
+        kernel = triton.compile(ASTSource(epilogues._gate_up_swiglu_kernel, signature, constants),
+                                target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": config.warps, "num_stages": config.stages})
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, name
+        assert kernel.metadata.shared <= 232448, (name, kernel.metadata.shared)  # 227 KiB per block on Hopper
+        source = tmp_path / f"{name}.ptx"
+        source.write_text(ptx)
+        log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(source), "-o", os.devnull], capture_output=True,
+                             text=True, timeout=120)
+        out = log.stdout + log.stderr
+        assert log.returncode == 0 and "serialized" not in out and " 0 bytes spill stores" in out, (name, out)

@@ -46,6 +46,7 @@ class GemmConfig(NamedTuple):
 # configuration has the same block_k, so one output sums K in the same order whichever runs.
 CONFIGS = {
     "128x128": GemmConfig(128, 128, 64, 8, 3, 8),  # a 128 x 256 tile over both halves: Hopper's widest MMA tile
+    "128x128s4": GemmConfig(128, 128, 64, 8, 4, 8),  # 224 KiB of shared memory: just under Hopper's 227
     "128x64": GemmConfig(128, 64, 64, 8, 4, 4),
     "64x128": GemmConfig(64, 128, 64, 8, 4, 4),
 }
@@ -69,8 +70,9 @@ def _tile(tile, in_group, row_blocks, GROUP_M: tl.constexpr):
 @triton.jit
 def _gate_up_swiglu_kernel(x_desc, w_desc, out_desc, M, I, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
-    """Persistent: program p computes output tiles p, p + PROGRAMS, ... Weight rows [0, I) are the gate, [I, 2I) up."""
-    dtype: tl.constexpr = out_desc.dtype
+    """Persistent: program p computes output tiles p, p + PROGRAMS, ... ``w_desc`` views the weight [gate; up] as
+    (2, I, K): one load brings a gate tile and the up tile of the same columns, and one MMA (BLOCK_M x 2 BLOCK_N)
+    computes both (two accumulators serialise Hopper's wgmma in the flattened loop: ptxas warns C7515)."""
     row_blocks = tl.cdiv(M, BLOCK_M)
     col_blocks = tl.cdiv(I, BLOCK_N)
     in_group = GROUP_M * col_blocks
@@ -80,18 +82,17 @@ def _gate_up_swiglu_kernel(x_desc, w_desc, out_desc, M, I, K, BLOCK_M: tl.conste
         block_m, block_n = _tile(tile, in_group, row_blocks, GROUP_M)
         off_m = block_m * BLOCK_M
         off_n = block_n * BLOCK_N
-        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k in range(k_blocks):  # K in ascending blocks, never split: a row's sums do not depend on M
-            x = x_desc.load([off_m, k * BLOCK_K])
-            gate = tl.dot(x, w_desc.load([off_n, k * BLOCK_K]).T, gate)
-            up = tl.dot(x, w_desc.load([I + off_n, k * BLOCK_K]).T, up)
+            w = w_desc.load([0, off_n, k * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
+            acc = tl.dot(x_desc.load([off_m, k * BLOCK_K]), w.T, acc)
         stored += PROGRAMS
         block_m, block_n = _tile(stored, in_group, row_blocks, GROUP_M)
+        gate, up = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
         # As the unfused path: the GEMM's outputs rounded to the activation dtype, SwiGLU in fp32, rounded once.
-        g = gate.to(dtype).to(tl.float32)
-        u = up.to(dtype).to(tl.float32)
-        out_desc.store([block_m * BLOCK_M, block_n * BLOCK_N], (g * tl.sigmoid(g) * u).to(dtype))
+        g = gate.to(out_desc.dtype).to(tl.float32)
+        u = up.to(out_desc.dtype).to(tl.float32)
+        out_desc.store([block_m * BLOCK_M, block_n * BLOCK_N], (g * tl.sigmoid(g) * u).to(out_desc.dtype))
 
 
 @functools.cache
@@ -121,9 +122,10 @@ def run_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig
         return out.copy_(_unfused_swiglu(x, weight))  # the same roundings, cuBLAS's sums
     tiles = triton.cdiv(M, config.block_m) * (inner // config.block_n)
     programs = min(_programs(x.device), tiles)
+    halves = TensorDescriptor(weight, [2, inner, K], [inner * weight.stride(0), weight.stride(0), 1],
+                              [2, config.block_n, config.block_k])
     _gate_up_swiglu_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x, [config.block_m, config.block_k]),
-        TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]),
+        TensorDescriptor.from_tensor(x, [config.block_m, config.block_k]), halves,
         TensorDescriptor.from_tensor(out, [config.block_m, config.block_n]), M, inner, K,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         PROGRAMS=programs, num_stages=config.stages, num_warps=config.warps)
@@ -159,15 +161,14 @@ def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, stride_o, stride_z, eps
     """One token: every head of o (H, D) normalised, times weight (D,), times silu(z)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, H)[:, None] * D + tl.arange(0, D)[None, :]
-    dtype: tl.constexpr = o_ptr.dtype.element_ty
     o = tl.load(o_ptr + row * stride_o + cols).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)
     # As Qwen3_5RMSNormGated: normalised value and weight product rounded to the input dtype, gate in fp32.
-    normed = (o * rstd[:, None]).to(dtype).to(tl.float32)
+    normed = (o * rstd[:, None]).to(o_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(w_ptr + tl.arange(0, D)[None, :]).to(tl.float32)
-    scaled = (weight * normed).to(dtype).to(tl.float32)
+    scaled = (weight * normed).to(o_ptr.dtype.element_ty).to(tl.float32)
     z = tl.load(z_ptr + row * stride_z + cols).to(tl.float32)
-    tl.store(out_ptr + row * (H * D) + cols, (scaled * (z * tl.sigmoid(z))).to(dtype))
+    tl.store(out_ptr + row * (H * D) + cols, (scaled * (z * tl.sigmoid(z))).to(o_ptr.dtype.element_ty))
 
 
 @torch.library.custom_op("dq::gated_rms_norm", mutates_args=())
