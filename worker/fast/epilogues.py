@@ -120,8 +120,7 @@ def run_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig
         return out
     if inner % config.block_n or not _descriptors_fit(x, weight, out):
         return out.copy_(_unfused_swiglu(x, weight))  # the same roundings, cuBLAS's sums
-    tiles = triton.cdiv(M, config.block_m) * (inner // config.block_n)
-    programs = min(_programs(x.device), tiles)
+    programs = _programs(x.device)  # one per SM whatever M (those without a tile return): one compilation
     halves = TensorDescriptor(weight, [2, inner, K], [inner * weight.stride(0), weight.stride(0), 1],
                               [2, config.block_n, config.block_k])
     _gate_up_swiglu_kernel[(programs,)](
