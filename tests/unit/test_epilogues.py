@@ -41,6 +41,19 @@ def test_the_plain_ops_leave_the_hidden_state_alone():
     assert torch.equal(hidden, before)
 
 
+def test_the_engine_checks_the_setting_and_applies_it_with_the_fused_kernels_only(loaded):
+    """On the CPU the fused kernels do not run, so neither do these (the plain ops stay); a bad name is refused."""
+    from worker.config import Settings
+    from worker.fast import FastEngine
+    from worker.fast.mixers import TorchMixers
+
+    model = loaded("repo")
+    with pytest.raises(ValueError, match="epilogues"):
+        FastEngine(model, Settings(epilogues="swiglu,bogus", compile="none"), mixers=TorchMixers())
+    engine = FastEngine(model, Settings(epilogues="all", compile="none"), mixers=TorchMixers())
+    assert engine.fwd.epilogues == frozenset() and engine.fwd.ops == ops.Ops()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_the_kernels_in_triton_s_interpreter():
     """Triton reads TRITON_INTERPRET when it defines its functions: a child process, which sets it first."""
