@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .ops import Dense, Linear, Ops, Quantized
+from .ops import Dense, Fp8, Linear, Ops, Quantized
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -207,9 +207,8 @@ def epilogue_ops(base: Ops, device: torch.device, *, swiglu: bool = False, resid
 
     def gate_up(normed: torch.Tensor, gate_up: Linear, target: Linear | None = None) -> torch.Tensor | None:
         # An FP8 down projection (``target``) takes SwiGLU's output quantised: base's path does that.
-        if (tma and isinstance(gate_up, Dense) and gate_up.bias is None and (target is None or isinstance(
-                target, Dense)) and normed.dim() == 2 and normed.dtype in HALF
-                and gate_up.weight.dtype == normed.dtype):
+        unquantised = isinstance(gate_up, Dense) and gate_up.bias is None and not isinstance(target, Fp8)
+        if tma and unquantised and normed.dim() == 2 and normed.dtype in HALF and gate_up.weight.dtype == normed.dtype:
             return gate_up_swiglu(normed, gate_up.weight, invariant)
         return base.gate_up_swiglu(normed, gate_up, target)
 
