@@ -126,7 +126,7 @@ class Bench:
         current = self.time(lambda i: fn(self.plain, self.mlps[i % sets], normed[i % sets]))
         fused = self.time(lambda i: fn(self.lever["swiglu"], self.mlps[i % sets], normed[i % sets]))
         want, got = fn(self.plain, self.mlps[0], normed[0]), fn(self.lever["swiglu"], self.mlps[0], normed[0])
-        gate, up = (normed[0].float() @ self.mlps[0].gate_up.weight.float().T).chunk(2, dim=-1)
+        gate, up = (normed[0].double() @ self.mlps[0].gate_up.weight.double().T).float().chunk(2, dim=-1)
         exact = F.silu(gate) * up
         self.row(tokens, "swiglu", current, fused, gap(got, want), (gap(want, exact), gap(got, exact)))
         flops, first = 2 * tokens * 2 * INNER * HIDDEN, len(self.gemm_rows)
@@ -179,7 +179,7 @@ class Bench:
         addmm = self.time(lambda i: fn_addmm(hidden, inputs[i % sets], weights[i % sets].weight, self.norms[i % sets]))
         want = fn(self.plain, hidden, inputs[0], weights[0], self.norms[0])[0]
         got = fn(self.lever["residual"], hidden.clone(), inputs[0], weights[0], self.norms[0])[0]
-        exact = hidden.float() + inputs[0].float() @ weights[0].weight.float().T
+        exact = (hidden.double() + inputs[0].double() @ weights[0].weight.double().T).float()
         return current, fused, addmm, gap(got, want), gap(want, exact), gap(got, exact)
 
     def gated_norm(self, tokens: int) -> None:

@@ -50,7 +50,7 @@ def test_gate_up_swiglu_against_the_unfused_form(config, tokens):
     x, weight = randn(tokens, HIDDEN), randn(2 * INNER, HIDDEN, scale=HIDDEN ** -0.5)
     got = epilogues.run_gate_up_swiglu(x, weight, epilogues.CONFIGS[config])
     unfused = swiglu_of(F.linear(x, weight)).to(bf16)
-    exact = swiglu_of(x.float() @ weight.float().T)
+    exact = swiglu_of(x.double() @ weight.double().T)  # float64: whatever TF32 setting an earlier test left
     steps = steps_apart(got, unfused)
     assert torch.isfinite(got).all() and steps.max().item() <= 3 and (steps > 0).float().mean().item() < 0.05
     assert (got.float() - exact).abs().max() <= 1.5 * (unfused.float() - exact).abs().max() + 1e-3
@@ -85,7 +85,7 @@ def test_gated_rms_norm_equals_the_pytorch_form_at_every_token_count(heads, dim=
 @pytest.mark.parametrize("inner", [HIDDEN, INNER])
 def test_add_linear_rounds_once(inner, tokens=1000):
     hidden, x, weight = randn(tokens, HIDDEN), randn(tokens, inner), randn(HIDDEN, inner, scale=inner ** -0.5)
-    exact = hidden.float() + x.float() @ weight.float().T
+    exact = (hidden.double() + x.double() @ weight.double().T).float()
     updated = hidden.clone()
     epilogues.add_linear_(updated, x, weight)
     assert steps_apart(updated, exact.to(bf16)).max().item() <= 1
