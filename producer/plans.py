@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, TypeVar
 import redis
 from pydantic import ValidationError
 
+from .liveness import NO_WORKER_S, Liveness
 from .wire import library
 from .wire.connection import WAIT_MS
 from .wire.errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here
@@ -37,9 +38,6 @@ BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the 
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
 WINDOW = 256  # result streams one blocking read waits on (any of them landing wakes it)
 REMEMBERED = 100_000  # ids whose digest a producer keeps (for id conflicts): about 200 bytes each
-# A wait with no worker of the namespace alive (none started, a mistyped namespace) ends after NO_WORKER_S, saying so;
-# liveness is looked at a second into a wait without results, then every LOOK_S (a wait answered at once pays none).
-NO_WORKER_S, LOOK_S = 15.0, 5.0
 # A "function not found" reply means nothing ran: load the library and call again. The server may lose it again
 # in between (restarts, failovers, FUNCTION FLUSH in a row): a few tries, then the error goes to the caller.
 LOAD_TRIES = 5
@@ -221,13 +219,11 @@ class Producer:
         after ``no_worker_s``, when no worker is alive). ``check``: each against what this producer last submitted
         under its id (else as stored)."""
         checked = self._checked if check else (lambda result: result)
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         waiting = list(dict.fromkeys(request_ids))
         done: dict[str, Result] = {}
         look, shortfall = waiting, None  # ids to look at, read again with a confirmation in durable mode
-        alive = True if self.no_worker_s is None or timeout is None else None  # None: no worker seen alive yet
-        next_look = started + min(1.0, self.no_worker_s or 0.0)
+        liveness = Liveness(self.keys.namespace, self.no_worker_s, forever=timeout is None)
         while True:
             try:
                 done.update((yield from self.present(look)))
@@ -239,13 +235,12 @@ class Producer:
             if not missing:
                 break
             late = left is not None and left <= 0
-            if alive is None and (late or time.monotonic() >= next_look):
-                alive, next_look = (yield from self.live_workers()) != 0 or None, time.monotonic() + LOOK_S
-            gone = alive is None and (late or time.monotonic() - started >= self.no_worker_s)  # type: ignore[operator]
+            if liveness.due(late):
+                liveness.looked((yield from self.live_workers()))
+            gone = liveness.gone(late)
             if late or gone:
-                why = f"; no live worker in namespace {self.keys.namespace!r} (no heartbeat in the last {GONE_S} s: " \
-                      "none started, or the namespace is wrong): they stay queued until one starts" if gone else ""
-                raise shortfall or ResultTimeout(f"{len(missing)} of {len(waiting)} results not there yet{why}",
+                raise shortfall or ResultTimeout(f"{len(missing)} of {len(waiting)} results not there yet"
+                                                 f"{liveness.why() if gone else ''}",
                                                  {r: checked(result) for r, result in done.items()}, missing,
                                                  self.keys.namespace if gone else None)
             block = BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
