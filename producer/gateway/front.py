@@ -17,10 +17,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .. import __version__
 from ..wire import traces
 from ..wire.schema import valid_traceparent
+from . import logs
 from .access import Inflight, Keyring
 from .replies import JSON, error_body
 
-PUBLIC = {"health", "ready", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
+PUBLIC = {"health", "ready", "info", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
 # No ``_created`` series beside each counter and histogram (process-wide): no alert or panel reads them, and they
 # doubled the counters' series (worker/metrics.py does the same).
 disable_created_metrics()
@@ -32,8 +33,8 @@ def route_of(path: str) -> str:
     if path.startswith("/v1/results/"):
         return "results"
     return {"/v1/decide": "decide", "/v1/decide/batch": "decide_batch", "/v1/requests": "requests",
-            "/health": "health", "/ready": "ready", "/metrics": "metrics", "/docs": "docs",
-            "/openapi.json": "docs"}.get(path, "other")
+            "/health": "health", "/ready": "ready", "/info": "info", "/metrics": "metrics", "/docs": "docs",
+            "/redoc": "docs", "/openapi.json": "docs"}.get(path, "other")
 
 
 class Metrics:
@@ -90,9 +91,10 @@ class Front:
                 end_span(status[0])
             gauge.dec()
             self._give_back(state)  # a call cut short, or one that failed before its last byte
-            lane = state.get("lane", "")
+            lane, seconds = state.get("lane", ""), time.perf_counter() - started
             self.metrics.calls.labels(route, lane, str(status[0])).inc()
-            self.metrics.seconds.labels(route, lane).observe(time.perf_counter() - started)
+            self.metrics.seconds.labels(route, lane).observe(seconds)
+            logs.called(scope, status[0], seconds, route in PUBLIC, state)
 
     def _span(self, scope: Scope, route: str) -> Any:
         """Start the call's span, current while it runs (its parent: the call's ``traceparent`` header; the requests
