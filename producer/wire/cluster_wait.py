@@ -152,12 +152,12 @@ def run(cluster: redis.RedisCluster, calls: Sequence[Routed], wait: int, wait_ms
             confirmed, doubt = settle(len(calls), batches, outputs, marks is not None)
         if doubt is None:
             return confirmed
-        if attempt == attempts - 1:
-            raise _raised(doubt)
-        try:
+        try:  # a new slot map for the next attempt, or the caller's next call
             cluster.nodes_manager.initialize()
         except (redis.RedisError, RedisClusterException):
             pass  # no node answered: the next attempt finds out
+        if attempt == attempts - 1:
+            raise _raised(doubt)
         time.sleep(_pause(attempt))
     raise AssertionError("unreachable")
 
@@ -194,11 +194,11 @@ async def arun(cluster: Any, calls: Sequence[Routed], wait: int, wait_ms: int = 
             confirmed, doubt = settle(len(calls), batches, outputs, marks is not None)
         if doubt is None:
             return confirmed
-        if attempt == attempts - 1:
-            raise _raised(doubt)
         try:
             await cluster.nodes_manager.initialize()
         except (redis.RedisError, RedisClusterException):
             pass
+        if attempt == attempts - 1:
+            raise _raised(doubt)
         await asyncio.sleep(_pause(attempt))
     raise AssertionError("unreachable")
