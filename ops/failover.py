@@ -13,11 +13,17 @@ replica is promoted and the old primary comes back as its replica. Then a checke
 - ``workers``: workers that exited or were not ready again at the end (wedged).
 
     python ops/failover.py --failovers 20 --wait-replicas 0 1 --out failover.md    # every kind, both modes
+    python ops/failover.py --cluster --failovers 20 --wait-replicas 0 1             # Redis Cluster, kill -9
+    python ops/failover.py --cluster --kinds unsynced --failovers 5                 # killed during a resync
 
-With ``--kinds none`` (and in every full run) a run without failures measures what durability costs: throughput,
-enqueue and end-to-end p50/p99 with N = 0 against N = 1, and the Redis commands per request (INFO commandstats).
+``--cluster``: a Redis Cluster of three primaries with a replica each instead, the primary of shard 0's work
+streams killed (-9) with its replica in sync (``kill``), or during the replica's first sync (``unsynced``). With
+``--kinds none`` (and in every full run) a run without failures measures what durability costs: throughput,
+enqueue and end-to-end p50/p99 with N = 0 against N = 1, and the Redis commands per request (INFO commandstats,
+summed over a cluster's primaries); ``--cost`` measures only that, N = 0 and N = 1 in turn on one server set.
 tests/redis/test_failover.py runs a short version of the same code on each server. What fails is
-ops/failover_deployments.py's; the producers and the checker are ops/failover_load.py's.
+ops/failover_deployments.py's (Sentinel) and ops/failover_cluster.py's; the producers and the checker are
+ops/failover_load.py's.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 
-from ops.failover_deployments import KINDS, Clustered, Replicated, Worker  # noqa: E402
+from ops.failover_cluster import Clustered  # noqa: E402
+from ops.failover_deployments import KINDS, Replicated, Worker  # noqa: E402
 from ops.failover_load import COUNTED, Run, check, commandstats, produce  # noqa: E402
 from producer.local.binaries import Binary, find, probe  # noqa: E402
 from producer.wire.library import REVISION_FUNCTION  # noqa: E402
@@ -49,11 +56,11 @@ WORKER_FLAGS = {"claim_idle_ms": 2000, "read_count": 16, "max_inflight": 64, "ma
 def one_run(cluster: Replicated | Clustered, workers: list[Worker], kind: str, wait_replicas: int, failovers: int,
             producers: int = 4, batch: int = 5, gap_s: float = 1.5, duration_s: float = 20.0,
             drain_s: float = 60.0) -> Run:
-    """Load, ``failovers`` failures of ``kind`` (``mixed``: each kind in turn; ``none``: ``duration_s`` of load
-    without), then the checker."""
+    """Load, ``failovers`` failures of ``kind`` (``mixed``: each of the topology's kinds in turn; ``none``:
+    ``duration_s`` of load without), then the checker."""
     run, stop, lock = Run(kind, wait_replicas, cluster.cluster), threading.Event(), threading.Lock()
     prefix = f"{kind}-{wait_replicas}-{time.time_ns()}"
-    before = commandstats(cluster.client()) if kind == "none" and not cluster.cluster else {}
+    before = commandstats(cluster.client()) if kind == "none" else {}
     threads = [threading.Thread(target=produce, args=(cluster.url, run, f"{prefix}-{p}", stop, lock, batch),
                                 daemon=True) for p in range(producers)]
     started = time.monotonic()
@@ -63,7 +70,7 @@ def one_run(cluster: Replicated | Clustered, workers: list[Worker], kind: str, w
         time.sleep(duration_s)
     for number in range(failovers if kind != "none" else 0):
         time.sleep(gap_s)
-        run.failovers.append(cluster.fail(KINDS[number % len(KINDS)] if kind == "mixed" else kind))
+        run.failovers.append(cluster.fail(cluster.KINDS[number % len(cluster.KINDS)] if kind == "mixed" else kind))
     time.sleep(gap_s)
     stop.set()
     for thread in threads:
@@ -85,15 +92,17 @@ def one_run(cluster: Replicated | Clustered, workers: list[Worker], kind: str, w
 
 
 def cost(checkpoint: Path, binary: Binary | None = None, rounds: int = 3, phase_s: float = 15.0,
-         logs: Path | None = None) -> list[Run]:
-    """What durability costs, in one run: one server set, two workers with ``--wait-replicas 0`` and two with 1,
-    each pair on a namespace of its own, loaded in turn (``rounds`` phases of ``phase_s`` seconds each, N = 0 then
-    N = 1), no failures. Returns one Run per N, the phases' figures together."""
+         logs: Path | None = None, clustered: bool = False) -> list[Run]:
+    """What durability costs, in one run: one server set (Sentinel's, or a Redis Cluster), two workers with
+    ``--wait-replicas 0`` and two with 1, each pair on a namespace of its own, loaded in turn (``rounds`` phases of
+    ``phase_s`` seconds each, N = 0 then N = 1), no failures. Returns one Run per N, the phases' figures together
+    (Redis calls summed over a cluster's primaries)."""
     logs = logs or Path(tempfile.mkdtemp(prefix="dq-failover-"))
-    cluster = Replicated(binary).start()
+    cluster = (Clustered if clustered else Replicated)(binary).start()
+    extra = {"redis_cluster": True} if clustered else {}
     workers = [Worker(checkpoint, cluster.url, logs / f"cost-{n}-{i}.log", wait_replicas=n, namespace=f"n{n}",
-                      **WORKER_FLAGS) for n in (0, 1) for i in range(2)]
-    runs = {n: Run("none", n, namespace=f"n{n}") for n in (0, 1)}
+                      **extra, **WORKER_FLAGS) for n in (0, 1) for i in range(2)]
+    runs = {n: Run("none", n, cluster.cluster, namespace=f"n{n}") for n in (0, 1)}
     try:
         if not all(w.wait_ready() for w in workers):
             raise RuntimeError(f"a worker did not start: see {logs}")
@@ -131,9 +140,9 @@ def session(checkpoint: Path, plans: list[tuple[str, int, int]], binary: Binary 
     logs = logs or Path(tempfile.mkdtemp(prefix="dq-failover-"))
     for wait_replicas in sorted({n for _, n, _ in plans}):
         cluster = (Clustered if clustered else Replicated)(binary).start()
-        extra = {"redis_cluster": True} if clustered else {"wait_replicas": wait_replicas}
-        workers = [Worker(checkpoint, cluster.url, logs / f"worker-{wait_replicas}-{i}.log", **extra, **WORKER_FLAGS)
-                   for i in range(2)]
+        extra = {"redis_cluster": True} if clustered else {}
+        workers = [Worker(checkpoint, cluster.url, logs / f"worker-{wait_replicas}-{i}.log", **extra,
+                          wait_replicas=wait_replicas, **WORKER_FLAGS) for i in range(2)]
         try:
             if not all(w.wait_ready() for w in workers):
                 raise RuntimeError(f"a worker did not start: see {logs}")
@@ -167,26 +176,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", help="redis-server or valkey-server binary (default: producer/local/binaries.py's)")
     parser.add_argument("--checkpoint", help="checkpoint directory (default: a tiny random one, written here)")
     parser.add_argument("--failovers", type=int, default=20, help="failures of each kind per run [20]")
-    parser.add_argument("--kinds", nargs="+", default=["none", *KINDS], choices=["none", *KINDS])
+    parser.add_argument("--kinds", nargs="+", choices=["none", "mixed", *KINDS, *Clustered.KINDS],
+                        help="failures (Sentinel: none kill stop planned, the default; Cluster: kill, the default, "
+                             "and unsynced)")
     parser.add_argument("--wait-replicas", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of the run without failures [30]")
     parser.add_argument("--out", help="append the table (Markdown) to this file")
     parser.add_argument("--cost", action="store_true",
                         help="only what durability costs: N = 0 and N = 1 in turn on one server set, no failures")
     parser.add_argument("--cluster", action="store_true",
-                        help="Redis Cluster (3 primaries, a replica each) instead of Sentinel: kill -9 only, "
-                             "--wait-replicas 0 only (durable mode is not supported on Cluster)")
+                        help="Redis Cluster (3 primaries, a replica each) instead of Sentinel")
     args = parser.parse_args(argv)
     binary = probe(args.server) if args.server else None
     checkpoint = Path(args.checkpoint) if args.checkpoint else Path(tempfile.mkdtemp(prefix="dq-tiny-")) / "tiny"
     if not args.checkpoint:
         subprocess.run([sys.executable, "-m", "worker", "tiny-checkpoint", str(checkpoint)], cwd=ROOT, check=True,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL)
-    plans = [(kind, n, args.failovers) for n in args.wait_replicas for kind in args.kinds]
-    if args.cluster:
-        plans = [("kill", 0, args.failovers)]
-    runs = cost(checkpoint, binary) if args.cost else session(checkpoint, plans, binary, clustered=args.cluster,
-                                                              duration_s=args.duration)
+    kinds = args.kinds or (["kill"] if args.cluster else ["none", *KINDS])
+    if not set(kinds) <= {"none", "mixed", *(Clustered if args.cluster else Replicated).KINDS}:
+        parser.error(f"--kinds {' '.join(kinds)}: not failures of {'Cluster' if args.cluster else 'Sentinel'}")
+    plans = [(kind, n, args.failovers) for n in args.wait_replicas for kind in kinds]
+    runs = cost(checkpoint, binary, clustered=args.cluster) if args.cost else session(
+        checkpoint, plans, binary, clustered=args.cluster, duration_s=args.duration)
     text = table(runs, f"{(binary or find()).label}{', Redis Cluster' if args.cluster else ', Sentinel'}, "
                        f"{time.strftime('%Y-%m-%d')}, `python ops/failover.py {' '.join(sys.argv[1:])}`")
     print(text)

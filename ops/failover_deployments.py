@@ -1,7 +1,7 @@
-"""What ops/failover.py makes fail: a primary with a replica and three sentinels on loopback (``Replicated``), a
-Redis Cluster of primaries with a replica each (``Clustered``), and the CPU worker processes that serve through them
-(``Worker``). Each topology's ``fail(kind)`` makes its primary fail one of ``KINDS`` and returns the seconds until a
-new primary serves.
+"""What ops/failover.py makes fail: a primary with a replica and three sentinels on loopback (``Replicated``; a
+Redis Cluster is ops/failover_cluster.py's ``Clustered``), and the CPU worker processes that serve through them
+(``Worker``). Each topology's ``fail(kind)`` makes its primary fail one of its ``KINDS`` and returns the seconds until
+a new primary serves.
 """
 
 from __future__ import annotations
@@ -20,25 +20,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
-from redis.crc import key_slot  # noqa: E402
 
 from producer.local.binaries import Binary, find  # noqa: E402
 from producer.local.ports import free_port  # noqa: E402
 from producer.local.server import RedisServer  # noqa: E402
 
 SERVICE = "dq"
-SLOTS = 16384
 DOWN_AFTER_MS = 1000  # the sentinels' down-after-milliseconds: a frozen primary is frozen for twice that
 KINDS = ("kill", "stop", "planned")
 
 
 class Replicated:
-    """A primary, a replica and three sentinels on loopback, the nodes' roles followed through failovers."""
+    """A primary, a replica and three sentinels on loopback, the nodes' roles followed through failovers.
+    ``sentinel_password``: the sentinels require it (``requirepass``, and among themselves ``sentinel-pass``)."""
 
     cluster = False
+    KINDS = KINDS
 
-    def __init__(self, binary: Binary | None = None) -> None:
+    def __init__(self, binary: Binary | None = None, sentinel_password: str | None = None) -> None:
         self.binary = binary or find()
+        self.sentinel_password = sentinel_password
         self.nodes = [RedisServer(binary=self.binary)]
         self.nodes.append(RedisServer("--replicaof", "127.0.0.1", str(self.nodes[0].port), binary=self.binary))
         self.sentinel_ports = [free_port() for _ in range(3)]
@@ -57,7 +58,9 @@ class Replicated:
             conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {self.directory}\n"
                             f"sentinel monitor {SERVICE} 127.0.0.1 {self.nodes[0].port} 2\n"
                             f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
-                            f"sentinel failover-timeout {SERVICE} 5000\n")
+                            f"sentinel failover-timeout {SERVICE} 5000\n" + (
+                                f"requirepass {self.sentinel_password}\nsentinel sentinel-pass "
+                                f"{self.sentinel_password}\n" if self.sentinel_password else ""))
             log = open(self.directory / f"sentinel-{port}.log", "ab")
             self.sentinels.append(subprocess.Popen([self.binary.path, str(conf), "--sentinel"], stdout=log,
                                                    stderr=subprocess.STDOUT))
@@ -65,7 +68,8 @@ class Replicated:
         return self
 
     def sentinel(self, port: int) -> redis.Redis:
-        return redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1, decode_responses=True)
+        return redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1, decode_responses=True,
+                           password=self.sentinel_password)
 
     def primary(self) -> RedisServer:
         """The node every sentinel names as the primary (waits until they agree)."""
@@ -138,106 +142,6 @@ class Replicated:
                 node.resume()
             node.__exit__()
         shutil.rmtree(self.directory, ignore_errors=True)
-
-
-class Clustered:
-    """Redis Cluster: three primaries with one replica each on loopback. A failure kills (-9) the primary of shard
-    0's work streams; the cluster promotes its replica; the old node restarts and rejoins as that one's replica."""
-
-    cluster = True
-
-    def __init__(self, binary: Binary | None = None) -> None:
-        self.binary = binary or find()
-        self.buses = [free_port() for _ in range(6)]  # distinct, though none is bound before the nodes start
-        # validity factor 0: a replica always stands for election (a replica of an idle primary can otherwise find
-        # its data "too old" and nobody is promoted: seen here on Redis 7.0)
-        self.nodes = [RedisServer("--cluster-port", str(bus), "--cluster-node-timeout", "2000",
-                                  "--cluster-replica-validity-factor", "0", binary=self.binary, cluster=True)
-                      for bus in self.buses]
-
-    @property
-    def url(self) -> str:
-        return self.nodes[0].url
-
-    def _ask(self, node: RedisServer, *command: object) -> object:
-        return redis.Redis(port=node.port, socket_timeout=1, decode_responses=True).execute_command(*command)
-
-    def start(self) -> Clustered:
-        for node in self.nodes:
-            node.start()
-        share = SLOTS // 3
-        for i, node in enumerate(self.nodes[:3]):
-            self._ask(node, "CLUSTER", "ADDSLOTSRANGE", i * share, SLOTS - 1 if i == 2 else (i + 1) * share - 1)
-        for node, bus in zip(self.nodes[1:], self.buses[1:]):
-            self._ask(self.nodes[0], "CLUSTER", "MEET", "127.0.0.1", node.port, bus)
-        deadline = time.monotonic() + 30
-        while any(len(str(self._ask(n, "CLUSTER", "NODES")).splitlines()) < 6 for n in self.nodes):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the cluster's nodes did not meet")
-            time.sleep(0.05)
-        for primary, replica in zip(self.nodes[:3], self.nodes[3:]):
-            self._ask(replica, "CLUSTER", "REPLICATE", self._ask(primary, "CLUSTER", "MYID"))
-        self.wait_stable()
-        return self
-
-    def _view(self) -> list[list[str]]:
-        """CLUSTER NODES of a live node, one split line per node."""
-        for node in self.nodes:
-            try:
-                return [line.split() for line in str(self._ask(node, "CLUSTER", "NODES")).splitlines()]
-            except redis.RedisError:
-                continue
-        raise redis.ConnectionError("no node answers")
-
-    def wait_stable(self, timeout: float = 60.0) -> RedisServer:
-        """Wait until every node says ``cluster_state:ok`` and each of the three primaries has a replica in sync."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                view = self._view()
-                primaries = [row for row in view if "master" in row[2] and "fail" not in row[2] and len(row) > 8]
-                replicas = [row for row in view if "slave" in row[2] and "fail" not in row[2] and row[7] == "connected"]
-                ok = all("cluster_state:ok" in str(self._ask(n, "CLUSTER", "INFO")) for n in self.nodes)
-                if ok and len(primaries) == 3 and {r[3] for r in replicas} >= {p[0] for p in primaries}:
-                    return self.owner()
-            except redis.RedisError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("the cluster did not become stable")
-
-    def owner(self) -> RedisServer:
-        """The primary of shard 0's work streams' slot."""
-        slot = key_slot(b"{s0}")
-        for row in self._view():
-            if "master" in row[2] and "fail" not in row[2]:
-                for part in row[8:]:
-                    low, _, high = part.partition("-")
-                    if part[0] != "[" and int(low) <= slot <= int(high or low):
-                        return next(n for n in self.nodes if f":{n.port}@" in row[1])
-        raise LookupError("no primary owns shard 0")
-
-    def fail(self, kind: str) -> float:
-        old = self.owner()
-        start = time.monotonic()
-        old.stop(kill=True)
-        while time.monotonic() - start < 30:
-            try:
-                if self.owner() is not old:
-                    break
-            except (LookupError, redis.RedisError):
-                pass
-            time.sleep(0.05)
-        took = time.monotonic() - start
-        old.start()  # its nodes.conf names the cluster: it rejoins as the promoted node's replica
-        self.wait_stable()
-        return took
-
-    def client(self) -> redis.RedisCluster:
-        return redis.RedisCluster(host="127.0.0.1", port=self.wait_stable().port)
-
-    def close(self) -> None:
-        for node in self.nodes:
-            node.__exit__()
 
 
 class Worker:

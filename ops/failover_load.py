@@ -21,7 +21,8 @@ from producer.client import Client, NotDurable, ResultTimeout  # noqa: E402
 from producer.wire.keys import Field, Keys  # noqa: E402
 from producer.wire.result import Result  # noqa: E402
 
-COUNTED = ("fcall", "wait", "publish", "xread", "xrange", "xreadgroup", "xack", "xdel")  # commands per request
+# commands per request (set: on Redis Cluster in durable mode, a reader's mark after its reads)
+COUNTED = ("fcall", "wait", "publish", "set", "xread", "xrange", "xreadgroup", "xack", "xdel")
 RESULT_WAIT_S = 60.0  # how long a producer waits for a batch's results before it moves on
 
 
@@ -167,5 +168,13 @@ def check(primary: redis.Redis, run: Run, drain_s: float) -> None:
         run.changed += len({answer(body) for body in now}) > 1
 
 
-def commandstats(primary: redis.Redis) -> dict[str, int]:
-    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in primary.info("commandstats").items()}
+def commandstats(primary: redis.Redis | redis.RedisCluster) -> dict[str, int]:
+    """Calls of each command since the server started; on a cluster, summed over its primaries."""
+    if not isinstance(primary, redis.RedisCluster):
+        return {name.removeprefix("cmdstat_"): int(value["calls"])
+                for name, value in primary.info("commandstats").items()}
+    total: dict[str, int] = {}
+    for node in primary.get_primaries():
+        for name, calls in commandstats(primary.get_redis_connection(node)).items():
+            total[name] = total.get(name, 0) + calls
+    return total

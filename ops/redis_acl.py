@@ -11,7 +11,8 @@ functions run, on exactly those keys. Selectors (the parenthesised groups) give 
 - producer: FCALL the submit function on request streams, either lane's (and the XADD, XLEN it runs),
   XREAD/XRANGE results and reply streams. It cannot read request streams, consume, delete, write results, or run
   its own Lua. It may read the heartbeat hash (whether any worker is alive), nothing else of the workers'. Durable
-  mode: WAIT, and PUBLISH on one channel nobody reads (``Keys.durable``: what a reader's WAIT covers).
+  mode: WAIT, and PUBLISH on one channel nobody reads (``Keys.durable``: what a reader's WAIT covers); on Redis
+  Cluster, where PUBLISH is not replicated, SET of the short-lived read marks instead (``Keys.durable_mark``).
 - worker: the group commands on the work streams (both lanes'); XADD to part and dead-letter streams; SET/GET
   stored bodies; the heartbeat hash; the publish and part functions and what they run on per-request keys and reply
   streams; WAIT (durable mode). No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work
@@ -50,7 +51,7 @@ ROLES = {
         "{connect} +fcall +xadd +xlen ~{requests} ~{high_requests} "
         "(+xread +xrange %R~{results} %R~{replies}) "
         "(+hgetall %R~{workers}) "  # live workers: a wait with none says so at once
-        "+wait +publish &{durable}"  # durable mode: WAIT, and the empty PUBLISH a reader's WAIT covers
+        "+wait +publish &{durable} (+set %W~{marks})"  # durable mode: WAIT, and what a reader's WAIT covers
     ),
     "worker": (
         "{connect} +wait +fcall +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|createconsumer +xgroup|delconsumer "
@@ -86,7 +87,7 @@ def patterns(namespace: str) -> dict[str, str]:
     return {"requests": every.requests, "high_requests": every.requests_in(HIGH), "part_stream": every.parts,
             "high_part_stream": every.parts_in(HIGH), "dead": every.dead, "results": every.result(ANY),
             "shares": every.shares(ANY), "bodies": every.body(ANY), "replies": every.reply_prefix + ANY,
-            "workers": every.workers(), "durable": every.durable()}
+            "workers": every.workers(), "durable": every.durable(), "marks": every.durable_mark(ANY)}
 
 
 def password_hash(password: str) -> str:

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             check_reachable(deployment)
         with Client(deployment.url, deployment.namespace, cluster=deployment.cluster, shards=deployment.shards,
                     wait_replicas=deployment.wait_replicas, max_unfinished=getattr(args, "max_unfinished", 0),
-                    **deployment.tls_files(), **options) as client:
+                    **deployment.options(), **options) as client:
             return args.run(args, client)
     except redis.RedisError as error:
         print(f"dq-producer: Redis at {deployment.safe_url}: {error}", file=sys.stderr)

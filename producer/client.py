@@ -12,15 +12,14 @@ from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
-
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from . import arrivals, stats
-from .plans import (NO_WORKER_S, Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull,
-                   ResultTimeout, Step, Submittable, WrongResult, prepare)
-from .wire import library, sentinel
+from .plans import (NO_WORKER_S, Function, InvalidRequest, Load, PerNode, Pipeline, Plan, Prepared, Producer,
+                    QueueFull, ResultTimeout, Step, Submittable, WrongResult, prepare)
+from .wire import cluster_wait, library, sentinel
 from .wire.connection import WAIT_MS, Deployment, aconnect, connect
 from .wire.errors import DecisionQueueError, NotDurable, RedisUnreachable
 from .wire.keys import Keys
@@ -63,7 +62,7 @@ class _Face:
                  wait_replicas: int | None = None, no_worker_s: float | None = NO_WORKER_S, **options: Any) -> None:
         self.deployment = Deployment.resolve(url=url, namespace=namespace, cluster=cluster, shards=shards,
                                              wait_replicas=wait_replicas)
-        self._options = {**self.deployment.tls_files(), **options}
+        self._options = {**self.deployment.options(), **options}
         self._given = connection is not None
         try:  # a cluster client connects here already
             self.redis = connection or self._connect(self.deployment.url, self.deployment.cluster, **self._options)
@@ -129,8 +128,9 @@ class Client(_Face):
         """Live workers of the namespace (a heartbeat in the last 30 s); None when the user may not look."""
         return self._run(self.core.live_workers())
 
-    def close(self) -> None:
-        self.redis.close()
+    def close(self) -> None:  # a given connection is its owner's to close
+        if not self._given:
+            self.redis.close()
 
     def __enter__(self) -> Client:
         return self
@@ -180,6 +180,8 @@ class Client(_Face):
         return reply
 
     def _send(self, step: Step) -> Any:
+        if isinstance(step, PerNode):  # durable mode on Redis Cluster: a pipeline and a WAIT per primary
+            return cluster_wait.run(self.redis, step.calls, step.wait, WAIT_MS, step.marks)
         if isinstance(step, Function) and step.wait:  # WAIT counts its connection's writes: one pipeline
             with self.redis.pipeline(transaction=False) as pipe:
                 return pipe.fcall(step.name, len(step.keys), *step.keys, *step.args).wait(step.wait, WAIT_MS).execute()
@@ -199,6 +201,7 @@ class AsyncClient(_Face):
     """The asyncio producer: ``Client``'s methods, awaited."""
 
     _connect = staticmethod(aconnect)
+    _once: Any = None  # durable mode on Redis Cluster: a client that never retries (cluster_wait.arun)
 
     async def submit(self, request: Submittable) -> str:
         return (await self.submit_many([request]))[0]
@@ -228,8 +231,11 @@ class AsyncClient(_Face):
     async def live_workers(self) -> int | None:
         return await self._run(self.core.live_workers())
 
-    async def close(self) -> None:
-        await self.redis.aclose()
+    async def close(self) -> None:  # a given connection is its owner's; the client of its own is closed
+        if not self._given:
+            await self.redis.aclose()
+        if self._once is not None:
+            await self._once.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -278,6 +284,9 @@ class AsyncClient(_Face):
         return reply
 
     async def _send(self, step: Step) -> Any:
+        if isinstance(step, PerNode):  # on a client of its own that never re-sends a command by itself
+            self._once = self._once or cluster_wait.once(self.deployment.url, self._options)
+            return await cluster_wait.arun(self._once, step.calls, step.wait, WAIT_MS, step.marks)
         if isinstance(step, Function) and step.wait:
             async with self.redis.pipeline(transaction=False) as pipe:
                 return await pipe.fcall(step.name, len(step.keys), *step.keys, *step.args).wait(step.wait,

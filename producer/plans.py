@@ -19,15 +19,15 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import redis
 from pydantic import ValidationError
 
 from .liveness import NO_WORKER_S, Liveness
-from .wire import library
+from .steps import Call, Function, Load, PerNode, Pipeline, Plan, Step  # noqa: F401 - the faces' names for them
+from .wire import cluster_wait, library
 from .wire.connection import WAIT_MS
 from .wire.errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here
 from .wire.keys import GONE_S, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
@@ -41,7 +41,6 @@ REMEMBERED = 100_000  # ids whose digest a producer keeps (for id conflicts): ab
 # A "function not found" reply means nothing ran: load the library and call again. The server may lose it again
 # in between (restarts, failovers, FUNCTION FLUSH in a row): a few tries, then the error goes to the caller.
 LOAD_TRIES = 5
-T = TypeVar("T")
 
 
 class Prepared(NamedTuple):
@@ -79,43 +78,6 @@ def prepare(request: Submittable, max_bytes: int = MAX_BODY_BYTES) -> Prepared:
     if len(body.encode()) > max_bytes:
         raise InvalidRequest(f"request is {len(body.encode())} bytes, over the {max_bytes}-byte limit")
     return Prepared(parsed.id, body, Priority(parsed.priority or NORMAL), digest(parsed))
-
-
-@dataclass(frozen=True)
-class Call:
-    """One Redis command: the redis-py method and its arguments."""
-
-    method: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """Commands sent in one round trip (no transaction); the reply is the list of their replies."""
-
-    calls: list[Call]
-    wait: int = 0  # durable mode: its last call is a WAIT for this many replicas
-
-
-@dataclass(frozen=True)
-class Function:
-    """A call of one function of the library (``FCALL``)."""
-
-    name: str
-    keys: list[str]
-    args: list[Any]
-    wait: int = 0  # durable mode: sent with a WAIT for this many replicas; the reply is [its reply, replicas]
-
-
-@dataclass(frozen=True)
-class Load:
-    """Load the function library if the server has none (``library.ensure``): the reply is a ``library.Loaded``,
-    or ``library.LibraryUnavailable`` is thrown in."""
-
-
-Step = Call | Pipeline | Function | Load
-Plan = Generator[Step, Any, T]
 
 
 def parse_result(fields: Mapping[bytes, bytes], request_id: str) -> Result:
@@ -188,11 +150,11 @@ class Producer:
         args = [self.max_unfinished, *(value for item in batch for value in (item.id, item.body))]
         for attempt in range(LOAD_TRIES):
             try:
-                reply = yield Function(library.SUBMIT, [stream], args, self.wait_replicas)
-                if self.wait_replicas and reply[1] < self.wait_replicas:
-                    raise NotDurable(f"{len(batch)} requests enqueued on the primary, but {reply[1]} of "
+                replicas = yield from self._write(library.SUBMIT, [stream], args)
+                if self.wait_replicas and replicas < self.wait_replicas:
+                    raise NotDurable(f"{len(batch)} requests enqueued on the primary, but {replicas} of "
                                      f"{self.wait_replicas} replicas confirmed them: submit them again under the same "
-                                     f"ids", [item.id for item in batch], reply[1], self.wait_replicas)
+                                     f"ids", [item.id for item in batch], replicas, self.wait_replicas)
                 return
             except redis.ResponseError as error:
                 text = str(error)
@@ -204,6 +166,17 @@ class Producer:
                 if text.startswith("INVALID"):  # the function's checks are the schema's: a bug of one or the other
                     raise InvalidRequest(text[len("INVALID "):]) from None
                 raise
+
+    def _write(self, name: str, keys: list[str], args: list[Any]) -> Plan[int]:
+        """A function call that writes; in durable mode, how many replicas confirmed it: a WAIT after it in one
+        pipeline on one Redis, on the primary of its keys' slot on Redis Cluster. A refusal is raised."""
+        if self.cluster and self.wait_replicas:
+            sent = yield PerNode([cluster_wait.fcall(name, keys, args)], self.wait_replicas)
+            if isinstance(sent.replies[0], BaseException):
+                raise sent.replies[0]
+            return sent.replicas[0]
+        reply = yield Function(name, keys, args, self.wait_replicas)
+        return reply[1] if self.wait_replicas else 0
 
     def fetch(self, request_id: str) -> Plan[Result | None]:
         """The result if it is there (non-blocking)."""
@@ -253,8 +226,8 @@ class Producer:
                     look.append(request_id)
                 else:
                     done[request_id] = parse_result(entries[0][1], request_id)
-            if self.cluster and reply:  # one key per read there: when the oldest lands, look at the rest
-                look = missing[1:]
+            if self.cluster and reply:  # one key per read there: when the oldest lands, look at the rest (and, in
+                look = missing if self.wait_replicas else missing[1:]  # durable mode, at it, confirmed)
         return {r: checked(done[r]) for r in waiting}
 
     def live_workers(self) -> Plan[int | None]:
@@ -270,17 +243,31 @@ class Producer:
     def present(self, request_ids: list[str]) -> Plan[dict[str, Result]]:
         """The results already there, in one round trip (one key per command: fine on Redis Cluster too). Durable
         mode: with, on the same connection, an empty PUBLISH (replicated after what was read) and a WAIT for it, so
-        that a result is returned only once the replicas asked for have it; NotDurable names those they lack."""
+        that a result is returned only once the replicas asked for have it; NotDurable names those they lack. On
+        Redis Cluster each primary's reads are confirmed apart (``PerNode``), and only the ids on a primary whose
+        replicas fell short are named."""
         if not request_ids:
             return {}
-        calls = [Call("xrange", (self.keys.result(r),), {"count": 1}) for r in request_ids]
-        if self.wait_replicas:
-            calls += [Call("publish", (self.keys.durable(), "")), Call("wait", (self.wait_replicas, WAIT_MS))]
-        replies = yield Pipeline(calls, self.wait_replicas)
+        keys = [self.keys.result(r) for r in request_ids]
+        if self.cluster and self.wait_replicas:
+            sent = yield PerNode([cluster_wait.Routed(key, ("XRANGE", key, "-", "+", "COUNT", 1)) for key in keys],
+                                 self.wait_replicas, self.keys)
+            for reply in sent.replies:
+                if isinstance(reply, BaseException):
+                    raise reply
+            replies, counts = sent.replies, sent.replicas
+        else:
+            calls = [Call("xrange", (key,), {"count": 1}) for key in keys]
+            if self.wait_replicas:
+                calls += [Call("publish", (self.keys.durable(), "")), Call("wait", (self.wait_replicas, WAIT_MS))]
+            replies = yield Pipeline(calls, self.wait_replicas)
+            counts = [replies[-1] if self.wait_replicas else 0] * len(request_ids)
         found = {r: parse_result(reply[0][1], r) for r, reply in zip(request_ids, replies) if reply}
-        if self.wait_replicas and found and replies[-1] < self.wait_replicas:
-            raise NotDurable(f"{len(found)} results are on the primary, but {replies[-1]} of {self.wait_replicas} "
-                             f"replicas confirmed them: not returned yet", list(found), replies[-1],
+        short = [(r, n) for r, n in zip(request_ids, counts) if r in found and n < self.wait_replicas]
+        if short:
+            fewest = min(n for _, n in short)
+            raise NotDurable(f"{len(short)} results are on their primary, but {fewest} of {self.wait_replicas} "
+                             f"replicas confirmed them: not returned yet", [r for r, _ in short], fewest,
                              self.wait_replicas)
         return found
 

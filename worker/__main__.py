@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from producer import __version__
-from producer.wire.connection import Deployment
+from producer.wire.connection import WAIT_MS, Deployment
 from producer.wire.keys import PROTOCOL
 from producer.wire.supported import UnsupportedServer
 
@@ -37,26 +37,60 @@ def _load_functions(args: argparse.Namespace) -> int:
     from producer.wire.supported import UnsupportedServer, check
 
     try:
-        deployment = Deployment.resolve(url=args.url, cluster=args.cluster or None, tls_ca=args.tls_ca,
-                                        tls_cert=args.tls_cert, tls_key=args.tls_key, namespace=args.namespace,
-                                        shards=args.shards)
+        deployment = Deployment.resolve(**{name: getattr(args, name) for name in Deployment.FLAGS})
     except ValueError as error:
         print(f"dq-worker load-functions: error: {error}", file=sys.stderr)
         return 2
     try:
-        client = connect(deployment.url, deployment.cluster, **deployment.tls_files())
+        client = connect(deployment.url, deployment.cluster, **deployment.options())
         try:
             check(client, deployment.safe_url)
             loaded = library.ensure(client)
             created = _create_groups(client, deployment)
+            short = _short_of_replicas(client, deployment) if deployment.wait_replicas else []
         finally:
             client.close()
     except (library.LibraryUnavailable, UnsupportedServer, redis.RedisError) as error:
         print(f"dq-worker load-functions: {deployment.safe_url}: {error}", file=sys.stderr)
         return 1
     print(f"{library.LIBRARY} revision {loaded.revision} {loaded.action} on {deployment.safe_url}; "
-          f"{created} of {4 * deployment.shards} work streams' consumer group created (the rest were there)")
-    return 0
+          f"{created} of {4 * deployment.shards} work streams' consumer group created (the rest were there)"
+          + (f"; {deployment.wait_replicas} replicas of every primary have both" if deployment.wait_replicas
+             and not short else ""))
+    if short:
+        print(f"dq-worker load-functions: {deployment.safe_url}: loaded, but fewer than {deployment.wait_replicas} "
+              f"replicas confirmed within {WAIT_MS} ms on {', '.join(short)}", file=sys.stderr)
+    return 1 if short else 0
+
+
+def _short_of_replicas(client: Any, deployment: Deployment) -> list[str]:
+    """``--wait-replicas N``: on each primary, a write after the library and the groups (a mark that lives 10 s),
+    then a WAIT on the same connection: a replica that confirms it has everything the primary had before it. (A WAIT
+    alone proves nothing where nothing was written: the library was there already.) The primaries that fell short,
+    each with its count; a refusal is raised."""
+    import redis
+
+    from producer.wire import cluster_wait
+    from producer.wire.keys import Keys
+
+    keys, wanted = Keys(deployment.namespace), deployment.wait_replicas
+    if not isinstance(client, redis.RedisCluster):
+        with client.pipeline(transaction=False) as pipe:
+            pipe.set(keys.durable_mark("load"), "", px=cluster_wait.MARK_TTL_MS).wait(wanted, WAIT_MS)
+            confirmed = pipe.execute()[-1]
+        return [] if confirmed >= wanted else [f"the primary ({confirmed})"]
+    marks: dict[str, str] = {}  # a key in a slot of each primary
+    for number in range(100_000):
+        key = keys.durable_mark(f"load-{number}")
+        marks.setdefault(client.get_node_from_key(key).name, key)
+        if len(marks) == len(client.get_primaries()):
+            break
+    sent = cluster_wait.run(client, [cluster_wait.Routed(key, ("SET", key, "", "PX", cluster_wait.MARK_TTL_MS))
+                                     for key in marks.values()], wanted)
+    for reply in sent.replies:
+        if isinstance(reply, BaseException):
+            raise reply
+    return [f"{node} ({count})" for node, count in zip(marks, sent.replicas) if count < wanted]
 
 
 def _create_groups(client: Any, deployment: Any) -> int:
@@ -113,16 +147,17 @@ def parser() -> argparse.ArgumentParser:
 
     load_cmd = commands.add_parser(
         "load-functions", help="load the function library producers and workers call (an admin's Redis URL)")
-    for name in ("url", "cluster", "tls_ca", "tls_cert", "tls_key", "namespace", "shards"):
-        flags, metavar, text = Deployment.FLAGS[name]  # the same flags as serve and dq-producer
+    for name, (flags, metavar, text) in Deployment.FLAGS.items():  # the same flags as serve and dq-producer
         text += " (a user that may FUNCTION LOAD: admin)" if name == "url" else ""
         text += ": load on every primary" if name == "cluster" else ""
         text = "stream shards of the deployment: each one's work streams and consumer group are created" \
             if name == "shards" else text
+        text = ("exit 1 unless N replicas of every primary confirm the library and the groups (a write, then WAIT)"
+                if name == "wait_replicas" else text)
         default = repr(getattr(Deployment(), name)) if name != "cluster" else "off"
         env = Deployment.ENV[name]
         kind = ({"action": "store_true"} if name == "cluster" else {"metavar": metavar, "type": int}
-                if name == "shards" else {"metavar": metavar})
+                if name in ("shards", "wait_replicas") else {"metavar": metavar})
         load_cmd.add_argument(*flags, dest=name, default=None, help=f"{text} [env {env}, default {default}]", **kind)
     load_cmd.set_defaults(run=_load_functions)
     return top

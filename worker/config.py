@@ -17,6 +17,7 @@ from typing import Any
 
 from producer.wire.connection import (MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT, mode_problem, redact, tls_url,
                                       url_problem)
+from producer.wire.sentinel import credentials, is_sentinel
 
 DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
 GPUS = re.compile(r"|all|cpu:[1-9][0-9]{0,2}|[0-9]{1,3}(,[0-9]{1,3})*")  # --gpus; worker/launch/launcher.py reads it
@@ -103,6 +104,9 @@ class Settings:
     redis_tls_ca: str = _opt("", "CA certificate file that verifies the Redis server (rediss://)")
     redis_tls_cert: str = _opt("", "client certificate file, when Redis requires client certificates (rediss://)")
     redis_tls_key: str = _opt("", "the client certificate's private key file (rediss://)")
+    sentinel_username: str = _opt("", "the sentinels' user, when they require one (the URL's user is the data nodes')")
+    sentinel_password: str = _opt("", "the sentinels' password, when they require one (prefer the variable: a flag "
+                                      "shows in the process list)")
     wait_replicas: int = _opt(0, "durable mode: a publication and its acknowledgement count once this many "
                                  "replicas have them (WAIT; 0: off)", low=0, high=MAX_WAIT_REPLICAS,
                             more="producers take the same flag (Client(wait_replicas=N)); docs/RELIABILITY.md, "
@@ -175,6 +179,9 @@ class Settings:
         if tls and not tls_url(self.redis_url):  # refused here, before torch loads
             problems.append((tls[0], "empty unless the Redis URL is rediss:// or rediss+sentinel:// (TLS)",
                              "a file, with a plain URL"))
+        if (self.sentinel_username or self.sentinel_password) and not is_sentinel(self.redis_url):
+            problems.append(("sentinel_username" if self.sentinel_username else "sentinel_password",
+                             "empty unless the Redis URL is redis+sentinel:// or rediss+sentinel://", "<not shown>"))
         try:
             if not self.listed_buckets or min(self.listed_buckets) < 1:
                 raise ValueError
@@ -205,13 +212,14 @@ class Settings:
         return tuple(sorted({size for size in self.listed_buckets if size < self.pack_tokens} | {self.pack_tokens}))
 
     def redis_options(self) -> dict[str, Any]:
-        """Connection options beyond the URL: the TLS files (only valid with a rediss:// URL)."""
+        """Connection options beyond the URL: the TLS files (only valid with a rediss:// URL), the sentinels'
+        credentials."""
         files = {"ssl_ca_certs": self.redis_tls_ca, "ssl_certfile": self.redis_tls_cert,
                  "ssl_keyfile": self.redis_tls_key}
         options = {name: path for name, path in files.items() if path}
         if options and not tls_url(self.redis_url):
             raise ValueError("DQ_REDIS_TLS_* files need a rediss:// or rediss+sentinel:// URL")
-        return options
+        return {**options, **credentials(self.sentinel_username, self.sentinel_password)}
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

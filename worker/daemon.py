@@ -86,13 +86,15 @@ class Daemon:
         # A call that cannot reach Redis stops retrying once stopping with nothing left to save, or past the drain.
         self.redis_calls = RedisCalls(client, self.metrics, where=settings.redis_where, give_up=lambda: (
             self.stopping.is_set() and (not self.lifecycle.held or time.monotonic() > self.stop_deadline)))
-        consumer = Consumer(client, self.keys, settings.consumer_name, settings.max_entry_bytes,
-                            once=redis_client(settings, retries=0), max_read_bytes=settings.max_read_bytes)
+        once = redis_client(settings, retries=0)  # for the calls that must not be re-sent by the client (the consumer
+        # closes it): entries handed over, and on Redis Cluster in durable mode each primary's writes and its WAIT
+        consumer = Consumer(client, self.keys, settings.consumer_name, settings.max_entry_bytes, once=once,
+                            max_read_bytes=settings.max_read_bytes)
         presence = Presence(client, self.keys, settings.consumer_name, list(consumer.streams),
                             settings.consumer_gone_ms, {"model": self.model.name, "engine": self.engine.name,
                                                         "shard": settings.shard}, self._state)
         self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name, settings.reply_maxlen,
-                                   settings.dead_maxlen, settings.wait_replicas)
+                                   settings.dead_maxlen, settings.wait_replicas, once)
         self.planner = Planner(self.model, settings, on_crash=self.metrics.planner_crashes.inc,
                                fatal=lambda code: self.exit(code))
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,

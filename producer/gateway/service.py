@@ -59,14 +59,17 @@ class Gateway:
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         deployment = self.config.deployment
         retry = Retry(ExponentialBackoff(RETRY_CAP, 0.02), RETRIES, supported_errors=(redis.ConnectionError,))
-        self.connection = self.connection or aconnect(deployment.url, deployment.cluster, **deployment.tls_files(),
+        self.connection = self.connection or aconnect(deployment.url, deployment.cluster, **deployment.options(),
                                                       retry=retry, max_connections=self.connections())
         for namespace in self.config.namespaces():
             self.clients[namespace] = AsyncClient(deployment.url, namespace, self.config.max_unfinished,
                                                   deployment.cluster, connection=self.connection,
-                                                  shards=deployment.shards, wait_replicas=deployment.wait_replicas)
+                                                  shards=deployment.shards, wait_replicas=deployment.wait_replicas,
+                                                  **deployment.options())
             self.batchers[namespace] = Batcher(self.clients[namespace])
         yield
+        for client in self.clients.values():  # what each made of its own (durable mode on a cluster); not the pool
+            await client.close()
         await self.connection.aclose()
 
     def connections(self) -> int:

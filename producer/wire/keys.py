@@ -138,6 +138,12 @@ class Keys:
         covers what it read (WAIT counts a connection's own writes, and the replication stream is one order)."""
         return f"{self.base}:durable"
 
+    def durable_mark(self, beside: str) -> str:
+        """A key in the slot of ``beside`` (a key with a hash tag), set for a few seconds by a durable-mode reader on
+        Redis Cluster after its reads there: there PUBLISH is not replicated, a SET is, and its WAIT covers what was
+        read before it (producer/wire/cluster_wait.py)."""
+        return f"{self.base}:durable:{{{hash_tag(beside)}}}"
+
     def workers(self) -> str:
         """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, engine, shard, state}``, written
         every 5 s (worker/loop/presence.py); beats older than GONE_S are gone and deleted by the live workers."""
@@ -152,6 +158,14 @@ class Keys:
 def valid_id(value: object) -> bool:
     """A custom request id: ``ID_PATTERN``, and not shaped like a stream entry id (those are reserved)."""
     return isinstance(value, str) and bool(ID_PATTERN.match(value)) and not ENTRY_ID_SHAPE.match(value)
+
+
+def hash_tag(key: str) -> str:
+    """What Redis Cluster hashes of ``key``: the text between its first ``{`` and the next ``}`` when not empty,
+    else the whole key."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return key[start + 1: end] if end > start + 1 else key
 
 
 def shard_of(request_id: str, shards: int) -> int:

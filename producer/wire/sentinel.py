@@ -5,8 +5,10 @@ of it.
 A client asks the sentinels for the service's primary on every new connection; after a failover the old primary's
 connections fail (or answer READONLY), are dropped, and the next one goes to the promoted replica: workers and
 producers follow a failover without a restart, within the retries of producer/wire/connection.py. The user and password
-are the data nodes' (the queue's ACL users); the sentinels are asked without them, over TLS with the same files
-when the scheme is ``rediss+sentinel``.
+are the data nodes' (the queue's ACL users); the sentinels are asked with credentials of their own where they require
+some (``DQ_SENTINEL_USERNAME``, ``DQ_SENTINEL_PASSWORD``: ``credentials``), else without, over TLS with the same files
+when the scheme is ``rediss+sentinel``. A sentinel that refuses them is named as such (redis-py reports it as "no
+master found").
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+import redis
+
 SCHEMES = ("redis+sentinel", "rediss+sentinel")
+CREDENTIALS = ("sentinel_username", "sentinel_password")  # connection options that go to the sentinels alone
 SERVICE = re.compile(r"\A[A-Za-z0-9._-]{1,128}\Z")
 DEFAULT_PORT = 26379
 
@@ -86,11 +91,29 @@ def redact(url: str) -> str:
     return f"{scheme}://{user}:***@{hosts}{slash}{path}"
 
 
+def credentials(username: str, password: str) -> dict[str, str]:
+    """The sentinels' own user and password as connection options, those given (``master`` hands them to the
+    sentinels alone)."""
+    return {name: value for name, value in zip(CREDENTIALS, (username, password)) if value}
+
+
 def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The data nodes' options, and the sentinels' (timeouts and TLS files, no retry policy: a sentinel that does
-    not answer is skipped for the next)."""
+    """The data nodes' options, and the sentinels' (timeouts, TLS files and their credentials; no retry policy: a
+    sentinel that does not answer is skipped for the next)."""
     shared = ("socket_timeout", "socket_connect_timeout", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-    return dict(options), {name: options[name] for name in shared if name in options}
+    asked = {name: options[name] for name in shared if name in options}
+    asked.update({name.removeprefix("sentinel_"): options[name] for name in CREDENTIALS if name in options})
+    return {name: value for name, value in options.items() if name not in CREDENTIALS}, asked
+
+
+def _named(error: Exception) -> Exception:
+    """redis-py folds the sentinels' authentication refusals into "No master found" (with every sentinel client's
+    description): say it, with their reasons (never the secret)."""
+    reasons = dict.fromkeys(re.findall(r"\w*Authentication\w*: [^,]*", str(error)))
+    if reasons:
+        return redis.AuthenticationError(f"the sentinels refused authentication ({'; '.join(reasons)}): set their "
+                                         f"user and password with DQ_SENTINEL_USERNAME and DQ_SENTINEL_PASSWORD")
+    return error
 
 
 ASK_EVERY_S = 1.0  # how often a pool asks the sentinels where the primary is, at most
@@ -109,6 +132,12 @@ def _pools() -> tuple[type, type]:
     class Following(sync.SentinelConnectionPool):
         asked = float("-inf")
 
+        def get_master_address(self) -> Any:
+            try:
+                return super().get_master_address()
+            except sync.MasterNotFoundError as error:
+                raise _named(error) from None
+
         def get_connection(self, *args: Any, **kwargs: Any) -> Any:
             if time.monotonic() - self.asked >= ASK_EVERY_S:
                 self.asked = time.monotonic()
@@ -120,6 +149,12 @@ def _pools() -> tuple[type, type]:
 
     class AsyncFollowing(aio.SentinelConnectionPool):
         asked = float("-inf")
+
+        async def get_master_address(self) -> Any:
+            try:
+                return await super().get_master_address()
+            except aio.MasterNotFoundError as error:
+                raise _named(error) from None
 
         async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
             if time.monotonic() - self.asked >= ASK_EVERY_S:

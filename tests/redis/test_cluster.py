@@ -132,3 +132,69 @@ def test_cluster_under_the_acl_users(tmp_path, start_worker, tiny_dir):
         for node in cluster.nodes:
             with redis.Redis(port=node.port, username="admin", password=passwords["admin"]) as admin:
                 assert admin.acl_log() == [], (node.port, admin.acl_log())
+
+
+def test_durable_mode_on_a_cluster_confirms_per_primary_and_names_the_ids_one_could_not(tmp_path, start_worker,
+                                                                                          tiny_dir):
+    """--wait-replicas 1 on a cluster with a replica per primary, under the ACL users: load-functions proves the
+    replicas have the library; a worker and both client faces confirm each write and read on its own primary
+    (producer/wire/cluster_wait.py). With the replica of the primary of the request stream down, a submit names its
+    batch, a read names exactly the ids on that primary and returns the others (NotDurable); load-functions says
+    which primary fell short; once the replica is back, everything goes through. No ACL denial on any node (the
+    producer's read marks are keys of its own)."""
+    from ops.redis_acl import ROLES, render
+
+    from producer.client import NotDurable
+
+    passwords = {role: f"test-{role}" for role in ROLES}
+    acl = tmp_path / "users.acl"
+    acl.write_text(render(passwords))
+    replication = ("--masteruser", "admin", "--masterauth", passwords["admin"])
+    with LocalCluster(3, "--aclfile", str(acl), *replication, username="admin", password=passwords["admin"],
+                      replicas=1) as cluster:
+        port = cluster.nodes[0].port
+        url = {role: f"redis://{role}:{passwords[role]}@127.0.0.1:{port}/0" for role in ROLES}
+
+        def load_functions() -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "worker", "load-functions", "--redis", url["admin"],
+                                   "--cluster", "--wait-replicas", "1"], capture_output=True, text=True, timeout=60)
+
+        loaded = load_functions()
+        assert loaded.returncode == 0 and "1 replicas of every primary have both" in loaded.stdout, loaded.stderr
+        start_worker(tiny_dir, url["worker"], redis_cluster=True, wait_replicas=1)
+        client = Client(url["producer"], cluster=True, wait_replicas=1)
+        ids = client.submit_many(requests(30, "durable"))
+        assert all(r.ok for r in client.wait_many(ids, timeout=120).values())
+        primary = cluster.node_of(Keys().requests)
+        replica = cluster.replicas[cluster.nodes.index(primary)]
+        there = [i for i in ids if cluster.node_of(Keys().result(i)) is primary]
+        assert 0 < len(there) < len(ids)  # results spread over the three primaries
+        replica.stop(kill=True)
+        with pytest.raises(NotDurable) as unconfirmed:
+            client.submit_many(requests(3, "later"))
+        assert unconfirmed.value.ids == ["later-0", "later-1", "later-2"] and unconfirmed.value.replicas == 0
+        with pytest.raises(NotDurable) as caught:
+            client.wait_many(ids, timeout=3)
+        assert sorted(caught.value.ids) == sorted(there) and (caught.value.replicas, caught.value.wanted) == (0, 1)
+        others = [i for i in ids if i not in there]
+        assert set(client.wait_many(others, timeout=10)) == set(others)
+
+        async def asynchronously() -> tuple[list[str], set[str]]:
+            async with AsyncClient(url["producer"], cluster=True, wait_replicas=1) as face:
+                with pytest.raises(NotDurable) as refused:
+                    await face.wait_many(ids, timeout=3)
+                return refused.value.ids, set(await face.wait_many(others, timeout=10))
+
+        named, returned = asyncio.run(asynchronously())
+        assert sorted(named) == sorted(there) and returned == set(others)
+        # Once the cluster no longer lists the dead replica (its first contact asks every node): short, and where.
+        short = wait_for(lambda: (done := load_functions()).returncode == 1 and "fewer than 1" in done.stderr and done,
+                         timeout=30, what="load-functions to find a primary without its replica")
+        assert f"127.0.0.1:{primary.port} (0)" in short.stderr and "revision" in short.stdout, short.stderr
+        replica.start()
+        assert set(client.wait_many(ids, timeout=30)) == set(ids)
+        assert client.submit_many(requests(3, "later")) == ["later-0", "later-1", "later-2"]  # again, by id
+        assert all(r.ok for r in client.wait_many(["later-0", "later-1", "later-2"], timeout=60).values())
+        for node in cluster.nodes + cluster.replicas:
+            with redis.Redis(port=node.port, username="admin", password=passwords["admin"]) as admin:
+                assert admin.acl_log() == [], (node.port, admin.acl_log())

@@ -24,7 +24,7 @@ def test_arguments_then_environment_then_defaults():
                               "rediss\\+sentinel://, got http://h"),
     ({"DQ_WAIT_REPLICAS": "one"}, {}, "DQ_WAIT_REPLICAS='one' is not an integer"),
     ({}, {"wait_replicas": -1}, "wait_replicas .DQ_WAIT_REPLICAS. must be 0 to 16, got -1"),
-    ({}, {"wait_replicas": 1, "cluster": True}, "on Redis Cluster it is not supported yet"),
+    ({"DQ_SENTINEL_PASSWORD": "s3cret"}, {}, "the sentinels' credentials .* need a redis\\+sentinel://"),
     ({}, {"url": "redis+sentinel://h:1/dq", "cluster": True}, "not a Redis Cluster"),
     ({}, {"url": "127.0.0.1:6379"}, "a Redis URL starts with"),
 ])
@@ -45,6 +45,21 @@ def test_a_sentinel_url_is_parsed_once_and_checked():
     assert (deployment.wait_replicas, deployment.url) == (1, "redis+sentinel://s1:26379/dq/0")
     assert Deployment.resolve({}, url="rediss+sentinel://s1/dq", tls_ca="ca.pem").tls_files() == {
         "ssl_ca_certs": "ca.pem"}
+    # Durable mode on Redis Cluster is a WAIT per primary (producer/wire/cluster_wait.py): no longer refused.
+    assert Deployment.resolve({"DQ_WAIT_REPLICAS": "1"}, url="redis://n1:7000/0", cluster=True).wait_replicas == 1
+
+
+def test_the_sentinels_credentials_go_to_the_sentinels_alone_and_are_never_shown():
+    from producer.wire import sentinel
+
+    deployment = Deployment.resolve({"DQ_SENTINEL_USERNAME": "watch", "DQ_SENTINEL_PASSWORD": "s3cret"},
+                                    url="rediss+sentinel://worker:pw@s1/dq", tls_ca="ca.pem")
+    assert deployment.options() == {"ssl_ca_certs": "ca.pem", "sentinel_username": "watch",
+                                    "sentinel_password": "s3cret"}
+    assert "s3cret" not in repr(deployment)
+    data, asked = sentinel._split({**deployment.options(), "socket_timeout": 1.0})
+    assert data == {"ssl_ca_certs": "ca.pem", "socket_timeout": 1.0}  # the data nodes' password is the URL's
+    assert asked == {"ssl_ca_certs": "ca.pem", "socket_timeout": 1.0, "username": "watch", "password": "s3cret"}
 
 
 @pytest.mark.parametrize("url, message", [

@@ -57,9 +57,25 @@ def test_an_old_server_early_on_path_shadows_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", os.pathsep.join([str(old.parent), str(newer)]))
     chosen = binaries.find()
     assert chosen.server == embedded.server and not chosen.embedded  # the system's wins over the embedded one
-    assert [b.label for b in binaries.servers_under_test()] == [embedded.label]  # one per version: no double run
+    bundled = [b.label for b in [binaries.bundled_redis()] if b is not None]  # the test extra's Redis 8
+    assert [b.label for b in binaries.servers_under_test()] == [embedded.label, *bundled]  # one per version
     monkeypatch.setenv("DQ_REDIS_SERVER", str(old))
     assert binaries.find().path == str(old)  # named explicitly: taken as it is (and refused at connect)
+
+
+def test_the_tests_run_each_major_version_of_each_family_once(tmp_path, monkeypatch):
+    """Debian's Redis 7.0 beside a Redis 8 on PATH: both run the tests (the newest of each major version), the
+    embedded Valkey and the bundled Redis 8 first; the demo takes the newest."""
+    paths = [fake_server(tmp_path / name, f"Redis server v={version} sha=00000000:0") for name, version in
+             (("old7", "7.0.11"), ("new7", "7.0.15"), ("eight", "8.2.1"))]
+    monkeypatch.delenv("DQ_REDIS_SERVER", raising=False)
+    monkeypatch.setenv("PATH", os.pathsep.join(str(p.parent) for p in paths))
+    monkeypatch.setattr(binaries, "bundled_redis", lambda: binaries.probe(paths[2], embedded=True))
+    assert [b.label for b in binaries.servers_under_test()] == [binaries.embedded().label, "redis-8.2.1",
+                                                                 "redis-7.0.15"]
+    assert binaries.find().label == "redis-8.2.1"
+    monkeypatch.setattr(binaries, "bundled_redis", lambda: None)  # without the test extra: the system's alone
+    assert [b.label for b in binaries.servers_under_test()][1:] == ["redis-7.0.15", "redis-8.2.1"]
 
 
 def test_no_supported_server_is_a_clear_error(tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from redis.asyncio import RedisCluster
 
-from producer.wire import library, sentinel
+from producer.wire import cluster_wait, library, sentinel
 from producer.wire.connection import WAIT_MS
 from producer.wire.errors import NotDurable
 from producer.wire.keys import Field, Keys, text
@@ -54,8 +54,9 @@ class Publisher:
     """Settles outcomes in batches: a few pipelined round trips however many there are."""
 
     def __init__(self, redis_client: Any, keys: Keys, ttl_seconds: int, model_name: str, reply_maxlen: int = 10000,
-                 dead_maxlen: int = 100000, wait_replicas: int = 0) -> None:
+                 dead_maxlen: int = 100000, wait_replicas: int = 0, once: Any = None) -> None:
         self.redis = redis_client
+        self.once = once  # durable mode on Redis Cluster: a client that never retries a call (cluster_wait.arun)
         self.keys = keys
         self.ttl = ttl_seconds
         self.model_name = model_name  # what results say answered them
@@ -172,8 +173,11 @@ class Publisher:
 
     async def _functions(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
         """Function calls in one pipelined round trip; on Redis Cluster as concurrent calls, each sent to the node
-        of its keys' one slot. A call Redis refuses answers its ResponseError; a connection error raises."""
-        if isinstance(self.redis, RedisCluster):
+        of its keys' one slot (durable mode: one pipeline and WAIT per primary). A call Redis refuses answers its
+        ResponseError; a connection error raises."""
+        if isinstance(self.redis, RedisCluster) and self.wait_replicas:
+            replies = await self._per_node([cluster_wait.fcall(*call) for call in calls], "publications", len(calls))
+        elif isinstance(self.redis, RedisCluster):
             replies: list[Any] = []
             for start in range(0, len(calls), CLUSTER_CONCURRENCY):
                 replies += await asyncio.gather(*(self.redis.fcall(name, len(keys), *keys, *args) for name, keys, args
@@ -245,6 +249,13 @@ class Publisher:
 
     async def ack(self, deliveries: list[Delivery], durable: bool = False) -> None:
         """Acknowledge and delete; ``durable`` (a settlement's acks), with a WAIT in durable mode."""
+        if durable and self.wait_replicas and deliveries and isinstance(self.redis, RedisCluster):
+            calls = [cluster_wait.Routed(entry.key, command) for entry in deliveries for command in (
+                ("XACK", entry.key, self.keys.group, entry.entry_id), ("XDEL", entry.key, entry.entry_id))]
+            for reply in await self._per_node(calls, "acknowledgements", len(deliveries)):
+                if isinstance(reply, BaseException):
+                    raise reply
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
             for entry in deliveries:
                 pipe.xack(entry.key, self.keys.group, entry.entry_id)
@@ -254,6 +265,14 @@ class Publisher:
             replies = await pipe.execute()
         if durable and self.wait_replicas and deliveries:
             await self._durable(replies[-1], "acknowledgements", len(deliveries))
+
+    async def _per_node(self, calls: list[cluster_wait.Routed], what: str, count: int) -> list[Any]:
+        """Durable mode on Redis Cluster: ``calls`` in one pipeline and WAIT per primary, once (a doubt raises: the
+        settlement is made again); their replies, NotDurable unless each primary's replicas confirmed."""
+        sent = await cluster_wait.arun(self.once, calls, self.wait_replicas, attempts=1)
+        if (fewest := sent.fewest()) is not None:
+            await self._durable(fewest, what, count)
+        return sent.replies
 
     async def _durable(self, replicas: Any, what: str, count: int) -> None:
         """Raise NotDurable (a refusal: RedisCalls counts it, and the whole settlement is made again, idempotent)

@@ -1,0 +1,159 @@
+"""The Redis Cluster that ops/failover.py makes fail (``Clustered``): three primaries with a replica each on loopback,
+the primary of shard 0's work streams killed in one of ``KINDS``. ops/failover_deployments.py has Sentinel's.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import redis  # noqa: E402
+from redis.crc import key_slot  # noqa: E402
+
+from producer.local.binaries import Binary, find  # noqa: E402
+from producer.local.ports import free_port  # noqa: E402
+from producer.local.server import RedisServer  # noqa: E402
+
+SLOTS = 16384
+KINDS = ("kill", "unsynced")
+SYNC_DELAY_S = 5  # repl-diskless-sync-delay's default on all three servers: how long "unsynced" has to kill
+UNSYNCED_S = 1.0  # how long the primary takes writes its unsynced replica will never have, before it is killed
+
+
+class Clustered:
+    """Redis Cluster: three primaries with one replica each on loopback. A failure kills (-9) the primary of shard
+    0's work streams; the cluster promotes its replica; the old node restarts and rejoins as that one's replica.
+    ``kill``: its replica in sync (``wait_stable`` waits for every replication link). ``unsynced``: its replica
+    killed and restarted first, the primary killed ``UNSYNCED_S`` into the replica's first sync (held open
+    ``SYNC_DELAY_S`` by the primary's ``repl-diskless-sync-delay``): the replica is promoted with only its own data,
+    as when a shard fails again during a resync (docs/RELIABILITY.md)."""
+
+    cluster = True
+    KINDS = KINDS
+
+    def __init__(self, binary: Binary | None = None) -> None:
+        self.binary = binary or find()
+        self.buses = [free_port() for _ in range(6)]  # distinct, though none is bound before the nodes start
+        # Validity factor 0: a replica stands for election however long its link has been down (as a managed
+        # service may set it): what lets an unsynced one be promoted. No sync delay: a restarted node is a replica
+        # in sync about a second after it answers, not six.
+        self.nodes = [RedisServer("--cluster-port", str(bus), "--cluster-node-timeout", "2000",
+                                  "--cluster-replica-validity-factor", "0", "--repl-diskless-sync-delay", "0",
+                                  binary=self.binary, cluster=True)
+                      for bus in self.buses]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def _ask(self, node: RedisServer, *command: object) -> object:
+        return redis.Redis(port=node.port, socket_timeout=1, decode_responses=True).execute_command(*command)
+
+    def start(self) -> Clustered:
+        for node in self.nodes:
+            node.start()
+        share = SLOTS // 3
+        for i, node in enumerate(self.nodes[:3]):
+            self._ask(node, "CLUSTER", "ADDSLOTSRANGE", i * share, SLOTS - 1 if i == 2 else (i + 1) * share - 1)
+        for node, bus in zip(self.nodes[1:], self.buses[1:]):
+            self._ask(self.nodes[0], "CLUSTER", "MEET", "127.0.0.1", node.port, bus)
+        deadline = time.monotonic() + 30
+        while any(len(str(self._ask(n, "CLUSTER", "NODES")).splitlines()) < 6 for n in self.nodes):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the cluster's nodes did not meet")
+            time.sleep(0.05)
+        for primary, replica in zip(self.nodes[:3], self.nodes[3:]):
+            self._ask(replica, "CLUSTER", "REPLICATE", self._ask(primary, "CLUSTER", "MYID"))
+        self.wait_stable()
+        return self
+
+    def _view(self) -> list[list[str]]:
+        """CLUSTER NODES of a live node, one split line per node."""
+        for node in self.nodes:
+            try:
+                return [line.split() for line in str(self._ask(node, "CLUSTER", "NODES")).splitlines()]
+            except redis.RedisError:
+                continue
+        raise redis.ConnectionError("no node answers")
+
+    def wait_stable(self, timeout: float = 60.0) -> RedisServer:
+        """Wait until every node says ``cluster_state:ok`` and each of the three primaries has a replica in sync:
+        its cluster bus link ``connected`` (CLUSTER NODES) and its replication link up, the first sync done (INFO).
+        The bus link alone is up seconds before a restarted node has any data: a kill then rolled the shard back."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                view = self._view()
+                primaries = [row for row in view if "master" in row[2] and "fail" not in row[2] and len(row) > 8]
+                replicas = [row for row in view if "slave" in row[2] and "fail" not in row[2] and row[7] == "connected"]
+                ok = all("cluster_state:ok" in str(self._ask(n, "CLUSTER", "INFO")) for n in self.nodes)
+                if ok and len(primaries) == 3 and {r[3] for r in replicas} >= {p[0] for p in primaries} \
+                        and all(self._synced(node) for node in self.nodes):
+                    return self.owner()
+            except redis.RedisError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("the cluster did not become stable")
+
+    def _synced(self, node: RedisServer) -> bool:
+        """A primary, or a replica whose replication link is up and not in a full sync."""
+        info = redis.Redis(port=node.port, socket_timeout=1, decode_responses=True).info("replication")
+        return info.get("role") == "master" or (info.get("master_link_status") == "up"
+                                                and not int(info.get("master_sync_in_progress", 1)))
+
+    def _unsync(self, primary: RedisServer) -> None:
+        """Kill (-9) and restart ``primary``'s replica; return once it follows it again, inside the first sync
+        (which the primary delays ``SYNC_DELAY_S``)."""
+        rows = self._view()
+        me = next(row[0] for row in rows if f":{primary.port}@" in row[1])
+        replica = next(n for n in self.nodes for row in rows if row[3] == me and f":{n.port}@" in row[1])
+        self._ask(primary, "CONFIG", "SET", "repl-diskless-sync-delay", SYNC_DELAY_S)
+        replica.stop(kill=True)
+        replica.start()
+        deadline = time.monotonic() + 10
+        while (info := redis.Redis(port=replica.port, decode_responses=True).info("replication")).get(
+                "master_port") != primary.port and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(UNSYNCED_S)
+        info = redis.Redis(port=replica.port, decode_responses=True).info("replication")
+        if info.get("master_port") != primary.port or info.get("master_link_status") == "up":
+            raise RuntimeError(f"the restarted replica is not in its first sync: {info}")
+
+    def owner(self) -> RedisServer:
+        """The primary of shard 0's work streams' slot."""
+        slot = key_slot(b"{s0}")
+        for row in self._view():
+            if "master" in row[2] and "fail" not in row[2]:
+                for part in row[8:]:
+                    low, _, high = part.partition("-")
+                    if part[0] != "[" and int(low) <= slot <= int(high or low):
+                        return next(n for n in self.nodes if f":{n.port}@" in row[1])
+        raise LookupError("no primary owns shard 0")
+
+    def fail(self, kind: str) -> float:
+        old = self.owner()
+        if kind == "unsynced":
+            self._unsync(old)
+        start = time.monotonic()
+        old.stop(kill=True)
+        while time.monotonic() - start < 30:
+            try:
+                if self.owner() is not old:
+                    break
+            except (LookupError, redis.RedisError):
+                pass
+            time.sleep(0.05)
+        took = time.monotonic() - start
+        old.start()  # its nodes.conf names the cluster: it rejoins as the promoted node's replica
+        self.wait_stable()
+        return took
+
+    def client(self) -> redis.RedisCluster:
+        return redis.RedisCluster(host="127.0.0.1", port=self.wait_stable().port)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.__exit__()
