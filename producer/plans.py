@@ -28,15 +28,16 @@ from pydantic import ValidationError
 
 from .wire import library
 from .wire.connection import WAIT_MS
+from .wire.digest import body_digest, digest
 from .wire.errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here
 from .wire.keys import LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, shard_of
-from .wire.result import Result
-from .wire.schema import Request, describe, digest
+from .wire.result import Result, Unreadable, read_stored, unreadable
+from .wire.schema import Request, describe
 
 BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the time Redis spends in one call
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
 WINDOW = 256  # result streams one blocking read waits on (any of them landing wakes it)
-REMEMBERED = 100_000  # ids whose digest a producer keeps (for id conflicts): about 200 bytes each
+REMEMBERED = 100_000  # ids whose digests a producer keeps (for id conflicts): about 300 bytes each
 # A "function not found" reply means nothing ran: load the library and call again. The server may lose it again
 # in between (restarts, failovers, FUNCTION FLUSH in a row): a few tries, then the error goes to the caller.
 LOAD_TRIES = 5
@@ -49,16 +50,22 @@ class Prepared(NamedTuple):
     id: str
     body: str
     lane: Priority = NORMAL
-    digest: str = ""  # schema.digest of the request ("": computed from the body when asked)
+    digest: str = ""  # digest.digest of the request ("": computed from the body when asked)
 
     def asked(self) -> str:
         """The request's digest: the one ``prepare`` took, else from the body."""
         return self.digest or digest(Request.model_validate_json(self.body))
 
+    def digests(self) -> tuple[str, str]:
+        """What a result of this request carries: the request's digest, or its body's where a worker could not
+        validate it (a worker's older schema, a smaller entry limit: its error result is still this request's)."""
+        return self.asked(), body_digest(self.body)
+
     def answered_by(self, result: Result) -> Result:
         """``result`` if it answers this request; an ``id_conflict`` error if it is the result of another request
-        that used the same id (docs/PROTOCOL.md, "Reusing an id"). Every reader that submitted checks this."""
-        return result.answering(self.asked())
+        that used the same id, or carries no digest (docs/PROTOCOL.md, "Reusing an id"). Every reader that submitted
+        checks this."""
+        return result.answering(self.digests())
 
 
 Submittable = Request | Mapping[str, Any] | Prepared
@@ -118,11 +125,12 @@ Plan = Generator[Step, Any, T]
 
 
 def parse_result(fields: Mapping[bytes, bytes], request_id: str) -> Result:
-    """The result entry read from ``request_id``'s result stream; raises WrongResult unless it is that request's."""
-    result = Result.model_validate_json(fields[Field.BODY.encode()])
-    if result.id != request_id:
-        raise WrongResult(f"the result stream of request {request_id!r} holds a result for {result.id[:140]!r}")
-    return result
+    """The result entry read from ``request_id``'s result stream; one that is not that request's result (garbage,
+    another id's) is answered ``id_conflict`` for that id alone, never handed out, never raised for a whole read."""
+    try:
+        return read_stored(fields.get(Field.BODY.encode()), request_id)
+    except Unreadable as error:
+        return unreadable(request_id, error)
 
 
 class Producer:
@@ -131,13 +139,13 @@ class Producer:
     def __init__(self, keys: Keys, shards: int, max_unfinished: int, cluster: bool, wait_replicas: int = 0) -> None:
         self.keys, self.shards, self.max_unfinished, self.cluster = keys, shards, max_unfinished, cluster
         self.wait_replicas = wait_replicas  # durable mode (docs/RELIABILITY.md): WAIT after each write and read
-        # The digest of what this producer last submitted under each id, lately (digests only: bodies can be
+        # The digests of what this producer last submitted under each id, lately (digests only: bodies can be
         # megabytes): a result read for one of them that is another request's (a reused id) is returned as the
         # id_conflict it is, never as this request's answer.
-        self.submitted: OrderedDict[str, str] = OrderedDict()
+        self.submitted: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     def _remember(self, prepared: Prepared) -> None:
-        self.submitted[prepared.id] = prepared.asked()
+        self.submitted[prepared.id] = prepared.digests()
         self.submitted.move_to_end(prepared.id)
         while len(self.submitted) > REMEMBERED:
             self.submitted.popitem(last=False)
