@@ -22,11 +22,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from ..plans import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult
+from ..plans import InvalidRequest, NotDurable, QueueFull
 from ..wire.library import LibraryUnavailable
 from ..wire.result import Result
 from ..wire.schema import ErrorCode
 from ..wire.supported import UnsupportedServer
+from .disconnects import CallerGone, gone
 
 log = logging.getLogger("producer.gateway")
 RETRY_AFTER_S = 1  # a full queue drains at the workers' pace; callers back off from here
@@ -46,14 +47,14 @@ class Refused(Exception):
     """A refusal decided by the gateway: raised anywhere in a route, answered by ``refusal``."""
 
     def __init__(self, status: int, code: str, message: str, field: str | None = None,
-                 headers: dict[str, str] | None = None, **extra: Any) -> None:
+                 headers: dict[str, str] | None = None, request_id: str | None = None, **extra: Any) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.field = status, code, message, field
-        self.headers, self.extra = headers or {}, extra
+        self.headers, self.request_id, self.extra = headers or {}, request_id, extra
 
 
 class Unsettled(Exception):
-    """A Redis error (or a WrongResult) once the gateway knew the ids: ``phase`` says where. ``submit``: the
+    """A Redis error once the gateway knew the ids: ``phase`` says where. ``submit``: the
     requests may have been queued (a command that timed out may have run); ``wait``: they are queued, their results
     are to be fetched later; ``read``: a result could not be read (GET again)."""
 
@@ -71,8 +72,8 @@ def error_body(code: str, message: str, request_id: str | None = None, field: st
 
 
 def refusal(refused: Refused, request_id: str | None = None) -> Response:
-    return Response(error_body(refused.code, refused.message, request_id, refused.field, **refused.extra),
-                    refused.status, refused.headers, media_type=JSON)
+    return Response(error_body(refused.code, refused.message, request_id or refused.request_id, refused.field,
+                               **refused.extra), refused.status, refused.headers, media_type=JSON)
 
 
 def result_status(result: Result) -> int:
@@ -134,13 +135,6 @@ def install(app: FastAPI) -> None:
                                headers={"Retry-After": str(RETRY_AFTER_S)}, accepted=error.accepted,
                                refused=error.refused))
 
-    async def timeout(_: HttpRequest, error: Exception) -> Response:
-        assert isinstance(error, ResultTimeout)
-        missing = error.missing[0] if error.missing else None
-        return refusal(Refused(504, ErrorCode.TIMEOUT.value, "no result in time; the request stays queued: "
-                               f"GET /v1/results/{missing}", headers={"Location": f"/v1/results/{missing}"}),
-                       missing)
-
     async def unreachable(_: HttpRequest, error: Exception) -> Response:
         return refusal(_redis_refusal(error))
 
@@ -164,14 +158,10 @@ def install(app: FastAPI) -> None:
         return refusal(Refused(503, "unavailable", "the queue's Redis is not set up for it (see the gateway's log)",
                                headers={"Retry-After": str(RETRY_AFTER_S)}))
 
-    async def wrong(_: HttpRequest, error: Exception) -> Response:
-        log.error("%s", error)
-        return refusal(Refused(500, ErrorCode.INTERNAL.value, "a result stream holds another request's result"))
-
     for kind, handler in ((RequestValidationError, invalid), (Refused, refused), (HTTPException, http),
-                          (InvalidRequest, invalid_request), (QueueFull, full), (ResultTimeout, timeout),
-                          (redis.RedisError, unreachable), (Unsettled, unsettled), (LibraryUnavailable, library),
-                          (UnsupportedServer, library), (WrongResult, wrong)):
+                          (InvalidRequest, invalid_request), (QueueFull, full), (redis.RedisError, unreachable),
+                          (Unsettled, unsettled), (LibraryUnavailable, library), (UnsupportedServer, library),
+                          (CallerGone, gone)):
         app.add_exception_handler(kind, handler)
 
 
@@ -187,9 +177,6 @@ def _redis_refusal(error: Exception, phase: str = SUBMIT) -> Refused:
     """A Redis error's status: 503 unreachable or refusing the gateway (its user's rights, its password), 503
     ``not_durable`` when fewer replicas than asked confirmed, 500 another refused command (a bug: see the log)."""
     retry = {"Retry-After": str(RETRY_AFTER_S)}
-    if isinstance(error, WrongResult):
-        log.error("%s", error)
-        return Refused(500, ErrorCode.INTERNAL.value, "a result stream holds another request's result")
     log.warning("Redis: %s: %s", type(error).__name__, error)
     if isinstance(error, NotDurable):
         if phase == SUBMIT:
