@@ -437,3 +437,24 @@ def test_every_refusal_names_a_digest_that_the_gateway_computes_as_the_client_do
     digest = prepare(body).digest
     assert reply.status_code == 504 and reply.json()["digest"] == digest
     assert reply.headers["location"] == f"/v1/results/gw-digest-504?digest={digest}"
+
+
+def test_an_unreadable_stored_result_is_a_409_never_a_bare_500_or_a_batch_without_its_line(hostile, stack):
+    """A result stream holding what no worker wrote: the gateway answered a bare 500, reset the connection, or ended
+    a streamed batch with no line for it. Now a decide and a GET are 409 id_conflict saying why, and the batch has
+    its line (the others theirs)."""
+    server = redis.Redis.from_url(stack.server.url)
+    for request_id in ("gw-garbled-1", "gw-garbled-2", "gw-garbled-3"):
+        server.xadd(Keys().result(request_id), {"body": b"\xff{ not a result"})
+    with httpx.Client(base_url=hostile.url, headers=AUTH["acme"], timeout=60) as http:
+        reply = http.post("/v1/decide", json=request("gw-garbled-1"))
+        assert reply.status_code == 409 and reply.json()["error"]["code"] == "id_conflict", reply.text
+        assert "no readable result" in reply.json()["error"]["message"]
+        got = http.get("/v1/results/gw-garbled-2")
+        assert got.status_code == 409 and got.json()["error"]["code"] == "id_conflict", got.text
+        lines = [json.loads(line) for line in http.post("/v1/decide/batch", json={"requests": [
+            request("gw-garbled-3"), request("gw-garbled-ok")]}).text.splitlines()]
+    by_id = {line["id"]: line for line in lines}
+    assert set(by_id) == {"gw-garbled-3", "gw-garbled-ok"}
+    assert by_id["gw-garbled-3"]["error"]["code"] == "id_conflict" and by_id["gw-garbled-ok"]["status"] == "ok"
+    assert "Traceback" not in hostile.log.read_text()

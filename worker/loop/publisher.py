@@ -148,10 +148,10 @@ class Publisher:
         """From a script's answer: the request's result, whether this delivery published it, whether to reply."""
         if not isinstance(reply, list):  # 0: a part stored, the request still waits for others
             return None, False, False
-        publisher = reply[1].decode()
-        stored = read_stored(reply[2], outcome.request_id) if len(reply) > 2 and reply[2] else outcome.result
-        if publisher == outcome.publisher:  # now, or this very call before (its answer lost in transit)
-            return stored, True, True
+        publisher, body = reply[1].decode(errors="replace"), reply[2] if len(reply) > 2 else b""
+        if publisher == outcome.publisher:  # now (no body sent back), or this very call before (its answer lost)
+            return read_stored(body, outcome.request_id) if body else outcome.result, True, True
+        stored = read_stored(body or None, outcome.request_id)  # someone else's: Unreadable unless a result of its id
         deliveries = (publisher.split(" ") + ["", "", ""])[2]
         earlier = self._same_entry(outcome, publisher) and deliveries.isdigit() \
             and int(deliveries) < outcome.delivery.deliveries
