@@ -56,11 +56,12 @@ class Refused(Exception):
 class Unsettled(Exception):
     """A Redis error once the gateway knew the ids: ``phase`` says where. ``submit``: the
     requests may have been queued (a command that timed out may have run); ``wait``: they are queued, their results
-    are to be fetched later; ``read``: a result could not be read (GET again)."""
+    are to be fetched later; ``read``: a result could not be read (GET again). ``digests``: the requests' (ids: the
+    same order), to read each one's own result with."""
 
-    def __init__(self, error: Exception, ids: list[str], phase: str) -> None:
+    def __init__(self, error: Exception, ids: list[str], phase: str, digests: list[str] | None = None) -> None:
         super().__init__(str(error))
-        self.error, self.ids, self.phase = error, ids, phase
+        self.error, self.ids, self.phase, self.digests = error, ids, phase, digests or []
 
 
 def error_body(code: str, message: str, request_id: str | None = None, field: str | None = None,
@@ -142,15 +143,18 @@ def install(app: FastAPI) -> None:
         assert isinstance(error, Unsettled)
         refused = _redis_refusal(error.error, error.phase)
         one = error.ids[0] if len(error.ids) == 1 else None
-        fetch = f"GET /v1/results/{one}" if one else "GET /v1/results/{id}"
+        where = f"/v1/results/{one}" + (f"?digest={error.digests[0]}" if error.digests else "")
+        fetch = f"GET {where}" if one else "GET /v1/results/{id}"
         refused.message += {
             SUBMIT: ("" if isinstance(error.error, NotDurable) else "; the request may have been queued") +
             f"; send it again under the same id (a retry of the same request is answered once), or {fetch}",
             WAIT: f"; the request is queued and will be answered: {fetch}",
             READ: f"; {fetch} again"}[error.phase]
         refused.extra["ids"] = error.ids
+        if error.digests:
+            refused.extra["digests"] = error.digests
         if one:
-            refused.headers["Location"] = f"/v1/results/{one}"
+            refused.headers["Location"] = where
         return refusal(refused, one)
 
     async def library(_: HttpRequest, error: Exception) -> Response:

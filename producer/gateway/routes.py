@@ -30,13 +30,14 @@ NDJSON = "application/x-ndjson"
 DIGEST = "^[0-9a-f]{32}$"
 
 
-async def waited(http: HttpRequest, work: Any, ids: list[str], phase: str) -> dict[str, Result]:
+async def waited(http: HttpRequest, work: Any, ids: list[str], phase: str,
+                 digests: list[str] | None = None) -> dict[str, Result]:
     """``work``'s outcome (a wait for the results of ``ids``), unless the caller goes away (disconnects.py: 499). A
-    Redis error is Unsettled, naming the ids (``phase``: where the call was)."""
+    Redis error is Unsettled, naming the ids and their digests (``phase``: where the call was)."""
     try:
         return await unless_gone(http, work)
     except redis.RedisError as error:
-        raise Unsettled(error, ids, phase) from error
+        raise Unsettled(error, ids, phase, digests) from error
 
 
 def no_result(prepared: Prepared, wait: float) -> Refused:
@@ -74,7 +75,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         client = gateway.clients[access.namespace]
         await gateway.submit(access.namespace, prepared)
         request_id, wait = prepared[0].id, gateway.wait_for(asked, body.deadline_ms)
-        landed = await waited(http, client.wait_any([request_id], wait), [request_id], WAIT)
+        landed = await waited(http, client.wait_any([request_id], wait), [request_id], WAIT, [prepared[0].asked()])
         if request_id not in landed:
             raise no_result(prepared[0], wait)
         # The result under this id may be another request's (a reused id): then id_conflict, never its answer.
@@ -117,7 +118,8 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
             raise Refused(422, ErrorCode.INVALID_REQUEST.value, "an id is 1-128 characters of A-Z a-z 0-9 . _ : -",
                           "id")
         client = gateway.clients[access.namespace]
-        landed = await waited(http, client.wait_any([request_id], min(wait, config.max_wait_s)), [request_id], READ)
+        landed = await waited(http, client.wait_any([request_id], min(wait, config.max_wait_s)), [request_id], READ,
+                              [digest] if digest else None)
         found = landed.get(request_id)
         if found is None:
             raise Refused(404, "not_found", "no result for this id: not answered yet, expired, or never sent "

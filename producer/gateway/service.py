@@ -134,7 +134,7 @@ class Gateway:
                 raise
             refused = full.refused
         except redis.RedisError as error:
-            raise Unsettled(error, [p.id for p in prepared], SUBMIT) from error
+            raise Unsettled(error, [p.id for p in prepared], SUBMIT, [p.asked() for p in prepared]) from error
         self._count(prepared, [p.id for p in prepared if p.id not in set(refused)])
         return refused
 
