@@ -39,7 +39,9 @@ REASONS = {  # reason -> (status line, error code, what the log says)
     "over_limit": (b"503 Service Unavailable", "too_many_connections", "came over the connection limit with none "
                                                                       "idle to close"),
     "idle_evicted": (b"", "", "were idle keep-alive connections closed to make room for new ones"),
+    "invalid_request": (b"", "", "sent what is not HTTP (uvicorn answered 400)"),
 }
+INVALID = "Invalid HTTP request received."  # uvicorn's warning, once per bad request: counted here instead
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class Connections:
         self.open: dict[GuardedProtocol, None] = {}  # in the order they opened
         self.closed_since_log: dict[str, int] = {}
         self.logged: dict[str, float] = {}
+        # uvicorn logs a warning for every request that is not HTTP: a flood of them was a flood of lines
+        logging.getLogger("uvicorn.error").addFilter(lambda record: record.getMessage() != INVALID)
 
     def protocol(self) -> type[asyncio.Protocol]:
         """The protocol class for uvicorn's ``http`` setting, bound to these connections."""
@@ -82,15 +86,17 @@ class Connections:
         self.metrics.connections.set(len(self.open))
 
     def count(self, reason: str, peer: Any) -> None:
-        """A connection closed by a limit: counted; logged once per LOG_EVERY_S per reason, with how many since."""
+        """A connection closed by a limit: counted; logged at most once per LOG_EVERY_S per reason, saying how many
+        since the last line (those in between are in the metric at once, and in the next line)."""
         self.metrics.closed.labels(reason).inc()
         self.closed_since_log[reason] = self.closed_since_log.get(reason, 0) + 1
         now = time.monotonic()
         if now - self.logged.get(reason, float("-inf")) >= LOG_EVERY_S:
             self.logged[reason] = now
             count, self.closed_since_log[reason] = self.closed_since_log[reason], 0
-            log.warning("closed %d connections that %s (the last from %s; %d open, limit %d; one line a minute)",
-                        count, REASONS[reason][2], peer, len(self.open), self.limits.max_connections)
+            log.warning("closed %d connections that %s since the last such line (the last from %s; %d open, limit "
+                        "%d; at most a line a minute: dq_gateway_connections_closed_total{reason=%r} counts each)",
+                        count, REASONS[reason][2], peer, len(self.open), self.limits.max_connections, reason)
 
 
 class GuardedProtocol(HttpToolsProtocol):
@@ -141,6 +147,10 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if not self.pipeline and not self.transport.is_closing():
             self.idle_since = time.monotonic()
+
+    def send_400_response(self, msg: str) -> None:
+        self.guard.count("invalid_request", self.client)
+        super().send_400_response(msg)
 
     def close_idle(self) -> None:
         self.guard.count("idle_evicted", self.client)

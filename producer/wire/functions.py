@@ -1,7 +1,7 @@
 """The function library's Lua text, ``CODE``, and the names of its functions: every script the protocol runs inside
-Redis (producer/wire/library.py loads it). Each function's keys and arguments are beside its name; what it answers is
-in the Lua. A change of ``CODE`` is a new ``REVISION``, which keeps every earlier function (docs/OPERATIONS.md, "Redis ACL users":
-rolling upgrades).
+Redis (producer/wire/library.py loads it). Each function's keys and arguments are beside its name; what it answers
+is in the Lua. A change of ``CODE`` is a new ``REVISION``, which keeps every earlier function (docs/OPERATIONS.md,
+"Redis ACL users": rolling upgrades).
 """
 
 from __future__ import annotations

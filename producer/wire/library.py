@@ -29,9 +29,9 @@ from typing import Any
 import redis
 
 from .errors import LibraryUnavailable
-from .functions import (CODE, DEAD_LETTER, FORGET, LIBRARY, MAX_BATCH, MAX_DEAD_FIELDS, OWN_DEAD_FIELDS, PART,  # noqa: F401
-                        PART_AS, PUBLISH, PUBLISH_AS, REPLY, REQUEUE, REVISION, REVISION_FUNCTION, SUBMIT,
-                        SUBMIT_STREAMS)
+from .functions import (CODE, DEAD_LETTER, FORGET, LIBRARY, MAX_BATCH, MAX_DEAD_FIELDS,  # noqa: F401 - the names
+                        OWN_DEAD_FIELDS, PART, PART_AS, PUBLISH, PUBLISH_AS, REPLY, REQUEUE, REVISION,
+                        REVISION_FUNCTION, SUBMIT, SUBMIT_STREAMS)
 
 @dataclass(frozen=True)
 class Loaded:

@@ -458,3 +458,17 @@ def test_an_unreadable_stored_result_is_a_409_never_a_bare_500_or_a_batch_withou
     assert set(by_id) == {"gw-garbled-3", "gw-garbled-ok"}
     assert by_id["gw-garbled-3"]["error"]["code"] == "id_conflict" and by_id["gw-garbled-ok"]["status"] == "ok"
     assert "Traceback" not in hostile.log.read_text()
+
+
+def test_what_is_not_http_is_counted_and_logged_once_not_once_per_request(hostile):
+    """uvicorn answers 400 to bytes that are not HTTP, and logged a warning for each: a flood of them was a flood of
+    log lines. Now each is counted, and the log says so at most once a minute."""
+    counted = hostile.metric("dq_gateway_connections_closed_total", reason="invalid_request")
+    for _ in range(20):
+        sock = connect(hostile)
+        sock.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
+        got, _ = until_closed(sock)
+        assert got == b"" or got.startswith(b"HTTP/1.1 400"), got[:100]
+    assert hostile.metric("dq_gateway_connections_closed_total", reason="invalid_request") == counted + 20
+    log = hostile.log.read_text()
+    assert "Invalid HTTP request received" not in log and log.count("sent what is not HTTP") <= 1

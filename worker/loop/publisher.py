@@ -186,7 +186,8 @@ class Publisher:
         if outcome.dead_letter and not outcome.copied and self.inline_replies:  # the dead letter and its result
             dead = dead_fields(outcome.delivery, outcome.dead_letter)
             return library.DEAD_LETTER, [*keys, self.keys.dead, *([outcome.reply_to] if reply else [])], [
-                *args, request_id, self.reply_maxlen, self.dead_maxlen, *(value for pair in dead.items() for value in pair)]
+                *args, request_id, self.reply_maxlen, self.dead_maxlen,
+                *(value for pair in dead.items() for value in pair)]
         if reply:
             keys.append(outcome.reply_to)
             args += [request_id, self.reply_maxlen]
