@@ -12,9 +12,12 @@ held file descriptors until it refused everyone. Here each connection's head mus
   else 408 and closed (an idle connection between requests is the keep-alive timer's, which is longer: clients keep
   idle connections in their pools, the System One SDK 30 s);
 
-and at most ``--max-connections`` are open at once: one more closes the longest-idle keep-alive connection, or, with
-none idle, is answered 503 and closed. Each closing is counted (``dq_gateway_connections_closed_total{reason}``) and
-logged at most once a minute per reason.
+and at most ``--max-connections`` are open at once: one more closes the longest-idle keep-alive connection, else the
+one that has been sending its head longest, if for over ``SLOW_HEAD_S`` (or half the header timeout, if that is
+less: a caller's head comes in one packet; a
+slowloris connection is at once the slowest and the first to go, so a flood of them never shuts newcomers out for
+the whole header timeout), else is answered 503 and closed. A call in progress is never closed for another. Each
+closing is counted (``dq_gateway_connections_closed_total{reason}``) and logged at most once a minute per reason.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .replies import error_body
 
 log = logging.getLogger("producer.gateway")
 LOG_EVERY_S = 60.0
+SLOW_HEAD_S = 1.0  # a head still coming after this long may be closed to make room when the connections are full
 HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
 REASONS = {  # reason -> (status line, error code, what the log says)
     "header_timeout": (b"408 Request Timeout", "header_timeout", "did not finish a request's headers in time"),
@@ -39,6 +43,8 @@ REASONS = {  # reason -> (status line, error code, what the log says)
     "over_limit": (b"503 Service Unavailable", "too_many_connections", "came over the connection limit with none "
                                                                       "idle to close"),
     "idle_evicted": (b"", "", "were idle keep-alive connections closed to make room for new ones"),
+    "slow_evicted": (b"408 Request Timeout", "header_timeout", "were still sending a request's head, over a second, "
+                                                                "when a new connection needed room"),
     "invalid_request": (b"", "", "sent what is not HTTP (uvicorn answered 400)"),
 }
 INVALID = "Invalid HTTP request received."  # uvicorn's warning, once per bad request: counted here instead
@@ -74,10 +80,17 @@ class Connections:
         """Room for a new connection: False when there is none (the caller refuses it)."""
         self.open[connection] = None
         if len(self.open) > self.limits.max_connections:
+            now = time.monotonic()
             idle = [c for c in self.open if c.idle_since is not None and c is not connection]
-            if not idle:
+            slower = min(SLOW_HEAD_S, self.limits.header_timeout_s / 2)
+            slow = [c for c in self.open if c.head_since is not None and now - c.head_since > slower
+                    and c is not connection]
+            if idle:
+                min(idle, key=lambda c: c.idle_since or 0.0).close_idle()
+            elif slow:
+                min(slow, key=lambda c: c.head_since or 0.0).refuse("slow_evicted")
+            else:
                 return False
-            min(idle, key=lambda c: c.idle_since or 0.0).close_idle()
         self.metrics.connections.set(len(self.open))
         return True
 
@@ -109,8 +122,9 @@ class GuardedProtocol(HttpToolsProtocol):
         self.heading, self.head_bytes, self.head_tail = True, 0, b""
         self.idle_since: float | None = None
         self.head_timer: asyncio.TimerHandle | None = None
+        self.head_since: float | None = time.monotonic()  # a head is awaited since (None: not now)
         if not self.guard.opened(self):
-            self._refuse("over_limit")
+            self.refuse("over_limit")
             return
         self._arm()
 
@@ -129,7 +143,7 @@ class GuardedProtocol(HttpToolsProtocol):
             if self.head_bytes > limit:  # unless the head ends within the limit (a body may follow in this read)
                 window = self.head_tail + data[: max(0, limit - seen)]
                 if not any(end in window for end in HEAD_ENDS):
-                    self._refuse("header_too_large")
+                    self.refuse("header_too_large")
                     return
             self.head_tail = data[-3:]
         super().data_received(data)
@@ -157,9 +171,11 @@ class GuardedProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _arm(self) -> None:
+        self.head_since = time.monotonic()
         self.head_timer = self.loop.call_later(self.guard.limits.header_timeout_s, self._head_late)
 
     def _disarm(self) -> None:
+        self.head_since = None
         if self.head_timer is not None:
             self.head_timer.cancel()
             self.head_timer = None
@@ -167,9 +183,9 @@ class GuardedProtocol(HttpToolsProtocol):
     def _head_late(self) -> None:
         self.head_timer = None
         if self.heading and not self.transport.is_closing():
-            self._refuse("header_timeout")
+            self.refuse("header_timeout")
 
-    def _refuse(self, reason: str) -> None:
+    def refuse(self, reason: str) -> None:
         """Answer with the reason's status (no request was read, so none is answered otherwise) and close."""
         self._disarm()
         self.guard.count(reason, self.client)

@@ -23,7 +23,8 @@ from .replies import JSON, Refused, error_body
 
 PUBLIC = {"health", "ready", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
-CLOSED_REASONS = ("header_timeout", "header_too_large", "over_limit", "idle_evicted", "invalid_request")  # connections
+CLOSED_REASONS = ("header_timeout", "header_too_large", "over_limit", "idle_evicted", "slow_evicted",  # connections
+                  "invalid_request")
 
 
 def route_of(path: str) -> str:

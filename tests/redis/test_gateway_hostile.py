@@ -137,40 +137,53 @@ def test_half_sent_and_silent_connections_are_closed_within_the_header_timeout(h
     assert "did not finish a request's headers in time" in hostile.log.read_text()
 
 
-def test_over_the_connection_limit_idle_ones_make_room_and_then_newcomers_are_refused_not_everyone(hostile):
-    """40 connections at most: idle keep-alive connections are closed to make room; with none idle, a newcomer is
-    answered 503 and the gateway goes on answering once the limit has room again. Before, thousands stayed open
-    and, at the process's file limit, everyone was refused in silence."""
-    idle, evicted = [], hostile.metric("dq_gateway_connections_closed_total", reason="idle_evicted")
-    for _ in range(40):  # each sends one whole request, then idles (keep-alive)
-        sock = connect(hostile)
-        sock.sendall(head("GET", "/health") + b"\r\n")
-        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
-        idle.append(sock)
-    assert httpx.get(hostile.url + "/health").status_code == 200  # room made by closing an idle one
-    assert hostile.metric("dq_gateway_connections_closed_total", reason="idle_evicted") >= evicted + 1
-    for sock in idle:
-        sock.close()
-    refused = hostile.metric("dq_gateway_connections_closed_total", reason="over_limit")
-    busy = [connect(hostile) for _ in range(40)]  # half-sent heads: none of them idle
-    for sock in busy:
-        sock.sendall(b"GET /health HTTP/1.1\r\n")
-    time.sleep(0.2)
-    newcomer = connect(hostile)
-    got, _ = until_closed(newcomer)
-    assert got == b"" or got.startswith(b"HTTP/1.1 503"), got[:200]
-    for sock in busy:
-        sock.close()
-    deadline = time.monotonic() + 10
-    while True:  # the closed ones leave, and the gateway answers again
-        try:
-            if httpx.get(hostile.url + "/health", timeout=2).status_code == 200:
+def test_over_the_connection_limit_idle_then_slow_ones_make_room_and_calls_in_progress_are_never_closed(stack,
+                                                                                                    tmp_path):
+    """At most 8 connections (a gateway of its own, keyless). Before, thousands stayed open and, at the process's
+    file limit, everyone was refused in silence. Now a newcomer closes an idle keep-alive connection, else the one
+    that has been sending its head longest (over a second: a slowloris connection is the first to go), else is
+    answered 503; a call in progress is never closed for another."""
+    gateway = GatewayProcess(stack.server.url, tmp_path / "open.log", max_connections=8, header_timeout_s=30)
+    try:
+        gateway.wait_up()
+        idle = []
+        for _ in range(8):  # each sends one whole request, then idles (keep-alive)
+            sock = connect(gateway)
+            sock.sendall(head("GET", "/health") + b"\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            idle.append(sock)
+        assert httpx.get(gateway.url + "/health").status_code == 200  # room made by closing an idle one
+        for sock in idle:
+            sock.close()
+        slow = [connect(gateway) for _ in range(8)]  # half-sent heads: none of them idle
+        for sock in slow:
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+        time.sleep(1.5)  # slower than any caller's head, far within the 30 s header timeout
+        assert httpx.get(gateway.url + "/health").status_code == 200  # room made by closing the slowest
+        for sock in slow:
+            sock.close()
+        polls = [threading.Thread(target=lambda: httpx.get(gateway.url + "/v1/results/gw-never", params={"wait": 5},
+                                                           timeout=15)) for _ in range(8)]
+        for poll in polls:
+            poll.start()
+        deadline = time.monotonic() + 10
+        while True:  # until every poll holds its connection: a newcomer then finds none to close
+            newcomer = connect(gateway)
+            newcomer.sendall(head("GET", "/health", "Connection: close") + b"\r\n")
+            got, _ = until_closed(newcomer)
+            if got.startswith(b"HTTP/1.1 503"):
                 break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the gateway did not answer again"
-        time.sleep(0.1)
-    assert hostile.metric("dq_gateway_connections_closed_total", reason="over_limit") >= refused + 1
+            assert got.startswith(b"HTTP/1.1 200") and time.monotonic() < deadline, got[:200]
+            time.sleep(0.1)
+        assert b'"too_many_connections"' in got
+        for poll in polls:
+            poll.join()
+        closed = {reason: gateway.metric("dq_gateway_connections_closed_total", reason=reason)
+                  for reason in ("idle_evicted", "slow_evicted", "over_limit")}
+        assert all(count >= 1 for count in closed.values()), closed
+        assert "still sending a request's head" in gateway.log.read_text()
+    finally:
+        gateway.stop()
 
 
 def test_at_the_open_file_limit_the_connection_cap_is_lowered_and_the_flood_is_refused_not_everyone(stack, tmp_path):
@@ -205,8 +218,10 @@ def test_at_the_open_file_limit_the_connection_cap_is_lowered_and_the_flood_is_r
                 assert time.monotonic() < deadline, "nobody answered after the flood"
                 time.sleep(0.2)
         assert reply.status_code == 202
-        assert gateway.metric("dq_gateway_connections_closed_total", reason="over_limit") >= 300 - cap - 5
-        assert "came over the connection limit" in gateway.log.read_text()
+        closed = sum(gateway.metric("dq_gateway_connections_closed_total", reason=reason)
+                     for reason in ("over_limit", "slow_evicted"))  # refused, or the slowest closed for them
+        assert closed >= 300 - cap - 5
+        assert "came over the connection limit" in gateway.log.read_text() or "still sending" in gateway.log.read_text()
     finally:
         gateway.stop()
 
