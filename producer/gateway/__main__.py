@@ -20,6 +20,7 @@ from .. import __version__
 from ..exits import FAILED, OK, UNREACHABLE, USAGE
 from ..wire.connection import Deployment, check_reachable
 from ..wire.keys import PROTOCOL
+from . import logs
 from .config import ConfigError, GatewayConfig, add_arguments, load
 
 log = logging.getLogger("producer.gateway")
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as error:
         print(f"dq-gateway: {error}", file=sys.stderr)
         return USAGE
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(config)  # one format for every line: the gateway's and uvicorn's
     try:  # a wrong URL or password is said at once, not as a 503 on every call
         check_reachable(config.deployment)
     except Exception as error:  # noqa: BLE001 - redis errors and a TLS file that cannot be read alike
@@ -64,6 +65,7 @@ def serve(config: GatewayConfig) -> int:
     a little), then exit 0."""
     import uvicorn
 
+    from ..wire import traces
     from .routes import create_app
 
     config = fit_file_limit(config)
@@ -72,16 +74,20 @@ def serve(config: GatewayConfig) -> int:
                     "loopback address only", config.host, config.port, config.deployment.namespace)
     else:
         log.info("%d API keys; namespaces %s", len(config.keys), ", ".join(config.namespaces()))
-    app = create_app(config)
+    traces.configure("dq-gateway")  # on when an OTLP endpoint is set (OTEL_EXPORTER_OTLP_*)
+    log.info("dq-gateway %s (wire protocol v%s) on %s:%d", __version__, PROTOCOL, config.host, config.port)
+    front = create_app(config)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
-        proxy_headers=False, server_header=False, http=app.gateway.connections.protocol(), lifespan="on",
-        timeout_keep_alive=config.keep_alive_s, timeout_graceful_shutdown=int(config.max_wait_s) + SHUTDOWN_GRACE_S))
+        logs.cors(front, config), host=config.host, port=config.port, log_config=None,
+        log_level=config.log_level.lower(), access_log=False, proxy_headers=False, server_header=False,
+        http=front.gateway.connections.protocol(), lifespan="on", timeout_keep_alive=config.keep_alive_s,
+        timeout_graceful_shutdown=int(config.max_wait_s) + SHUTDOWN_GRACE_S))
     # uvicorn stops gracefully on SIGTERM and SIGINT, then puts back the handlers it found and signals itself again:
     # with Python's default ones the process then died by the signal (143), not the documented 0.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: None)
     server.run()
+    traces.shutdown()
     return OK if server.started else FAILED
 
 

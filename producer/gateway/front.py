@@ -13,15 +13,22 @@ import ipaddress
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .. import __version__
+from ..wire import traces
+from ..wire.schema import valid_traceparent
+from . import logs
 from .access import Keyring
 from .admission import CLOSE, Admission
 from .disconnects import CLIENT_GONE
 from .replies import JSON, Refused, error_body
 
-PUBLIC = {"health", "ready", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
+PUBLIC = {"health", "ready", "info", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
+# No ``_created`` series beside each counter and histogram (process-wide): no alert or panel reads them, and they
+# doubled the counters' series (worker/metrics.py does the same).
+disable_created_metrics()
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 CLOSED_REASONS = ("header_timeout", "header_too_large", "over_limit", "idle_evicted", "slow_evicted",  # connections
                   "invalid_request")
@@ -32,8 +39,8 @@ def route_of(path: str) -> str:
     if path.startswith("/v1/results/"):
         return "results"
     return {"/v1/decide": "decide", "/v1/decide/batch": "decide_batch", "/v1/requests": "requests",
-            "/health": "health", "/ready": "ready", "/metrics": "metrics", "/docs": "docs",
-            "/openapi.json": "docs"}.get(path, "other")
+            "/health": "health", "/ready": "ready", "/info": "info", "/metrics": "metrics", "/docs": "docs",
+            "/redoc": "docs", "/openapi.json": "docs"}.get(path, "other")
 
 
 class Metrics:
@@ -54,11 +61,16 @@ class Metrics:
                               "reason (connections.py)", ["reason"], registry=self.registry)
         for reason in CLOSED_REASONS:  # from zero: an alert's increase() sees the first one
             self.closed.labels(reason)
+        self.build = Gauge("dq_gateway_build_info", "always 1: the version this gateway runs", ["version"],
+                           registry=self.registry)
+        self.build.labels(__version__).set(1)
 
 
 class Front:
-    def __init__(self, app: ASGIApp, keyring: Keyring, admission: Admission, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, keyring: Keyring, admission: Admission, metrics: Metrics,
+                 tracer: Any = None) -> None:
         self.app, self.keyring, self.admission, self.metrics = app, keyring, admission, metrics
+        self.tracer = tracer  # None: tracing off (producer/wire/traces.py)
         self.gateway: Any = None  # the service behind (routes.create_app sets it: the server reads its connections)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -79,6 +91,7 @@ class Front:
 
         gauge = self.metrics.in_flight.labels(route)
         gauge.inc()
+        end_span = self._span(scope, route) if self.tracer is not None and route not in PUBLIC else None
         try:
             try:
                 self._admit(scope, route, state)
@@ -91,9 +104,31 @@ class Front:
             self.admission.leave(state)  # a call cut short, or one that failed before its last byte
             if state.get("gone") and not ended[0]:
                 status[0] = CLIENT_GONE  # its caller hung up before the answer's end: nobody read it
-            lane = state.get("lane", "")
+            if end_span is not None:  # the call's span: ended once its last byte went
+                end_span(status[0])
+            lane, seconds = state.get("lane", ""), time.perf_counter() - started
             self.metrics.calls.labels(route, lane, str(status[0])).inc()
-            self.metrics.seconds.labels(route, lane).observe(time.perf_counter() - started)
+            self.metrics.seconds.labels(route, lane).observe(seconds)
+            logs.called(scope, status[0], seconds, route in PUBLIC, state)
+
+    def _span(self, scope: Scope, route: str) -> Any:
+        """Start the call's span, current while it runs (its parent: the call's ``traceparent`` header; the requests
+        it enqueues carry it, service.py); what ends it with the call's status."""
+        from opentelemetry import context
+        from opentelemetry.trace import SpanKind, set_span_in_context
+
+        header = dict(scope["headers"]).get(b"traceparent")
+        span = self.tracer.start_span(f"{scope['method']} {route}", kind=SpanKind.SERVER, attributes={
+            "http.request.method": scope["method"], "http.route": route},
+            context=traces.context_of(valid_traceparent(header.decode("latin-1") if header else None)))
+        token = context.attach(set_span_in_context(span))
+
+        def end(status: int) -> None:
+            span.set_attribute("http.response.status_code", status)
+            context.detach(token)
+            span.end()
+
+        return end
 
     def _admit(self, scope: Scope, route: str, state: dict[str, Any]) -> None:
         """Raises Refused: 400 a keyless gateway's Host not a loopback name, 401 without one valid key, 415 a

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
 from ..plans import Prepared
-from ..wire.keys import ID_PATTERN
+from ..wire.keys import GONE_S, ID_PATTERN, PROTOCOL
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request
 from . import replies
@@ -23,6 +23,7 @@ from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
 from .disconnects import unless_gone
 from .front import Front
+from .openapi import complete
 from .replies import READ, WAIT, Refused, Unsettled
 from .service import Gateway
 
@@ -40,10 +41,13 @@ async def waited(http: HttpRequest, work: Any, ids: list[str], phase: str,
         raise Unsettled(error, ids, phase, digests) from error
 
 
-def no_result(prepared: Prepared, wait: float) -> Refused:
-    """504: no result within the wait; the request stays queued, read later by id and digest."""
+def no_result(prepared: Prepared, wait: float, no_worker: str | None) -> Refused:
+    """504: no result within the wait, and why when no worker of the namespace is alive; the request stays queued,
+    read later by id and digest."""
     where = f"/v1/results/{prepared.id}?digest={prepared.asked()}"
-    return Refused(504, ErrorCode.TIMEOUT.value, f"no result within {wait:g} s; the request stays queued: GET {where}",
+    why = f"no live worker in namespace {no_worker!r} (no heartbeat in the last {GONE_S} s: none started, or all " \
+          "gone); the request stays queued until one starts" if no_worker else "the request stays queued"
+    return Refused(504, ErrorCode.TIMEOUT.value, f"no result in time ({wait:g} s); {why}: GET {where}",
                    headers={"Location": where}, request_id=prepared.id, digest=prepared.asked())
 
 
@@ -51,21 +55,10 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
     """The ASGI application: the routes behind the front layer (keys, admission, metrics); its ``gateway`` attribute
     has the connections' limits for the server (__main__.py)."""
     gateway = Gateway(config, connection)
-    app = FastAPI(title="dq-gateway", version=__version__, lifespan=gateway.lifespan, redoc_url=None,
+    app = FastAPI(title="dq-gateway", version=__version__, lifespan=gateway.lifespan, redoc_url="/redoc",
                   description="The decision queue over HTTP: the queue's request and result JSON (docs/PROTOCOL.md).")
     replies.install(app)
     app.state.gateway = gateway
-    failures = {status: {"description": text} for status, text in (
-        (400, "a gateway without keys: a Host that is not a loopback name"), (401, "no valid API key"),
-        (403, "the key may not use this lane"), (408, "the body paused too long"),
-        (409, "id_conflict: the id has another request's result"),
-        (413, "body or batch too large (a batch over the key's in-flight limit included)"),
-        (415, "a gateway without keys: a body not sent as application/json"),
-        (422, "invalid input: error.code and error.field say what"), (429, "queue full or too many in flight: "
-                                                                          "Retry-After"),
-        (503, "Redis unreachable, replicas did not confirm (not_durable), or the gateway busy; names the id once "
-              "known"),
-        (504, "no result in time: the id and digest, to fetch later"))}
 
     # The POST routes: plain Starlette routes, described in the OpenAPI document by bodies.describe.
     async def decide(http: HttpRequest) -> Response:
@@ -76,8 +69,8 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         await gateway.submit(access.namespace, prepared)
         request_id, wait = prepared[0].id, gateway.wait_for(asked, body.deadline_ms)
         landed = await waited(http, client.wait_any([request_id], wait), [request_id], WAIT, [prepared[0].asked()])
-        if request_id not in landed:
-            raise no_result(prepared[0], wait)
+        if request_id not in landed:  # with why, when no worker of the namespace is alive to answer it
+            raise no_result(prepared[0], wait, access.namespace if await gateway.no_worker(client) else None)
         # The result under this id may be another request's (a reused id): then id_conflict, never its answer.
         return replies.result_response(prepared[0].answered_by(landed[request_id]))
 
@@ -107,7 +100,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
     for path, *_, endpoint in posts:
         app.add_route(path, endpoint, methods=["POST"], include_in_schema=False)
 
-    @app.get("/v1/results/{request_id}", responses=failures, summary="A result, waiting up to ?wait= seconds")
+    @app.get("/v1/results/{request_id}", summary="A result, waiting up to ?wait= seconds")
     async def result(request_id: str, http: HttpRequest,
                      wait: Annotated[float, Query(ge=0, description="seconds to wait for it")] = 0,
                      digest: Annotated[str | None, Query(pattern=DIGEST, description="the request's digest (the "
@@ -135,22 +128,26 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         return {"status": "ok"}
 
     @app.get("/ready", summary="The gateway can serve: Redis reachable on its own connection, its limits not "
-                               "exhausted", responses={503: {"description": "not ready"}})
+                               "exhausted")
     async def ready() -> JSONResponse:
         ok, detail = await gateway.ready()
         return JSONResponse({"ready": ok, **detail}, 200 if ok else 503)
+
+    @app.get("/info", summary="What runs: the gateway's version and wire protocol")
+    async def info() -> dict[str, str]:
+        return {"version": __version__, "protocol": PROTOCOL}
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:  # FastAPI's description, and the plain routes'
-            schema = FastAPI.openapi(app)
-            describe(schema, [(*post[:5], failures) for post in posts])
+        if app.openapi_schema is None:  # FastAPI's description, the plain routes', every route's responses
+            describe(FastAPI.openapi(app), [post[:5] for post in posts])
+            complete(app.openapi_schema)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    front = Front(app, gateway.keyring, gateway.admission, gateway.metrics)
+    front = Front(app, gateway.keyring, gateway.admission, gateway.metrics, gateway.tracer)
     front.gateway = gateway
     return front

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any
 
 import redis
@@ -22,6 +22,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 
 from ..client import AsyncClient
 from ..plans import NotDurable, Prepared, QueueFull, prepare
+from ..wire import traces
 from ..wire.connection import aconnect
 from ..wire.keys import NORMAL, Priority
 from ..wire.result import Result
@@ -65,6 +66,7 @@ class Gateway:
         self.probe: Any = None  # readiness's own client: never the tenants' pool
         self.probed: tuple[float, str] = (float("-inf"), "")  # when Redis was last asked, and what it said
         self.probing: asyncio.Future[str] | None = None
+        self.tracer = traces.tracer("dq-gateway")  # None: tracing off
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
@@ -90,7 +92,8 @@ class Gateway:
         if len(requests) > self.config.max_batch:
             raise Refused(413, "batch_too_large", f"{len(requests)} requests, over the limit of "
                                                   f"{self.config.max_batch} per call", "requests")
-        header = valid_traceparent(http.headers.get("traceparent"))
+        # with tracing on, the call's span (producer/wire/traces.py); else the caller's own traceparent, passed on
+        header = traces.current() or valid_traceparent(http.headers.get("traceparent"))
         lanes, seen, out = set(), set(), []
         for index, request in enumerate(requests):
             where = f"requests.{index}." if batch else ""
@@ -126,8 +129,11 @@ class Gateway:
         in, QueueFull: a 429 naming the accepted and the refused). Any Redis error is Unsettled: it names the ids,
         which may have been queued."""
         refused: list[str] = []
+        enqueue = self.tracer.start_as_current_span("dq.enqueue", attributes={
+            "dq.namespace": namespace, "dq.requests": len(prepared)}) if self.tracer is not None else nullcontext()
         try:
-            await self.batchers[namespace].submit(prepared)
+            with enqueue:
+                await self.batchers[namespace].submit(prepared)
         except QueueFull as full:
             if not (partial and full.accepted):
                 self._count(prepared, full.accepted)
@@ -176,6 +182,13 @@ class Gateway:
                 yield _line(Result.failure(request_id, code, "the queue could not be read; the request is queued "
                                            f"and will be answered: {_fetch(asked[request_id])}",
                                            digest=asked[request_id].asked()))
+
+    async def no_worker(self, client: AsyncClient) -> bool:
+        """No worker of the client's namespace is alive (False when unknown: Redis failing, heartbeats unreadable)."""
+        try:
+            return await client.live_workers() == 0
+        except redis.RedisError:
+            return False
 
     async def ready(self) -> tuple[bool, dict[str, Any]]:
         """The gateway's own ability to serve: Redis answers a PING on readiness's own connection (never the
