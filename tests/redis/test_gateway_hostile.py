@@ -292,7 +292,7 @@ def test_a_shard_without_workers_leaves_the_gateway_ready_and_shows_in_the_expor
             except httpx.HTTPError:
                 time.sleep(0.2)
                 continue
-            samples = {(s.name, s.labels.get("shard"), s.labels.get("stream"), s.labels.get("priority")): s.value
+            samples = {(s.name, s.labels.get("shard"), s.labels.get("stream"), s.labels.get("lane")): s.value
                        for f in text_string_to_metric_families(text) for s in f.samples}
         assert samples[("dq_stream_lag", "1", "requests", "normal")] >= 3
         assert samples[("dq_stream_consumers", "1", "requests", "normal")] == 0
