@@ -59,8 +59,9 @@ ROLES = {
         "(+xadd +xlen ~{part_stream} ~{high_part_stream} ~{dead}) "  # fan-out parts, dead letters
         "(+set +get ~{bodies}) "  # a fanned-out request's body
         "(+hset +hdel +hget +hgetall +hlen ~{workers}) "  # heartbeats
-        # the publish and part functions (FCALL's keys), then what they run; replies beside results
-        "(+fcall ~{results} ~{shares} ~{bodies} ~{replies}) "
+        # the publish and part functions (FCALL's keys), then what they run; replies beside results; the dead-letter
+        # function's dead-letter stream (what it runs there is the worker's own XADD)
+        "(+fcall ~{results} ~{shares} ~{bodies} ~{replies} ~{dead}) "
         "(+exists +xrange +xadd +expire ~{results} ~{replies}) (+type ~{replies}) "
         "(+hset +hlen +hgetall +expire ~{shares}) "
         "(+del ~{shares} ~{bodies})"

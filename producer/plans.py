@@ -29,15 +29,16 @@ from .liveness import NO_WORKER_S, Liveness
 from .steps import Call, Function, Load, PerNode, Pipeline, Plan, Step  # noqa: F401 - the faces' names for them
 from .wire import cluster_wait, library
 from .wire.connection import WAIT_MS
+from .wire.digest import body_digest, digest
 from .wire.errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here
 from .wire.keys import GONE_S, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
-from .wire.result import Result
-from .wire.schema import Request, describe, digest
+from .wire.result import Result, Unreadable, read_stored, unreadable
+from .wire.schema import Request, describe
 
 BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the time Redis spends in one call
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
 WINDOW = 256  # result streams one blocking read waits on (any of them landing wakes it)
-REMEMBERED = 100_000  # ids whose digest a producer keeps (for id conflicts): about 200 bytes each
+REMEMBERED = 100_000  # ids whose digests a producer keeps (for id conflicts): about 300 bytes each
 # A "function not found" reply means nothing ran: load the library and call again. The server may lose it again
 # in between (restarts, failovers, FUNCTION FLUSH in a row): a few tries, then the error goes to the caller.
 LOAD_TRIES = 5
@@ -49,16 +50,20 @@ class Prepared(NamedTuple):
     id: str
     body: str
     lane: Priority = NORMAL
-    digest: str = ""  # schema.digest of the request ("": computed from the body when asked)
+    digest: str = ""  # digest.digest of the request ("": computed from the body when asked)
 
     def asked(self) -> str:
         """The request's digest: the one ``prepare`` took, else from the body."""
         return self.digest or digest(Request.model_validate_json(self.body))
 
+    def digests(self) -> tuple[str, str]:
+        """A result of this request carries the request's digest, or its body's where a worker did not validate it."""
+        return self.asked(), body_digest(self.body)
+
     def answered_by(self, result: Result) -> Result:
-        """``result`` if it answers this request; an ``id_conflict`` error if it is the result of another request
-        that used the same id (docs/PROTOCOL.md, "Reusing an id"). Every reader that submitted checks this."""
-        return result.answering(self.asked())
+        """``result`` if it answers this request, else ``id_conflict``: another request's under the id, or none's (no
+        digest) (docs/PROTOCOL.md, "Reusing an id"). Every reader that submitted checks this."""
+        return result.answering(self.digests())
 
 
 Submittable = Request | Mapping[str, Any] | Prepared
@@ -81,11 +86,12 @@ def prepare(request: Submittable, max_bytes: int = MAX_BODY_BYTES) -> Prepared:
 
 
 def parse_result(fields: Mapping[bytes, bytes], request_id: str) -> Result:
-    """The result entry read from ``request_id``'s result stream; raises WrongResult unless it is that request's."""
-    result = Result.model_validate_json(fields[Field.BODY.encode()])
-    if result.id != request_id:
-        raise WrongResult(f"the result stream of request {request_id!r} holds a result for {result.id[:140]!r}")
-    return result
+    """The result entry read from ``request_id``'s result stream; one that is not that request's result (garbage,
+    another id's) is answered ``id_conflict`` for that id alone, never handed out, never raised for a whole read."""
+    try:
+        return read_stored(fields.get(Field.BODY.encode()), request_id)
+    except Unreadable as error:
+        return unreadable(request_id, error)
 
 
 class Producer:
@@ -96,13 +102,13 @@ class Producer:
         self.keys, self.shards, self.max_unfinished, self.cluster = keys, shards, max_unfinished, cluster
         self.wait_replicas = wait_replicas  # durable mode (docs/RELIABILITY.md): WAIT after each write and read
         self.no_worker_s = no_worker_s  # None: a wait with no live worker runs its whole timeout
-        # The digest of what this producer last submitted under each id, lately (digests only: bodies can be
+        # The digests of what this producer last submitted under each id, lately (digests only: bodies can be
         # megabytes): a result read for one of them that is another request's (a reused id) is returned as the
         # id_conflict it is, never as this request's answer.
-        self.submitted: OrderedDict[str, str] = OrderedDict()
+        self.submitted: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     def _remember(self, prepared: Prepared) -> None:
-        self.submitted[prepared.id] = prepared.asked()
+        self.submitted[prepared.id] = prepared.digests()
         self.submitted.move_to_end(prepared.id)
         while len(self.submitted) > REMEMBERED:
             self.submitted.popitem(last=False)

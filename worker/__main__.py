@@ -4,6 +4,7 @@ queue's function library onto a Redis server."""
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ from producer.wire.supported import UnsupportedServer
 from .config import Settings
 
 log = logging.getLogger("worker")
+PORT_IN_USE = 75  # sysexits' EX_TEMPFAIL: the metrics port is held, maybe by a process on its way out; try again
 
 
 def _tiny(args: argparse.Namespace) -> int:
@@ -237,7 +239,9 @@ def serve(settings: Settings) -> int:
             serve_http(daemon, settings.metrics_port, settings.metrics_host)
         except OSError as error:
             log.error("cannot serve metrics on port %d: %s", settings.metrics_port, error)
-            return 2
+            # In use: a process that holds it may be leaving (an earlier launcher's worker, draining): the launcher
+            # starts this one again after a pause. Exit 2 would stop every worker of the host.
+            return PORT_IN_USE if error.errno == errno.EADDRINUSE else 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, daemon.on_signal)
     try:

@@ -22,9 +22,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from producer.wire.digest import body_digest, digest
 from producer.wire.keys import ID_PATTERN, NORMAL, Field, Keys, Priority, valid_id
 from producer.wire.schema import (MAX_NAME_CHARS, MAX_QUESTIONS, ErrorCode, RequestError, load_json, valid_metadata,
-                             valid_traceparent)
+                                  valid_traceparent, validate)
 
 
 class Stream(enum.StrEnum):
@@ -66,7 +67,7 @@ class Identity:
     reply_to: str | None = None
     metadata: dict[str, Any] | None = None
     traceparent: str | None = None
-    digest: str | None = None  # what it asks (schema.digest), once it validated
+    digest: str | None = None  # what it asks (producer/wire/digest.py): every result of it carries this
 
     @property
     def log_fields(self) -> dict[str, str]:
@@ -126,7 +127,7 @@ class Delivery:
             problems.append(f"field {unknown[0][:40]!r} is not a field of {stream} entries "
                             f"({', '.join(sorted(FIELDS[stream]))})")
         enqueued_ms = int(entry_id.split("-")[0])  # a Redis entry id starts with its time in ms
-        part, parts, questions, answerable, traceparent = 0, 1, None, True, None
+        part, parts, questions, answerable, traceparent, asked = 0, 1, None, True, None, None
         if stream == PARTS:
             request_id = _checked(problems, lambda: _request_id(fields), None)
             answerable = request_id is not None
@@ -141,6 +142,8 @@ class Delivery:
             if body is None:
                 problems.append(f"field {Field.BODY!r} is missing")
             request_id = _leading_id(body)
+            # A body too large to read is digested now, before it is let go: its too_large result is its request's.
+            asked = body_digest(body) if too_large and body is not None else None
         if too_large:  # its big values let go at once (names kept): nothing reads them, held they would stay
             fields = {name: value if len(value) <= 1024 else b"" for name, value in fields.items()}
         taken = time.time()
@@ -148,7 +151,8 @@ class Delivery:
         # and latencies 0 for it and every entry after it. Counted (``ahead``), and the wait timed from now instead.
         ahead = enqueued_ms > taken * 1000 + AHEAD_MS
         return cls(stream, key, entry_id, fields, deliveries, taken, Identity(request_id or entry_id,
-                   traceparent=traceparent), min(enqueued_ms, int(taken * 1000)), part, parts, questions,
+                   traceparent=traceparent, digest=asked if stream == REQUESTS else None),
+                   min(enqueued_ms, int(taken * 1000)), part, parts, questions,
                    problems[0] if problems else None, ErrorCode.TOO_LARGE if too_large else ErrorCode.INVALID_REQUEST,
                    answerable, size, lane, ahead)
 
@@ -272,3 +276,23 @@ def identity_of(keys: Keys, job: Job) -> tuple[Identity, dict[str, Any] | None, 
     if job.part:
         identity = dataclasses.replace(identity, request_id=job.known.request_id)
     return identity, body, error
+
+
+def request_digest(job: Job, body: dict[str, Any] | None) -> str | None:
+    """What the request asks (producer/wire/digest.py), for every result of it, error results included: its digest
+    when its body validates, else its body's bytes' (a producer accepts either as its own); a body too large to read
+    was digested when read (``Delivery.parse``); a part whose stored body is gone has none."""
+    if job.raw is None or (job.invalid_code == ErrorCode.TOO_LARGE and not job.part):
+        return job.known.digest
+    if body is not None:
+        try:
+            return digest(validate(body))
+        except RequestError:
+            pass
+    return body_digest(job.raw)
+
+
+def identity_with_digest(keys: Keys, job: Job) -> Identity:
+    """``identity_of``'s identity with its request's digest (a dead letter's result: the body parsed once more)."""
+    identity, body, _ = identity_of(keys, job)
+    return dataclasses.replace(identity, digest=request_digest(job, body))

@@ -4,14 +4,17 @@ Liveness comes from the loops' own heartbeats, not from Redis: a Redis outage ma
 restarts it. Readiness: model loaded, graphs captured (warm-up done), Redis reachable, its function library
 loaded, and not refusing the writes the work waits on (``REFUSED_READY_S`` after the last refusal), and the work in
 flight progressing: a worker that holds entries and has settled none for ``--stall-timeout-s`` is unready until
-one is settled, and one that has held an entry for ten times as long, until that one is settled. Both are decided
-from a ``Snapshot``, a plain copy of the worker's state that the daemon fills on each request.
+one is settled, and one that has held an entry for ten times as long, until that one is settled; and not stopping
+(a draining worker takes nothing new: a launcher restarted beside its old workers took them for its own). Both are
+decided from a ``Snapshot``, a plain copy of the worker's state that the daemon fills on each request; the answer
+names the process (``pid``), so that a supervisor can tell its own child from whatever answers on the port.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -75,10 +78,11 @@ def status(state: Snapshot) -> dict[str, Any]:
     # And one entry left behind while the rest moves (its idle time kept fresh, so no other worker takes it).
     held = now - state.oldest_taken if state.oldest_taken is not None else 0.0
     stalled = waiting > state.stall_s or held > HELD_STALLS * state.stall_s
-    ready = state.ready and redis_ok and state.library_ok and not stuck and not stalled and not state.refusing
+    ready = state.ready and redis_ok and state.library_ok and not stuck and not stalled and not state.refusing \
+        and not state.stopping
     return {"live": not stuck, "stuck": stuck, "ready": ready, "model_loaded": True, "warm": state.ready,
             "redis": redis_ok, "library": state.library_ok, "refusing": state.refusing, "stalled": stalled,
-            "inflight": state.inflight, "stopping": state.stopping}
+            "inflight": state.inflight, "stopping": state.stopping, "pid": os.getpid()}
 
 
 def serve_http(daemon: Watched, port: int, host: str = "") -> ThreadingHTTPServer:

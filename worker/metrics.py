@@ -59,6 +59,8 @@ class Metrics:
         self.reused_ids = Counter("dq_reused_ids_total", "Requests whose id was answered before, not computed: "
                                   "replay (the same request) or conflict (another)", ["outcome"], registry=r)
         self.lost = Counter("dq_lost_entries_total", "Pending entries whose payload was gone (trimmed)", registry=r)
+        self.unreadable_results = Counter("dq_unreadable_results_total", "Entries whose id holds a result no worker "
+                                          "wrote (not a result of that id): dead-lettered", registry=r)
         self.unread_deleted = Counter("dq_unread_entries_deleted_total", "Times entries of a work stream were found "
                                       "deleted before the group read them (a trim: requests lost unanswered)",
                                       ["stream", "lane"], registry=r)

@@ -1,6 +1,7 @@
 """How an entry ends, as plain data: a task's answers as a result or as one part's share of its request's result,
-an error result, and the parts of a fanned-out request merged into one result. Pure and torch-free: the lifecycle
-builds outcomes, the publisher (the Redis side) stores them; unit tests check the merge without a server.
+an error result, the parts of a fanned-out request merged into one result, and what a dead letter holds. Pure and
+torch-free: the lifecycle builds outcomes, the publisher (the Redis side) stores them; unit tests check the merge
+without a server.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from typing import Any
 
 import redis
 
-from producer.wire.schema import ErrorCode
-
+from producer.wire import functions
+from producer.wire.keys import Field
 from producer.wire.result import Result, Timings, Usage
+from producer.wire.schema import ErrorCode
 
 from .entries import Delivery, Identity
 from .tasks import Task
@@ -64,6 +66,8 @@ class Outcome:
     order: list[str] = field(default_factory=list)  # question order of the request, for merging parts
     replied: bool = False  # its reply was written or refused: settling it again does not reply again
     replay: bool = False  # its id was answered before: only replied to and acknowledged, never published
+    dead_letter: str | None = None  # dead-lettered, why: its entry copied to the dead letters with its result
+    copied: bool = False  # its dead letter was written: settling it again does not copy it again
     refused: redis.ResponseError | None = None  # Redis refused its publication this time: settle it again later
 
     @property
@@ -120,12 +124,14 @@ def task_outcome(task: Task, model_name: str) -> Outcome:
 
 
 def answered_before(delivery: Delivery, identity: Identity, stored: Result, model_name: str) -> Outcome:
-    """A request whose id already has a result: the stored result marked as a replay when it asked the same (or the
-    stored result predates digests), else an ``id_conflict`` error (the stored result stays)."""
-    if stored.digest in (None, identity.digest):
+    """A request whose id already has a result: the stored result marked as a replay when it asked the same, else an
+    ``id_conflict`` error (the stored result stays). A stored result without a digest answers no request: an error
+    result of an older worker, or one written by something else, never answers a different body."""
+    if stored.digest is not None and stored.digest == identity.digest:
         return Outcome(delivery, identity, result=stored.model_copy(update={"replay": True}), replay=True)
+    whose = "a different request" if stored.digest is not None else "no known request (its result has no digest)"
     conflict = error_outcome(delivery, identity, ErrorCode.ID_CONFLICT,
-                             f"id {identity.request_id} was answered before for a different request (its digest "
+                             f"id {identity.request_id} was answered before for {whose} (its digest "
                              f"{stored.digest}, this one's {identity.digest}); send it under a new id", model_name)
     conflict.replay = True
     return conflict
@@ -138,3 +144,14 @@ def error_outcome(delivery: Delivery, identity: Identity, code: ErrorCode, messa
                       finished_ms=int(time.time() * 1000))
     return Outcome(delivery, identity, result=Result.failure(identity.request_id, code, message, timings=timings,
                                                              model=model_name, **echo(identity)))
+
+
+def dead_fields(delivery: Delivery, reason: str) -> dict[Any, Any]:
+    """A dead letter: the entry's fields as they were (names too: any bytes; the first MAX_DEAD_FIELDS), then where
+    it was and why, which no field of its own hides."""
+    own = [(name, value) for name, value in delivery.fields.items()
+           if name not in {f.encode() for f in functions.OWN_DEAD_FIELDS}]
+    if len(own) > functions.MAX_DEAD_FIELDS:
+        reason = f"{reason} ({len(own) - functions.MAX_DEAD_FIELDS} more fields not kept)"
+    return {**dict(own[: functions.MAX_DEAD_FIELDS]), Field.STREAM: delivery.stream, Field.LANE: delivery.lane,
+            Field.ENTRY_ID: delivery.entry_id, Field.DELIVERIES: delivery.deliveries, Field.REASON: reason[:2000]}

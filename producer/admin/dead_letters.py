@@ -7,7 +7,9 @@ may read, and requeue and purge write to the work streams.
     dq-producer dead purge DEAD_ID... | --all     delete them
 
 A requeued request was answered dead_lettered; that result is deleted first (only an error result with that
-code), so that the worker's new answer is the one published (the first publication of a result wins). A request
+code), so that the worker's new answer is the one published (the first publication of a result wins). On one
+server the check, the deletion, the entry added back and the dead letter deleted are one step (the library's
+requeue function), as a worker's dead letter and its result are: a requeue never runs between the two. A request
 sent without an id is answered under its new entry id. A part entry (of a fanned-out request) is not requeued:
 its request was answered and its stored body may be gone; submit the request again.
 """
@@ -24,7 +26,8 @@ from typing import Any
 import redis
 
 from ..exits import FAILED, OK, USAGE
-from ..wire.keys import LANES, Field, Keys, Priority, valid_id
+from ..wire import library
+from ..wire.keys import LANES, Field, Keys, Priority, text, valid_id
 from ..wire.schema import ErrorCode
 
 PAGE = 100  # entries read per XRANGE
@@ -87,6 +90,19 @@ def requeue_one(connection: Any, keys: Keys, dead_id: str, fields: dict[bytes, b
         return {"dead_id": dead_id, "skipped": why}
     original = {k: v for k, v in fields.items() if k not in OWN}
     request_id = _request_id(fields)
+    target = keys.requests_in(lane)
+    if not isinstance(connection, redis.RedisCluster):  # one step (their keys span slots on a cluster)
+        result_key = [keys.result(request_id)] if request_id is not None else []
+        reply = connection.fcall(library.REQUEUE, 2 + len(result_key), keys.dead, target, *result_key, dead_id,
+                                 keys.group)
+        if text(reply[0]) == "requeued":
+            return {"dead_id": dead_id, "requeued": target, "request_id": request_id}
+        why = {"gone": "no such dead letter: requeued or purged meanwhile",
+               "empty": "the dead letter holds none of its entry's fields",
+               "pending": "its entry is still pending: its worker has not acknowledged it yet (one that died is "
+                          "dead-lettered again once reclaimed); try again"}.get(text(reply[0]))
+        return {"dead_id": dead_id, "skipped": why or f"request {request_id} is answered ({text(reply[1])}): its "
+                                                      f"result stays, nothing requeued"}
     if request_id is not None:
         found = connection.xrange(keys.result(request_id), count=1)
         if found:
@@ -99,7 +115,6 @@ def requeue_one(connection: Any, keys: Keys, dead_id: str, fields: dict[bytes, b
                 return {"dead_id": dead_id, "skipped": f"request {request_id} is answered ({code or 'ok'}): "
                                                         f"its result stays, nothing requeued"}
             connection.delete(keys.result(request_id))  # before the entry exists: the new answer must land
-    target = keys.requests_in(lane)
     connection.xadd(target, original)
     connection.xdel(keys.dead, dead_id)
     return {"dead_id": dead_id, "requeued": target, "request_id": request_id}
@@ -140,6 +155,8 @@ def run(args: argparse.Namespace, client: Any) -> int:
     if bool(args.ids) == args.all:
         print(f"dq-producer dead {args.action}: give dead-letter ids or --all (not both)", file=sys.stderr)
         return USAGE
+    if args.action == "requeue":
+        library.ensure(connection)  # the requeue function (revision 4): the admin user may load it
     done = skipped = 0
     for keys, dead_id, fields in _chosen(connection, namespace, shards, args.ids, args.all):
         if isinstance(fields, str):

@@ -3,8 +3,10 @@ the wire protocol (docs/GATEWAY.md). Stateless: it holds no request between call
 behind a load balancer. Torch-free; needs the ``http`` extra (FastAPI, uvicorn, prometheus-client).
 
 config.py (the one settings object, API keys)  access.py (who may do what; in-flight limits)  routes.py (the routes)
-service.py (what the routes call: admission, submission, results as they land, readiness)
+service.py (what the routes call: a call's requests checked, submission, results as they land, readiness)
 bodies.py (what the POST routes read)  batcher.py (concurrent submissions in one call)
-front.py (the ASGI layer before the routes: authentication, body size, metrics)  replies.py (errors as HTTP
-statuses)  __main__.py (the command)
+connections.py (HTTP connections before a request reaches the app: head size and time, the connection cap)
+front.py (the ASGI layer before the routes: authentication, admission, metrics)  admission.py (what a keyed call
+takes before its body is read, and its body read within limits)  disconnects.py (a caller that hangs up: 499)
+replies.py (errors as HTTP statuses)  __main__.py (the command)
 """

@@ -11,17 +11,21 @@ variable or keys file: before it listens), 4 Redis unreachable at start.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import signal
 import sys
 
 from .. import __version__
-from ..exits import UNREACHABLE, USAGE
+from ..exits import FAILED, OK, UNREACHABLE, USAGE
 from ..wire.connection import Deployment, check_reachable
 from ..wire.keys import PROTOCOL
 from . import logs
 from .config import ConfigError, GatewayConfig, add_arguments, load
 
 log = logging.getLogger("producer.gateway")
+SHUTDOWN_GRACE_S = 5  # past --max-wait-s, a call still running at a stop is cut
+FILES_BESIDE = 64  # file descriptors besides connections and the Redis pool: the listener, readiness, logs, ...
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,11 +61,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(config: GatewayConfig) -> int:
+    """Serve until SIGTERM or SIGINT: new connections stop, calls in progress finish (at most ``--max-wait-s`` and
+    a little), then exit 0."""
     import uvicorn
 
     from ..wire import traces
     from .routes import create_app
 
+    config = fit_file_limit(config)
     if not config.keys:
         log.warning("no API keys: anyone who can reach %s:%d may use the queue (namespace %s); listening on a "
                     "loopback address only", config.host, config.port, config.deployment.namespace)
@@ -69,10 +76,42 @@ def serve(config: GatewayConfig) -> int:
         log.info("%d API keys; namespaces %s", len(config.keys), ", ".join(config.namespaces()))
     traces.configure("dq-gateway")  # on when an OTLP endpoint is set (OTEL_EXPORTER_OTLP_*)
     log.info("dq-gateway %s (wire protocol v%s) on %s:%d", __version__, PROTOCOL, config.host, config.port)
-    uvicorn.run(logs.cors(create_app(config), config), host=config.host, port=config.port, log_config=None,
-                log_level=config.log_level.lower(), access_log=False, proxy_headers=False, server_header=False)
+    front = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(
+        logs.cors(front, config), host=config.host, port=config.port, log_config=None,
+        log_level=config.log_level.lower(), access_log=False, proxy_headers=False, server_header=False,
+        http=front.gateway.connections.protocol(), lifespan="on", timeout_keep_alive=config.keep_alive_s,
+        timeout_graceful_shutdown=int(config.max_wait_s) + SHUTDOWN_GRACE_S))
+    # uvicorn stops gracefully on SIGTERM and SIGINT, then puts back the handlers it found and signals itself again:
+    # with Python's default ones the process then died by the signal (143), not the documented 0.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
+    server.run()
     traces.shutdown()
-    return 0
+    return OK if server.started else FAILED
+
+
+def fit_file_limit(config: GatewayConfig) -> GatewayConfig:
+    """``--max-connections`` under the process's open-file limit, with room for the Redis pool and the rest: the
+    soft limit is raised to what is needed (up to the hard one); where even that is too low, the cap is lowered and
+    said. At the limit the gateway could accept nobody, and said nothing."""
+    import resource
+
+    from .service import pool_size
+
+    others = pool_size(config) + FILES_BESIDE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = config.max_connections + others
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        soft = raised
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        fits = max(1, soft - others)
+        log.warning("--max-connections %d lowered to %d: the open-file limit is %d (hard), and the Redis pool and "
+                    "the rest need %d", config.max_connections, fits, soft, others)
+        return dataclasses.replace(config, max_connections=fits)
+    return config
 
 
 if __name__ == "__main__":

@@ -91,6 +91,19 @@ class GatewayConfig:
     max_wait_s: float = _opt(300.0, "the longest wait a call may ask for", low=0.001)
     max_unfinished: int = _opt(100_000, "backpressure: entries a lane's stream may hold before 429 (0: no limit)",
                                low=0)
+    # Hostile and careless callers (docs/RELIABILITY.md, "Hostile callers"): connections.py, admission.py
+    max_connections: int = _opt(1024, "HTTP connections open at once; one more closes the longest-idle keep-alive "
+                                      "one, or is answered 503 (kept under the process's file limit)", low=1)
+    max_header_bytes: int = _opt(16384, "a request's head (request line and headers) at most; more: 431, closed",
+                                 low=1024)
+    header_timeout_s: float = _opt(10.0, "a request's head complete within this of the connection's start (or its "
+                                         "first byte); else 408, closed", low=0.1)
+    body_timeout_s: float = _opt(30.0, "the longest pause between parts of a body; then 408, closed", low=0.1)
+    keep_alive_s: float = _opt(65.0, "an idle connection between requests is closed after this (above clients' "
+                                     "pools: the SDK keeps 30 s, load balancers 60 s)", low=1.0)
+    max_body_bytes_in_flight: int = _opt(64 << 20, "bodies read or parsed at once, over every caller (a call "
+                                                   "without a length counts --max-body-bytes); beyond: 503 busy",
+                                         low=1)
     log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR")
     log_format: str = _opt("text", "text, or json: one JSON object per line, the gateway's lines and uvicorn's alike")
     access_log: str = _opt("on", "on: one line per call (method, path, status, duration, key, lane, client; probes "
@@ -123,6 +136,8 @@ class GatewayConfig:
                             f"{self.deployment.namespace!r}")
         if self.wait_s > self.max_wait_s:
             problems.append(f"{_names('wait_s')} must be at most {_names('max_wait_s')}")
+        if self.max_body_bytes_in_flight < self.max_body_bytes:  # else a body of the largest size never fits
+            problems.append(f"{_names('max_body_bytes_in_flight')} must be at least {_names('max_body_bytes')}")
         if not self.keys and not loopback(self.host):
             problems.append(f"without API keys the gateway listens on a loopback address only, not {self.host!r}: "
                             f"give --api-keys-file (or {KEYS_VARIABLE}), or --host 127.0.0.1")

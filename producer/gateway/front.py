@@ -1,31 +1,37 @@
-"""The layer every call passes before its route, as plain ASGI: the API key (401 before a byte of the body is
-read), the body's size (413 on the declared length, or as soon as a streamed body passes the limit), and the
-metrics (calls by route, lane and status; latency; calls in flight), counted after the response's last byte. It
-also gives back the caller's in-flight slots when the call ends, however it ends (a streamed batch whose caller
-went away included).
+"""The layer every call passes before its route, as plain ASGI: who is calling (one ``Authorization: Bearer`` header
+naming a key: 401 before a byte of the body is read), what a keyless gateway accepts (a loopback ``Host`` only, and
+JSON bodies only: a web page on the same machine can neither submit nor read through it, by a form or by a DNS name
+pointed at 127.0.0.1), admission (admission.py: an in-flight slot and a share of the body budget before the body is
+read, the body read within limits), and the metrics (calls by route, lane and status; latency; calls in flight),
+counted after the response's last byte. What a call holds is given back when it ends, however it ends (a streamed
+batch whose caller went away included: counted 499).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
 from ..wire import traces
 from ..wire.schema import valid_traceparent
 from . import logs
-from .access import Inflight, Keyring
-from .replies import JSON, error_body
+from .access import Keyring
+from .admission import CLOSE, Admission
+from .disconnects import CLIENT_GONE
+from .replies import JSON, Refused, error_body
 
 PUBLIC = {"health", "ready", "info", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
 # No ``_created`` series beside each counter and histogram (process-wide): no alert or panel reads them, and they
 # doubled the counters' series (worker/metrics.py does the same).
 disable_created_metrics()
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+CLOSED_REASONS = ("header_timeout", "header_too_large", "over_limit", "idle_evicted", "slow_evicted",  # connections
+                  "invalid_request")
 
 
 def route_of(path: str) -> str:
@@ -50,17 +56,22 @@ class Metrics:
                                registry=self.registry)
         self.queued = Counter("dq_gateway_queued_requests", "requests the gateway put on the queue, by lane",
                               ["lane"], registry=self.registry)
+        self.connections = Gauge("dq_gateway_connections", "HTTP connections open", registry=self.registry)
+        self.closed = Counter("dq_gateway_connections_closed", "HTTP connections the gateway closed at a limit, by "
+                              "reason (connections.py)", ["reason"], registry=self.registry)
+        for reason in CLOSED_REASONS:  # from zero: an alert's increase() sees the first one
+            self.closed.labels(reason)
         self.build = Gauge("dq_gateway_build_info", "always 1: the version this gateway runs", ["version"],
                            registry=self.registry)
         self.build.labels(__version__).set(1)
 
 
 class Front:
-    def __init__(self, app: ASGIApp, keyring: Keyring, inflight: Inflight, metrics: Metrics,
-                 max_body_bytes: int, tracer: Any = None) -> None:
-        self.app, self.keyring, self.inflight, self.metrics = app, keyring, inflight, metrics
-        self.max_body_bytes = max_body_bytes
+    def __init__(self, app: ASGIApp, keyring: Keyring, admission: Admission, metrics: Metrics,
+                 tracer: Any = None) -> None:
+        self.app, self.keyring, self.admission, self.metrics = app, keyring, admission, metrics
         self.tracer = tracer  # None: tracing off (producer/wire/traces.py)
+        self.gateway: Any = None  # the service behind (routes.create_app sets it: the server reads its connections)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -68,29 +79,33 @@ class Front:
             return
         started, route = time.perf_counter(), route_of(scope["path"])
         state: dict[str, Any] = scope.setdefault("state", {})
-        status = [500]  # until the response starts: a call cut short counts as failed
+        status, ended = [500], [False]  # until the response starts: a call cut short counts as failed
 
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                self._give_back(state)  # before the caller sees the end: its next call may come at once
+                ended[0] = True
+                self.admission.leave(state)  # before the caller sees the end: its next call may come at once
             await send(message)
 
         gauge = self.metrics.in_flight.labels(route)
         gauge.inc()
         end_span = self._span(scope, route) if self.tracer is not None and route not in PUBLIC else None
         try:
-            refusal = self._refuse(scope, route, state)
-            if refusal is not None:
-                await _answer(sending, *refusal)
+            try:
+                self._admit(scope, route, state)
+            except Refused as refused:
+                await _answer(sending, refused)
                 return
-            await self.app(scope, self._counting(receive), sending)
+            await self.app(scope, self.admission.receiving(receive, state), sending)
         finally:
+            gauge.dec()
+            self.admission.leave(state)  # a call cut short, or one that failed before its last byte
+            if state.get("gone") and not ended[0]:
+                status[0] = CLIENT_GONE  # its caller hung up before the answer's end: nobody read it
             if end_span is not None:  # the call's span: ended once its last byte went
                 end_span(status[0])
-            gauge.dec()
-            self._give_back(state)  # a call cut short, or one that failed before its last byte
             lane, seconds = state.get("lane", ""), time.perf_counter() - started
             self.metrics.calls.labels(route, lane, str(status[0])).inc()
             self.metrics.seconds.labels(route, lane).observe(seconds)
@@ -115,43 +130,56 @@ class Front:
 
         return end
 
-    def _give_back(self, state: dict[str, Any]) -> None:
-        for name, count in state.pop("held", ()):
-            self.inflight.give_back(name, count)
-
-    def _refuse(self, scope: Scope, route: str, state: dict[str, Any]) -> tuple[int, bytes, dict] | None:
-        """401 without a known key, 413 for a declared length over the limit; else None (the call goes on)."""
-        headers = dict(scope["headers"])
-        if route not in PUBLIC:
-            raw = headers.get(b"authorization")
-            access = self.keyring.find(raw.decode("latin-1") if raw is not None else None)
-            if access is None:
-                return 401, error_body("unauthorized", "a valid API key is needed: Authorization: Bearer <token>"), \
-                    {"WWW-Authenticate": 'Bearer realm="dq-gateway"'}
-            state["access"] = access
-        declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            return 413, error_body("body_too_large", f"the body is over the {self.max_body_bytes}-byte limit"), {}
-        return None
-
-    def _counting(self, receive: Receive) -> Receive:
-        """``receive`` that refuses a body (streamed without a length) once it passes the limit."""
-        seen = [0]
-
-        async def counted() -> Message:
-            message = await receive()
-            if message["type"] == "http.request":
-                seen[0] += len(message.get("body", b""))
-                if seen[0] > self.max_body_bytes:
-                    raise HTTPException(413, {"code": "body_too_large",
-                                              "message": f"the body is over the {self.max_body_bytes}-byte limit"})
-            return message
-
-        return counted
+    def _admit(self, scope: Scope, route: str, state: dict[str, Any]) -> None:
+        """Raises Refused: 400 a keyless gateway's Host not a loopback name, 401 without one valid key, 415 a
+        keyless body that is not JSON, 413 a declared length over the limit, 429/503 no room (admission.py)."""
+        headers: dict[bytes, list[bytes]] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name, []).append(value)
+        if self.keyring.open and not _loopback_host(headers.get(b"host")):
+            raise Refused(400, "host_not_allowed", "a gateway without API keys answers only to a loopback Host "
+                          "(localhost, 127.0.0.1, [::1])", headers=CLOSE)
+        if route in PUBLIC:
+            return
+        given = headers.get(b"authorization", [])
+        access = self.keyring.find(given[0].decode("latin-1") if len(given) == 1 else None)
+        if access is None:
+            raise Refused(401, "unauthorized", "a valid API key is needed: one Authorization: Bearer <token>",
+                          headers={"WWW-Authenticate": 'Bearer realm="dq-gateway"', **CLOSE})
+        state["access"] = access
+        body = scope["method"] in ("POST", "PUT", "PATCH")
+        if body and self.keyring.open and not _json(headers.get(b"content-type")):
+            raise Refused(415, "unsupported_media_type", "the body must be sent as Content-Type: application/json",
+                          headers=CLOSE)
+        declared = headers.get(b"content-length", [None])[-1]
+        if declared is not None and not declared.isdigit():
+            raise Refused(413, "body_too_large", "the body's Content-Length is not a number", headers=CLOSE)
+        self.admission.enter(state, access, int(declared) if declared is not None else None, body)
 
 
-async def _answer(send: Send, status: int, body: bytes, headers: dict[str, str]) -> None:
+def _loopback_host(values: list[bytes] | None) -> bool:
+    """A Host header that names this machine by a loopback name (no header at all: HTTP/1.0, a probe)."""
+    if not values:
+        return True
+    if len(values) > 1:
+        return False
+    host = values[0].decode("latin-1").strip().lower()
+    name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] if ":" in host else host
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _json(values: list[bytes] | None) -> bool:
+    return bool(values) and values[0].split(b";")[0].strip().lower() == b"application/json"
+
+
+async def _answer(send: Send, refused: Refused) -> None:
+    body = error_body(refused.code, refused.message, field=refused.field, **refused.extra)
     raw = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
-    raw += [(name.lower().encode(), value.encode()) for name, value in headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
+    raw += [(name.lower().encode(), value.encode()) for name, value in refused.headers.items()]
+    await send({"type": "http.response.start", "status": refused.status, "headers": raw})
     await send({"type": "http.response.body", "body": body})

@@ -32,10 +32,15 @@ class Refusal(BaseModel):
     accepted: list[str] | None = Field(None, description="429 queue_full: the ids that went in")
     refused: list[str] | None = Field(None, description="429 queue_full: the ids that did not")
     ids: list[str] | None = Field(None, description="503 after the ids were known: they may be queued")
+    digest: str | None = Field(None, description="504: the request's digest, to read its own result with "
+                                                 "(GET /v1/results/{id}?digest=)")
+    digests: list[str] | None = Field(None, description="503 after the ids were known: each one's digest")
 
 
 class Enqueued(BaseModel):
     ids: list[str] = Field(description="each request's id, in order (the given one, else the one generated)")
+    digests: list[str] = Field(description="each request's digest, in order: GET /v1/results/{id}?digest= answers "
+                                           "that request's result only")
 
 
 class Health(BaseModel):
@@ -65,11 +70,19 @@ def body(text: str, *models: type[BaseModel], media: str = JSON) -> dict[str, An
     return {"description": text, "content": {media: {"schema": _ref(*models)}}}
 
 
+# A gateway without keys answers a loopback Host only, whatever the route (front.py).
+HOST = {"400": body("a gateway without keys, called with a Host that is not a loopback name (host_not_allowed)",
+                    Refusal)}
 # Refusals every keyed route may give before its own work (front.py), and a Redis that fails it (replies.py).
-KEYED = {"401": body("no valid API key (WWW-Authenticate: Bearer)", Refusal),
-         "503": body("Redis unreachable or refusing the gateway, or replicas did not confirm (not_durable): "
-                     "Retry-After; names the ids once known", Refusal)}
+KEYED = {**HOST, "401": body("no valid API key, or two Authorization headers (WWW-Authenticate: Bearer)", Refusal),
+         "503": body("Redis unreachable or refusing the gateway, or replicas did not confirm (not_durable), or the "
+                     "gateway's body budget taken (busy, the body unread): Retry-After; names the ids once known",
+                     Refusal)}
 SUBMITTING = {"403": body("the key may not send to this lane (lane_forbidden)", Refusal),
+              "408": body("the body paused longer than --body-timeout-s (body_timeout): the connection closed",
+                          Refusal),
+              "415": body("a gateway without keys, sent a body that is not application/json "
+                          "(unsupported_media_type)", Refusal),
               "413": body("the body or the batch is too large (a batch over the key's in-flight limit: it can "
                           "never be admitted)", Refusal),
               "422": body("invalid input: error.code and error.field say what", Refusal),
@@ -88,19 +101,25 @@ RESPONSES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/v1/decide/batch"): {**KEYED, **SUBMITTING, "200": body(
         "one line per request, each id once, as results land: its result, or an error line (timeout, not_sent, "
         "id_conflict, unavailable)", Result, media=NDJSON)},
-    ("post", "/v1/requests"): {**KEYED, **SUBMITTING, "202": body("queued: the ids, to read with GET "
-                                                                  "/v1/results/{id}", Enqueued)},
+    ("post", "/v1/requests"): {**KEYED, **SUBMITTING, "202": body("queued: the ids and their digests, to read with "
+                                                                  "GET /v1/results/{id}?digest=", Enqueued)},
     ("get", "/v1/results/{request_id}"): {**KEYED, "200": body("the result, ok or the worker's error result", Result),
                                           "429": body("the key has too many calls in flight (a long-poll holds "
                                                       "one): Retry-After", Refusal),
                                           "404": body("no result for this id (yet): not answered, expired, or "
                                                       "another namespace's", Refusal),
-                                          "422": body("an id that cannot be one, or a bad ?wait=", Refusal)},
-    ("get", "/health"): {"200": body("the process answers", Health)},
-    ("get", "/ready"): {"200": body("ready", Readiness), "503": body("not ready: the body says why", Readiness)},
-    ("get", "/info"): {"200": body("what runs", Info)},
-    ("get", "/metrics"): {"200": {"description": "Prometheus metrics",
-                                  "content": {"text/plain": {"schema": {"type": "string"}}}}},
+                                          "422": body("an id that cannot be one, or a bad ?wait= or ?digest=",
+                                                      Refusal),
+                                          "409": body("id_conflict: with ?digest=, another request's result under "
+                                                      "the id; with or without, an entry that is no result of it",
+                                                      Result)},
+    ("get", "/health"): {**HOST, "200": body("the process answers", Health)},
+    ("get", "/ready"): {**HOST, "200": body("ready: it can serve (Redis reachable on its own connection, its limits "
+                                            "not exhausted)", Readiness),
+                        "503": body("not ready: the body says why", Readiness)},
+    ("get", "/info"): {**HOST, "200": body("what runs", Info)},
+    ("get", "/metrics"): {**HOST, "200": {"description": "Prometheus metrics",
+                                          "content": {"text/plain": {"schema": {"type": "string"}}}}},
 }
 
 

@@ -22,12 +22,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from ..plans import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult
-from ..wire.keys import GONE_S
+from ..plans import InvalidRequest, NotDurable, QueueFull
 from ..wire.library import LibraryUnavailable
 from ..wire.result import Result
 from ..wire.schema import ErrorCode
 from ..wire.supported import UnsupportedServer
+from .disconnects import CallerGone, gone
 
 log = logging.getLogger("producer.gateway")
 RETRY_AFTER_S = 1  # a full queue drains at the workers' pace; callers back off from here
@@ -47,20 +47,21 @@ class Refused(Exception):
     """A refusal decided by the gateway: raised anywhere in a route, answered by ``refusal``."""
 
     def __init__(self, status: int, code: str, message: str, field: str | None = None,
-                 headers: dict[str, str] | None = None, **extra: Any) -> None:
+                 headers: dict[str, str] | None = None, request_id: str | None = None, **extra: Any) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.field = status, code, message, field
-        self.headers, self.extra = headers or {}, extra
+        self.headers, self.request_id, self.extra = headers or {}, request_id, extra
 
 
 class Unsettled(Exception):
-    """A Redis error (or a WrongResult) once the gateway knew the ids: ``phase`` says where. ``submit``: the
+    """A Redis error once the gateway knew the ids: ``phase`` says where. ``submit``: the
     requests may have been queued (a command that timed out may have run); ``wait``: they are queued, their results
-    are to be fetched later; ``read``: a result could not be read (GET again)."""
+    are to be fetched later; ``read``: a result could not be read (GET again). ``digests``: the requests' (ids: the
+    same order), to read each one's own result with."""
 
-    def __init__(self, error: Exception, ids: list[str], phase: str) -> None:
+    def __init__(self, error: Exception, ids: list[str], phase: str, digests: list[str] | None = None) -> None:
         super().__init__(str(error))
-        self.error, self.ids, self.phase = error, ids, phase
+        self.error, self.ids, self.phase, self.digests = error, ids, phase, digests or []
 
 
 def error_body(code: str, message: str, request_id: str | None = None, field: str | None = None,
@@ -72,8 +73,8 @@ def error_body(code: str, message: str, request_id: str | None = None, field: st
 
 
 def refusal(refused: Refused, request_id: str | None = None) -> Response:
-    return Response(error_body(refused.code, refused.message, request_id, refused.field, **refused.extra),
-                    refused.status, refused.headers, media_type=JSON)
+    return Response(error_body(refused.code, refused.message, request_id or refused.request_id, refused.field,
+                               **refused.extra), refused.status, refused.headers, media_type=JSON)
 
 
 def result_status(result: Result) -> int:
@@ -135,15 +136,6 @@ def install(app: FastAPI) -> None:
                                headers={"Retry-After": str(RETRY_AFTER_S)}, accepted=error.accepted,
                                refused=error.refused))
 
-    async def timeout(_: HttpRequest, error: Exception) -> Response:
-        assert isinstance(error, ResultTimeout)
-        missing = error.missing[0] if error.missing else None
-        why = f"no live worker in namespace {error.no_worker!r} (no heartbeat in the last {GONE_S} s: none started, " \
-              "or all gone); the request stays queued until one starts" if error.no_worker else \
-            "the request stays queued"
-        return refusal(Refused(504, ErrorCode.TIMEOUT.value, f"no result in time; {why}: GET /v1/results/{missing}",
-                               headers={"Location": f"/v1/results/{missing}"}), missing)
-
     async def unreachable(_: HttpRequest, error: Exception) -> Response:
         return refusal(_redis_refusal(error))
 
@@ -151,15 +143,18 @@ def install(app: FastAPI) -> None:
         assert isinstance(error, Unsettled)
         refused = _redis_refusal(error.error, error.phase)
         one = error.ids[0] if len(error.ids) == 1 else None
-        fetch = f"GET /v1/results/{one}" if one else "GET /v1/results/{id}"
+        where = f"/v1/results/{one}" + (f"?digest={error.digests[0]}" if error.digests else "")
+        fetch = f"GET {where}" if one else "GET /v1/results/{id}"
         refused.message += {
             SUBMIT: ("" if isinstance(error.error, NotDurable) else "; the request may have been queued") +
             f"; send it again under the same id (a retry of the same request is answered once), or {fetch}",
             WAIT: f"; the request is queued and will be answered: {fetch}",
             READ: f"; {fetch} again"}[error.phase]
         refused.extra["ids"] = error.ids
+        if error.digests:
+            refused.extra["digests"] = error.digests
         if one:
-            refused.headers["Location"] = f"/v1/results/{one}"
+            refused.headers["Location"] = where
         return refusal(refused, one)
 
     async def library(_: HttpRequest, error: Exception) -> Response:
@@ -167,14 +162,10 @@ def install(app: FastAPI) -> None:
         return refusal(Refused(503, "unavailable", "the queue's Redis is not set up for it (see the gateway's log)",
                                headers={"Retry-After": str(RETRY_AFTER_S)}))
 
-    async def wrong(_: HttpRequest, error: Exception) -> Response:
-        log.error("%s", error)
-        return refusal(Refused(500, ErrorCode.INTERNAL.value, "a result stream holds another request's result"))
-
     for kind, handler in ((RequestValidationError, invalid), (Refused, refused), (HTTPException, http),
-                          (InvalidRequest, invalid_request), (QueueFull, full), (ResultTimeout, timeout),
-                          (redis.RedisError, unreachable), (Unsettled, unsettled), (LibraryUnavailable, library),
-                          (UnsupportedServer, library), (WrongResult, wrong)):
+                          (InvalidRequest, invalid_request), (QueueFull, full), (redis.RedisError, unreachable),
+                          (Unsettled, unsettled), (LibraryUnavailable, library), (UnsupportedServer, library),
+                          (CallerGone, gone)):
         app.add_exception_handler(kind, handler)
 
 
@@ -190,9 +181,6 @@ def _redis_refusal(error: Exception, phase: str = SUBMIT) -> Refused:
     """A Redis error's status: 503 unreachable or refusing the gateway (its user's rights, its password), 503
     ``not_durable`` when fewer replicas than asked confirmed, 500 another refused command (a bug: see the log)."""
     retry = {"Retry-After": str(RETRY_AFTER_S)}
-    if isinstance(error, WrongResult):
-        log.error("%s", error)
-        return Refused(500, ErrorCode.INTERNAL.value, "a result stream holds another request's result")
     log.warning("Redis: %s: %s", type(error).__name__, error)
     if isinstance(error, NotDurable):
         if phase == SUBMIT:

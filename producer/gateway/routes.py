@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable
 from typing import Annotated, Any
 
 import redis
@@ -15,52 +13,47 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
-from ..plans import ResultTimeout, WrongResult
-from ..wire.keys import ID_PATTERN, PROTOCOL
+from ..plans import Prepared
+from ..wire.keys import GONE_S, ID_PATTERN, PROTOCOL
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request
 from . import replies
 from .access import Access
 from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
+from .disconnects import unless_gone
 from .front import Front
 from .openapi import complete
 from .replies import READ, WAIT, Refused, Unsettled
 from .service import Gateway
 
 NDJSON = "application/x-ndjson"
-CLIENT_GONE = 499  # a decide whose caller went away: nobody reads it, but the metrics count it (nginx's status)
+DIGEST = "^[0-9a-f]{32}$"
 
 
-async def watched(http: HttpRequest, work: Awaitable[dict[str, Result]], ids: list[str],
-                  phase: str) -> dict[str, Result] | None:
-    """``work``'s outcome (a wait for the results of ``ids``), or None once the caller has gone away (``work``
-    cancelled): its in-flight slots and its Redis connection come back then, not when its wait would have ended.
-    A Redis error is Unsettled, naming the ids (``phase``: where the call was). The body is read by now, so the
-    next ASGI message is the disconnect."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnect(http))
+async def waited(http: HttpRequest, work: Any, ids: list[str], phase: str,
+                 digests: list[str] | None = None) -> dict[str, Result]:
+    """``work``'s outcome (a wait for the results of ``ids``), unless the caller goes away (disconnects.py: 499). A
+    Redis error is Unsettled, naming the ids and their digests (``phase``: where the call was)."""
     try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        return None
-    try:
-        return task.result()
-    except (redis.RedisError, WrongResult) as error:
-        raise Unsettled(error, ids, phase) from error
+        return await unless_gone(http, work)
+    except redis.RedisError as error:
+        raise Unsettled(error, ids, phase, digests) from error
 
 
-async def _disconnect(http: HttpRequest) -> None:
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
+def no_result(prepared: Prepared, wait: float, no_worker: str | None) -> Refused:
+    """504: no result within the wait, and why when no worker of the namespace is alive; the request stays queued,
+    read later by id and digest."""
+    where = f"/v1/results/{prepared.id}?digest={prepared.asked()}"
+    why = f"no live worker in namespace {no_worker!r} (no heartbeat in the last {GONE_S} s: none started, or all " \
+          "gone); the request stays queued until one starts" if no_worker else "the request stays queued"
+    return Refused(504, ErrorCode.TIMEOUT.value, f"no result in time ({wait:g} s); {why}: GET {where}",
+                   headers={"Location": where}, request_id=prepared.id, digest=prepared.asked())
 
 
 def create_app(config: GatewayConfig, connection: Any = None) -> Front:
-    """The ASGI application: the routes behind the front layer (keys, body size, metrics)."""
+    """The ASGI application: the routes behind the front layer (keys, admission, metrics); its ``gateway`` attribute
+    has the connections' limits for the server (__main__.py)."""
     gateway = Gateway(config, connection)
     app = FastAPI(title="dq-gateway", version=__version__, lifespan=gateway.lifespan, redoc_url="/redoc",
                   description="The decision queue over HTTP: the queue's request and result JSON (docs/PROTOCOL.md).")
@@ -74,14 +67,10 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         access, prepared = gateway.admit(http, [body], batch=False)
         client = gateway.clients[access.namespace]
         await gateway.submit(access.namespace, prepared)
-        request_id = prepared[0].id
-        landed = await watched(http, client.wait_any([request_id], gateway.wait_for(asked, [body.deadline_ms])),
-                               [request_id], WAIT)
-        if landed is None:
-            return Response(status_code=CLIENT_GONE)
+        request_id, wait = prepared[0].id, gateway.wait_for(asked, body.deadline_ms)
+        landed = await waited(http, client.wait_any([request_id], wait), [request_id], WAIT, [prepared[0].asked()])
         if request_id not in landed:  # with why, when no worker of the namespace is alive to answer it
-            raise ResultTimeout("no result in time", missing=[request_id],
-                                no_worker=access.namespace if await gateway.no_worker(client) else None)
+            raise no_result(prepared[0], wait, access.namespace if await gateway.no_worker(client) else None)
         # The result under this id may be another request's (a reused id): then id_conflict, never its answer.
         return replies.result_response(prepared[0].answered_by(landed[request_id]))
 
@@ -91,47 +80,55 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         access, prepared = gateway.admit(http, body.requests, batch=True)
         client = gateway.clients[access.namespace]
         refused = await gateway.submit(access.namespace, prepared, partial=True)
-        wait = gateway.wait_for(asked, [r.deadline_ms for r in body.requests])
-        digests = {p.id: p.asked() for p in prepared}
-        return StreamingResponse(gateway.lines(client, digests, refused, wait), media_type=NDJSON)
+        waits = {p.id: gateway.wait_for(asked, r.deadline_ms) for p, r in zip(prepared, body.requests)}
+        return StreamingResponse(gateway.lines(client, {p.id: p for p in prepared}, refused, waits),
+                                 media_type=NDJSON)
 
     async def enqueue(http: HttpRequest) -> Response:
         body: Request | Batch = await parse(http, EITHER)
         batch = isinstance(body, Batch)
         access, prepared = gateway.admit(http, body.requests if batch else [body], batch)
         await gateway.submit(access.namespace, prepared)
-        return JSONResponse({"ids": [p.id for p in prepared]}, 202)
+        # Each id's digest: GET /v1/results/{id}?digest= then answers this request's result only.
+        return JSONResponse({"ids": [p.id for p in prepared], "digests": [p.asked() for p in prepared]}, 202)
 
     posts = [("/v1/decide", "Decide one request and wait for its result", "200", ("Request",), True, decide),
              ("/v1/decide/batch", "Decide many; results as they land (NDJSON)", "200", ("Batch",), True,
               decide_batch),
-             ("/v1/requests", "Enqueue; answers the ids at once", "202", ("Request", "Batch"), False, enqueue)]
+             ("/v1/requests", "Enqueue; answers the ids and digests at once", "202", ("Request", "Batch"), False,
+              enqueue)]
     for path, *_, endpoint in posts:
         app.add_route(path, endpoint, methods=["POST"], include_in_schema=False)
 
     @app.get("/v1/results/{request_id}", summary="A result, waiting up to ?wait= seconds")
     async def result(request_id: str, http: HttpRequest,
-                     wait: Annotated[float, Query(ge=0, description="seconds to wait for it")] = 0) -> Response:
-        access: Access = http.state.access
+                     wait: Annotated[float, Query(ge=0, description="seconds to wait for it")] = 0,
+                     digest: Annotated[str | None, Query(pattern=DIGEST, description="the request's digest (the "
+                                                         "202's): a result of another request is 409 id_conflict")]
+                     = None) -> Response:
+        access: Access = http.state.access  # its in-flight slot was taken before: a long-poll holds a connection
         if not ID_PATTERN.match(request_id):
             raise Refused(422, ErrorCode.INVALID_REQUEST.value, "an id is 1-128 characters of A-Z a-z 0-9 . _ : -",
                           "id")
         client = gateway.clients[access.namespace]
-        gateway.hold(http, 1)  # a long-poll holds a Redis connection as a decide does: it counts against the key
-        landed = await watched(http, client.wait_any([request_id], min(wait, config.max_wait_s)), [request_id], READ)
-        if landed is None:
-            return Response(status_code=CLIENT_GONE)
+        landed = await waited(http, client.wait_any([request_id], min(wait, config.max_wait_s)), [request_id], READ,
+                              [digest] if digest else None)
         found = landed.get(request_id)
         if found is None:
             raise Refused(404, "not_found", "no result for this id: not answered yet, expired, or never sent "
                           "with this key's namespace")
-        return Response(found.model_dump_json(exclude_none=True), media_type=replies.JSON)
+        # With the caller's digest, another request's result is not its answer; an unreadable one never is.
+        answer = found.answering(digest) if digest is not None else found
+        if answer.error is not None and answer.error.code == ErrorCode.ID_CONFLICT:
+            return replies.result_response(answer)  # 409
+        return Response(answer.model_dump_json(exclude_none=True), media_type=replies.JSON)
 
     @app.get("/health", summary="The process answers")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready", summary="Redis reachable and workers alive")
+    @app.get("/ready", summary="The gateway can serve: Redis reachable on its own connection, its limits not "
+                               "exhausted")
     async def ready() -> JSONResponse:
         ok, detail = await gateway.ready()
         return JSONResponse({"ready": ok, **detail}, 200 if ok else 503)
@@ -151,4 +148,6 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    return Front(app, gateway.keyring, gateway.inflight, gateway.metrics, config.max_body_bytes, gateway.tracer)
+    front = Front(app, gateway.keyring, gateway.admission, gateway.metrics, gateway.tracer)
+    front.gateway = gateway
+    return front

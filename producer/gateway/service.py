@@ -1,6 +1,6 @@
-"""What every route of the gateway calls (routes.py): admission (the caller's key, lanes, batch size and in-flight
-slots), submission through the project's async client (``AsyncClient``, one per namespace its keys reach, all on
-one connection pool), results streamed as they land, and readiness.
+"""What every route of the gateway calls (routes.py): the checks of a call's requests (lanes, batch size, the rest
+of its in-flight slots: admission.py), submission through the project's async client (``AsyncClient``, one per
+namespace its keys reach, all on one connection pool), results streamed as they land, and readiness.
 
 Nothing is kept between calls: a result is read from its result stream, whichever replica submitted it, so replicas
 behind a load balancer need no affinity.
@@ -8,6 +8,7 @@ behind a load balancer need no affinity.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
@@ -17,19 +18,21 @@ import redis
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 
 from ..client import AsyncClient
-from ..plans import NotDurable, Prepared, QueueFull, WrongResult, prepare
+from ..plans import NotDurable, Prepared, QueueFull, prepare
 from ..wire import traces
 from ..wire.connection import aconnect
-from ..wire.keys import GONE_S, NORMAL, Keys, Priority, beat_age
+from ..wire.keys import NORMAL, Priority
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request, valid_traceparent
 from . import replies
 from .access import Access, Inflight, Keyring
+from .admission import Admission
 from .batcher import Batcher
 from .config import GatewayConfig
+from .connections import Connections, Limits
 from .front import Metrics
 from .replies import SUBMIT, Refused, Unsettled
 
@@ -41,8 +44,11 @@ DEADLINE_GRACE_S = 2.0
 # is not sent again behind the caller's back.
 RETRIES, RETRY_CAP = 2, 0.2
 # Connections beyond the in-flight slots (every call that waits on Redis holds one slot per request, and uses at
-# most one connection at a time): /ready's probes, a namespace's first contact.
+# most one connection at a time): a namespace's first contact.
 SPARE_CONNECTIONS = 32
+# Readiness asks Redis on a connection of its own, at most this often (a flood of /ready costs one PING a second),
+# and gives up on an answer after this long (a probe's timeout is a few seconds).
+READY_EVERY_S, READY_TIMEOUT_S = 1.0, 2.0
 
 
 class Gateway:
@@ -50,9 +56,16 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, connection: Any = None) -> None:
         self.config, self.connection = config, connection
-        self.keyring, self.inflight, self.metrics = Keyring(config), Inflight(), Metrics()
+        self.keyring, self.metrics = Keyring(config), Metrics()
+        self.admission = Admission(Inflight(), config.max_body_bytes, config.max_body_bytes_in_flight,
+                                   config.body_timeout_s)
+        self.connections = Connections(Limits(config.max_connections, config.max_header_bytes,
+                                              config.header_timeout_s), self.metrics)
         self.clients: dict[str, AsyncClient] = {}
         self.batchers: dict[str, Batcher] = {}
+        self.probe: Any = None  # readiness's own client: never the tenants' pool
+        self.probed: tuple[float, str] = (float("-inf"), "")  # when Redis was last asked, and what it said
+        self.probing: asyncio.Future[str] | None = None
         self.tracer = traces.tracer("dq-gateway")  # None: tracing off
 
     @asynccontextmanager
@@ -60,45 +73,24 @@ class Gateway:
         deployment = self.config.deployment
         retry = Retry(ExponentialBackoff(RETRY_CAP, 0.02), RETRIES, supported_errors=(redis.ConnectionError,))
         self.connection = self.connection or aconnect(deployment.url, deployment.cluster, **deployment.options(),
-                                                      retry=retry, max_connections=self.connections())
+                                                      retry=retry, max_connections=pool_size(self.config))
         for namespace in self.config.namespaces():
             self.clients[namespace] = AsyncClient(deployment.url, namespace, self.config.max_unfinished,
                                                   deployment.cluster, connection=self.connection,
                                                   shards=deployment.shards, wait_replicas=deployment.wait_replicas,
                                                   **deployment.options())
             self.batchers[namespace] = Batcher(self.clients[namespace])
+        self.probe = aconnect(deployment.url, deployment.cluster, **deployment.options(), retry=Retry(NoBackoff(), 0),
+                              socket_timeout=READY_TIMEOUT_S, socket_connect_timeout=READY_TIMEOUT_S)
         yield
         for client in self.clients.values():  # what each made of its own (durable mode on a cluster); not the pool
             await client.close()
         await self.connection.aclose()
-
-    def connections(self) -> int:
-        """The pool's size: one connection for each in-flight slot of every key, plus spares. A waiting call holds
-        a connection (a blocking read) for as long as it waits, and redis-py's default pool of 100 was shared by
-        every tenant: 100 waits of one key refused every other key's calls (503). Each key's waits are bounded by
-        its own slots (a long-poll takes one), so with a connection for each slot no tenant can take another's;
-        the cost is Redis clients (docs/GATEWAY.md, "Connections")."""
-        keys = self.config.keys
-        slots = sum(k.max_inflight or self.config.max_inflight_per_key for k in keys) if keys \
-            else self.config.max_inflight_per_key
-        return slots + SPARE_CONNECTIONS
-
-    def hold(self, http: HttpRequest, count: int) -> Access:
-        """``count`` of the caller's in-flight slots, held until the call ends (front.py gives them back): 413 for
-        more than its key ever allows (waiting would not help), 429 while it has too many in flight."""
-        access: Access = http.state.access
-        if count > access.max_inflight:
-            raise Refused(413, "batch_too_large", f"{count} requests, over this API key's limit of "
-                          f"{access.max_inflight} in flight: it can never be admitted; split it", "requests")
-        if not self.inflight.take(access, count):
-            raise Refused(429, "too_many_in_flight", f"this API key has {access.max_inflight} requests being "
-                          "answered at most; wait for some", headers={"Retry-After": str(replies.RETRY_AFTER_S)})
-        http.state.held = [(access.name, count)]
-        return access
+        await self.probe.aclose()
 
     def admit(self, http: HttpRequest, requests: list[Request], batch: bool) -> tuple[Access, list[Prepared]]:
-        """The caller's requests, checked against its key and the limits, prepared (ids given), its in-flight
-        slots held until the call ends (front.py gives them back)."""
+        """The caller's requests, checked against its key and the limits, prepared (ids given), an in-flight slot
+        held for each until the call ends (the front layer took the first and gives them back)."""
         access: Access = http.state.access
         if len(requests) > self.config.max_batch:
             raise Refused(413, "batch_too_large", f"{len(requests)} requests, over the limit of "
@@ -124,14 +116,15 @@ class Gateway:
             lanes.add(str(lane))
             out.append(prepare(request))
         http.state.lane = lanes.pop() if len(lanes) == 1 else "mixed"
-        self.hold(http, len(out))
+        self.admission.more(http, len(out))
         return access, out
 
-    def wait_for(self, asked: float | None, deadlines: list[int | None]) -> float:
+    def wait_for(self, asked: float | None, deadline_ms: int | None = None) -> float:
+        """How long a call waits for one request's result: what it asked (or ``--wait-s``), at most
+        ``--max-wait-s``, and no longer than its request's own deadline and the grace its worker answers in."""
         wait = min(asked or self.config.wait_s, self.config.max_wait_s)
-        for deadline_ms in deadlines:
-            if deadline_ms is not None:
-                wait = min(wait, max(0.0, deadline_ms / 1000 - time.time()) + DEADLINE_GRACE_S)
+        if deadline_ms is not None:
+            wait = min(wait, max(0.0, deadline_ms / 1000 - time.time()) + DEADLINE_GRACE_S)
         return wait
 
     async def submit(self, namespace: str, prepared: list[Prepared], partial: bool = False) -> list[str]:
@@ -150,7 +143,7 @@ class Gateway:
                 raise
             refused = full.refused
         except redis.RedisError as error:
-            raise Unsettled(error, [p.id for p in prepared], SUBMIT) from error
+            raise Unsettled(error, [p.id for p in prepared], SUBMIT, [p.asked() for p in prepared]) from error
         self._count(prepared, [p.id for p in prepared if p.id not in set(refused)])
         return refused
 
@@ -160,33 +153,38 @@ class Gateway:
             if item.id in went:
                 self.metrics.queued.labels(str(item.lane)).inc()
 
-    async def lines(self, client: AsyncClient, digests: dict[str, str], refused: list[str],
-                    wait: float) -> AsyncIterator[bytes]:
-        """One line per request (``digests``: each id's, of what this call sent), each exactly once, as its result
-        lands (a result of another request under the id: an id_conflict line); at the deadline a timeout line for
-        each missing one (it stays queued), and for each refused by a full queue a not_sent line."""
-        ids = list(digests)
-        deadline = time.monotonic() + wait
+    async def lines(self, client: AsyncClient, asked: dict[str, Prepared], refused: list[str],
+                    waits: dict[str, float]) -> AsyncIterator[bytes]:
+        """One line per request (``asked``: what this call sent under each id), each exactly once, as its result
+        lands (a result of another request under the id: an id_conflict line); past its own wait (``waits``: a
+        request's deadline shortens its own, not the others') a timeout line for each missing one (it stays
+        queued), and for each refused by a full queue a not_sent line. Every line carries its request's digest."""
+        started = time.monotonic()
         for request_id in refused:
-            yield _line(Result.failure(request_id, ErrorCode.NOT_SENT, "the queue was full: not sent"))
-        pending = [r for r in ids if r not in set(refused)]
+            yield _line(Result.failure(request_id, ErrorCode.NOT_SENT, "the queue was full: not sent",
+                                       digest=asked[request_id].asked()))
+        pending = [r for r in asked if r not in set(refused)]
         try:
-            while pending and (left := deadline - time.monotonic()) > 0:
-                landed = await client.wait_any(pending, left)
+            while pending:
+                now = time.monotonic()
+                for request_id in [r for r in pending if started + waits[r] <= now]:
+                    yield _line(Result.failure(request_id, ErrorCode.TIMEOUT, f"no result within {waits[request_id]:g}"
+                                               f" s; the request stays queued: {_fetch(asked[request_id])}",
+                                               digest=asked[request_id].asked()))
+                pending = [r for r in pending if started + waits[r] > now]
+                if not pending:
+                    return
+                landed = await client.wait_any(pending, min(started + waits[r] for r in pending) - now)
                 for request_id in landed:
-                    yield _line(landed[request_id].answering(digests[request_id]))
+                    yield _line(asked[request_id].answered_by(landed[request_id]))
                 pending = [r for r in pending if r not in landed]
-        except (redis.RedisError, WrongResult) as error:  # mid-batch: the rest still get their one line each
+        except redis.RedisError as error:  # mid-batch: the rest still get their one line each
             replies.log.warning("mid-batch: %s: %s", type(error).__name__, error)
-            code = replies.NOT_DURABLE if isinstance(error, NotDurable) else "unavailable" \
-                if isinstance(error, redis.RedisError) else ErrorCode.INTERNAL
+            code = replies.NOT_DURABLE if isinstance(error, NotDurable) else "unavailable"
             for request_id in pending:
                 yield _line(Result.failure(request_id, code, "the queue could not be read; the request is queued "
-                                           f"and will be answered: GET /v1/results/{request_id}"))
-            return
-        for request_id in pending:
-            yield _line(Result.failure(request_id, ErrorCode.TIMEOUT, f"no result within {wait:g} s; the request "
-                                       f"stays queued: GET /v1/results/{request_id}"))
+                                           f"and will be answered: {_fetch(asked[request_id])}",
+                                           digest=asked[request_id].asked()))
 
     async def no_worker(self, client: AsyncClient) -> bool:
         """No worker of the client's namespace is alive (False when unknown: Redis failing, heartbeats unreadable)."""
@@ -196,21 +194,45 @@ class Gateway:
             return False
 
     async def ready(self) -> tuple[bool, dict[str, Any]]:
-        """Redis answers, and each namespace has a live worker (or the gateway's user may not read heartbeats)."""
+        """The gateway's own ability to serve: Redis answers a PING on readiness's own connection (never the
+        tenants' pool: a flood of /ready cannot empty it, nor be refused by it), asked at most once a second, and
+        its own limits have room (connections, the body budget). Whether workers are alive is not its readiness:
+        taking the gateway out of its Service would stop callers from queueing while workers roll."""
+        last, said = self.probed
+        if time.monotonic() - last >= READY_EVERY_S:
+            if self.probing is None or self.probing.done():
+                self.probing = asyncio.ensure_future(self._ping())
+            said = await asyncio.shield(self.probing)
+        full = {"connections": self.connections.full, "body budget": self.admission.exhausted}
+        detail = {"redis": said, "connections": f"{len(self.connections.open)} of "
+                                                f"{self.connections.limits.max_connections}",
+                  "limits": ", ".join(name for name, at in full.items() if at) or "room"}
+        return said == "ok" and not any(full.values()), detail
+
+    async def _ping(self) -> str:
         try:
-            await self.connection.ping()
-        except redis.RedisError as error:
-            return False, {"redis": f"unreachable: {type(error).__name__}"}
-        workers: dict[str, Any] = {}
-        for namespace in self.clients:
-            try:
-                beats = await self.connection.hgetall(Keys(namespace).workers())
-            except redis.exceptions.NoPermissionError:
-                workers[namespace] = "unknown: this Redis user may not read the workers' heartbeats"
-                continue
-            now = time.time()
-            workers[namespace] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
-        return all(n != 0 for n in workers.values()), {"redis": "ok", "workers": workers}
+            await self.probe.ping()
+            said = "ok"
+        except (redis.RedisError, OSError) as error:
+            said = f"unreachable: {type(error).__name__}"
+        self.probed = (time.monotonic(), said)
+        return said
+
+
+def pool_size(config: GatewayConfig) -> int:
+    """The tenants' Redis pool: one connection for each in-flight slot of every key, plus spares. A waiting call holds
+    a connection (a blocking read) for as long as it waits, and redis-py's default pool of 100 was shared by every
+    tenant: 100 waits of one key refused every other key's calls (503). Each key's waits are bounded by its own slots
+    (a long-poll takes one), so with a connection for each slot no tenant can take another's; the cost is Redis
+    clients (docs/GATEWAY.md, "Connections")."""
+    keys = config.keys
+    slots = sum(k.max_inflight or config.max_inflight_per_key for k in keys) if keys else config.max_inflight_per_key
+    return slots + SPARE_CONNECTIONS
+
+
+def _fetch(prepared: Prepared) -> str:
+    """Where a request's result is read later: its id, and its digest, so that only its own is answered."""
+    return f"GET /v1/results/{prepared.id}?digest={prepared.asked()}"
 
 
 def _line(result: Result) -> bytes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -167,23 +168,30 @@ def url_problem(url: str) -> str | None:
         return "it names no host"
     if parts.scheme in ("redis", "rediss") and parts.path not in ("", "/") and "db" not in parsed:
         return "its path is not a database number (/0)"
+    if not 0 <= parsed.get("db", 0) <= sentinel.MAX_DATABASE:  # twenty digits were taken, then refused by Redis
+        return f"its database number is not 0 to {sentinel.MAX_DATABASE}"
     return None
 
 
+QUERY_PASSWORD = re.compile(r"([?&][^=&#]*pass(?:word|wd)?[^=&#]*=)[^&#]*", re.IGNORECASE)  # its value: ***
+
+
 def redact(url: str) -> str:
-    """``redis://user:***@host:6379/0`` for ``redis://user:secret@host:6379/0``."""
+    """The URL without its password, the one form every message and log line prints: ``redis://user:***@host/0``
+    for ``redis://user:secret@host/0``, and ``?password=***`` for a password given as a query parameter (redis-py
+    takes any of its options there: ``ssl_password`` too)."""
     if sentinel.is_sentinel(url):
         return sentinel.redact(url)
     try:
         parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = f"{parts.username}:" if parts.username else ":"
-        host = parts.hostname or ""
-        netloc = f"{user}***@{host}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
+        if parts.password is not None:
+            user = f"{parts.username}:" if parts.username else ":"
+            host = parts.hostname or ""
+            netloc = f"{user}***@{host}" + (f":{parts.port}" if parts.port else "")
+            url = urlunsplit(parts._replace(netloc=netloc))
     except ValueError:  # not even a URL: say so without echoing what may be a secret
         return "<unparsable URL>"
+    return QUERY_PASSWORD.sub(r"\1***", url)
 
 
 def _options(retry: Any, options: dict[str, Any]) -> dict[str, Any]:

@@ -53,8 +53,9 @@ class ResultTimeout(DecisionQueueError, TimeoutError):
 
 
 class WrongResult(DecisionQueueError, RuntimeError):
-    """A request's result stream holds a result for another id: written by something other than a worker (no
-    worker publishes one), never handed out as this request's answer."""
+    """Kept for code that catches it; no longer raised: an entry that is no result of its id (another id's, garbage)
+    is read as that id's ``id_conflict`` result (producer/wire/result.py ``read_stored``), so that one bad entry
+    does not fail a whole read."""
 
 
 class LibraryUnavailable(DecisionQueueError, RuntimeError):

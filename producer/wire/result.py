@@ -6,9 +6,10 @@ producers already deployed keep reading results when workers move ahead.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from .errors import DecisionQueueError
 from .schema import ErrorCode
@@ -84,13 +85,20 @@ class Result(_Open):
         options = self.options or {}
         return {name: dict(zip(options.get(name, ()), values)) for name, values in (self.probabilities or {}).items()}
 
-    def answering(self, digest: str) -> Result:
-        """This result, if it answers a request with ``digest`` (or predates digests); else an ``id_conflict``
-        error: the id was answered before for another request (docs/PROTOCOL.md, "Reusing an id")."""
-        if self.digest in (None, digest):
+    def answering(self, digests: str | Collection[str]) -> Result:
+        """This result, if it answers a request with one of ``digests`` (its request's and its body's: digest.py);
+        else an ``id_conflict`` error: the id was answered before for another request, or its result carries no
+        digest (written before digests, or by something other than a worker) and answers no request
+        (docs/PROTOCOL.md, "Reusing an id"). An ``id_conflict`` already said so is returned as it is."""
+        asked = (digests,) if isinstance(digests, str) else tuple(digests)
+        if self.digest is not None and self.digest in asked:
             return self
-        return Result.failure(self.id, ErrorCode.ID_CONFLICT, f"id {self.id} has the result of another request "
-                              f"(its digest {self.digest}, this one's {digest})", digest=digest)
+        if self.digest is None and self.error is not None and self.error.code == ErrorCode.ID_CONFLICT:
+            return self  # an unreadable result, already answered as one (``unreadable``)
+        whose = "another request" if self.digest is not None else "no known request (a result without a digest)"
+        return Result.failure(self.id, ErrorCode.ID_CONFLICT, f"id {self.id} has the result of {whose} (its digest "
+                              f"{self.digest}, this one's {asked[0] if asked else None}); send it under a new id",
+                              digest=asked[0] if asked else None)
 
     @classmethod
     def failure(cls, request_id: str, code: ErrorCode | str, message: str, **fields: Any) -> Result:
@@ -109,3 +117,30 @@ class ResultError(DecisionQueueError):
         self.result, self.code, self.message = result, error.code, error.message
         code = self.code.value if isinstance(self.code, ErrorCode) else self.code
         super().__init__(f"request {result.id}: {code}: {self.message}")
+
+
+class Unreadable(ValueError):
+    """A result stream's entry that is not a result of its request: no body, not a result, or another id's. Written
+    by something other than a worker (a worker credential, or a user without ACLs): it answers no request."""
+
+
+def read_stored(body: bytes | str | None, request_id: str) -> Result:
+    """The result stored in ``request_id``'s result stream (its entry's ``body``); raises Unreadable unless it is a
+    result of that id. Producers and workers read a stored result through this one check."""
+    if body is None:
+        raise Unreadable(f"the result stream of request {request_id!r} holds an entry without a body")
+    try:
+        result = Result.model_validate_json(body)
+    except ValidationError as error:
+        raise Unreadable(f"the result stream of request {request_id!r} holds no readable result "
+                         f"({error.error_count()} problems, first: {error.errors()[0]['msg'][:200]})") from None
+    if result.id != request_id:
+        raise Unreadable(f"the result stream of request {request_id!r} holds a result for {result.id[:140]!r}")
+    return result
+
+
+def unreadable(request_id: str, error: Unreadable) -> Result:
+    """What a reader hands out for an unreadable stored result: an ``id_conflict`` (its id is taken by something that
+    answers no request: send the request under a new id), never an answer."""
+    return Result.failure(request_id, ErrorCode.ID_CONFLICT, f"{error}: it answers no request; send the request "
+                          "under a new id")

@@ -12,13 +12,13 @@ Requests are strict (an unknown field is a mistake worth refusing); results are 
 from __future__ import annotations
 
 import enum
-import hashlib
 import json
 import math
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, JsonValue, SerializationInfo, SerializerFunctionWrapHandler,
+                      ValidationError, field_validator, model_serializer, model_validator)
 
 from .keys import REPLY_STREAM, valid_id
 
@@ -182,6 +182,15 @@ class Request(_Strict):
                              "A-Z a-z 0-9 . _ : -")
         return value
 
+    @model_serializer(mode="wrap")
+    def _null_state_kept(self, write: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        """``state`` is required, null included: written out with ``exclude_none`` (how bodies are written), a null
+        state was dropped and the worker answered "state: Field required". Kept after ``id``, which stays first."""
+        data = write(self)
+        if info.exclude_none and self.state is None and "state" not in data:
+            data = {**({"id": data["id"]} if "id" in data else {}), "state": None, **data}
+        return data
+
     def template_input(self) -> dict[str, Any]:
         """The request as transformers.decision reads it (queue fields dropped, questions as plain dicts)."""
         body: dict[str, Any] = {
@@ -189,17 +198,6 @@ class Request(_Strict):
             "questions": {name: q.model_dump(exclude_none=True) for name, q in self.questions.items()},
         }
         return body
-
-
-# What a request asks, not how it travels: a resubmission with another reply stream, deadline, lane or trace is the
-# same request.
-DIGESTED = {"state", "questions", "assets", "metadata"}
-
-
-def digest(request: Request) -> str:
-    """A request's digest (32 hex digits), kept in its result: a later request under the same id is a replay of it
-    when their digests match, else a conflict (docs/PROTOCOL.md, "Reusing an id")."""
-    return hashlib.sha256(request.model_dump_json(include=DIGESTED).encode()).hexdigest()[:32]
 
 
 def _metadata_bytes(value: Any) -> int:

@@ -25,6 +25,8 @@ SCHEMES = ("redis+sentinel", "rediss+sentinel")
 CREDENTIALS = ("sentinel_username", "sentinel_password")  # connection options that go to the sentinels alone
 SERVICE = re.compile(r"\A[A-Za-z0-9._-]{1,128}\Z")
 DEFAULT_PORT = 26379
+PORT, DATABASE = re.compile(r"\A[0-9]{1,5}\Z"), re.compile(r"\A[0-9]{1,10}\Z")
+MAX_DATABASE = 2**31 - 1  # Redis's own bound on a database number (its `databases` setting is an int)
 
 
 def is_sentinel(url: str) -> bool:
@@ -60,24 +62,38 @@ def parse(url: str) -> SentinelUrl:
         username, password = (unquote(user) or None), (unquote(secret) if colon else None)
         if not colon:  # redis-py's rule for redis://secret@host: a lone part is the password
             username, password = None, unquote(user)
-    sentinels = []
-    for host in hosts.split(","):
-        name, colon, port = host.rpartition(":") if host.rpartition(":")[2].isdigit() else (host, "", "")
-        name = name.strip("[]")
-        if not name or not re.fullmatch(r"[A-Za-z0-9._:-]+", name):
-            raise ValueError("each sentinel is host:port, separated by commas")
-        number = int(port) if colon else DEFAULT_PORT
-        if not 0 < number < 65536:
-            raise ValueError("a sentinel's port is 1 to 65535")
-        sentinels.append((name, number))
+    sentinels = [_sentinel(host) for host in hosts.split(",")]
     parts = [p for p in path.split("/")] if path else []
     if not parts or not SERVICE.fullmatch(parts[0]):
         raise ValueError("a Sentinel URL names its service after the hosts: /SERVICE_NAME (1-128 of A-Z a-z "
                          "0-9 . _ -)")
-    if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
-        raise ValueError("after the service, a Sentinel URL takes only a database number (/SERVICE/0)")
+    if len(parts) > 2 or (len(parts) == 2 and not DATABASE.fullmatch(parts[1])):
+        raise ValueError(f"after the service, a Sentinel URL takes only a database number (/SERVICE/0), 0 to "
+                         f"{MAX_DATABASE}")
     db = int(parts[1]) if len(parts) == 2 else 0
+    if db > MAX_DATABASE:
+        raise ValueError(f"a database number is 0 to {MAX_DATABASE}")
     return SentinelUrl(tuple(sentinels), parts[0], db, username, password, scheme.lower() == "rediss+sentinel")
+
+
+def _sentinel(host: str) -> tuple[str, int]:
+    """``host:port`` (a name, an IPv4 address, or an IPv6 one in brackets; a bare IPv6 address takes no port), or
+    the name alone and the default port. ``h:-1`` was taken for a host named ``h:-1``."""
+    bracketed = host.startswith("[")
+    name, colon, port = host.rpartition(":")
+    if bracketed:
+        name, close, rest = host[1:].partition("]")
+        if not close or (rest and not rest.startswith(":")):
+            raise ValueError("each sentinel is host:port, separated by commas; an IPv6 address in brackets")
+        colon, port = rest[:1], rest[1:]
+    elif not colon or ":" in name:  # no port, or a bare IPv6 address (its last group is no port)
+        name, colon, port = host, "", ""
+    if not name or not re.fullmatch(r"[A-Za-z0-9._-]+" if not (bracketed or ":" in name) else r"[0-9A-Fa-f:.]+",
+                                    name):
+        raise ValueError("each sentinel is host:port, separated by commas")
+    if colon and not (PORT.fullmatch(port) and 0 < int(port) < 65536):
+        raise ValueError("a sentinel's port is 1 to 65535")
+    return name, int(port) if colon else DEFAULT_PORT
 
 
 def redact(url: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -51,7 +52,8 @@ class GatewayProcess:
     """``python -m producer.gateway`` as a child process on a free port."""
 
     def __init__(self, redis_url: str, log: Path, keys: list[dict] | None = None, env: dict | None = None,
-                 **settings: object) -> None:
+                 files: int | None = None, **settings: object) -> None:
+        """``files``: the process's open-file limit (soft and hard), as a container's ulimit would set it."""
         self.port, self.log = free_port(), log
         args = [sys.executable, "-m", "producer.gateway", "--redis-url", redis_url, "--port", str(self.port)]
         for name, value in settings.items():
@@ -60,8 +62,9 @@ class GatewayProcess:
         environ.update(PYTHONUNBUFFERED="1", **(env or {}))
         if keys is not None:
             environ["DQ_GATEWAY_API_KEYS"] = json.dumps(keys)
+        limit = None if files is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (files, files)))
         self.process = subprocess.Popen(args, cwd=ROOT, env=environ, stdout=open(log, "ab"),
-                                        stderr=subprocess.STDOUT)
+                                        stderr=subprocess.STDOUT, preexec_fn=limit)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_up(self, timeout: float = 60.0) -> GatewayProcess:

@@ -93,3 +93,39 @@ def test_dead_letters_are_listed_requeued_and_purged_by_the_admin_only(tmp_path)
         purged = cli("purge", "--all", "--redis-url", url["admin"], "--shards", "2")
         assert purged.returncode == 0 and purged.stderr.splitlines()[-1] == "5 dead letters: 5 purged"
         assert admin.xlen(s0.dead) == admin.xlen(s1.dead) == 0
+
+
+def test_a_requeue_never_runs_between_a_dead_letter_and_its_result(redis_server, inprocess):
+    """Poison requests dead-lettered at their first failure while a requeue loop takes every dead letter back: the
+    worker wrote the dead letter before its dead_lettered result, so a requeue in between deleted the dead letter
+    and found no result to delete; the result landed after, the requeued entry was answered as its replay, and the
+    request stayed dead_lettered with no dead letter left to requeue (13 of 30). Now the dead letter and its result
+    are one step, and the requeue one step that waits for the entry's acknowledgement: at the end every request is
+    dead_lettered with its dead letter there."""
+    from producer.admin.dead_letters import entries, requeue_one
+    from producer.client import Client
+
+    worker = inprocess(redis_server.url, raise_on="POISON", max_deliveries=1).start()
+    client = Client(redis_server.url)
+    keys = Keys()
+    ids = client.submit_many([{"id": f"poison-{i}", "state": f"POISON {i}", "questions": {"q": {"type": "noul"}}}
+                              for i in range(30)])
+    requeued, stop = [0], time.monotonic() + 8
+    while time.monotonic() < stop:  # as fast as the tool can: every dead letter back, again and again
+        for dead_id, fields in list(entries(client.redis, keys)):
+            requeued[0] += "requeued" in requeue_one(client.redis, keys, dead_id, fields)
+    deadline = time.monotonic() + 60
+    while client.redis.xlen(keys.requests) or worker.metric("dq_inflight_entries"):  # the last ones settle
+        assert time.monotonic() < deadline, "the worker did not settle"
+        time.sleep(0.05)
+    worker.stop()
+    dead = {json.loads(fields[b"body"])["id"] for _, fields in client.redis.xrange(keys.dead)}
+    results = {request_id: stored_code(client, request_id) for request_id in ids}
+    assert set(results.values()) == {"dead_lettered"}, results
+    assert dead == set(ids), sorted(set(ids) - dead)  # each one can still be requeued
+    assert requeued[0] > 30  # and the race was run: each requeued at least once
+
+
+def stored_code(client, request_id: str) -> str | None:
+    entry = client.redis.xrange(client.keys.result(request_id), count=1)
+    return json.loads(entry[0][1][b"body"])["error"]["code"] if entry else None

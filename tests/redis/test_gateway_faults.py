@@ -154,7 +154,8 @@ def test_a_frozen_redis_is_503_within_the_socket_timeout_naming_the_id_it_may_ha
                     if method == "POST":
                         sent = reply.json()["id"]
                         assert "may have been queued" in reply.json()["error"]["message"]
-                        assert reply.headers["location"] == f"/v1/results/{sent}"
+                        digest = reply.json()["digests"][0]  # its own result is read with it
+                        assert reply.headers["location"] == f"/v1/results/{sent}?digest={digest}"
             finally:
                 server.resume()
         bodies = [json.loads(fields[b"body"]) for _, fields in redis.Redis.from_url(server.url).xrange(

@@ -28,7 +28,7 @@ KEYS = (ApiKey(name="acme", token=TOKENS["acme"]),
         ApiKey(name="idle", token=TOKENS["idle"], namespace="idle"),  # no worker: results never come
         ApiKey(name="full", token=TOKENS["full"], namespace="full"),  # no worker, filled to --max-unfinished
         ApiKey(name="one", token=TOKENS["one"], namespace="idle", max_inflight=1))
-LIMITS = dict(max_body_bytes=4096, max_batch=4, max_unfinished=2, wait_s=20, max_wait_s=30)
+LIMITS = dict(max_body_bytes=4096, max_batch=4, max_unfinished=2, wait_s=20, max_wait_s=30, body_timeout_s=0.5)
 POISON = "POISONED-PACK"
 
 
@@ -54,16 +54,24 @@ class Seen:
         return reply
 
 
-def client(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=60)
+def client(app, host: str = "gw") -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=f"http://{host}", timeout=60)
 
 
-async def exercise(app, broken, solo, seen: Seen) -> dict:
+async def stalled():
+    """A body that stops half way, longer than the gateway's body timeout."""
+    yield b'{"state": "x", '
+    await asyncio.sleep(1.5)
+    yield b'"questions": {"q": {"type": "noul"}}}'
+
+
+async def exercise(app, broken, solo, opened, seen: Seen) -> dict:
     """Every route into each of its statuses; the OpenAPI document as served. ``broken``: a gateway whose Redis
-    does not answer; ``solo``: one whose only key's namespace has a worker (ready)."""
+    does not answer; ``solo``: one whose only key's namespace has a worker (ready); ``opened``: one without keys."""
     async with app.app.router.lifespan_context(app.app), broken.app.router.lifespan_context(broken.app), \
-            solo.app.router.lifespan_context(solo.app):
-        async with client(app) as http, client(broken) as down, client(solo) as one:
+            solo.app.router.lifespan_context(solo.app), opened.app.router.lifespan_context(opened.app):
+        async with client(app) as http, client(broken) as down, client(solo) as one, client(opened) as foreign, \
+                client(opened, "127.0.0.1") as local:
             decide, batch, enqueue = ("post", "/v1/decide"), ("post", "/v1/decide/batch"), ("post", "/v1/requests")
             results = ("get", "/v1/results/{request_id}")
             c = seen.call
@@ -78,6 +86,9 @@ async def exercise(app, broken, solo, seen: Seen) -> dict:
                         else {"requests": [{"state": "x"}]}, headers=auth("acme"))  # 422
                 await c(http, method, template, content=b"{" + b" " * 5000 + b"}",
                         headers={**auth("acme"), "content-type": "application/json"})  # over the body limit: 413
+                await c(http, method, template, content=stalled(), headers=auth("acme"))  # the body stalls: 408
+                await c(foreign, method, template, json=body)  # no keys, a Host not loopback: 400
+                await c(local, method, template, content=json.dumps(body), headers={"content-type": "text/plain"})
             for i in range(LIMITS["max_unfinished"]):
                 assert (await c(http, *enqueue, json=request(f"fill-{i}"), headers=auth("full"))).status_code == 202
             for method, template in (decide, batch, enqueue):
@@ -91,6 +102,8 @@ async def exercise(app, broken, solo, seen: Seen) -> dict:
             await c(http, *batch, json={"requests": [request() for _ in range(5)]}, headers=auth("acme"))  # 413
             await c(http, *enqueue, json={"requests": [request("oa-e1")]}, headers=auth("acme"))  # 202
             await c(http, *results, "/v1/results/oa-1", headers=auth("acme"))  # 200
+            await c(http, *results, "/v1/results/oa-1", params={"digest": "0" * 32}, headers=auth("acme"))  # 409
+            await c(foreign, *results, "/v1/results/oa-1")  # 400
             await c(http, *results, "/v1/results/oa-never", headers=auth("acme"))  # 404
             await c(http, *results, "/v1/results/not%20an%20id", headers=auth("acme"))  # 422
             await c(http, *results, "/v1/results/oa-1")  # 401
@@ -102,6 +115,8 @@ async def exercise(app, broken, solo, seen: Seen) -> dict:
             await polling
             for path in ("/health", "/info", "/metrics"):
                 await c(http, "get", path)
+            for path in ("/health", "/info", "/metrics", "/ready"):
+                await c(foreign, "get", path)  # no keys, a Host not loopback: 400
             await c(one, "get", "/ready")
             await c(down, "get", "/ready")  # Redis unreachable: 503
             pages = {path: await http.get(path) for path in ("/docs", "/redoc")}
@@ -118,7 +133,8 @@ def test_every_route_declares_the_statuses_it_returns_with_their_bodies(redis_se
         broken = create_app(GatewayConfig(deployment=Deployment(url=f"redis://127.0.0.1:{free_port()}/0"),
                                           keys=KEYS, **LIMITS))
         solo = create_app(GatewayConfig(deployment=Deployment(url=redis_server.url), keys=KEYS[:1], **LIMITS))
-        served = asyncio.run(exercise(app, broken, solo, seen))
+        opened = create_app(GatewayConfig(deployment=Deployment(url=redis_server.url), **LIMITS))
+        served = asyncio.run(exercise(app, broken, solo, opened, seen))
     finally:
         worker.stop()
     document = served["document"]

@@ -150,3 +150,61 @@ def test_a_worker_that_keeps_exiting_is_reported_and_an_exit_2_stops_the_host(se
     refused = launch_exiting(2, redis_server.url, free_ports(3), tmp_path / "refused.log")
     assert refused.wait(30) == 2  # the same settings would fail every worker the same way: no restart
     assert "refused to start (exit 2)" in (tmp_path / "refused.log").read_text()
+
+
+def test_a_launcher_counts_only_its_own_workers_and_waits_for_a_port_still_held(server_binary, redis_server,
+                                                                                  tiny_dir, tmp_path):
+    """Restarted right after its own kill -9, a launcher found its orphaned workers still draining on the ports:
+    it reported ready before its own workers loaded (it trusted whatever answered), then its workers could not bind
+    and exited 2, and it stopped the whole host. Here a stand-in holds the worker's port and answers /readyz 200 as
+    such an orphan did: the launcher stays unready (not its child), its worker exits 75 and is started again after
+    a pause, and once the port is free the launcher is ready with its own worker."""
+    import http.server
+    import threading
+
+    if server_binary.label != servers_under_test()[0].label:
+        pytest.skip("one server is enough: the launcher's one Redis call is the same on each")
+    port, log = free_ports(2), tmp_path / "launcher.log"
+
+    class Orphan(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = json.dumps({"ready": True, "live": True, "pid": 1}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    orphan = http.server.ThreadingHTTPServer(("", port + 1), Orphan)
+    threading.Thread(target=orphan.serve_forever, daemon=True).start()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "worker", "serve", "--gpus", "cpu:1", "--checkpoint", str(tiny_dir), "--redis-url",
+         redis_server.url, "--metrics-port", str(port)],
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT)
+
+    def ready() -> tuple[int, dict]:
+        try:
+            code, body = get(f"http://127.0.0.1:{port}/readyz")
+            return code, json.loads(body)
+        except OSError:
+            return 0, {}
+
+    try:
+        wait_for(lambda: "worker 0 exited 75" in log.read_text(), timeout=120, every=0.2,
+                 what="the worker to find its port held")
+        assert launcher.poll() is None and ready()[0] == 503  # not its child's answer: not ready
+        orphan.shutdown()
+        orphan.server_close()
+        wait_for(lambda: ready()[0] == 200, timeout=180, every=0.2, what="the launcher's own worker ready")
+        [worker] = ready()[1]["workers"]
+        assert json.loads(get(f"http://127.0.0.1:{port + 1}/readyz")[1])["pid"] == worker["pid"]
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+    assert "refused to start (exit 2)" not in log.read_text()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.client import AsyncClient, Client, InvalidRequest, QueueFull, ResultTimeout, WrongResult
+from producer.client import AsyncClient, Client, InvalidRequest, QueueFull, ResultTimeout
 from producer.plans import prepare
 from producer.wire.keys import Keys, shard_of
 from producer.wire.result import Result
@@ -20,9 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 REQUEST = {"state": "hello", "questions": {"q": {"type": "noul", "instructions": "ok?"}}}
 
 
+DIGEST = prepare(REQUEST).digest  # what REQUEST asks, whatever its id: every result of it carries this
+
+
 def publish(client: Client, request_id: str, status: str = "ok") -> None:
-    """What a worker does for a request: one entry on its result stream."""
-    body = json.dumps({"id": request_id, "status": status, "answers": {"q": {"type": "noul", "noul": 0.5}}})
+    """What a worker does for a request (REQUEST under ``request_id``): one entry on its result stream."""
+    body = json.dumps({"id": request_id, "status": status, "answers": {"q": {"type": "noul", "noul": 0.5}},
+                       "digest": DIGEST})
     client.redis.xadd(client.keys.result(request_id), {"body": body})
 
 
@@ -189,7 +193,8 @@ def test_a_result_from_a_newer_worker_with_extra_fields_is_read(redis_server):
     body = {"id": request_id, "status": "ok", "answers": {"q": {"type": "noul", "noul": 0.8}},
             "probabilities": {"q": [0.8, 0.2]}, "options": {"q": ["true", "false"]},
             "usage": {"tokens": 5, "prompts": 1, "parts": 1, "kv_cache_hits": 3},
-            "timings": {"enqueued_ms": 1, "finished_ms": 2, "gpu": "h200"}, "explanations": {"q": "because"}}
+            "timings": {"enqueued_ms": 1, "finished_ms": 2, "gpu": "h200"}, "explanations": {"q": "because"},
+            "digest": DIGEST}
     client.redis.xadd(client.keys.result(request_id), {"body": json.dumps(body)})
     result = client.wait_many([request_id], timeout=5)[request_id]
     assert result.option_probabilities == {"q": {"true": 0.8, "false": 0.2}}
@@ -197,25 +202,31 @@ def test_a_result_from_a_newer_worker_with_extra_fields_is_read(redis_server):
     assert result.usage.model_extra == {"kv_cache_hits": 3} and result.timings.model_extra == {"gpu": "h200"}
 
 
-def test_a_result_for_another_id_is_never_handed_out(redis_server):
+def test_a_result_for_another_id_or_no_result_at_all_is_never_handed_out(redis_server):
     """A result stream holding a result of another id (no worker writes one; a reply stream pointed at another
-    request's result stream did) raises WrongResult instead of answering the wrong question."""
+    request's result stream did), or no result at all (garbage, an entry without a body), is that id's id_conflict,
+    saying why: never an answer, and never an error that takes the other ids of the same read down with it."""
     client = Client(redis_server.url)
     publish(client, "mine")
     client.redis.xadd(client.keys.result("victim"), {"body": json.dumps({"id": "attacker", "status": "ok",
                                                                            "answers": {"q": {"noul": 1.0}}})})
+    client.redis.xadd(client.keys.result("garbage"), {"body": b"\xff{not json"})
+    client.redis.xadd(client.keys.result("bodiless"), {"other": "x"})
     assert client.wait("mine", timeout=5).id == "mine"
-    for call in (lambda: client.fetch("victim"), lambda: client.wait("victim", timeout=5),
-                 lambda: client.wait_many(["mine", "victim"], timeout=5)):
-        with pytest.raises(WrongResult, match="result stream of request 'victim' holds a result for 'attacker'"):
-            call()
+    whys = {"victim": "holds a result for 'attacker'", "garbage": "holds no readable result",
+            "bodiless": "holds an entry without a body"}
+    for request_id, why in whys.items():
+        for result in (client.fetch(request_id), client.wait(request_id, timeout=5),
+                       client.wait_many(["mine", request_id], timeout=5)[request_id]):
+            assert result.id == request_id and result.error.code == "id_conflict" and why in result.error.message
+            assert result.answers is None and not result.ok
+        assert client.wait_many(["mine", request_id], timeout=5)["mine"].ok
 
     async def run():
         async with AsyncClient(redis_server.url) as aclient:
-            with pytest.raises(WrongResult):
-                await aclient.wait("victim", timeout=5)
+            return await aclient.wait("victim", timeout=5)
 
-    asyncio.run(run())
+    assert asyncio.run(run()).error.code == "id_conflict"
 
 
 

@@ -57,6 +57,26 @@ def test_unreachable_redis_is_named_every_few_seconds_and_a_stop_claims_nothing(
     assert "entries left pending" not in log and "answered and acknowledged" not in log
 
 
+def test_a_password_in_the_urls_query_is_never_printed(server_binary, start_worker, tiny_dir):
+    """``redis://host/0?password=...`` (redis-py takes its options from the query) was printed in the clear by the
+    gateway and the producer at start and by the worker's repeated warnings: one redaction
+    (producer/wire/connection.py ``redact``) serves them all."""
+    if server_binary.label != servers_under_test()[0].label:
+        pytest.skip("one server is enough: no server answers in this test")
+    port = free_port()  # nothing listens there
+    url, shown = f"redis://127.0.0.1:{port}/0?password=qu3ry-s3cret", f"redis://127.0.0.1:{port}/0?password=***"
+    root = Path(__file__).resolve().parents[2]
+    for command in (["-m", "producer.gateway"], ["-m", "producer", "stats"], ["-m", "producer", "submit", "-"]):
+        done = subprocess.run([sys.executable, *command, "--redis-url", url], capture_output=True, text=True,
+                              timeout=60, cwd=root, input="")
+        said = done.stdout + done.stderr
+        assert "qu3ry-s3cret" not in said and shown in said, (command, said[-2000:])
+    worker = start_worker(tiny_dir, url, ready=False)
+    wait_log(worker, f"redis unreachable at {shown}", count=2, timeout=90)
+    worker.stop()
+    assert "qu3ry-s3cret" not in worker.log.read_text()
+
+
 def test_a_stop_with_redis_down_leaves_what_it_holds_pending_and_says_so(redis_server, start_worker, tiny_dir):
     client = Client(redis_server.url)
     ids = client.submit_many(batch(12, "down"))

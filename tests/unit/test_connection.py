@@ -72,6 +72,15 @@ def test_the_sentinels_credentials_go_to_the_sentinels_alone_and_are_never_shown
     ("redis+sentinel://s1,,s2/dq", "each sentinel is host:port"),
     ("redis+sentinel://s1:99999/dq", "port is 1 to 65535"),
     ("redis+sentinel://u:se?cret@s1/dq", "no query"),
+    # a port below 1 was taken for part of a host name, twenty digits for a database (issue: hostile callers)
+    ("redis+sentinel://u:pw@s1:-1/dq", "port is 1 to 65535"),
+    ("redis+sentinel://s1:+26379/dq", "port is 1 to 65535"),
+    ("redis+sentinel://s1:0/dq", "port is 1 to 65535"),
+    ("redis+sentinel://[::1]x/dq", "in brackets"),
+    ("redis+sentinel://s1:26379/dq/123456789012345678901", "only a database number"),
+    ("redis+sentinel://s1:26379/dq/2147483648", "0 to 2147483647"),
+    ("redis://u:pw@h:6379/123456789012345678901", "database number is not 0 to 2147483647"),
+    ("redis://u:pw@h:6379/0?db=-1", "database number is not 0 to 2147483647"),
 ])
 def test_a_malformed_sentinel_url_is_named_without_its_password(url, message):
     with pytest.raises(ValueError, match=message) as caught:
@@ -87,6 +96,11 @@ def test_passwords_never_shown():
     assert redact("rediss://:s3cret@redis/0") == "rediss://:***@redis/0"
     assert redact("redis://redis:6379/0") == "redis://redis:6379/0"
     assert "s3cret" not in Deployment(url="redis://u:s3cret@h/0").safe_url
+    # redis-py takes its options from the query, the password too (issue: hostile callers)
+    assert redact("redis://redis:6379/0?password=s3cret&db=1") == "redis://redis:6379/0?password=***&db=1"
+    assert redact("unix:///run/redis.sock?db=0&Password=s3cret") == "unix:///run/redis.sock?db=0&Password=***"
+    assert redact("rediss://u:s3cret@h/0?ssl_password=s3cret2") == "rediss://u:***@h/0?ssl_password=***"
+    assert "s3cret" not in Deployment(url="redis://h/0?password=s3cret").safe_url
 
 
 def test_the_producer_speaks_the_workers_connection_vocabulary():

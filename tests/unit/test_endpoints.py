@@ -64,3 +64,55 @@ def test_metrics_host_binds_one_address():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_idle_trickling_and_surplus_connections_hold_no_thread_for_long(monkeypatch):
+    """The stdlib's threaded server kept a thread per open connection, for ever: silent and trickling connections
+    (a byte every 0.2 s) are closed within the request's time, at most CONNECTIONS are served at once (the rest
+    closed unanswered, at once), and it answers afterwards."""
+    import threading
+
+    from producer.wire import endpoints
+
+    monkeypatch.setattr(endpoints, "REQUEST_S", 2.0)
+    server = endpoints.serve_paths("127.0.0.1", free_port(), lambda path: (200, b"ok\n", "text/plain"))
+    port, base = server.server_address[1], threading.active_count()
+
+    def closed_after(sock: socket.socket) -> float:
+        started = time.monotonic()
+        try:
+            while sock.recv(1000):  # an answer to what it sent by its time, if any, then closed
+                pass
+        except ConnectionResetError:
+            pass
+        return time.monotonic() - started
+
+    try:
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(endpoints.CONNECTIONS + 18)]
+        time.sleep(0.3)
+        assert threading.active_count() - base <= 2 * endpoints.CONNECTIONS  # a thread and its timer each
+        assert max(closed_after(sock) for sock in silent[endpoints.CONNECTIONS:]) < 1  # beyond the cap: at once
+        assert max(closed_after(sock) for sock in silent[: endpoints.CONNECTIONS]) < 4  # within it: past 2 s
+
+        trickling = socket.create_connection(("127.0.0.1", port), timeout=10)
+        stop = threading.Event()
+
+        def trickle() -> None:
+            try:
+                for byte in b"GET /metrics HTTP/1.1\r\nX-Slow: " + b"y" * 100:
+                    if stop.is_set():
+                        return
+                    trickling.sendall(bytes([byte]))
+                    time.sleep(0.2)
+            except OSError:
+                pass
+
+        sender = threading.Thread(target=trickle)
+        sender.start()
+        assert closed_after(trickling) < 4
+        stop.set()
+        sender.join()
+        assert get(f"http://127.0.0.1:{port}/metrics") == 200
+    finally:
+        server.shutdown()
+        server.server_close()

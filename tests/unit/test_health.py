@@ -69,3 +69,12 @@ def test_redis_refusing_the_works_writes_makes_it_unready():
                             library_ok=True,
                             ready=True, inflight=1, stopping=False, block_ms=1000, refusing=True))
     assert state["live"] and state["redis"] and state["refusing"] and not state["ready"]
+
+
+def test_a_draining_worker_is_live_not_ready_and_names_its_process():
+    """A draining worker said ready: a launcher restarted beside it took it for its own (docs/OPERATIONS.md)."""
+    import dataclasses
+    import os
+
+    state = status(dataclasses.replace(daemon(reader_age=0.5), stopping=True))
+    assert state["live"] and not state["ready"] and state["stopping"] and state["pid"] == os.getpid()

@@ -63,6 +63,7 @@ class Redis:
 
     async def settle(self, outcomes):
         self.settled += outcomes
+        self.dead += [outcome.delivery.entry_id for outcome in outcomes if outcome.dead_letter]  # with its result
         return Settlement(settled=[(outcome, outcome.result, True) for outcome in outcomes])
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:

@@ -12,18 +12,19 @@ REVISIONS = {
     1: "551d18b9babcaca2",
     2: "92a0e75cffd7b6f0",  # publish_as, part_as, reply; the high lane's request stream (docs/PROTOCOL.md)
     3: "9d0a1bb4ce5b0bbc",  # a reply stream's length capped: publish_as and reply take it last (optional)
+    4: "f69d5b77e772db65",  # dead_letter (a dead letter with its result, one step) and requeue
 }
 
 
 def test_each_revision_of_the_code_is_pinned():
     digest = hashlib.sha256(library.CODE.encode()).hexdigest()[:16]
     assert REVISIONS.get(library.REVISION) == digest, (
-        f"producer/wire/library.py CODE changed ({digest}): bump REVISION to {max(REVISIONS) + 1} and pin it here")
+        f"producer/wire/functions.py CODE changed ({digest}): bump REVISION to {max(REVISIONS) + 1} and pin it here")
     assert library.REVISION == max(REVISIONS)
 
 
 def test_names_carry_the_protocol_version():
     assert library.LIBRARY == "dq_v1" and library.CODE.startswith("#!lua name=dq_v1\n")
     for name in (library.SUBMIT, library.PUBLISH, library.PART, library.FORGET, library.REVISION_FUNCTION,
-                 library.PUBLISH_AS, library.PART_AS, library.REPLY):
+                 library.PUBLISH_AS, library.PART_AS, library.REPLY, library.DEAD_LETTER, library.REQUEUE):
         assert name.startswith("dq_v1_") and f"'{name}'" in library.CODE

@@ -207,7 +207,9 @@ class Launcher:
     # ---------------------------------------------------------------- health
 
     def _probe(self) -> None:
-        """Each worker's /readyz, every second: the launcher's readiness and the reset of a worker's exits."""
+        """Each worker's /readyz, every second: the launcher's readiness and the reset of a worker's exits. Only
+        the answer of the process it started counts (``pid``): restarted right after its own kill -9, a launcher
+        found its orphaned workers still draining on the ports and reported ready before its own had loaded."""
         host = self.settings.metrics_host
         host = "127.0.0.1" if host in ("", "::", "0.0.0.0") else f"[{host}]" if ":" in host else host
         while not self.stopping.is_set():
@@ -215,10 +217,10 @@ class Launcher:
                 process = w.process
                 ready = False
                 if process is not None and process.poll() is None and w.port:
-                    try:
+                    try:  # its own child's answer only: a worker of an earlier launcher may still hold the port
                         with urllib.request.urlopen(f"http://{host}:{w.port}/readyz", timeout=1.0) as reply:
-                            ready = reply.status == 200
-                    except OSError:
+                            ready = reply.status == 200 and json.loads(reply.read()).get("pid") == process.pid
+                    except (OSError, ValueError, AttributeError):
                         pass
                 if w.process is process:  # not restarted meanwhile
                     w.ready = ready

@@ -26,10 +26,11 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from producer.wire.keys import Keys
+from producer.wire.result import Unreadable
 from producer.wire.schema import ErrorCode
 
 from ..config import Settings
-from ..entries import PARTS, REQUESTS, Delivery, Identity, Job, Refusal, identity_of
+from ..entries import PARTS, REQUESTS, Delivery, Identity, Job, Refusal, identity_with_digest
 from ..metrics import Metrics
 from ..outcomes import answered_before, error_outcome, task_outcome
 from ..tasks import Computed, Expired, Failed, GpuEvent, Item, Launched, Task
@@ -103,6 +104,18 @@ class Lifecycle:
             self.metrics.planning.observe(time.perf_counter() - start)
             if self.traces is not None:
                 self.traces.planned(delivery, began, time.time())
+        try:
+            await self._planned(delivery, planned)
+        except Unreadable as error:  # the id holds what no worker wrote: no result can go there, nor be compared
+            self.metrics.unreadable_results.inc()
+            self.held.move(delivery, State.SETTLING)
+            await self._dead_letter(delivery, f"{error}: no result can be published under this id", answer=False)
+        except Exception as error:  # noqa: BLE001 - a bug past planning must not leave the entry held for ever
+            log.exception("handling planned %s failed", delivery.entry_id, extra=delivery.log_fields)
+            self._failed(delivery, f"{type(error).__name__}: {error}")
+
+    async def _planned(self, delivery: Delivery, planned: Task | Refusal) -> None:
+        """A planned entry's way on: answered at once, a replay or a conflict, fanned out, or queued."""
         if isinstance(planned, Refusal):  # bad input, a deadline passed: answered at once, never retried
             self.settler.put(error_outcome(delivery, planned.identity, planned.code, planned.message,
                                            self.model_name))
@@ -155,19 +168,23 @@ class Lifecycle:
 
     async def _dead_letter(self, delivery: Delivery, reason: str, identity: Identity | None = None,
                            answer: bool = True) -> None:
-        """Copy the entry to the dead-letter stream, then answer its request (``answer``) or only acknowledge it."""
+        """Dead-letter the entry: with its request's ``dead_lettered`` result (``answer``), copied by the publication
+        itself (one step on one server, so that a requeue never finds the one without the other); else copied, then
+        acknowledged alone."""
         log.error("dead-lettering %s of %s after %d deliveries: %s", delivery.entry_id, delivery.key,
                   delivery.deliveries, reason, extra=delivery.log_fields)
-        await self.redis_calls.until(lambda: self.publisher.dead_letter(delivery, reason), "dead letter")
         self.metrics.dead_letters.inc()
         if not answer:
+            await self.redis_calls.until(lambda: self.publisher.dead_letter(delivery, reason), "dead letter")
             await self._ack_only(delivery)
             return
-        if identity is None:  # the body parsed once, off this thread, for where the error result goes
+        if identity is None:  # the body parsed once, off this thread, for where the error result goes and its digest
             job = Job.of(delivery, await self._stored_body(delivery))
-            identity = (await asyncio.to_thread(identity_of, self.keys, job))[0]
-        self.settler.put(error_outcome(delivery, identity, ErrorCode.DEAD_LETTERED,
-                                       f"gave up after {delivery.deliveries} deliveries: {reason}", self.model_name))
+            identity = await asyncio.to_thread(identity_with_digest, self.keys, job)
+        outcome = error_outcome(delivery, identity, ErrorCode.DEAD_LETTERED,
+                                f"gave up after {delivery.deliveries} deliveries: {reason}", self.model_name)
+        outcome.dead_letter = reason
+        self.settler.put(outcome)
 
     async def _ack_only(self, delivery: Delivery) -> None:
         await self.redis_calls.until(lambda: self.publisher.ack([delivery]), "ack")

@@ -27,10 +27,10 @@ from producer.wire import cluster_wait, library, sentinel
 from producer.wire.connection import WAIT_MS
 from producer.wire.errors import NotDurable
 from producer.wire.keys import Field, Keys, text
-from producer.wire.result import Result
+from producer.wire.result import Result, Unreadable, read_stored
 
 from ..entries import REQUESTS, Delivery
-from ..outcomes import Outcome, Share, answered_before
+from ..outcomes import Outcome, Share, answered_before, dead_fields
 from ..tasks import Task
 from .redis_calls import REDIS_ERRORS
 
@@ -48,6 +48,8 @@ class Settlement:
     settled: list[tuple[Outcome, Result | None, bool]] = field(default_factory=list)
     replies_refused: list[tuple[Outcome, redis.ResponseError]] = field(default_factory=list)
     reused: list[Outcome] = field(default_factory=list)  # answered as a reused id: another entry published first
+    # the result stored under their ids cannot be read (no worker wrote it): dead-lettered and acknowledged, why
+    unreadable: list[tuple[Outcome, Unreadable]] = field(default_factory=list)
 
 
 class Publisher:
@@ -99,7 +101,12 @@ class Publisher:
             if isinstance(reply, redis.ResponseError):
                 outcome.refused = reply
                 continue
-            who = self._who(outcome, reply)
+            outcome.copied = outcome.copied or bool(outcome.dead_letter and self.inline_replies)
+            try:
+                who = self._who(outcome, reply)
+            except Unreadable as error:
+                done.unreadable.append((outcome, error))
+                continue
             if self._lost_race(outcome, reply, *who):
                 # Another request under this id published first (both were queued before either was answered): this
                 # one is answered as a reused id is at planning, its own reply a replay or an id_conflict.
@@ -124,7 +131,17 @@ class Publisher:
                 outcome.replied = True
                 if isinstance(answer, redis.ResponseError):
                     done.replies_refused.append((outcome, answer))
-        await self.ack([outcome.delivery for outcome, *_ in settled], durable=True)
+        # Dead letters the publication did not copy (Redis Cluster: after their result, so that a requeue never finds
+        # one whose result is still to come), and entries whose id holds an unreadable result: before the ack.
+        for outcome in [outcome for outcome, *_ in settled if outcome.dead_letter and not outcome.copied]:
+            await self.dead_letter(outcome.delivery, outcome.dead_letter)
+            outcome.copied = True
+        for outcome, error in done.unreadable:
+            if not outcome.copied:
+                await self.dead_letter(outcome.delivery, f"{error}: no result can be published under this id")
+                outcome.copied = True
+        await self.ack([outcome.delivery for outcome, *_ in settled] + [o.delivery for o, _ in done.unreadable],
+                       durable=True)
         done.settled = [(outcome, result, mine) for outcome, result, mine, _ in settled]
         return done
 
@@ -132,10 +149,10 @@ class Publisher:
         """From a script's answer: the request's result, whether this delivery published it, whether to reply."""
         if not isinstance(reply, list):  # 0: a part stored, the request still waits for others
             return None, False, False
-        publisher = reply[1].decode()
-        stored = Result.model_validate_json(reply[2]) if len(reply) > 2 and reply[2] else outcome.result
-        if publisher == outcome.publisher:  # now, or this very call before (its answer lost in transit)
-            return stored, True, True
+        publisher, body = reply[1].decode(errors="replace"), reply[2] if len(reply) > 2 else b""
+        if publisher == outcome.publisher:  # now (no body sent back), or this very call before (its answer lost)
+            return read_stored(body, outcome.request_id) if body else outcome.result, True, True
+        stored = read_stored(body or None, outcome.request_id)  # someone else's: Unreadable unless a result of its id
         deliveries = (publisher.split(" ") + ["", "", ""])[2]
         earlier = self._same_entry(outcome, publisher) and deliveries.isdigit() \
             and int(deliveries) < outcome.delivery.deliveries
@@ -159,14 +176,20 @@ class Publisher:
             return False
         if outcome.delivery.stream == REQUESTS:
             return not self._same_entry(outcome, reply[1].decode())
-        return stored.digest not in (None, outcome.identity.digest)
+        return stored.digest is None or stored.digest != outcome.identity.digest
 
     def _publication(self, outcome: Outcome) -> tuple[Any, list[str], list[Any]]:
         request_id = outcome.request_id
         assert outcome.result is not None
         keys = [self.keys.result(request_id), self.keys.shares(request_id), self.keys.body(request_id)]
         args = [outcome.result.model_dump_json(exclude_none=True), self.ttl, outcome.publisher]
-        if self.inline_replies and outcome.reply_to and not outcome.replied:
+        reply = self.inline_replies and outcome.reply_to and not outcome.replied
+        if outcome.dead_letter and not outcome.copied and self.inline_replies:  # the dead letter and its result
+            dead = dead_fields(outcome.delivery, outcome.dead_letter)
+            return library.DEAD_LETTER, [*keys, self.keys.dead, *([outcome.reply_to] if reply else [])], [
+                *args, request_id, self.reply_maxlen, self.dead_maxlen,
+                *(value for pair in dead.items() for value in pair)]
+        if reply:
             keys.append(outcome.reply_to)
             args += [request_id, self.reply_maxlen]
         return library.PUBLISH_AS, keys, args
@@ -197,9 +220,9 @@ class Publisher:
         return replies
 
     async def stored(self, request_id: str) -> Result | None:
-        """The result a request id already has, if any (a reused id)."""
+        """The result a request id already has, if any (a reused id); raises Unreadable for one no worker wrote."""
         [entry] = await self.redis.xrange(self.keys.result(request_id), count=1) or [None]
-        return None if entry is None else Result.model_validate_json(entry[1][Field.BODY.encode()])
+        return None if entry is None else read_stored(entry[1].get(Field.BODY.encode()), request_id)
 
     async def check_library(self) -> bool:
         """Whether the function library is loaded, loading it if the server lacks it or has an older revision (when
@@ -285,11 +308,7 @@ class Publisher:
                              f"{WAIT_MS} ms", [], int(replicas), self.wait_replicas)
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
-        """Copy the entry to the dead-letter stream first: a crash afterwards leaves a duplicate, never a loss. Its
-        fields as they were (names too: any bytes), then where it was and why, which no field of its own hides."""
-        fields: dict[Any, Any] = {**delivery.fields, Field.STREAM: delivery.stream, Field.LANE: delivery.lane,
-                                  Field.ENTRY_ID: delivery.entry_id, Field.DELIVERIES: delivery.deliveries,
-                                  Field.REASON: reason[:2000]}
-        for name in (Field.STREAM, Field.LANE, Field.ENTRY_ID, Field.DELIVERIES, Field.REASON):
-            fields.pop(name.encode(), None)
-        await self.redis.xadd(self.keys.dead, fields, maxlen=self.dead_maxlen, approximate=True)
+        """Copy the entry to the dead-letter stream, before it is acknowledged: a crash in between leaves a
+        duplicate, never a loss. (A dead letter with a result is copied by its publication: ``_publication``.)"""
+        await self.redis.xadd(self.keys.dead, dead_fields(delivery, reason), maxlen=self.dead_maxlen,
+                              approximate=True)

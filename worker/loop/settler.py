@@ -60,6 +60,12 @@ class Settler:
             for outcome, error in done.replies_refused:  # the result stream holds the result: work goes on
                 self.redis_calls.refused("reply", error, stalls=False,
                                          detail=f"reply to {(outcome.reply_to or '')[:200]} of {outcome.request_id}")
+            for outcome, error in done.unreadable:  # its id holds what no worker wrote: dead-lettered, let go
+                self.metrics.unreadable_results.inc()
+                self.metrics.dead_letters.inc(0 if outcome.dead_letter else 1)  # a dead letter's own counted it
+                log.error("%s: entry %s of %s dead-lettered unanswered", error, outcome.delivery.entry_id,
+                          outcome.delivery.key, extra=outcome.identity.log_fields)
+                self.held.release(outcome.delivery)
             now = time.time()
             for outcome in done.reused:  # lost the race to another request under its id: answered as reused
                 self.count_reused(outcome)

@@ -20,10 +20,11 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPool
 from typing import Any, Callable
 
 from producer.wire.keys import Keys
-from producer.wire.schema import ErrorCode, Request, RequestError, digest, validate
+from producer.wire.digest import body_digest, digest
+from producer.wire.schema import ErrorCode, Request, RequestError, validate
 
 from ..config import Settings
-from ..entries import REQUESTS, Delivery, Identity, Job, Refusal, identity_of
+from ..entries import REQUESTS, Delivery, Identity, Job, Refusal, identity_of, request_digest
 from ..model.checkpoint import DecisionModel, RenderSpec
 from ..model.encoder import Encoder
 from ..model.engine import Prompt
@@ -35,17 +36,23 @@ log = logging.getLogger(__name__)
 
 def plan_entry(encoder: Encoder, settings: Settings, job: Job) -> tuple[Identity, Request, list[Prompt]] | Refusal:
     """A request body planned whole, or only a part's questions: the request, its prompts, and the identity from the
-    same parse; or a Refusal (bad input, an expired deadline). A planner bug raises."""
+    same parse (with its digest, which every result of it carries); or a Refusal (bad input, an expired deadline). A
+    planner bug raises."""
     keys = Keys(settings.namespace)
     identity, body, error = identity_of(keys, job)
     if job.invalid is not None:
-        return Refusal(identity, job.invalid_code, job.invalid)
-    if body is None and error is None:  # a part whose request body is gone
+        return Refusal(dataclasses.replace(identity, digest=request_digest(job, body)), job.invalid_code, job.invalid)
+    if body is None and error is None:  # a part whose request body is gone: nothing says what it asked
         return Refusal(identity, ErrorCode.INTERNAL, "the request body of this part is gone (Redis lost it?)")
     try:
-        if error is not None:
-            raise error
-        request = validate(body or {})
+        try:
+            if error is not None:
+                raise error
+            request = validate(body or {})
+        except RequestError:  # not JSON, or not a request: its body's bytes are what it asked
+            identity = dataclasses.replace(identity, digest=body_digest(job.raw or b""))
+            raise
+        identity = dataclasses.replace(identity, digest=digest(request))
         if request.reply_to is not None and not keys.is_reply_stream(request.reply_to):
             raise RequestError(ErrorCode.INVALID_REQUEST, f"reply_to must be a reply stream of this deployment: "
                                                           f"{keys.reply_prefix} then 1-128 of A-Z a-z 0-9 . _ : -")
@@ -56,7 +63,7 @@ def plan_entry(encoder: Encoder, settings: Settings, job: Job) -> tuple[Identity
         if request.deadline_ms is not None and time.time() * 1000 > request.deadline_ms:
             late = time.time() * 1000 - request.deadline_ms
             raise RequestError(ErrorCode.DEADLINE_EXCEEDED, f"the deadline passed {late:.0f} ms before compute")
-        return dataclasses.replace(identity, digest=digest(request)), request, encoder.prompts(request, job.questions)
+        return identity, request, encoder.prompts(request, job.questions)
     except RequestError as refused:
         return Refusal(identity, refused.code, refused.message)
 
