@@ -4,8 +4,8 @@ Every script the protocol runs inside Redis is here, so that no role needs ``EVA
 producers call ``dq_v1_submit`` (admission: the request stream, each id, each body's size, backpressure, then one
 ``XADD`` per request, all or nothing), workers ``dq_v1_publish`` and ``dq_v1_part`` (the exactly-once result) and
 ``dq_v1_forget`` (consumers of workers that are gone); since revision 2 ``dq_v1_publish_as``, ``dq_v1_part_as``
-and ``dq_v1_reply`` (publication that knows who made it, with its reply), and ``dq_v1_submit`` takes either priority
-lane's request stream.
+and ``dq_v1_reply`` (publication that knows who made it, with its reply), and either lane's request stream; since
+revision 4 each request's record (records.py: ``dq_v1_submit`` writes it, ``dq_v1_take``, ``dq_v1_cancel``).
 A leaked credential can call these functions, never run Lua of its own. Redis checks every command a function
 runs against its *caller's* ACL user, so a function never gives a caller more than the caller's user holds.
 
@@ -28,11 +28,11 @@ import redis
 
 from .errors import LibraryUnavailable
 from .keys import LANES, MAX_BODY_BYTES, PROTOCOL, Field, Keys
+from .records import LUA as RECORDS
 
 LIBRARY = f"dq_v{PROTOCOL}"
 SUBMIT = f"{LIBRARY}_submit"  # KEYS: a request stream. ARGV: limit (0: none), then id, body per request
-# Revision 1's publication, which no current worker calls: kept for workers of revision 1 during a rolling upgrade
-# (a revision keeps every function); it goes with wire protocol v2 (library dq_v2).
+# Revision 1's publication, no current worker's: kept for a rolling upgrade (a revision keeps every function).
 PUBLISH = f"{LIBRARY}_publish"  # KEYS: result, parts, body. ARGV: result JSON, TTL s. 1 published now, 0 already
 PART = f"{LIBRARY}_part"  # KEYS: parts, result. ARGV: index, count, part JSON, TTL s. -1 done, 0 wait, else all
 # Revision 2: publication that records and tells who published (so that a call re-sent after its answer was lost
@@ -44,13 +44,14 @@ PART_AS = f"{LIBRARY}_part_as"  # KEYS: result, parts, body. ARGV: index, count,
 REPLY = f"{LIBRARY}_reply"  # KEYS: a reply stream. ARGV: request id, result JSON, TTL s[, cap]. 1, or an error
 FORGET = f"{LIBRARY}_forget"  # KEYS: a work stream. ARGV: group, idle limit ms, own consumer name. Names deleted
 REVISION_FUNCTION = f"{LIBRARY}_revision"  # no keys: this library's REVISION
-REVISION = 3  # bumped on every change of CODE (tests/unit/test_library_code.py pins each revision's hash)
+TAKE = f"{LIBRARY}_take"  # revision 4. KEYS: a record. ARGV: stream, entry id, consumer, ms, parts. 1: cancelled
+CANCEL = f"{LIBRARY}_cancel"  # revision 4. KEYS: cancel stream, counts, records. ARGV: ms, ids. An answer per id
+REVISION = 4  # bumped on every change of CODE (tests/unit/test_library_code.py pins each revision's hash)
 MAX_BATCH = 1000  # requests per submit call: bounds the time Redis spends in one call
 
 
 def _stream_pattern(template: str) -> str:
-    """A Lua pattern of one kind of request stream (its name with namespace ``\0`` and shard ``\1``), in any
-    namespace and shard."""
+    """A Lua pattern of a request stream (its name with namespace ``\0`` and shard ``\1``), any namespace, shard."""
     escaped = re.sub(r"([\^$()%.\[\]*+\-?])", r"%\1", template)
     return "^" + escaped.replace("\0", ".+").replace("\1", "%d+") + "$"
 
@@ -58,20 +59,18 @@ def _stream_pattern(template: str) -> str:
 # Streams the submit function writes to, each lane's request stream: producers reach no other key through it.
 SUBMIT_STREAMS = tuple(Keys("\0", "\1").requests_in(lane) for lane in LANES)
 
-# The Lua text is part of the wire (its digest is pinned per revision): its first comment names producer/library.py,
-# this module's path when revision 3 was written, until a new revision changes the code anyway.
+# The Lua text is part of the wire (its digest is pinned per revision).
 CODE = f"""#!lua name={LIBRARY}
--- decision-queue, wire protocol v{PROTOCOL}, revision {REVISION} (producer/library.py)
+-- decision-queue, wire protocol v{PROTOCOL}, revision {REVISION} (producer/wire/library.py, records.py)
 local REVISION = {REVISION}
 local MAX_BODY = {MAX_BODY_BYTES}
 local MAX_BATCH = {MAX_BATCH}
 local STREAMS = {{{", ".join(repr(_stream_pattern(template)) for template in SUBMIT_STREAMS)}}}
-
-local function request_stream(key)
-  for _, pattern in ipairs(STREAMS) do
-    if string.match(key, pattern) then return true end
+{RECORDS}
+local function request_stream(key)  -- the lane of a request stream (LANE_NAMES, as STREAMS), or nil
+  for lane, pattern in ipairs(STREAMS) do
+    if string.match(key, pattern) then return LANE_NAMES[lane] end
   end
-  return false
 end
 
 -- A request id: empty (the entry id is the request id), or 1-128 of A-Z a-z 0-9 . _ : - and not shaped like a
@@ -84,9 +83,8 @@ end
 
 local function submit(keys, args)
   local stream = keys[1]
-  if #keys ~= 1 or not request_stream(stream) then
-    return redis.error_reply('INVALID the key is not a request stream')
-  end
+  local lane = #keys == 1 and request_stream(stream)
+  if not lane then return redis.error_reply('INVALID the key is not a request stream') end
   local limit = tonumber(args[1])
   local count = (#args - 1) / 2
   if not limit or limit < 0 or count < 1 or count % 1 ~= 0 or count > MAX_BATCH then
@@ -106,9 +104,10 @@ local function submit(keys, args)
   if limit > 0 and length + count > limit then
     return redis.error_reply('QUEUEFULL ' .. length .. ' unfinished entries, limit ' .. limit)
   end
-  local ids = {{}}
-  for i = 1, count do ids[i] = redis.call('XADD', stream, '*', '{Field.BODY}', args[2 * i + 1]) end
-  return ids
+  local entries = {{}}
+  for i = 1, count do entries[i] = redis.call('XADD', stream, '*', '{Field.BODY}', args[2 * i + 1]) end
+  record_queued(stream, lane, length, args, entries)
+  return entries
 end
 
 local function publish(keys, args)
@@ -213,6 +212,8 @@ redis.register_function('{FORGET}', forget)
 redis.register_function('{PUBLISH_AS}', publish_as)
 redis.register_function('{PART_AS}', part_as)
 redis.register_function('{REPLY}', reply)
+redis.register_function('{TAKE}', take)
+redis.register_function('{CANCEL}', cancel)
 redis.register_function{{function_name = '{REVISION_FUNCTION}', callback = function() return REVISION end,
                          flags = {{'no-writes'}}}}
 """
