@@ -28,8 +28,8 @@ FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 STREAMS = ("requests", "chunks")
 TAKEN = ("read", "recovered", "reclaimed", "retried")
 STATUSES = ("ok", "error")
-REDIS_OPS = ("create groups", "read", "get body", "fan out", "claim", "dead letter", "ack", "publish", "reply",
-             "maintenance")
+REDIS_OPS = ("create groups", "read", "get body", "look up", "fan out", "claim", "dead letter", "ack", "publish",
+             "reply", "maintenance", "take", "cancels", "record")
 
 
 class Metrics:
@@ -55,6 +55,11 @@ class Metrics:
                                        "replaced and their entries planned again)", registry=r)
         self.reused_ids = Counter("dq_reused_ids_total", "Requests whose id was answered before, not computed: "
                                   "replay (the same request) or conflict (another)", ["outcome"], registry=r)
+        self.cancels = Counter("dq_cancels_total", "Cancels of requests this worker took: honoured (answered "
+                               "cancelled, never computed) or too_late (a prompt already packed, or it was being "
+                               "answered: answered as it was)", ["outcome"], registry=r)
+        for outcome in ("honoured", "too_late"):
+            self.cancels.labels(outcome)
         self.lost = Counter("dq_lost_entries_total", "Pending entries whose payload was gone (trimmed)", registry=r)
         self.unread_deleted = Counter("dq_unread_entries_deleted_total", "Times entries of a work stream were found "
                                       "deleted before the group read them (a trim: requests lost unanswered)",

@@ -26,7 +26,8 @@ from redis.asyncio import RedisCluster
 from producer.wire import library, sentinel
 from producer.wire.connection import WAIT_MS
 from producer.wire.errors import NotDurable
-from producer.wire.keys import Field, Keys, text
+from producer.wire.keys import Field, Keys, Record, RecordState, text
+from producer.wire.records import AFTER_RESULT_S
 from producer.wire.result import Result
 
 from ..entries import REQUESTS, Delivery
@@ -48,6 +49,7 @@ class Settlement:
     settled: list[tuple[Outcome, Result | None, bool]] = field(default_factory=list)
     replies_refused: list[tuple[Outcome, redis.ResponseError]] = field(default_factory=list)
     reused: list[Outcome] = field(default_factory=list)  # answered as a reused id: another entry published first
+    records_refused: list[redis.ResponseError] = field(default_factory=list)  # records not updated (an old ACL)
 
 
 class Publisher:
@@ -123,7 +125,8 @@ class Publisher:
                 outcome.replied = True
                 if isinstance(answer, redis.ResponseError):
                     done.replies_refused.append((outcome, answer))
-        await self.ack([outcome.delivery for outcome, *_ in settled], durable=True)
+        done.records_refused = await self.ack([outcome.delivery for outcome, *_ in settled], durable=True, answered=[
+            (outcome, result) for outcome, result, *_ in settled if result is not None])
         done.settled = [(outcome, result, mine) for outcome, result, mine, _ in settled]
         return done
 
@@ -192,11 +195,6 @@ class Publisher:
                 raise reply
         return replies
 
-    async def stored(self, request_id: str) -> Result | None:
-        """The result a request id already has, if any (a reused id)."""
-        [entry] = await self.redis.xrange(self.keys.result(request_id), count=1) or [None]
-        return None if entry is None else Result.model_validate_json(entry[1][Field.BODY.encode()])
-
     async def check_library(self) -> bool:
         """Whether the function library is loaded, loading it if the server lacks it or has an older revision (when
         this worker's user may); says so loudly while it is not (``library_ok``: readiness): nothing can be
@@ -243,17 +241,30 @@ class Publisher:
             await pipe.execute()
         await self.ack([entry])
 
-    async def ack(self, deliveries: list[Delivery], durable: bool = False) -> None:
-        """Acknowledge and delete; ``durable`` (a settlement's acks), with a WAIT in durable mode."""
+    async def ack(self, deliveries: list[Delivery], durable: bool = False,
+                  answered: list[tuple[Outcome, Result]] | None = None) -> list[redis.ResponseError]:
+        """Acknowledge and delete; ``durable`` (a settlement's acks), with a WAIT in durable mode. ``answered``: their
+        records say how each request was answered, kept a while past its result; refusals of those are returned."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for entry in deliveries:
                 pipe.xack(entry.key, self.keys.group, entry.entry_id)
                 pipe.xdel(entry.key, entry.entry_id)
+            for outcome, result in answered or []:
+                record, code = self.keys.record(outcome.request_id), result.error.code if result.error else ""
+                pipe.hset(record, mapping={Record.STATE: RecordState.ANSWERED, Record.STATUS: result.status,
+                                           Record.CODE: getattr(code, "value", code), Record.AT: int(time.time() * 1000)})
+                pipe.expire(record, self.ttl + AFTER_RESULT_S)
             if durable and self.wait_replicas and deliveries:
                 pipe.wait(self.wait_replicas, WAIT_MS)
-            replies = await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
+        acks = replies[: 2 * len(deliveries)]
+        records = replies[len(acks): len(acks) + 2 * len(answered or [])]
+        for reply in acks + replies[len(acks) + len(records):]:
+            if isinstance(reply, BaseException):
+                raise reply
         if durable and self.wait_replicas and deliveries:
             await self._durable(replies[-1], "acknowledgements", len(deliveries))
+        return [reply for reply in records if isinstance(reply, redis.ResponseError)]
 
     async def _durable(self, replicas: Any, what: str, count: int) -> None:
         """Raise NotDurable (a refusal: RedisCalls counts it, and the whole settlement is made again, idempotent)

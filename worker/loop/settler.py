@@ -57,6 +57,8 @@ class Settler:
             for outcome, error in done.replies_refused:  # the result stream holds the result: work goes on
                 self.redis_calls.refused("reply", error, stalls=False,
                                          detail=f"reply to {(outcome.reply_to or '')[:200]} of {outcome.request_id}")
+            for error in done.records_refused:  # the result is published and acknowledged: work goes on
+                self.redis_calls.refused("record", error, stalls=False, detail="a record not updated")
             now = time.time()
             for outcome in done.reused:  # lost the race to another request under its id: answered as reused
                 self.count_reused(outcome)
