@@ -1,5 +1,5 @@
-"""The Python producer: submit requests, wait for their results, read queue stats; blocking (``Client``) or
-asyncio (``AsyncClient``), with the same methods.
+"""The Python producer: submit requests, wait for their results, cancel them, ask where they are, read queue
+stats; blocking (``Client``) or asyncio (``AsyncClient``), with the same methods.
 
 Both faces run the plans of one core (``producer.plans.Producer``) against their connection: the logic is written
 once, only the I/O differs.
@@ -17,7 +17,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import arrivals, stats
+from . import arrivals, control, stats
 from .plans import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
                    Step, Submittable, WrongResult, prepare)
 from .wire import library, sentinel
@@ -25,12 +25,13 @@ from .wire.connection import WAIT_MS, Deployment, aconnect, connect
 from .wire.errors import DecisionQueueError, NotDurable, RedisUnreachable
 from .wire.keys import Keys
 from .wire.library import LibraryUnavailable
+from .wire.records import Cancel, Status
 from .wire.result import Result, ResultError
 from .wire.supported import Server, UnsupportedServer, acheck, check
 
-__all__ = ["AsyncClient", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "NotDurable", "Prepared",
-           "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout", "UnsupportedServer", "WrongResult",
-           "aconnect", "connect", "prepare"]
+__all__ = ["AsyncClient", "Cancel", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "NotDurable",
+           "Prepared", "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout", "Status", "UnsupportedServer",
+           "WrongResult", "aconnect", "connect", "prepare"]
 T = TypeVar("T")
 # What a first contact that never reached a server raises (RedisClusterException: no node of a cluster answered).
 UNREACHED = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException)
@@ -70,14 +71,7 @@ class _Face:
         cluster = self.deployment.cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
         self.keys = Keys(self.deployment.namespace)
         self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster, self.deployment.wait_replicas)
-
-    @property
-    def shards(self) -> int:
-        return self.core.shards
-
-    @property
-    def max_unfinished(self) -> int:
-        return self.core.max_unfinished
+        self.shards, self.max_unfinished = self.core.shards, self.core.max_unfinished  # as the core has them
 
 
 class Client(_Face):
@@ -117,6 +111,14 @@ class Client(_Face):
     def decide(self, request: Submittable, timeout: float | None = 60.0) -> Result:
         """Submit and wait."""
         return self._run(self.core.decide(request, timeout))
+
+    def cancel(self, request_ids: Iterable[str] | str) -> dict[str, Cancel]:
+        """Cancel requests (docs/PROTOCOL.md, "Cancelling"): by id, what each cancel did (``Cancel.state``)."""
+        return self._run(control.cancel(self.core, request_ids))
+
+    def status(self, request_ids: Iterable[str] | str) -> dict[str, Status]:
+        """Where requests are (docs/PROTOCOL.md, "Status"), by id; two round trips for any number, no payload."""
+        return self._run(control.status(self.core, request_ids))
 
     def stats(self) -> dict[str, Any]:
         """Queue totals and per-shard figures (see ``Producer.stats``)."""
@@ -188,7 +190,7 @@ class Client(_Face):
             with self.redis.pipeline(transaction=False) as pipe:
                 for call in step.calls:
                     getattr(pipe, call.method)(*call.args, **call.kwargs)
-                return pipe.execute()
+                return pipe.execute(raise_on_error=step.raising)
         return getattr(self.redis, step.method)(*step.args, **step.kwargs)
 
 
@@ -218,6 +220,12 @@ class AsyncClient(_Face):
 
     async def decide(self, request: Submittable, timeout: float | None = 60.0) -> Result:
         return await self._run(self.core.decide(request, timeout))
+
+    async def cancel(self, request_ids: Iterable[str] | str) -> dict[str, Cancel]:
+        return await self._run(control.cancel(self.core, request_ids))
+
+    async def status(self, request_ids: Iterable[str] | str) -> dict[str, Status]:
+        return await self._run(control.status(self.core, request_ids))
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(stats.stats(self.core))
@@ -287,5 +295,5 @@ class AsyncClient(_Face):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for call in step.calls:
                     getattr(pipe, call.method)(*call.args, **call.kwargs)
-                return await pipe.execute()
+                return await pipe.execute(raise_on_error=step.raising)
         return await getattr(self.redis, step.method)(*step.args, **step.kwargs)

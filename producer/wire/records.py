@@ -132,7 +132,7 @@ class _Answer(BaseModel):
 
 class Cancel(_Answer):
     """What a cancel did for one id. ``state``: ``cancelled`` (it was queued: never computed, answered `cancelled`
-    when a worker reaches it), ``cancelling`` (a worker holds it, ``worker``: answered `cancelled` unless a prompt of
+    when a worker reaches it; or it is answered `cancelled` already), ``cancelling`` (a worker holds it, ``worker``: answered `cancelled` unless a prompt of
     it is already packed, then answered normally; read its result to know), ``too_late`` (already answered:
     ``status`` and ``code`` say how) or ``unknown`` (no record: never sent through the submit function, or answered
     long ago). Cancelling again answers the same; nothing is undone."""
@@ -147,8 +147,9 @@ class Cancel(_Answer):
 def cancel_of(request_id: str, reply: list[Any]) -> Cancel:
     """One id's answer of the cancel function."""
     words = [value.decode() if isinstance(value, bytes) else str(value) for value in reply]
-    if words[0] == "answered":
-        return Cancel(id=request_id, state="too_late", status=words[1] or None, code=words[2] or None)
+    if words[0] == "answered":  # by its own cancel (a second cancel), or too late for this one
+        return Cancel(id=request_id, state="cancelled" if words[2] == "cancelled" else "too_late",
+                      status=words[1] or None, code=words[2] or None)
     if words[0] == "cancelling":
         return Cancel(id=request_id, state="cancelling", worker=words[1] or None)
     return Cancel(id=request_id, state="cancelled" if words[0] == "cancelled" else "unknown")
@@ -213,6 +214,8 @@ def status_of(request_id: str, record: dict[str, str], result: bool, pending: di
     if not record:
         return Status(id=request_id, state="unknown", detail="no record and no result: never sent through the submit "
                       "function, or answered and expired long ago (these look alike)")
+    if result:  # published, its record not updated yet (its worker acknowledges it next): how, the result says
+        return Status(id=request_id, state="answered", lane=lane, **cancel)
     if state == RecordState.FANNED_OUT:
         return Status(id=request_id, state="in_progress", lane=lane, parts=_int(record.get(Record.PARTS)),
                       parts_done=parts_done, since_ms=_int(record.get(Record.SINCE)), **cancel)
@@ -229,8 +232,6 @@ def status_of(request_id: str, record: dict[str, str], result: bool, pending: di
         position, read = _int(record.get(Record.POSITION)), 0 if group is None else _int(group.get("entries-read"))
         ahead = None if position is None or read is None else max(0, position - 1 - read)
         return Status(id=request_id, state="queued", lane=lane, ahead=ahead, **cancel)
-    if result:  # read, not pending, its record not yet updated: acknowledged a moment ago
-        return Status(id=request_id, state="answered", lane=lane, **cancel)
     return Status(id=request_id, state="unknown", lane=lane, detail=f"sent (entry {entry} of "
                   f"{record.get(Record.STREAM)}), but its entry is gone and it has no result: deleted or trimmed "
                   "unanswered", **cancel)

@@ -29,6 +29,7 @@ from producer.wire.errors import NotDurable
 from producer.wire.keys import Field, Keys, Record, RecordState, text
 from producer.wire.records import AFTER_RESULT_S
 from producer.wire.result import Result
+from producer.wire.schema import ErrorCode
 
 from ..entries import REQUESTS, Delivery
 from ..outcomes import Outcome, Share, answered_before
@@ -126,7 +127,7 @@ class Publisher:
                 if isinstance(answer, redis.ResponseError):
                     done.replies_refused.append((outcome, answer))
         done.records_refused = await self.ack([outcome.delivery for outcome, *_ in settled], durable=True, answered=[
-            (outcome, result) for outcome, result, *_ in settled if result is not None])
+            (outcome, result) for outcome, result, *_ in settled if result is not None and not _conflict(result)])
         done.settled = [(outcome, result, mine) for outcome, result, mine, _ in settled]
         return done
 
@@ -161,7 +162,8 @@ class Publisher:
             return False
         if outcome.delivery.stream == REQUESTS:
             return not self._same_entry(outcome, reply[1].decode())
-        return stored.digest not in (None, outcome.identity.digest)
+        # A part that does not know its request's digest (answered before it was planned) cannot tell.
+        return outcome.identity.digest is not None and stored.digest not in (None, outcome.identity.digest)
 
     def _publication(self, outcome: Outcome) -> tuple[Any, list[str], list[Any]]:
         request_id = outcome.request_id
@@ -285,3 +287,8 @@ class Publisher:
         for name in (Field.STREAM, Field.LANE, Field.ENTRY_ID, Field.DELIVERIES, Field.REASON):
             fields.pop(name.encode(), None)
         await self.redis.xadd(self.keys.dead, fields, maxlen=self.dead_maxlen, approximate=True)
+
+
+def _conflict(result: Result) -> bool:
+    """An id_conflict answers a request its id's stored result is not for: the record keeps what the id has."""
+    return result.error is not None and result.error.code == ErrorCode.ID_CONFLICT
