@@ -25,6 +25,8 @@ def route_of(path: str) -> str:
     """The route's name, a bounded label whatever the path."""
     if path.startswith("/v1/results/"):
         return "results"
+    if path.startswith("/v1/requests/"):
+        return "request"  # one request's status or cancel
     return {"/v1/decide": "decide", "/v1/decide/batch": "decide_batch", "/v1/requests": "requests",
             "/health": "health", "/ready": "ready", "/metrics": "metrics", "/docs": "docs",
             "/openapi.json": "docs"}.get(path, "other")
@@ -43,6 +45,12 @@ class Metrics:
                                registry=self.registry)
         self.queued = Counter("dq_gateway_queued_requests", "requests the gateway put on the queue, by lane",
                               ["lane"], registry=self.registry)
+        self.cancels = Counter("dq_gateway_cancels", "requests the gateway cancelled, by why (hang_up: the caller "
+                               "went away; delete: DELETE /v1/requests) and what the cancel found (keep: a hang-up "
+                               "whose key or call keeps its requests)", ["reason", "state"], registry=self.registry)
+        for reason, state in (("hang_up", "cancelled"), ("hang_up", "cancelling"), ("hang_up", "keep"),
+                              ("delete", "cancelled"), ("delete", "cancelling"), ("delete", "too_late")):
+            self.cancels.labels(reason, state)  # from zero: a panel shows a flat line, not no data
 
 
 class Front:

@@ -19,7 +19,7 @@ from ..plans import ResultTimeout, WrongResult
 from ..wire.keys import ID_PATTERN
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request
-from . import replies
+from . import cancels, replies
 from .access import Access
 from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
@@ -43,9 +43,10 @@ async def watched(http: HttpRequest, work: Awaitable[dict[str, Result]], ids: li
         await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not task.done():
+        left = not task.done()  # the caller went first (a task just cancelled is not done until its next turn)
+        if left:
             task.cancel()
-    if task.cancelled():
+    if left:
         return None
     try:
         return task.result()
@@ -78,6 +79,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
     async def decide(http: HttpRequest) -> Response:
         body: Request = await parse(http, ONE)
         asked = seconds(http)  # checked before anything is sent
+        cancels.keeps(http)
         access, prepared = gateway.admit(http, [body], batch=False)
         client = gateway.clients[access.namespace]
         await gateway.submit(access.namespace, prepared)
@@ -85,6 +87,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         landed = await watched(http, client.wait_any([request_id], gateway.wait_for(asked, [body.deadline_ms])),
                                [request_id], WAIT)
         if landed is None:
+            cancels.hung_up(gateway, http, [request_id])
             return Response(status_code=CLIENT_GONE)
         if request_id not in landed:
             raise ResultTimeout("no result in time", missing=[request_id])
@@ -94,12 +97,15 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
     async def decide_batch(http: HttpRequest) -> Response:
         body: Batch = await parse(http, MANY)
         asked = seconds(http)
+        cancels.keeps(http)
         access, prepared = gateway.admit(http, body.requests, batch=True)
         client = gateway.clients[access.namespace]
         refused = await gateway.submit(access.namespace, prepared, partial=True)
         wait = gateway.wait_for(asked, [r.deadline_ms for r in body.requests])
         digests = {p.id: p.asked() for p in prepared}
-        return StreamingResponse(gateway.lines(client, digests, refused, wait), media_type=NDJSON)
+        lines = gateway.lines(client, digests, refused, wait)
+        sent = [p.id for p in prepared if p.id not in set(refused)]
+        return StreamingResponse(cancels.watched_lines(gateway, http, lines, sent), media_type=NDJSON)
 
     async def enqueue(http: HttpRequest) -> Response:
         body: Request | Batch = await parse(http, EITHER)
@@ -152,5 +158,6 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
             describe(schema, [(*post[:5], failures) for post in posts])
         return app.openapi_schema
 
+    cancels.install(app, gateway)
     app.openapi = openapi  # type: ignore[method-assign]
     return Front(app, gateway.keyring, gateway.inflight, gateway.metrics, config.max_body_bytes)

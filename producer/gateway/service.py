@@ -9,7 +9,7 @@ behind a load balancer need no affinity.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -52,6 +52,8 @@ class Gateway:
         self.keyring, self.inflight, self.metrics = Keyring(config), Inflight(), Metrics()
         self.clients: dict[str, AsyncClient] = {}
         self.batchers: dict[str, Batcher] = {}
+        # Told of every cancel the gateway makes, before it is made: (namespace, ids) (cancels.py).
+        self.on_cancel: list[Callable[[str, list[str]], None]] = []
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
