@@ -172,5 +172,5 @@ def add_parsers(commands: Any, common: argparse.ArgumentParser) -> None:
         sub = commands.add_parser(name, parents=[common], help=text_.split(":")[0].split(".")[0].lower(),
                                   description=text_)
         sub.add_argument("ids", nargs="*", metavar="ID", help="request ids")
-        sub.add_argument("--file", metavar="FILE", help="more ids, one per line (- for stdin)")
+        sub.add_argument("--file", metavar="FILE", help="more ids, one per line (- for stdin) [default: none]")
         sub.set_defaults(run=run)

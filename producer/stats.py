@@ -10,13 +10,14 @@ import redis
 
 from .plans import Call, Plan, Producer
 from .wire.keys import GONE_S, GROUP, LANES, Keys, beat_age
+from .wire.records import FOUND
 from .wire.supported import lag_of
 
 
 def stats(core: Producer) -> Plan[dict[str, Any]]:
     """Totals over every shard, then each shard: for each lane (``lanes``: high, normal) the request and part
     streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``prompts``: both
-    lanes together; dead letters; and the live workers. Live: a consumer seen in the last ``GONE_S`` seconds or
+    lanes together; dead letters; cancels asked, by what each found; and the live workers. Live: a consumer seen in the last ``GONE_S`` seconds or
     holding entries, a worker whose heartbeat is younger than that (workers delete the gone: presence.py). The
     lag is the server's, or the length less pending when the server cannot count it (``servers.lag_of``)."""
     shards = []
@@ -31,11 +32,13 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
             entry[name] = _combine([lanes[lane.value][name] for lane in LANES], consumers=max)
         entry["lanes"] = lanes
         entry["dead_letters"] = yield Call("xlen", (keys.dead,))
+        entry["cancels"] = yield from _cancel_counts(keys)
         shards.append(entry)
     totals: dict[str, Any] = {name: _combine([s[name] for s in shards]) for name in ("requests", "chunks")}
     totals["lanes"] = {lane.value: {name: _combine([s["lanes"][lane.value][name] for s in shards])
                                     for name in ("requests", "chunks")} for lane in LANES}
     totals["dead_letters"] = sum(s["dead_letters"] for s in shards)
+    totals["cancels"] = {found: sum(s["cancels"].get(found, 0) for s in shards) for found in FOUND}
     beats = yield Call("hgetall", (core.keys.workers(),))
     now = time.time()
     totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
@@ -51,6 +54,16 @@ def live_workers(core: Producer) -> Plan[int | None]:
         return None
     now = time.time()
     return sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
+
+
+def _cancel_counts(keys: Keys) -> Plan[dict[str, int]]:
+    """Cancels asked of a shard, by what each found (records.FOUND); none where this user may not read them (an
+    aclfile older than cancels)."""
+    try:
+        counts = yield Call("hgetall", (keys.cancel_counts,))
+    except redis.exceptions.NoPermissionError:
+        return {}
+    return {found: int(counts.get(found, counts.get(found.encode(), 0))) for found in FOUND}
 
 
 def _stream_stats(stream: str) -> Plan[dict[str, Any]]:

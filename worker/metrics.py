@@ -90,6 +90,7 @@ class Metrics:
         self.fill = Histogram("dq_pack_fill_ratio", "Real tokens / tokens computed, per pack", buckets=FILL_BUCKETS,
                               registry=r)
         self.tokens = Counter("dq_tokens_total", "Prompt tokens through the model", registry=r)
+        self.prompts = Counter("dq_prompts_total", "Prompts through the model (computed)", registry=r)
         self.packs = Counter("dq_packs_total", "Forward passes, replayed CUDA graphs or eager", ["mode"], registry=r)
         self.gpu_memory = Gauge("dq_gpu_memory_bytes", "GPU memory of this process now: allocated or reserved",
                                 ["kind"], registry=r)

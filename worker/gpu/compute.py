@@ -89,6 +89,7 @@ class Compute:
             self._isolate(pack, error)
             return
         self._record(run)
+        self.metrics.prompts.inc(len(pack))
         config = self.model.decision_config
         for item, scores in zip(pack, run.scores):
             questions = item.prompt.questions
