@@ -17,7 +17,8 @@ functions run, on exactly those keys. Selectors (the parenthesised groups) give 
   of a fan-out are done. Who may cancel: a producer of the namespace, and admin.
 - worker: the group commands on the work streams (both lanes'); XADD to part and dead-letter streams; SET/GET
   stored bodies; the heartbeat hash; the publish and part functions and what they run on per-request keys and reply
-  streams; WAIT (durable mode); the take function and records; reading the cancel notices. No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work
+  streams; WAIT (durable mode); requests' records (a take's cancel mark and note, how it was answered); reading the
+  cancel notices. No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work
   stream.
 - monitor: counts only: XLEN, XINFO GROUPS/CONSUMERS, XPENDING, INFO, the heartbeat hash; and status without
   payloads (records, EXISTS of a result, HLEN of a fan-out's parts), the cancel counts. No XINFO STREAM (it returns
@@ -71,8 +72,8 @@ ROLES = {
         "(+exists +xrange +xadd +expire ~{results} ~{replies}) (+type ~{replies}) "
         "(+hset +hlen +hgetall +expire ~{shares}) "
         "(+del ~{shares} ~{bodies}) "
-        # the take function on a request's record, and how it was answered; the shard's cancel notices
-        "(+fcall +hmget +hset +expire ~{records}) (+xread +xrevrange %R~{cancels})"
+        # a request's record: its cancel mark and who took it (at the take), how it was answered; the cancel notices
+        "(+hget +hset +expire ~{records}) (+xread +xrevrange %R~{cancels})"
     ),
     "monitor": (
         "{connect} +info +xlen +xinfo|groups +xinfo|consumers +xpending %R~{requests} %R~{high_requests} "

@@ -93,12 +93,12 @@ def status(core: Producer, request_ids: Iterable[str] | str) -> Plan[dict[str, S
                                                            Call("exists", (core.keys.result(r),)))])
     found = {r: {text(name): text(value) for name, value in (first[2 * i] or {}).items()} for i, r in enumerate(ids)}
     results = {r: bool(first[2 * i + 1]) for i, r in enumerate(ids)}
-    # Second: each queued or taken entry's place in the pending list, its stream's group, a fan-out's parts.
+    # Second: each entry's place in the pending list and its stream's group, a fan-out's finished parts.
     calls: list[Call] = []
     pending_at, groups_at, parts_at = {}, {}, {}
     for r, record in found.items():
         state, stream, entry = record.get(Record.STATE), record.get(Record.STREAM), record.get(Record.ENTRY)
-        if state in (RecordState.QUEUED, RecordState.TAKEN) and stream and entry:
+        if state in (RecordState.QUEUED, None) and stream and entry:  # None: a plain XADD's, once taken
             pending_at[r] = len(calls)
             calls.append(Call("xpending_range", (stream, GROUP, entry, entry, 1)))
             if stream not in groups_at:

@@ -39,7 +39,7 @@ OTHER_GAUGES = {
     "dq_exporter_read_seconds": "How long the last read of the queue took",
 }
 CANCELS = ("dq_queue_cancels_total", "Cancels asked of the shard, by what each found: queued (never computed), "
-           "taken (a worker decides), answered (too late) or unknown")  # a counter, kept in Redis
+           "held (a worker decides), answered (too late) or unknown")  # a counter, kept in Redis
 # Every series this exporter can write -> its labels (tests check the dashboard's and the alerts' names against it).
 EXPORTED = {**{name: ("shard", "stream", "priority") for name in STREAM_GAUGES}, "dq_dead_letter_entries": ("shard",),
             **{name: () for name in OTHER_GAUGES if name != "dq_dead_letter_entries"}, CANCELS[0]: ("shard", "found")}

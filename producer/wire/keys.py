@@ -81,7 +81,7 @@ class Record:
     STREAM = "stream"  # the request stream its entry is in, and the entry's id
     ENTRY = "entry"
     POSITION = "position"  # entries added to that stream up to this one (how many are ahead), when known
-    CONSUMER = "consumer"  # taken: the worker (its consumer name), since when (ms)
+    CONSUMER = "consumer"  # the worker that took it (its consumer name), since when (ms): written at its take
     SINCE = "since"
     PARTS = "parts"  # fanned out: into how many parts
     CANCELLED = "cancelled"  # when a cancel came (ms)
@@ -91,8 +91,7 @@ class Record:
 
 
 class RecordState(enum.StrEnum):
-    QUEUED = "queued"  # enqueued by the submit function; no worker has planned it yet
-    TAKEN = "taken"  # a worker planned it and is answering it (the take function)
+    QUEUED = "queued"  # enqueued by the submit function (where its entry is, the stream's group says)
     FANNED_OUT = "fanned_out"  # its parts are in the part stream
     ANSWERED = "answered"  # its result is published (kept a while after the result expires)
 

@@ -5,7 +5,7 @@ producers call ``dq_v1_submit`` (admission: the request stream, each id, each bo
 ``XADD`` per request, all or nothing), workers ``dq_v1_publish`` and ``dq_v1_part`` (the exactly-once result) and
 ``dq_v1_forget`` (consumers of workers that are gone); since revision 2 ``dq_v1_publish_as``, ``dq_v1_part_as``
 and ``dq_v1_reply`` (publication that knows who made it, with its reply), and either lane's request stream; since
-revision 4 each request's record (records.py: ``dq_v1_submit`` writes it, ``dq_v1_take``, ``dq_v1_cancel``).
+revision 4 each request's record (records.py: ``dq_v1_submit`` writes it, ``dq_v1_cancel`` marks it).
 A leaked credential can call these functions, never run Lua of its own. Redis checks every command a function
 runs against its *caller's* ACL user, so a function never gives a caller more than the caller's user holds.
 
@@ -44,7 +44,6 @@ PART_AS = f"{LIBRARY}_part_as"  # KEYS: result, parts, body. ARGV: index, count,
 REPLY = f"{LIBRARY}_reply"  # KEYS: a reply stream. ARGV: request id, result JSON, TTL s[, cap]. 1, or an error
 FORGET = f"{LIBRARY}_forget"  # KEYS: a work stream. ARGV: group, idle limit ms, own consumer name. Names deleted
 REVISION_FUNCTION = f"{LIBRARY}_revision"  # no keys: this library's REVISION
-TAKE = f"{LIBRARY}_take"  # revision 4. KEYS: a record. ARGV: stream, entry id, consumer, ms, parts. 1: cancelled
 CANCEL = f"{LIBRARY}_cancel"  # revision 4. KEYS: cancel stream, counts, records. ARGV: ms, ids. An answer per id
 REVISION = 4  # bumped on every change of CODE (tests/unit/test_library_code.py pins each revision's hash)
 MAX_BATCH = 1000  # requests per submit call: bounds the time Redis spends in one call
@@ -67,12 +66,6 @@ local MAX_BODY = {MAX_BODY_BYTES}
 local MAX_BATCH = {MAX_BATCH}
 local STREAMS = {{{", ".join(repr(_stream_pattern(template)) for template in SUBMIT_STREAMS)}}}
 {RECORDS}
-local function request_stream(key)  -- the lane of a request stream (LANE_NAMES, as STREAMS), or nil
-  for lane, pattern in ipairs(STREAMS) do
-    if string.match(key, pattern) then return LANE_NAMES[lane] end
-  end
-end
-
 -- A request id: empty (the entry id is the request id), or 1-128 of A-Z a-z 0-9 . _ : - and not shaped like a
 -- stream entry id (which requests without an id are answered under).
 local function valid_id(id)
@@ -212,7 +205,6 @@ redis.register_function('{FORGET}', forget)
 redis.register_function('{PUBLISH_AS}', publish_as)
 redis.register_function('{PART_AS}', part_as)
 redis.register_function('{REPLY}', reply)
-redis.register_function('{TAKE}', take)
 redis.register_function('{CANCEL}', cancel)
 redis.register_function{{function_name = '{REVISION_FUNCTION}', callback = function() return REVISION end,
                          flags = {{'no-writes'}}}}

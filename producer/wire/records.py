@@ -1,17 +1,18 @@
 """A request's record, and what status and cancel say from it (docs/PROTOCOL.md, "Status" and "Cancelling").
 
 The record (``Keys.record``, a hash of ``Record`` fields) is what the queue knows of a request besides its payload:
-its lane and entry (written by the submit function), the worker that took it and since when (the take function,
-which a worker calls once an entry is planned, before its prompts go to the packer), that it fanned out, that a
-cancel came, and at last how it was answered (written by the worker that acknowledges it; kept ``AFTER_RESULT_S``
-past the result, so that a result that expired is told apart from an id never sent). It lives in its shard's slot,
-so the functions that write it run on the node of the shard's streams, and its state is read without any payload:
+its lane and entry (written by the submit function), the worker that took it and since when (written by that worker
+at its take: once the entry is planned, in the round trip that looks up the id's stored result), that it fanned
+out, that a cancel came, and at last how it was answered (written by the worker that acknowledges it; kept
+``AFTER_RESULT_S`` past the result, so that a result that expired is told apart from an id never sent). It lives in
+its shard's slot, so the functions that write it run on the node of the shard's streams, and it holds no payload:
 the monitor role may read it.
 
-Every check for a cancel is one a worker makes anyway: the take function reads the record in the round trip that
-looks up an id's stored result, and each worker reads its shard's cancel notices (``Keys.cancels``) as they come to
-drop what it holds and has not packed yet. Those two and the cancel function decide together, atomically on the
-record: a cancel either comes before the take (never computed) or finds the request taken (its worker decides).
+Every check for a cancel rides a call a worker makes anyway: its take reads the cancel mark in the round trip that
+looks up the id's stored result (a part's, in the one that reads its stored body), and each worker reads its
+shard's cancel notices (``Keys.cancels``) as they come, to drop what it holds and has not packed yet. The cancel
+function decides by where the entry is, atomically with deliveries: not delivered yet, it is never computed (whoever
+reads it finds the mark at its take); delivered, its worker decides (against its packer).
 """
 
 from __future__ import annotations
@@ -25,17 +26,22 @@ from .keys import GROUP, LANES, PROTOCOL, Field, Record, RecordState
 RECORD_TTL_S = 7 * 86400  # a record while its request waits unanswered (one trimmed away is not kept forever)
 AFTER_RESULT_S = 86400  # a record outlives its result by this much: "answered, expired" rather than "unknown"
 CANCELS_CAP = 100_000  # notices a shard's cancel stream keeps (approximately): workers read them as they come
-FOUND = ("queued", "taken", "answered", "unknown")  # what a cancel found, counted per shard (Keys.cancel_counts)
+FOUND = ("queued", "held", "answered", "unknown")  # what a cancel found, counted per shard (Keys.cancel_counts)
 ID_CHARS = "^[A-Za-z0-9._:%-]+$"  # a request id's characters, as a Lua pattern (keys.ID_PATTERN)
 
-# The Lua of the record's functions, part of the library (producer/wire/library.py puts it before ``submit``, which
-# writes records); {{ and }} are Lua's braces.
+# The Lua of the record's functions, part of the library (producer/wire/library.py puts it after STREAMS and before
+# ``submit``, which writes records); {{ and }} are Lua's braces.
 LUA = f"""
 local RECORD_TTL = {RECORD_TTL_S}
 local CANCELS_CAP = {CANCELS_CAP}
 local LANE_NAMES = {{{", ".join(repr(str(lane)) for lane in LANES)}}}
-local RECORD_KEY = '^.+:v{PROTOCOL}:{{s%d+}}:record:'
 local CANCELS_KEY = '^(.+:v{PROTOCOL}:{{s%d+}}:)cancels$'
+
+local function request_stream(key)  -- the lane of a request stream (LANE_NAMES, as STREAMS), or nil
+  for lane, pattern in ipairs(STREAMS) do
+    if string.match(key, pattern) then return LANE_NAMES[lane] end
+  end
+end
 
 -- The records of the entries a submit call just added (its ARGV: limit, then id and body per entry; revision 4):
 -- best effort (pcall), so that a producer whose ACL user predates records still enqueues (status and cancel then do
@@ -54,39 +60,44 @@ local function record_queued(stream, lane, length, args, entries)
       end
     end
   end
-  for i, entry in ipairs(entries) do
+  for i, entry in ipairs(entries) do  -- an earlier request's record under this id: its cancel mark cleared
     local key = prefix .. 'record:' .. (args[2 * i] ~= '' and args[2 * i] or entry)
-    redis.pcall('DEL', key)  -- an earlier request's record under this id
     redis.pcall('HSET', key, '{Record.STATE}', '{RecordState.QUEUED}', '{Record.LANE}', lane,
-                '{Record.STREAM}', stream, '{Record.ENTRY}', entry, '{Record.POSITION}', added and added + i or -1)
+                '{Record.STREAM}', stream, '{Record.ENTRY}', entry, '{Record.POSITION}', added and added + i or -1,
+                '{Record.CANCELLED}', '')
     redis.pcall('EXPIRE', key, RECORD_TTL)
   end
 end
 
--- A worker's take (revision 4), once its entry is planned, before its prompts go to the packer: 1 when the request
--- was cancelled (answered `cancelled`, never computed), else 0. KEYS: the record. ARGV: the entry's stream and id,
--- the worker (consumer name), the time (ms), and how many parts it goes out as: 1 whole, n > 1 fanned out, 0 a part
--- (the record only read). Atomic with ``cancel``: a cancel came first (1 here), or it finds the request taken.
-local function take(keys, args)
-  if #keys ~= 1 or not string.match(keys[1], RECORD_KEY) or #args ~= 5 or not tonumber(args[5]) then
-    return redis.error_reply('INVALID expected a record; its entry stream and id, consumer, time, parts')
+-- Where a request's entry is for the workers, from the stream's group: 'held' (delivered, not acknowledged: its worker
+-- decides), 'queued' (not delivered yet: whoever reads it finds the cancel before planning is done) or 'read'
+-- (delivered and acknowledged: answered, or being answered). ``groups`` caches each stream's last delivered id.
+local function whereabouts(stream, entry, groups)
+  local pending = redis.pcall('XPENDING', stream, '{GROUP}', entry, entry, 1)
+  if pending.err then return 'queued', '' end  -- no group yet: nobody read anything
+  if pending[1] then return 'held', pending[1][2] end
+  if groups[stream] == nil then
+    groups[stream] = '0-0'
+    for _, group in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+      local info = {{}}
+      for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+      if info['name'] == '{GROUP}' then groups[stream] = info['last-delivered-id'] end
+    end
   end
-  local record = redis.call('HMGET', keys[1], '{Record.STATE}', '{Record.CANCELLED}')
-  if record[2] then return 1 end
-  local state, parts = record[1], tonumber(args[5])
-  if parts > 0 and (state == '{RecordState.QUEUED}' or state == '{RecordState.TAKEN}'
-                    or state == '{RecordState.FANNED_OUT}') then
-    redis.call('HSET', keys[1], '{Record.STATE}', parts == 1 and '{RecordState.TAKEN}' or '{RecordState.FANNED_OUT}',
-               '{Record.STREAM}', args[1], '{Record.ENTRY}', args[2], '{Record.CONSUMER}', args[3],
-               '{Record.SINCE}', args[4], '{Record.PARTS}', parts)
-  end
-  return 0
+  local ms, seq = string.match(entry, '^(%d+)%-(%d+)$')
+  local last_ms, last_seq = string.match(groups[stream], '^(%d+)%-(%d+)$')
+  if not ms or not last_ms then return 'read', '' end
+  ms, seq, last_ms, last_seq = tonumber(ms), tonumber(seq), tonumber(last_ms), tonumber(last_seq)
+  if ms > last_ms or (ms == last_ms and seq > last_seq) then return 'queued', '' end
+  return 'read', ''
 end
 
 -- Cancel (revision 4). KEYS: a shard's cancel stream, its counts, then each request's record in that shard. ARGV: the
--- time (ms), then each request's id. Per id: {{'cancelled'}} (queued: never computed, answered `cancelled` by the
--- worker that reaches it), {{'cancelling', worker}} (taken: answered `cancelled` unless a prompt of it is packed),
--- {{'answered', status, code}} or {{'unknown'}}. A request's first cancel marks its record and adds a notice.
+-- time (ms), then each request's id. Per id: {{'cancelled'}} (not delivered yet: never computed, answered `cancelled`
+-- by the worker that reads it), {{'cancelling', worker}} (delivered, or fanned out: answered `cancelled` unless a
+-- prompt of it is packed, its worker decides), {{'answered', status, code}} or {{'unknown'}}. A request's first cancel
+-- marks its record and adds a notice. Atomic with a delivery (XREADGROUP): a request not yet delivered is read later,
+-- by a worker that checks the mark before its prompts go to the packer.
 local function cancel(keys, args)
   local base = string.match(keys[1] or '', CANCELS_KEY)
   if not base or keys[2] ~= base .. 'cancels:counts' or #args < 2 or #keys ~= #args + 1
@@ -99,22 +110,27 @@ local function cancel(keys, args)
       return redis.error_reply('INVALID id ' .. (i - 1) .. ' is not a request id of this record key')
     end
   end
-  local out, counts = {{}}, {{}}
+  local out, counts, groups = {{}}, {{}}, {{}}
   for i = 2, #args do
     local key, found = keys[i + 1], 'unknown'
-    local r = redis.call('HMGET', key, '{Record.STATE}', '{Record.CANCELLED}', '{Record.CONSUMER}',
-                         '{Record.STATUS}', '{Record.CODE}', '{Record.STREAM}', '{Record.ENTRY}')
-    if not r[1] then out[i - 1] = {{'unknown'}}
+    local r = redis.call('HMGET', key, '{Record.STATE}', '{Record.CANCELLED}', '{Record.STATUS}', '{Record.CODE}',
+                         '{Record.STREAM}', '{Record.ENTRY}')
+    if not r[1] and not r[6] then out[i - 1] = {{'unknown'}}
     elseif r[1] == '{RecordState.ANSWERED}' then
-      found, out[i - 1] = 'answered', {{'answered', r[4] or '', r[5] or ''}}
+      found, out[i - 1] = 'answered', {{'answered', r[3] or '', r[4] or ''}}
     else
-      if not r[2] then
+      if not r[2] or r[2] == '' then
         redis.call('HSET', key, '{Record.CANCELLED}', args[1])
         redis.call('XADD', keys[1], 'MAXLEN', '~', CANCELS_CAP, '*', '{Field.REQUEST_ID}', args[i],
-                   '{Field.STREAM}', r[6] or '', '{Field.ENTRY_ID}', r[7] or '')
+                   '{Field.STREAM}', r[5] or '', '{Field.ENTRY_ID}', r[6] or '')
       end
-      if r[1] == '{RecordState.QUEUED}' then found, out[i - 1] = 'queued', {{'cancelled'}}
-      else found, out[i - 1] = 'taken', {{'cancelling', r[3] or ''}} end
+      local where, worker = 'read', ''
+      if r[1] ~= '{RecordState.FANNED_OUT}' and r[5] and r[6] and request_stream(r[5])
+          and string.sub(r[5], 1, #base) == base then
+        where, worker = whereabouts(r[5], r[6], groups)
+      end
+      if where == 'queued' then found, out[i - 1] = 'queued', {{'cancelled'}}
+      else found, out[i - 1] = 'held', {{'cancelling', worker}} end
     end
     counts[found] = (counts[found] or 0) + 1
   end
@@ -131,11 +147,12 @@ class _Answer(BaseModel):
 
 
 class Cancel(_Answer):
-    """What a cancel did for one id. ``state``: ``cancelled`` (it was queued: never computed, answered `cancelled`
-    when a worker reaches it; or it is answered `cancelled` already), ``cancelling`` (a worker holds it, ``worker``: answered `cancelled` unless a prompt of
-    it is already packed, then answered normally; read its result to know), ``too_late`` (already answered:
-    ``status`` and ``code`` say how) or ``unknown`` (no record: never sent through the submit function, or answered
-    long ago). Cancelling again answers the same; nothing is undone."""
+    """What a cancel did for one id. ``state``: ``cancelled`` (not delivered to a worker yet: never computed,
+    answered `cancelled` when a worker reads it; or it is answered `cancelled` already), ``cancelling`` (a worker holds
+    it, ``worker``: answered `cancelled` unless a prompt of it is already packed, then answered normally; read its
+    result to know), ``too_late`` (already answered: ``status`` and ``code`` say how) or ``unknown`` (no record:
+    never sent through the submit function, or answered long ago). Cancelling again answers the same; nothing is
+    undone."""
 
     id: str
     state: Literal["cancelled", "cancelling", "too_late", "unknown"]
@@ -227,7 +244,7 @@ def status_of(request_id: str, record: dict[str, str], result: bool, pending: di
     entry = record.get(Record.ENTRY, "")
     last = (group or {}).get("last-delivered-id")
     if group is None or entry_order(entry) > entry_order(str(last or "0-0")):  # not read by the workers yet
-        if cancel["cancel_requested_ms"] is not None and state == RecordState.QUEUED:
+        if cancel["cancel_requested_ms"] is not None:
             return Status(id=request_id, state="cancelled", lane=lane, **cancel)
         position, read = _int(record.get(Record.POSITION)), 0 if group is None else _int(group.get("entries-read"))
         ahead = None if position is None or read is None else max(0, position - 1 - read)

@@ -12,7 +12,7 @@ REVISIONS = {
     1: "551d18b9babcaca2",
     2: "92a0e75cffd7b6f0",  # publish_as, part_as, reply; the high lane's request stream (docs/PROTOCOL.md)
     3: "9d0a1bb4ce5b0bbc",  # a reply stream's length capped: publish_as and reply take it last (optional)
-    4: "1e84112507dabc09",  # a request's record: submit writes it; take and cancel (producer/wire/records.py)
+    4: "e608f74c8e53dfae",  # a request's record: the submit function writes it; cancel (producer/wire/records.py)
 }
 
 
@@ -26,5 +26,5 @@ def test_each_revision_of_the_code_is_pinned():
 def test_names_carry_the_protocol_version():
     assert library.LIBRARY == "dq_v1" and library.CODE.startswith("#!lua name=dq_v1\n")
     for name in (library.SUBMIT, library.PUBLISH, library.PART, library.FORGET, library.REVISION_FUNCTION,
-                 library.PUBLISH_AS, library.PART_AS, library.REPLY, library.TAKE, library.CANCEL):
+                 library.PUBLISH_AS, library.PART_AS, library.REPLY, library.CANCEL):
         assert name.startswith("dq_v1_") and f"'{name}'" in library.CODE

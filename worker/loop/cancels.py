@@ -2,15 +2,15 @@
 
 Two ways, neither a round trip of its own per entry:
 
-- the take function (producer/wire/records.py), in the round trip that looks an entry up before compute anyway: a
-  request entry's stored result with its record, a part's stored body with its request's record. It answers
-  whether a cancel came first, and otherwise marks the request taken, atomically with the cancel function: a cancel
-  that comes later finds it taken and leaves a notice for the worker that holds it;
+- the take: the request's cancel mark (its record, producer/wire/records.py), read in the round trip that looks an
+  entry up before compute anyway (a request entry's stored result, a part's stored body), with the record's note of
+  who took it since when. The cancel function answers `cancelled` only for an entry not yet delivered, whose reader
+  is bound to see the mark here; a delivered one it leaves to its worker, with a notice;
 - the shard's cancel notices (``Keys.cancels``), read as they come by one blocking read: the requests cancelled
   lately (``recent``) are dropped wherever this worker holds them unpacked (``Lifecycle.cancel``), and an entry of
   one taken later is answered without being planned.
 
-A take refused (an ACL user older than the records: NOPERM) says "not cancelled", counted and logged: an upgrade
+A take Redis refuses (an ACL user older than records: NOPERM) says "not cancelled", counted and logged: an upgrade
 in the wrong order never stalls the work.
 """
 
@@ -23,8 +23,7 @@ from typing import Any
 
 import redis
 
-from producer.wire import library
-from producer.wire.keys import Field, Keys, text
+from producer.wire.keys import Field, Keys, Record, RecordState, text
 from producer.wire.result import Result
 
 from ..entries import Delivery
@@ -48,35 +47,39 @@ class Cancels:
         return request_id in self.recent
 
     async def look_up(self, task: Task) -> tuple[Result | None, bool]:
-        """The result the request's id already has (a reused id), and whether it was cancelled before this take;
-        one round trip. Not cancelled: the record says this worker has it since it was taken."""
-        stored, cancelled = await self._with_take(task.request_id, task.delivery, len(task.fan_out) or 1, (
-            "xrange", (self.keys.result(task.request_id),), {"count": 1}))
+        """The result the request's id already has (a reused id), and whether a cancel came; one round trip. The
+        record then says who took it since when (a fan-out: into how many parts)."""
+        delivery, record = task.delivery, self.keys.record(task.request_id)
+        took: dict[str, Any] = {Record.STREAM: delivery.key, Record.ENTRY: delivery.entry_id,
+                                Record.CONSUMER: self.consumer, Record.SINCE: int(delivery.taken * 1000)}
+        if task.fan_out:
+            took.update({Record.STATE: RecordState.FANNED_OUT, Record.PARTS: len(task.fan_out)})
+        stored, cancelled = await self._with_mark(task.request_id, ("xrange", (self.keys.result(task.request_id),),
+                                                                     {"count": 1}), ("hset", (record,), {"mapping": took}))
         return (Result.model_validate_json(stored[0][1][Field.BODY.encode()]) if stored else None), cancelled
 
     async def part_body(self, delivery: Delivery) -> tuple[bytes | None, bool]:
         """A part's stored request body (None: gone), and whether its request was cancelled."""
-        return await self._with_take(delivery.request_id, delivery, 0, ("get", (self.keys.body(delivery.request_id),),
-                                                                         {}))
+        return await self._with_mark(delivery.request_id, ("get", (self.keys.body(delivery.request_id),), {}))
 
-    async def _with_take(self, request_id: str, delivery: Delivery, parts: int,
-                         call: tuple[str, tuple[Any, ...], dict[str, Any]]) -> tuple[Any, bool]:
+    async def _with_mark(self, request_id: str, *calls: tuple[str, tuple[Any, ...], dict[str, Any]]
+                         ) -> tuple[Any, bool]:
+        """The first call's answer, and the request's cancel mark read in the same pipeline (after the calls)."""
         async with self.redis_calls.redis.pipeline(transaction=False) as pipe:
-            method, args, kwargs = call
-            getattr(pipe, method)(*args, **kwargs)
-            pipe.fcall(library.TAKE, 1, self.keys.record(request_id), delivery.key, delivery.entry_id, self.consumer,
-                       int(delivery.taken * 1000), parts)
-            found, taken = await pipe.execute(raise_on_error=False)
+            for method, args, kwargs in calls:
+                getattr(pipe, method)(*args, **kwargs)
+            pipe.hget(self.keys.record(request_id), Record.CANCELLED)
+            replies = await pipe.execute(raise_on_error=False)
+        found, mark = replies[0], replies[-1]
         if isinstance(found, BaseException):
             raise found
-        if isinstance(taken, redis.ResponseError):
-            if library.missing(taken):  # the server lost the library: nothing can be published until it is back
-                raise taken
-            self.redis_calls.refused("take", taken, stalls=False, detail="cancels are not seen at take")
-            return found, False
-        if isinstance(taken, BaseException):
-            raise taken
-        return found, taken == 1
+        for reply in replies[1:]:
+            if isinstance(reply, redis.ResponseError):  # an ACL user older than records: counted, never stalls
+                self.redis_calls.refused("take", reply, stalls=False, detail="cancels are not seen at take")
+                return found, False
+            if isinstance(reply, BaseException):
+                raise reply
+        return found, bool(mark)
 
     async def run(self) -> None:
         """Until cancelled: read the shard's cancel notices as they come, from the newest one at start (what came
