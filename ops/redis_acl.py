@@ -20,9 +20,10 @@ functions run, on exactly those keys. Selectors (the parenthesised groups) give 
   streams; WAIT (durable mode); requests' records (a take's cancel mark and note, how it was answered); reading the
   cancel notices. No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work
   stream.
-- monitor: counts only: XLEN, XINFO GROUPS/CONSUMERS, XPENDING, INFO, the heartbeat hash; and status without
-  payloads (records, EXISTS of a result, HLEN of a fan-out's parts), the cancel counts. No XINFO STREAM (it returns
-  the first and last entries), no XRANGE, no body, result or share.
+- monitor: counts only: XLEN, XINFO GROUPS/CONSUMERS, XPENDING, INFO, the heartbeat hash; for redis_exporter,
+  LATENCY LATEST/HISTOGRAM and SLOWLOG LEN; status without payloads (records, EXISTS of a result, HLEN of a fan-out's
+  parts) and the cancel counts. No XINFO STREAM (it returns the first and last entries), no XRANGE, no SLOWLOG GET
+  (it shows commands' arguments), no CONFIG, no body, result or share.
 - admin: everything, for operators (and for loading the function library).
 - default (no credentials): PING only, for container health checks.
 
@@ -76,7 +77,9 @@ ROLES = {
         "(+hget +hset +expire ~{records}) (+xread +xrevrange %R~{cancels})"
     ),
     "monitor": (
-        "{connect} +info +xlen +xinfo|groups +xinfo|consumers +xpending %R~{requests} %R~{high_requests} "
+        # counts, and what redis_exporter reads of Redis itself (INFO; latency and slow-log counts, not their entries)
+        "{connect} +info +latency|latest +latency|histogram +slowlog|len "
+        "+xlen +xinfo|groups +xinfo|consumers +xpending %R~{requests} %R~{high_requests} "
         "%R~{part_stream} %R~{high_part_stream} %R~{dead} "
         "(+hlen +hkeys +hget +hgetall %R~{workers}) "
         # status without payloads: records, whether a result exists, a fan-out's finished parts; cancel counts

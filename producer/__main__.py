@@ -7,7 +7,7 @@ result, cancel requests or say where they are, or show queue stats.
   dq-producer result ID --wait 30
   dq-producer cancel ID... | --file ids.txt              one line per id: cancelled, cancelling, too_late, unknown
   dq-producer status ID... | --file ids.txt              one line per id: queued, in_progress, answered, ...
-  dq-producer stats
+  dq-producer stats [--watch 2] [--json]               the streams and workers as tables (--json: the figures)
   dq-producer dead list | requeue ID... | purge --all    dead letters (the admin user)
   dq-producer exporter --port 9401                       queue depth as Prometheus metrics (the monitor user)
 
@@ -31,7 +31,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import __version__, control
+from . import __version__, control, table
 from .admin import dead_letters, exporter
 from .client import Client, LibraryUnavailable, NotDurable, QueueFull, ResultTimeout, UnsupportedServer
 from .exits import FAILED, INTERRUPTED, OK, UNREACHABLE, USAGE
@@ -140,7 +140,18 @@ def _no_worker_warning(client: Client, timeout: float, say: Any) -> None:
 
 
 def stats(args: argparse.Namespace, client: Client) -> int:
-    print(json.dumps(client.stats(), indent=2, default=str))
+    def shown() -> str:
+        found = client.stats()
+        return json.dumps(found, indent=2, default=str) + "\n" if args.json else \
+            table.render(found, client.deployment.namespace)
+
+    if args.watch is None:
+        sys.stdout.write(shown())
+        return OK
+    try:
+        table.watch(shown, args.watch)
+    except KeyboardInterrupt:  # how a watch ends
+        pass
     return OK
 
 
@@ -199,10 +210,15 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--quiet", action="store_true", help="no progress line (the summary stays) [default off]")
     sub.set_defaults(run=submit)
 
-    stat = commands.add_parser("stats", parents=[common], help="queue totals and each shard's figures",
+    stat = commands.add_parser("stats", parents=[common], help="the queue's streams and workers, as tables",
                                description="Stream lengths, the worker group's pending, lag and consumers, for each "
-                                           "lane (high, normal) and both together; dead letters; per shard and in "
-                                           "total; and the live workers (JSON).")
+                                           "shard and lane (high, normal) and every shard together; dead letters; "
+                                           "and each worker's heartbeat (name, shard, model, engine, state, entries "
+                                           "held, last beat).")
+    stat.add_argument("--json", action="store_true", help="the figures as JSON (per lane and both lanes together, "
+                                                          "per shard and in total) [default off: tables]")
+    stat.add_argument("--watch", type=_interval, default=None, metavar="SECONDS",
+                      help="draw the tables again every SECONDS until Ctrl-C [default off: once]")
     stat.set_defaults(run=stats)
 
     res = commands.add_parser("result", parents=[common], help="print one result (exit 1 for an error or none)",
@@ -217,6 +233,13 @@ def parser() -> argparse.ArgumentParser:
 
     exporter.add_parser(commands, common)
     return top
+
+
+def _interval(text: str) -> float:
+    value = float(text)
+    if not value >= 0.1:  # nan too
+        raise argparse.ArgumentTypeError(f"must be at least 0.1 seconds, got {text}")
+    return value
 
 
 def _at_least_zero(text: str) -> int:

@@ -18,8 +18,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from . import arrivals, control, stats
-from .plans import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
-                   Step, Submittable, WrongResult, prepare)
+from .plans import (NO_WORKER_S, Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull,
+                   ResultTimeout, Step, Submittable, WrongResult, prepare)
 from .wire import library, sentinel
 from .wire.connection import WAIT_MS, Deployment, aconnect, connect
 from .wire.errors import DecisionQueueError, NotDurable, RedisUnreachable
@@ -48,7 +48,9 @@ class _Face:
     ``DQ_REDIS_CLUSTER``, ``DQ_REDIS_TLS_*``) and ``DQ_SHARDS``, then the defaults. ``max_unfinished``: the
     backpressure limit per shard (0: none). ``wait_replicas`` (``DQ_WAIT_REPLICAS``): durable mode, an enqueue is
     acknowledged and a result returned only once that many replicas have it, else NotDurable names the ids.
-    ``options``: redis-py connection options (e.g. ``ssl_ca_certs``).
+    ``no_worker_s``: a wait (``wait``, ``wait_many``, ``decide``) during which no worker of the namespace is alive
+    ends after this many seconds, not its whole timeout, with a ResultTimeout that says "no live worker in namespace
+    X" (``no_worker``); None: the whole timeout. ``options``: redis-py connection options (e.g. ``ssl_ca_certs``).
 
     The first call asks the server what it is, once and without retries: a Redis that is down raises
     ``RedisUnreachable`` within the socket timeout (5 s), not after the retries that ride out a restart.
@@ -59,7 +61,7 @@ class _Face:
 
     def __init__(self, url: str | None = None, namespace: str | None = None, max_unfinished: int = 100_000,
                  cluster: bool | None = None, connection: Any = None, shards: int | None = None,
-                 wait_replicas: int | None = None, **options: Any) -> None:
+                 wait_replicas: int | None = None, no_worker_s: float | None = NO_WORKER_S, **options: Any) -> None:
         self.deployment = Deployment.resolve(url=url, namespace=namespace, cluster=cluster, shards=shards,
                                              wait_replicas=wait_replicas)
         self._options = {**self.deployment.tls_files(), **options}
@@ -70,8 +72,18 @@ class _Face:
             raise _unreachable(self.deployment.safe_url, error) from None
         cluster = self.deployment.cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
         self.keys = Keys(self.deployment.namespace)
-        self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster, self.deployment.wait_replicas)
+        self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster, self.deployment.wait_replicas,
+                             no_worker_s)
         self.shards, self.max_unfinished = self.core.shards, self.core.max_unfinished  # as the core has them
+
+    # Both faces' (``AsyncClient``: awaited), each the plan of producer/control.py run on the face's connection.
+    def cancel(self, request_ids: Iterable[str] | str) -> Any:
+        """Cancel requests (docs/PROTOCOL.md, "Cancelling"): by id, what each cancel did (``Cancel``)."""
+        return self._run(control.cancel(self.core, request_ids))  # type: ignore[attr-defined]
+
+    def status(self, request_ids: Iterable[str] | str) -> Any:
+        """Where requests are (docs/PROTOCOL.md, "Status"), by id (``Status``); two round trips, no payload."""
+        return self._run(control.status(self.core, request_ids))  # type: ignore[attr-defined]
 
 
 class Client(_Face):
@@ -112,21 +124,13 @@ class Client(_Face):
         """Submit and wait."""
         return self._run(self.core.decide(request, timeout))
 
-    def cancel(self, request_ids: Iterable[str] | str) -> dict[str, Cancel]:
-        """Cancel requests (docs/PROTOCOL.md, "Cancelling"): by id, what each cancel did (``Cancel.state``)."""
-        return self._run(control.cancel(self.core, request_ids))
-
-    def status(self, request_ids: Iterable[str] | str) -> dict[str, Status]:
-        """Where requests are (docs/PROTOCOL.md, "Status"), by id; two round trips for any number, no payload."""
-        return self._run(control.status(self.core, request_ids))
-
     def stats(self) -> dict[str, Any]:
         """Queue totals and per-shard figures (see ``Producer.stats``)."""
         return self._run(stats.stats(self.core))
 
     def live_workers(self) -> int | None:
         """Live workers of the namespace (a heartbeat in the last 30 s); None when the user may not look."""
-        return self._run(stats.live_workers(self.core))
+        return self._run(self.core.live_workers())
 
     def close(self) -> None:
         self.redis.close()
@@ -221,17 +225,11 @@ class AsyncClient(_Face):
     async def decide(self, request: Submittable, timeout: float | None = 60.0) -> Result:
         return await self._run(self.core.decide(request, timeout))
 
-    async def cancel(self, request_ids: Iterable[str] | str) -> dict[str, Cancel]:
-        return await self._run(control.cancel(self.core, request_ids))
-
-    async def status(self, request_ids: Iterable[str] | str) -> dict[str, Status]:
-        return await self._run(control.status(self.core, request_ids))
-
     async def stats(self) -> dict[str, Any]:
         return await self._run(stats.stats(self.core))
 
     async def live_workers(self) -> int | None:
-        return await self._run(stats.live_workers(self.core))
+        return await self._run(self.core.live_workers())
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -43,12 +43,13 @@ class InvalidRequest(DecisionQueueError, ValueError):
 
 class ResultTimeout(DecisionQueueError, TimeoutError):
     """No result within the timeout for ``missing`` (they stay queued; fetch them later); ``results``: those that
-    did land, by id."""
+    did land, by id. ``no_worker``: the namespace, when no worker of it was alive for the whole wait (the message
+    says so; the wait may have ended early for it), else None."""
 
     def __init__(self, message: str, results: Mapping[str, Any] | None = None,  # id -> Result
-                 missing: Sequence[str] = ()) -> None:
+                 missing: Sequence[str] = (), no_worker: str | None = None) -> None:
         super().__init__(message)
-        self.results, self.missing = dict(results or {}), list(missing)
+        self.results, self.missing, self.no_worker = dict(results or {}), list(missing), no_worker
 
 
 class WrongResult(DecisionQueueError, RuntimeError):

@@ -180,8 +180,8 @@ class Keys:
         return f"{self.base}:durable"
 
     def workers(self) -> str:
-        """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, engine}``, written every 5 s
-        (worker/loop/presence.py); beats older than GONE_S are gone and deleted by the live workers."""
+        """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, engine, shard, state}``, written
+        every 5 s (worker/loop/presence.py); beats older than GONE_S are gone and deleted by the live workers."""
         return f"{self.base}:workers"
 
     @property
