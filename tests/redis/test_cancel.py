@@ -4,13 +4,17 @@ in a pack is answered normally, a cancel racing publication leaves one result th
 request's unpacked parts are dropped and it is answered `cancelled` once, unknown and answered ids are harmless, and
 another tenant's credential cannot cancel. The GPU stage is held at a gate where a test needs a pack in flight."""
 
+import asyncio
+import json
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import redis
 
-from producer.client import Client, InvalidRequest
+from producer.client import AsyncClient, Client, InvalidRequest
 from producer.wire import library
 from producer.wire.keys import Keys, Record
 from producer.wire.schema import ErrorCode
@@ -110,12 +114,15 @@ def test_a_request_in_a_pack_is_answered_normally(redis_server, inprocess):
 
 def test_cancels_racing_publication_leave_one_result_that_says_which_won(redis_server, inprocess):
     client = Client(redis_server.url)
-    worker = inprocess(redis_server.url, max_wait_ms=2, pack_tokens=512)
+    # Few entries held at a time, so the queue drains while the cancels come: some not yet delivered.
+    worker = inprocess(redis_server.url, max_wait_ms=2, pack_tokens=512, max_inflight=4, read_count=2)
     worker.faults.texts = []
     worker.start()
     ids = client.submit_many([request(f"race-{i}") for i in range(60)])
     answers = {}
-    for request_id in ids:  # one at a time as the worker drains: some queued, some held, some answered
+    # One at a time, the last sent first, while the worker drains from the first: the cancels and the worker meet,
+    # so some find their entry queued, some held, some answered.
+    for request_id in reversed(ids):
         answers.update(client.cancel(request_id))
         time.sleep(0.01)
     results = client.wait_many(ids, timeout=120)
@@ -168,6 +175,20 @@ def test_cancelling_an_unknown_or_answered_id_is_harmless_and_says_so(redis_serv
     with pytest.raises(InvalidRequest):
         client.cancel(["bad id"])
     assert worker.metric("dq_cancels_total", outcome="honoured") == 0
+    # The same through dq-producer (exit 1: one was too late) and the asyncio client.
+    shown = subprocess.run([sys.executable, "-m", "producer", "cancel", "done", "never-sent-2", "--redis-url",
+                            redis_server.url], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 1, shown.stderr
+    assert [json.loads(line)["state"] for line in shown.stdout.splitlines()] == ["too_late", "unknown"]
+    assert subprocess.run([sys.executable, "-m", "producer", "cancel", "bad id", "--redis-url", redis_server.url],
+                          capture_output=True, timeout=60).returncode == 2
+
+    async def asynchronously():
+        async with AsyncClient(redis_server.url) as aclient:
+            return await aclient.cancel("done"), await aclient.status(["done", "never-sent-3"])
+
+    cancelled, status = asyncio.run(asynchronously())
+    assert cancelled["done"].state == "too_late" and [s.state for s in status.values()] == ["answered", "unknown"]
 
 
 def test_another_tenants_credential_cannot_cancel(tmp_path):

@@ -23,6 +23,7 @@ from worker.model.engine import Prompt
 from worker.tasks import Computed, Expired, Failed, Launched, Task
 
 REQUEST = Request.model_validate({"state": "x", "questions": {"q": {"type": "noul"}}})
+NOW = 2 ** 50  # a cancel notice's time (ms): after the entries of these tests (entry id 1-0)
 
 
 class Planner:
@@ -198,7 +199,7 @@ def test_a_cancel_notice_drops_a_queued_entry_before_it_is_packed():
         await planner.finish()
         await turn()
         assert state() == State.QUEUED
-        lifecycle.cancels._learn("r")  # a notice read for its request
+        lifecycle.cancels._learn("r", NOW)  # a notice read for its request
         assert state() == State.SETTLING and packer.next(wait=False) == []  # withdrawn: nothing left to pack
         await turn()
         assert state() is None and redis.settled[0].result.error.code == ErrorCode.CANCELLED
@@ -213,7 +214,7 @@ def test_a_cancel_notice_after_the_pack_took_a_prompt_is_too_late():
         await planner.finish()
         await turn()
         [item] = packer.next(wait=False)  # packed on the GPU thread; its Launched event not handled yet
-        lifecycle.cancels._learn("r")
+        lifecycle.cancels._learn("r", NOW)
         assert state() == State.QUEUED and not item.task.closed
         lifecycle.hand_over(Launched((item,)))
         lifecycle.hand_over(Computed(item, [], 0.01))
@@ -227,7 +228,7 @@ def test_a_cancel_notice_after_the_pack_took_a_prompt_is_too_late():
 def test_a_cancel_during_planning_or_before_the_take_drops_the_entry_once_planned():
     async def noticed(lifecycle, planner, packer, redis, delivery, state):
         lifecycle.take(delivery, "read")
-        lifecycle.cancels._learn("r")  # while planning: nothing to withdraw yet
+        lifecycle.cancels._learn("r", NOW)  # while planning: nothing to withdraw yet
         assert state() == State.PLANNING
         await planner.finish()
         await turn()
@@ -244,7 +245,7 @@ def test_a_cancel_during_planning_or_before_the_take_drops_the_entry_once_planne
         assert redis.settled[0].result.error.code == ErrorCode.CANCELLED
 
     async def before_read(lifecycle, planner, packer, redis, delivery, state):
-        lifecycle.cancels._learn("r")
+        lifecycle.cancels._learn("r", NOW)
         lifecycle.take(delivery, "read")  # not even planned
         assert state() == State.SETTLING and not planner.waiting
         await turn(10)
@@ -252,3 +253,17 @@ def test_a_cancel_during_planning_or_before_the_take_drops_the_entry_once_planne
 
     for steps in (noticed, at_take, before_read):
         scenario(steps)
+
+
+def test_a_cancel_notice_older_than_the_entry_leaves_it_alone():
+    """The id was sent again after its cancel: another request, served as any other."""
+    async def steps(lifecycle, planner, packer, redis, delivery, state):
+        lifecycle.cancels._learn("r", 0)  # a notice of a cancel before this entry was enqueued (entry id 1-0)
+        lifecycle.take(delivery, "read")
+        await planner.finish()
+        await turn()
+        assert state() == State.QUEUED
+        lifecycle.cancels._learn("r", 0)
+        assert state() == State.QUEUED and cancels(lifecycle.metrics) == {"honoured": 0, "too_late": 0}
+
+    scenario(steps)

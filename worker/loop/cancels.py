@@ -37,14 +37,15 @@ READ_COUNT = 1000  # notices per read
 
 class Cancels:
     def __init__(self, redis_calls: RedisCalls, keys: Keys, consumer: str, block_ms: int,
-                 cancel: Callable[[str], None]) -> None:
+                 cancel: Callable[[str, int], None]) -> None:
         self.redis_calls, self.keys, self.consumer, self.block_ms = redis_calls, keys, consumer, block_ms
         self.cancel = cancel  # what to do with a request cancelled now (the lifecycle drops what it holds of it)
-        self.recent: dict[str, None] = {}
+        self.recent: dict[str, int] = {}  # request id -> when its cancel came (ms, the notice's entry id)
 
-    def cancelled(self, request_id: str) -> bool:
-        """A notice said so lately."""
-        return request_id in self.recent
+    def cancelled(self, request_id: str, enqueued_ms: int) -> bool:
+        """A notice said so lately, for a request enqueued before it (one sent again under the id after its cancel
+        is another request)."""
+        return enqueued_ms <= self.recent.get(request_id, -1)
 
     async def look_up(self, task: Task) -> tuple[Result | None, bool]:
         """The result the request's id already has (a reused id), and whether a cancel came; one round trip. The
@@ -106,10 +107,11 @@ class Cancels:
                     last = text(entry_id)
                     request_id = text(fields.get(Field.REQUEST_ID.encode(), b""))
                     if request_id:
-                        self._learn(request_id)
+                        self._learn(request_id, int(last.split("-")[0]))
 
-    def _learn(self, request_id: str) -> None:
-        self.recent[request_id] = None
+    def _learn(self, request_id: str, at_ms: int) -> None:
+        self.recent.pop(request_id, None)
+        self.recent[request_id] = at_ms
         while len(self.recent) > REMEMBERED:
             del self.recent[next(iter(self.recent))]
-        self.cancel(request_id)
+        self.cancel(request_id, at_ms)

@@ -95,7 +95,7 @@ class Lifecycle:
         elif delivery.deliveries > self.settings.max_deliveries:
             self.held.move(delivery, State.SETTLING)
             asyncio.ensure_future(self._dead_letter(delivery, f"delivered {delivery.deliveries} times unfinished"))
-        elif self.cancels.cancelled(delivery.request_id):  # a notice came before it: not even planned
+        elif self.cancels.cancelled(delivery.request_id, delivery.enqueued_ms):  # a notice before: not even planned
             self.held.move(delivery, State.SETTLING)
             asyncio.ensure_future(self._cancelled(delivery))
         else:  # bad fields too: the planner answers them with the identity its parse finds
@@ -130,7 +130,7 @@ class Lifecycle:
             outcome = answered_before(planned.delivery, planned.identity, stored, self.model_name)
             self.settler.count_reused(outcome)
             self.settler.put(outcome)
-        elif cancelled or self.cancels.cancelled(planned.request_id):  # before the take, or a notice meanwhile
+        elif cancelled or self.cancels.cancelled(planned.request_id, delivery.enqueued_ms):  # or a notice meanwhile
             self._drop(delivery, planned.identity)
         elif planned.fan_out:
             self.held.move(delivery, State.SETTLING)  # its parts added, then it is acknowledged
@@ -171,7 +171,7 @@ class Lifecycle:
         if self.held.hold(fresh, "retried", None):
             if task is None:
                 self._route(fresh)
-            elif self.cancels.cancelled(task.request_id):
+            elif self.cancels.cancelled(task.request_id, fresh.enqueued_ms):
                 self._drop(fresh, task.identity)
             else:
                 self._queue(Task(fresh, task.identity, task.request, task.prompts, remaining=len(task.prompts)))
@@ -197,7 +197,8 @@ class Lifecycle:
         goes; answered ``cancelled`` unless the body names another request than the notice was for."""
         job = Job.of(delivery, body if body is not None else await self._stored_body(delivery))
         identity = (await asyncio.to_thread(identity_of, self.keys, job))[0]
-        if identity.request_id == delivery.request_id or self.cancels.cancelled(identity.request_id):
+        if identity.request_id == delivery.request_id or self.cancels.cancelled(identity.request_id,
+                                                                                  delivery.enqueued_ms):
             self._drop(delivery, identity)
         else:
             self.held.move(delivery, State.PLANNING)
@@ -211,11 +212,13 @@ class Lifecycle:
         if (held := self.held.get((delivery.key, delivery.entry_id))) is not None:
             held.cancelled = True  # a notice coming now counts it neither honoured again nor too late
 
-    def cancel(self, request_id: str) -> None:
-        """A cancel notice: the request's entries held here whose prompts all wait in the packer are answered
-        ``cancelled``; those with a prompt packed, or being settled, are answered as they are (too late); those
-        still being planned are checked once planned."""
+    def cancel(self, request_id: str, at_ms: int) -> None:
+        """A cancel notice (of ``at_ms``): the request's entries held here (enqueued before it) whose prompts all wait
+        in the packer are answered ``cancelled``; those with a prompt packed, or being settled, are answered as they
+        are (too late); those still being planned are checked once planned."""
         for held in self.held.of_request(request_id):
+            if held.delivery.enqueued_ms > at_ms:  # sent again under the id after the cancel: another request
+                continue
             task = held.task
             if held.state == State.QUEUED and task is not None and not task.closed and self.packer.withdraw(task):
                 task.closed = True
