@@ -13,13 +13,18 @@ functions run, on exactly those keys. Selectors (the parenthesised groups) give 
   its own Lua. It may read the heartbeat hash (whether any worker is alive), nothing else of the workers'. Durable
   mode: WAIT, and PUBLISH on one channel nobody reads (``Keys.durable``: what a reader's WAIT covers); on Redis
   Cluster, where PUBLISH is not replicated, SET of the short-lived read marks instead (``Keys.durable_mark``).
+  Requests' records (what submit writes, a cancel marks, status reads), the cancel function (a notice, a count), and
+  what status reads besides: the group and pending metadata of request streams, whether a result exists, how many
+  parts of a fan-out are done. Who may cancel: a producer of the namespace, and admin.
 - worker: the group commands on the work streams (both lanes'); XADD to part and dead-letter streams; SET/GET
   stored bodies; the heartbeat hash; the publish and part functions and what they run on per-request keys and reply
-  streams; WAIT (durable mode). No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work
+  streams; WAIT (durable mode); requests' records (a take's cancel mark and note, how it was answered); reading the
+  cancel notices. No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work
   stream.
 - monitor: counts only: XLEN, XINFO GROUPS/CONSUMERS, XPENDING, INFO, the heartbeat hash; for redis_exporter,
-  LATENCY LATEST/HISTOGRAM and SLOWLOG LEN. No XINFO STREAM (it returns the first and last entries), no XRANGE, no
-  SLOWLOG GET (it shows commands' arguments), no CONFIG, no per-request keys.
+  LATENCY LATEST/HISTOGRAM and SLOWLOG LEN; status without payloads (records, EXISTS of a result, HLEN of a fan-out's
+  parts) and the cancel counts. No XINFO STREAM (it returns the first and last entries), no XRANGE, no SLOWLOG GET
+  (it shows commands' arguments), no CONFIG, no body, result or share.
 - admin: everything, for operators (and for loading the function library).
 - default (no credentials): PING only, for container health checks.
 
@@ -51,7 +56,12 @@ ROLES = {
         "{connect} +fcall +xadd +xlen ~{requests} ~{high_requests} "
         "(+xread +xrange %R~{results} %R~{replies}) "
         "(+hgetall %R~{workers}) "  # live workers: a wait with none says so at once
-        "+wait +publish &{durable} (+set %W~{marks})"  # durable mode: WAIT, and what a reader's WAIT covers
+        "+wait +publish &{durable} (+set %W~{marks}) "  # durable mode: WAIT, and what a reader's WAIT covers
+        # requests' records: the submit function writes them (with each one's place), cancel marks them, status reads
+        # them and where an entry stands (no payload); the cancel function's keys, its notice and its counts
+        "(+del +hset +expire +hmget +hgetall ~{records}) (+xinfo|groups +xpending %R~{requests} %R~{high_requests}) "
+        "(+fcall ~{cancels} ~{cancel_counts} ~{records}) (+xadd ~{cancels}) (+hincrby ~{cancel_counts}) "
+        "(+exists %R~{results}) (+hlen %R~{shares})"
     ),
     "worker": (
         "{connect} +wait +fcall +xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|createconsumer +xgroup|delconsumer "
@@ -64,14 +74,18 @@ ROLES = {
         "(+fcall ~{results} ~{shares} ~{bodies} ~{replies} ~{dead}) "
         "(+exists +xrange +xadd +expire ~{results} ~{replies}) (+type ~{replies}) "
         "(+hset +hlen +hgetall +expire ~{shares}) "
-        "(+del ~{shares} ~{bodies})"
+        "(+del ~{shares} ~{bodies}) "
+        # a request's record: its cancel mark and who took it (at the take), how it was answered; the cancel notices
+        "(+hget +hset +expire ~{records}) (+xread +xrevrange %R~{cancels})"
     ),
     "monitor": (
         # counts, and what redis_exporter reads of Redis itself (INFO; latency and slow-log counts, not their entries)
         "{connect} +info +latency|latest +latency|histogram +slowlog|len "
         "+xlen +xinfo|groups +xinfo|consumers +xpending %R~{requests} %R~{high_requests} "
         "%R~{part_stream} %R~{high_part_stream} %R~{dead} "
-        "(+hlen +hkeys +hget +hgetall %R~{workers})"
+        "(+hlen +hkeys +hget +hgetall %R~{workers}) "
+        # status without payloads: records, whether a result exists, a fan-out's finished parts; cancel counts
+        "(+hgetall %R~{records} %R~{cancel_counts}) (+exists %R~{results}) (+hlen %R~{shares})"
     ),
     "admin": "~* &* +@all",
 }
@@ -88,7 +102,8 @@ def patterns(namespace: str) -> dict[str, str]:
     return {"requests": every.requests, "high_requests": every.requests_in(HIGH), "part_stream": every.parts,
             "high_part_stream": every.parts_in(HIGH), "dead": every.dead, "results": every.result(ANY),
             "shares": every.shares(ANY), "bodies": every.body(ANY), "replies": every.reply_prefix + ANY,
-            "workers": every.workers(), "durable": every.durable(), "marks": every.durable_mark(ANY)}
+            "workers": every.workers(), "durable": every.durable(), "marks": every.durable_mark(ANY),
+            "records": every.record(ANY), "cancels": every.cancels, "cancel_counts": every.cancel_counts}
 
 
 def password_hash(password: str) -> str:

@@ -1,17 +1,20 @@
 """dq-producer (or python -m producer): submit a JSONL file of requests and wait for their results, print one
-result, or show queue stats.
+result, cancel requests or say where they are, or show queue stats.
 
   dq-producer submit requests.jsonl                      one line per request: {"line": N, "id": ...}
   dq-producer submit requests.jsonl --wait --ordered     one result per request line, in input order
   dq-producer submit urgent.jsonl --priority high        the high lane, for lines that do not say
   dq-producer result ID --wait 30
+  dq-producer cancel ID... | --file ids.txt              one line per id: cancelled, cancelling, too_late, unknown
+  dq-producer status ID... | --file ids.txt              one line per id: queued, in_progress, answered, ...
   dq-producer stats [--watch 2] [--json]               the streams and workers as tables (--json: the figures)
   dq-producer dead list | requeue ID... | purge --all    dead letters (the admin user)
   dq-producer exporter --port 9401                       queue depth as Prometheus metrics (the monitor user)
 
 Exit codes: 0 every request queued (or, with --wait, answered ok); 1 some refused, answered with an error or timed
-out; 2 usage (bad flag, file or URL) or an unsupported server (older than Redis 7.0 or Valkey 7.2); 3 queue full,
-some requests not sent; 4 Redis unreachable or refusing; 130 interrupted (Ctrl-C: every line still gets its record).
+out (cancel: one too late; status: one unknown); 2 usage (bad flag, file, URL or id) or an unsupported server (older
+than Redis 7.0 or Valkey 7.2); 3 queue full, some requests not sent; 4 Redis unreachable or refusing; 130
+interrupted (Ctrl-C: every line still gets its record).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import __version__, table
+from . import __version__, control, table
 from .admin import dead_letters, exporter
 from .client import Client, LibraryUnavailable, NotDurable, QueueFull, ResultTimeout, UnsupportedServer
 from .exits import FAILED, INTERRUPTED, OK, UNREACHABLE, USAGE
@@ -225,6 +228,7 @@ def parser() -> argparse.ArgumentParser:
     res.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                      help="seconds to wait for it (0: look once) [default 0]")
     res.set_defaults(run=result)
+    control.add_parsers(commands, common)
     dead_letters.add_parser(commands, common)
 
     exporter.add_parser(commands, common)

@@ -1,5 +1,5 @@
-"""The Python producer: submit requests, wait for their results, read queue stats; blocking (``Client``) or
-asyncio (``AsyncClient``), with the same methods.
+"""The Python producer: submit requests, wait for their results, cancel them, ask where they are, read queue
+stats; blocking (``Client``) or asyncio (``AsyncClient``), with the same methods.
 
 Both faces run the plans of one core (``producer.plans.Producer``) against their connection: the logic is written
 once, only the I/O differs.
@@ -16,7 +16,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import arrivals, stats
+from . import arrivals, control, stats
 from .plans import (NO_WORKER_S, Function, InvalidRequest, Load, PerNode, Pipeline, Plan, Prepared, Producer,
                     QueueFull, ResultTimeout, Step, Submittable, WrongResult, prepare)
 from .wire import cluster_wait, library, sentinel
@@ -24,12 +24,13 @@ from .wire.connection import WAIT_MS, Deployment, aconnect, connect
 from .wire.errors import DecisionQueueError, NotDurable, RedisUnreachable
 from .wire.keys import Keys
 from .wire.library import LibraryUnavailable
+from .wire.records import Cancel, Status
 from .wire.result import Result, ResultError
 from .wire.supported import Server, UnsupportedServer, acheck, check
 
-__all__ = ["AsyncClient", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "NotDurable", "Prepared",
-           "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout", "UnsupportedServer", "WrongResult",
-           "aconnect", "connect", "prepare"]
+__all__ = ["AsyncClient", "Cancel", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "NotDurable",
+           "Prepared", "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout", "Status", "UnsupportedServer",
+           "WrongResult", "aconnect", "connect", "prepare"]
 T = TypeVar("T")
 # What a first contact that never reached a server raises (RedisClusterException: no node of a cluster answered).
 UNREACHED = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException)
@@ -72,14 +73,16 @@ class _Face:
         self.keys = Keys(self.deployment.namespace)
         self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster, self.deployment.wait_replicas,
                              no_worker_s)
+        self.shards, self.max_unfinished = self.core.shards, self.core.max_unfinished  # as the core has them
 
-    @property
-    def shards(self) -> int:
-        return self.core.shards
+    # Both faces' (``AsyncClient``: awaited), each the plan of producer/control.py run on the face's connection.
+    def cancel(self, request_ids: Iterable[str] | str) -> Any:
+        """Cancel requests (docs/PROTOCOL.md, "Cancelling"): by id, what each cancel did (``Cancel``)."""
+        return self._run(control.cancel(self.core, request_ids))  # type: ignore[attr-defined]
 
-    @property
-    def max_unfinished(self) -> int:
-        return self.core.max_unfinished
+    def status(self, request_ids: Iterable[str] | str) -> Any:
+        """Where requests are (docs/PROTOCOL.md, "Status"), by id (``Status``); two round trips, no payload."""
+        return self._run(control.status(self.core, request_ids))  # type: ignore[attr-defined]
 
 
 class Client(_Face):
@@ -193,7 +196,7 @@ class Client(_Face):
             with self.redis.pipeline(transaction=False) as pipe:
                 for call in step.calls:
                     getattr(pipe, call.method)(*call.args, **call.kwargs)
-                return pipe.execute()
+                return pipe.execute(raise_on_error=step.raising)
         return getattr(self.redis, step.method)(*step.args, **step.kwargs)
 
 
@@ -299,5 +302,5 @@ class AsyncClient(_Face):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for call in step.calls:
                     getattr(pipe, call.method)(*call.args, **call.kwargs)
-                return await pipe.execute()
+                return await pipe.execute(raise_on_error=step.raising)
         return await getattr(self.redis, step.method)(*step.args, **step.kwargs)

@@ -11,17 +11,18 @@ import redis
 
 from .plans import Call, Plan, Producer
 from .wire.keys import GONE_S, GROUP, LANES, Keys, beat_age, text
+from .wire.records import FOUND
 from .wire.supported import lag_of
 
 
 def stats(core: Producer) -> Plan[dict[str, Any]]:
     """Totals over every shard, then each shard: for each lane (``lanes``: high, normal) the request and part
     streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``prompts``: both
-    lanes together; dead letters; the live workers (``workers``: how many) and every heartbeat (``heartbeats``:
-    each worker's name, shard, model, engine, state, entries held and the age of its last beat; state ``gone`` when
-    that is ``GONE_S`` or older). Live: a consumer seen in the last ``GONE_S`` seconds or holding entries, a worker
-    whose heartbeat is younger than that (workers delete the gone: presence.py). The lag is the server's, or the
-    length less pending when the server cannot count it (``servers.lag_of``)."""
+    lanes together; dead letters; cancels asked, by what each found; the live workers (``workers``: how many) and
+    every heartbeat (``heartbeats``: each worker's name, shard, model, engine, state, entries held and the age of its
+    last beat; state ``gone`` when that is ``GONE_S`` or older). Live: a consumer seen in the last ``GONE_S`` seconds
+    or holding entries, a worker whose heartbeat is younger than that (workers delete the gone: presence.py). The lag
+    is the server's, or the length less pending when the server cannot count it (``servers.lag_of``)."""
     shards = []
     for shard in range(core.shards):
         keys, entry = Keys(core.keys.namespace, shard), {"shard": shard}
@@ -34,11 +35,13 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
             entry[name] = _combine([lanes[lane.value][name] for lane in LANES], consumers=max)
         entry["lanes"] = lanes
         entry["dead_letters"] = yield Call("xlen", (keys.dead,))
+        entry["cancels"] = yield from _cancel_counts(keys)
         shards.append(entry)
     totals: dict[str, Any] = {name: _combine([s[name] for s in shards]) for name in ("requests", "chunks")}
     totals["lanes"] = {lane.value: {name: _combine([s["lanes"][lane.value][name] for s in shards])
                                     for name in ("requests", "chunks")} for lane in LANES}
     totals["dead_letters"] = sum(s["dead_letters"] for s in shards)
+    totals["cancels"] = {found: sum(s["cancels"].get(found, 0) for s in shards) for found in FOUND}
     beats = yield Call("hgetall", (core.keys.workers(),))
     now = time.time()
     totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
@@ -59,6 +62,16 @@ def _heartbeat(name: Any, raw: Any, now: float) -> dict[str, Any]:
     return {"name": text(name), "shard": beat.get("shard"), "model": beat.get("model"), "engine": beat.get("engine"),
             "state": "gone" if age >= GONE_S else beat.get("state"), "held": beat.get("inflight"),
             "beat_age_s": round(age, 1) if age != float("inf") else None}
+
+
+def _cancel_counts(keys: Keys) -> Plan[dict[str, int]]:
+    """Cancels asked of a shard, by what each found (records.FOUND); none where this user may not read them (an
+    aclfile older than cancels)."""
+    try:
+        counts = yield Call("hgetall", (keys.cancel_counts,))
+    except redis.exceptions.NoPermissionError:
+        return {}
+    return {found: int(counts.get(found, counts.get(found.encode(), 0))) for found in FOUND}
 
 
 def _stream_stats(stream: str) -> Plan[dict[str, Any]]:

@@ -29,6 +29,7 @@ class Pipeline:
 
     calls: list[Call]
     wait: int = 0  # durable mode: its last call is a WAIT for this many replicas
+    raising: bool = True  # False: a command Redis refused answers its error in the list instead of raising
 
 
 @dataclass(frozen=True)

@@ -218,7 +218,7 @@ class Daemon:
         except REDIS_ERRORS:  # stopped before Redis ever answered: nothing was taken, nothing to settle
             return
         loops = [asyncio.create_task(loop()) for loop in (self.lifecycle.settler.run, self.intake.run_maintenance,
-                                                           self.publisher.watch_library)]
+                                                           self.publisher.watch_library, self.lifecycle.cancels.run)]
         reader = asyncio.create_task(self.intake.run_reader())  # until stopping
         while not (self.stopping.is_set() or reader.done()):
             await asyncio.sleep(0.1)

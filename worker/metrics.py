@@ -31,8 +31,8 @@ STATUSES = ("ok", "error")
 # No ``_created`` series beside each counter and histogram (process-wide): no alert or panel reads them, and they
 # doubled the counters' series.
 disable_created_metrics()
-REDIS_OPS = ("create groups", "read", "get body", "fan out", "claim", "dead letter", "ack", "publish", "reply",
-             "maintenance")
+REDIS_OPS = ("create groups", "read", "get body", "look up", "fan out", "claim", "dead letter", "ack", "publish",
+             "reply", "maintenance", "take", "cancels", "record")
 
 
 class Metrics:
@@ -58,6 +58,11 @@ class Metrics:
                                        "replaced and their entries planned again)", registry=r)
         self.reused_ids = Counter("dq_reused_ids_total", "Requests whose id was answered before, not computed: "
                                   "replay (the same request) or conflict (another)", ["outcome"], registry=r)
+        self.cancels = Counter("dq_cancels_total", "Cancels of requests this worker took: honoured (answered "
+                               "cancelled, never computed) or too_late (a prompt already packed, or it was being "
+                               "answered: answered as it was)", ["outcome"], registry=r)
+        for outcome in ("honoured", "too_late"):
+            self.cancels.labels(outcome)
         self.lost = Counter("dq_lost_entries_total", "Pending entries whose payload was gone (trimmed)", registry=r)
         self.unreadable_results = Counter("dq_unreadable_results_total", "Entries whose id holds a result no worker "
                                           "wrote (not a result of that id): dead-lettered", registry=r)
@@ -90,6 +95,7 @@ class Metrics:
         self.fill = Histogram("dq_pack_fill_ratio", "Real tokens / tokens computed, per pack", buckets=FILL_BUCKETS,
                               registry=r)
         self.tokens = Counter("dq_tokens_total", "Prompt tokens through the model", registry=r)
+        self.prompts = Counter("dq_prompts_total", "Prompts through the model (computed)", registry=r)
         self.packs = Counter("dq_packs_total", "Forward passes, replayed CUDA graphs or eager", ["mode"], registry=r)
         self.gpu_memory = Gauge("dq_gpu_memory_bytes", "GPU memory of this process now: allocated or reserved",
                                 ["kind"], registry=r)

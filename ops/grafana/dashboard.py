@@ -28,6 +28,7 @@ def sel(extra: str = "") -> str:
 
 REQUESTS, ERRORS, RECLAIMED = sel('stream="requests"'), sel('status="error"'), sel('how="reclaimed"')
 OK = 'status="ok"'
+HONOURED, TOO_LATE = sel('outcome="honoured"'), sel('outcome="too_late"')
 
 
 def queue(metric: str, by: str = "stream", extra: str = "") -> str:
@@ -102,6 +103,11 @@ def gateway(b: Board) -> None:
             stack=True)
     b.panel("timeseries", "Gateway refusals and failures", [
         (f'sum by (status) (rate({calls}{{status=~"4..|5.."}}[{RATE}]))', "{{status}}")], unit="reqps", stack=True)
+    b.panel("timeseries", "Gateway cancels: hang-ups and DELETE", [
+        (f"sum by (reason, state) (rate(dq_gateway_cancels_total[{RATE}]))", "{{reason}} {{state}}")], unit="reqps",
+        stack=True, description="Requests a gateway cancelled because their caller hung up, or on DELETE "
+                                "/v1/requests, by what the cancel found (keep: a hang-up whose key or call keeps "
+                                "its requests queued).")
 
 
 def build() -> dict:
@@ -207,6 +213,15 @@ def build() -> dict:
         (f"sum(rate(dq_lost_entries_total{W}[{RATE}]))", "lost (trimmed)")], unit="ops")
     b.panel("timeseries", "Redis errors by operation",
             [(f"sum by (op) (rate(dq_redis_errors_total{W}[{RATE}]))", "{{op}}")], unit="ops")
+    b.panel("timeseries", "Cancels", [
+        (f"sum(rate(dq_queue_cancels_total[{RATE}]))", "requested"),
+        (f"sum(rate(dq_cancels_total{HONOURED}[{RATE}]))", "honoured (never computed)"),
+        (f"sum(rate(dq_cancels_total{TOO_LATE}[{RATE}])) + "
+         f'sum(rate(dq_queue_cancels_total{{found="answered"}}[{RATE}]))', "too late"),
+        (f'sum(rate(dq_queue_cancels_total{{found="unknown"}}[{RATE}]))', "unknown id")], unit="ops",
+        description="Requested: cancels asked of the queue (the queue exporter, from Redis). Honoured: entries "
+                    "answered `cancelled` without compute (the workers). Too late: a prompt already packed, or the "
+                    "request answered before the cancel. docs/OPERATIONS.md, \"Cancels\".")
 
     b.row("Workers")
     b.panel("timeseries", "GPU memory", [(f"dq_gpu_memory_bytes{W}", "{{instance}} {{kind}}"),

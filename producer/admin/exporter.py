@@ -38,9 +38,11 @@ OTHER_GAUGES = {
     "dq_exporter_redis_up": "1 when the last read of the queue from Redis succeeded",
     "dq_exporter_read_seconds": "How long the last read of the queue took",
 }
+CANCELS = ("dq_queue_cancels_total", "Cancels asked of the shard, by what each found: queued (never computed), "
+           "held (a worker decides), answered (too late) or unknown")  # a counter, kept in Redis
 # Every series this exporter can write -> its labels (tests check the dashboard's and the alerts' names against it).
 EXPORTED = {**{name: ("shard", "stream", "lane") for name in STREAM_GAUGES}, "dq_dead_letter_entries": ("shard",),
-            **{name: () for name in OTHER_GAUGES if name != "dq_dead_letter_entries"}}
+            **{name: () for name in OTHER_GAUGES if name != "dq_dead_letter_entries"}, CANCELS[0]: ("shard", "found")}
 
 
 def _labels(**labels: Any) -> str:
@@ -50,6 +52,7 @@ def _labels(**labels: Any) -> str:
 def render(stats: dict[str, Any] | None, seconds: float) -> str:
     """The exposition text of one read (``Client.stats()``'s dict; None: Redis did not answer)."""
     samples: dict[str, list[str]] = {name: [] for name in (*STREAM_GAUGES, *OTHER_GAUGES)}
+    cancels: list[str] = []
     for shard in (stats or {}).get("shards", []):
         for lane, streams in shard["lanes"].items():
             for stream, figures in streams.items():
@@ -60,6 +63,8 @@ def render(stats: dict[str, Any] | None, seconds: float) -> str:
                                          f"{values[field]}")
         samples["dq_dead_letter_entries"].append(f"dq_dead_letter_entries{_labels(shard=shard['shard'])} "
                                                  f"{shard['dead_letters']}")
+        cancels += [f"{CANCELS[0]}{_labels(shard=shard['shard'], found=found)} {count}"
+                    for found, count in shard.get("cancels", {}).items()]
     if stats is not None:
         samples["dq_workers_live"].append(f"dq_workers_live {stats['workers']}")
     samples["dq_exporter_redis_up"].append(f"dq_exporter_redis_up {0 if stats is None else 1}")
@@ -68,6 +73,8 @@ def render(stats: dict[str, Any] | None, seconds: float) -> str:
     for name, lines in samples.items():
         text = STREAM_GAUGES[name][1] if name in STREAM_GAUGES else OTHER_GAUGES[name]
         out += [f"# HELP {name} {text}", f"# TYPE {name} gauge", *lines]
+    name = CANCELS[0].removesuffix("_total")
+    out += [f"# HELP {name} {CANCELS[1]}", f"# TYPE {name} counter", *cancels]
     return "\n".join(out) + "\n"
 
 

@@ -21,12 +21,14 @@ OPEN = "open"  # the caller's name when the gateway has no keys
 
 @dataclass(frozen=True)
 class Access:
-    """An authenticated caller: its key's name, namespace, lanes and in-flight limit."""
+    """An authenticated caller: its key's name, namespace, lanes and in-flight limit, and what its hang-up does to
+    the requests it waits for (cancels.py)."""
 
     name: str
     namespace: str
     lanes: frozenset[Priority]
     max_inflight: int
+    hang_up: str = "cancel"
 
 
 class Keyring:
@@ -40,7 +42,7 @@ class Keyring:
     @staticmethod
     def _access(config: GatewayConfig, key: ApiKey) -> Access:
         return Access(key.name, config.namespace_of(key), key.lane_set(),
-                      key.max_inflight or config.max_inflight_per_key)
+                      key.max_inflight or config.max_inflight_per_key, key.hang_up)
 
     def find(self, authorization: str | None) -> Access | None:
         if self.open:

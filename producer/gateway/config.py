@@ -4,7 +4,7 @@ flags win over the environment, the environment over the defaults. Checked when 
 naming the flag and the variable, and ``dq-gateway`` exits 2 before it listens.
 
 API keys come from a JSON file (``--api-keys-file``) or from ``DQ_GATEWAY_API_KEYS`` (the same JSON): a list of
-``{"name", "token", "namespace", "lanes", "max_inflight"}``. Without keys the gateway is open to whoever reaches
+``{"name", "token", "namespace", "lanes", "max_inflight", "hang_up"}``. Without keys the gateway is open to whoever reaches
 it, so it then listens on a loopback address only.
 """
 
@@ -47,6 +47,7 @@ class ApiKey(BaseModel):
     namespace: str | None = None
     lanes: tuple[Literal["high", "normal"], ...] = Field(default=tuple(str(lane) for lane in LANES), min_length=1)
     max_inflight: int | None = Field(default=None, ge=1)
+    hang_up: Literal["cancel", "keep"] = "cancel"  # a caller that hangs up cancels what it waited for, or not
 
     @field_validator("token")
     @classmethod

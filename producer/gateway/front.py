@@ -38,6 +38,8 @@ def route_of(path: str) -> str:
     """The route's name, a bounded label whatever the path."""
     if path.startswith("/v1/results/"):
         return "results"
+    if path.startswith("/v1/requests/"):
+        return "request"  # one request's status or cancel
     return {"/v1/decide": "decide", "/v1/decide/batch": "decide_batch", "/v1/requests": "requests",
             "/health": "health", "/ready": "ready", "/info": "info", "/metrics": "metrics", "/docs": "docs",
             "/redoc": "docs", "/openapi.json": "docs"}.get(path, "other")
@@ -64,6 +66,12 @@ class Metrics:
         self.build = Gauge("dq_gateway_build_info", "always 1: the version this gateway runs", ["version"],
                            registry=self.registry)
         self.build.labels(__version__).set(1)
+        self.cancels = Counter("dq_gateway_cancels", "requests the gateway cancelled, by why (hang_up: the caller "
+                               "went away; delete: DELETE /v1/requests) and what the cancel found (keep: a hang-up "
+                               "whose key or call keeps its requests)", ["reason", "state"], registry=self.registry)
+        for reason, state in (("hang_up", "cancelled"), ("hang_up", "cancelling"), ("hang_up", "keep"),
+                              ("delete", "cancelled"), ("delete", "cancelling"), ("delete", "too_late")):
+            self.cancels.labels(reason, state)  # from zero: a panel shows a flat line, not no data
 
 
 class Front:

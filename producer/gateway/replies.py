@@ -35,7 +35,7 @@ JSON = "application/json"
 # A worker's error result, as an HTTP status: the request's fault (422, 413), time (504), else the service's (500).
 RESULT_STATUS = {ErrorCode.INVALID_JSON: 422, ErrorCode.INVALID_REQUEST: 422, ErrorCode.INVALID_IMAGE: 422,
                  ErrorCode.STATE_TOO_LONG: 422, ErrorCode.TOO_LARGE: 413, ErrorCode.DEADLINE_EXCEEDED: 504,
-                 ErrorCode.ID_CONFLICT: 409}
+                 ErrorCode.ID_CONFLICT: 409, ErrorCode.CANCELLED: 410}
 NOT_DURABLE = "not_durable"
 # What an Unsettled answer says, by where the call was when Redis failed it.
 SUBMIT, WAIT, READ = "submit", "wait", "read"

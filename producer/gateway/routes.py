@@ -17,11 +17,11 @@ from ..plans import Prepared
 from ..wire.keys import GONE_S, ID_PATTERN, PROTOCOL
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request
-from . import replies
+from . import cancels, replies
 from .access import Access
 from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
-from .disconnects import unless_gone
+from .disconnects import CallerGone, unless_gone
 from .front import Front
 from .openapi import complete
 from .replies import READ, WAIT, Refused, Unsettled
@@ -64,11 +64,17 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
     async def decide(http: HttpRequest) -> Response:
         body: Request = await parse(http, ONE)
         asked = seconds(http)  # checked before anything is sent
+        cancels.keeps(http)
         access, prepared = gateway.admit(http, [body], batch=False)
         client = gateway.clients[access.namespace]
         await gateway.submit(access.namespace, prepared)
         request_id, wait = prepared[0].id, gateway.wait_for(asked, body.deadline_ms)
-        landed = await waited(http, client.wait_any([request_id], wait), [request_id], WAIT, [prepared[0].asked()])
+        try:
+            landed = await waited(http, client.wait_any([request_id], wait), [request_id], WAIT,
+                                  [prepared[0].asked()])
+        except CallerGone:  # answered 499; what it waited for is cancelled unless its key or call keeps it
+            cancels.hung_up(gateway, http, [request_id])
+            raise
         if request_id not in landed:  # with why, when no worker of the namespace is alive to answer it
             raise no_result(prepared[0], wait, access.namespace if await gateway.no_worker(client) else None)
         # The result under this id may be another request's (a reused id): then id_conflict, never its answer.
@@ -77,12 +83,14 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
     async def decide_batch(http: HttpRequest) -> Response:
         body: Batch = await parse(http, MANY)
         asked = seconds(http)
+        cancels.keeps(http)
         access, prepared = gateway.admit(http, body.requests, batch=True)
         client = gateway.clients[access.namespace]
         refused = await gateway.submit(access.namespace, prepared, partial=True)
         waits = {p.id: gateway.wait_for(asked, r.deadline_ms) for p, r in zip(prepared, body.requests)}
-        return StreamingResponse(gateway.lines(client, {p.id: p for p in prepared}, refused, waits),
-                                 media_type=NDJSON)
+        lines = gateway.lines(client, {p.id: p for p in prepared}, refused, waits)
+        sent = [p.id for p in prepared if p.id not in set(refused)]
+        return StreamingResponse(cancels.watched_lines(gateway, http, lines, sent), media_type=NDJSON)
 
     async def enqueue(http: HttpRequest) -> Response:
         body: Request | Batch = await parse(http, EITHER)
@@ -147,6 +155,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
             complete(app.openapi_schema)
         return app.openapi_schema
 
+    cancels.install(app, gateway)
     app.openapi = openapi  # type: ignore[method-assign]
     front = Front(app, gateway.keyring, gateway.admission, gateway.metrics, gateway.tracer)
     front.gateway = gateway

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from .keys import LANES, MAX_BODY_BYTES, PROTOCOL, Field, Keys
+from .records import LUA as RECORDS
 
 LIBRARY = f"dq_v{PROTOCOL}"
 SUBMIT = f"{LIBRARY}_submit"  # KEYS: a request stream. ARGV: limit (0: none), then id, body per request
@@ -25,9 +26,11 @@ PART_AS = f"{LIBRARY}_part_as"  # KEYS: result, parts, body. ARGV: index, count,
 REPLY = f"{LIBRARY}_reply"  # KEYS: a reply stream. ARGV: request id, result JSON, TTL s[, cap]. 1, or an error
 FORGET = f"{LIBRARY}_forget"  # KEYS: a work stream. ARGV: group, idle limit ms, own consumer name. Names deleted
 # Revision 4, on one server (their keys span slots: on Redis Cluster the worker publishes before it copies the dead
-# letter, and the requeue tool runs its steps one by one). Answers: see the Lua below.
+# letter, and the requeue tool runs its steps one by one). Answers: see the Lua below. And each request's record
+# (records.py: ``submit`` writes it, ``cancel`` marks it).
 DEAD_LETTER = f"{LIBRARY}_dead_letter"  # KEYS: result, parts, body, dead stream[, reply]. ARGV: see the Lua
 REQUEUE = f"{LIBRARY}_requeue"  # KEYS: dead stream, request stream[, result]. ARGV: dead-letter id, group
+CANCEL = f"{LIBRARY}_cancel"  # KEYS: cancel stream, counts, records. ARGV: ms, ids. An answer per id (records.py)
 REVISION_FUNCTION = f"{LIBRARY}_revision"  # no keys: this library's REVISION
 REVISION = 4  # bumped on every change of CODE (tests/unit/test_library_code.py pins each revision's hash)
 MAX_BATCH = 1000  # requests per submit call: bounds the time Redis spends in one call
@@ -49,20 +52,13 @@ DEAD_STREAMS = Keys("\0", "\1").dead  # the requeue function's first key: a dead
 
 # The Lua text is part of the wire (its digest is pinned per revision).
 CODE = f"""#!lua name={LIBRARY}
--- decision-queue, wire protocol v{PROTOCOL}, revision {REVISION} (producer/wire/functions.py)
+-- decision-queue, wire protocol v{PROTOCOL}, revision {REVISION} (producer/wire/functions.py, records.py)
 local REVISION = {REVISION}
 local MAX_BODY = {MAX_BODY_BYTES}
 local MAX_BATCH = {MAX_BATCH}
 local STREAMS = {{{", ".join(repr(_stream_pattern(template)) for template in SUBMIT_STREAMS)}}}
 local DEAD = {repr(_stream_pattern(DEAD_STREAMS))}
-
-local function request_stream(key)
-  for _, pattern in ipairs(STREAMS) do
-    if string.match(key, pattern) then return true end
-  end
-  return false
-end
-
+{RECORDS}
 -- A request id: empty (the entry id is the request id), or 1-128 of A-Z a-z 0-9 . _ : - and not shaped like a
 -- stream entry id (which requests without an id are answered under).
 local function valid_id(id)
@@ -73,9 +69,8 @@ end
 
 local function submit(keys, args)
   local stream = keys[1]
-  if #keys ~= 1 or not request_stream(stream) then
-    return redis.error_reply('INVALID the key is not a request stream')
-  end
+  local lane = #keys == 1 and request_stream(stream)
+  if not lane then return redis.error_reply('INVALID the key is not a request stream') end
   local limit = tonumber(args[1])
   local count = (#args - 1) / 2
   if not limit or limit < 0 or count < 1 or count % 1 ~= 0 or count > MAX_BATCH then
@@ -95,9 +90,10 @@ local function submit(keys, args)
   if limit > 0 and length + count > limit then
     return redis.error_reply('QUEUEFULL ' .. length .. ' unfinished entries, limit ' .. limit)
   end
-  local ids = {{}}
-  for i = 1, count do ids[i] = redis.call('XADD', stream, '*', '{Field.BODY}', args[2 * i + 1]) end
-  return ids
+  local entries = {{}}
+  for i = 1, count do entries[i] = redis.call('XADD', stream, '*', '{Field.BODY}', args[2 * i + 1]) end
+  record_queued(stream, lane, length, args, entries)
+  return entries
 end
 
 local function publish(keys, args)
@@ -257,6 +253,7 @@ redis.register_function('{PART_AS}', part_as)
 redis.register_function('{REPLY}', reply)
 redis.register_function('{DEAD_LETTER}', dead_letter)
 redis.register_function('{REQUEUE}', requeue)
+redis.register_function('{CANCEL}', cancel)
 redis.register_function{{function_name = '{REVISION_FUNCTION}', callback = function() return REVISION end,
                          flags = {{'no-writes'}}}}
 """

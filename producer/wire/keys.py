@@ -69,6 +69,31 @@ class Field:
     DELIVERIES = "deliveries"
     REASON = "reason"
     LANE = "lane"  # high or normal: the lane of the stream the entry was in
+    # Cancel notices (Keys.cancels): REQUEST_ID, and STREAM and ENTRY_ID of its request entry as its record says
+
+
+class Record:
+    """Fields of a request's record (``Keys.record``, a hash): what the queue knows of a request besides its payload,
+    for status and cancel (producer/wire/records.py)."""
+
+    STATE = "state"  # RecordState
+    LANE = "lane"  # high or normal
+    STREAM = "stream"  # the request stream its entry is in, and the entry's id
+    ENTRY = "entry"
+    POSITION = "position"  # entries added to that stream up to this one (how many are ahead), when known
+    CONSUMER = "consumer"  # the worker that took it (its consumer name), since when (ms): written at its take
+    SINCE = "since"
+    PARTS = "parts"  # fanned out: into how many parts
+    CANCELLED = "cancelled"  # when a cancel came (ms)
+    STATUS = "status"  # answered: ok or error, the error's code, when (ms)
+    CODE = "code"
+    AT = "at"
+
+
+class RecordState(enum.StrEnum):
+    QUEUED = "queued"  # enqueued by the submit function (where its entry is, the stream's group says)
+    FANNED_OUT = "fanned_out"  # its parts are in the part stream
+    ANSWERED = "answered"  # its result is published (kept a while after the result expires)
 
 
 @dataclass(frozen=True)
@@ -132,6 +157,22 @@ class Keys:
     def body(self, request_id: str) -> str:
         """The request JSON of a fanned-out request, read by whichever worker takes one of its parts."""
         return f"{self.base}:body:{{{request_id}}}"
+
+    def record(self, request_id: str) -> str:
+        """Hash of what the queue knows of a request (``Record``), in its shard's slot: written by the submit
+        function, the workers and cancels, each in a call on the shard's streams (producer/wire/records.py)."""
+        return f"{self.base}:{{s{self.shard}}}:record:{request_id}"
+
+    @property
+    def cancels(self) -> str:
+        """Stream of cancel notices (request id, its entry) that every worker of the shard reads: a worker holding a
+        cancelled request drops it if none of its prompts is packed yet."""
+        return f"{self.base}:{{s{self.shard}}}:cancels"
+
+    @property
+    def cancel_counts(self) -> str:
+        """Hash of cancels asked, by what each found (``records.FOUND``): the queue exporter's counters."""
+        return f"{self.base}:{{s{self.shard}}}:cancels:counts"
 
     def durable(self) -> str:
         """A Pub/Sub channel nobody reads: a durable-mode reader publishes an empty message to it so that its WAIT

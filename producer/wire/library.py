@@ -8,7 +8,8 @@ producers call ``dq_v1_submit`` (admission: the request stream, each id, each bo
 and ``dq_v1_reply`` (publication that knows who made it, with its reply), and ``dq_v1_submit`` takes either priority
 lane's request stream; since revision 4 ``dq_v1_dead_letter`` (a dead letter, its request's result and its
 acknowledgement in one step) and ``dq_v1_requeue`` (a dead letter back to its stream, its result first removed, in
-one step), so that a requeue never runs between a dead letter and its result.
+one step), so that a requeue never runs between a dead letter and its result, and each request's record (records.py:
+``dq_v1_submit`` writes it, ``dq_v1_cancel`` marks it).
 A leaked credential can call these functions, never run Lua of its own. Redis checks every command a function
 runs against its *caller's* ACL user, so a function never gives a caller more than the caller's user holds.
 
@@ -29,9 +30,10 @@ from typing import Any
 import redis
 
 from .errors import LibraryUnavailable
-from .functions import (CODE, DEAD_LETTER, FORGET, LIBRARY, MAX_BATCH, MAX_DEAD_FIELDS,  # noqa: F401 - the names
+from .functions import (CANCEL, CODE, DEAD_LETTER, FORGET, LIBRARY, MAX_BATCH, MAX_DEAD_FIELDS,  # noqa: F401
                         OWN_DEAD_FIELDS, PART, PART_AS, PUBLISH, PUBLISH_AS, REPLY, REQUEUE, REVISION,
                         REVISION_FUNCTION, SUBMIT, SUBMIT_STREAMS)
+
 
 @dataclass(frozen=True)
 class Loaded:

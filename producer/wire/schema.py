@@ -50,6 +50,7 @@ class ErrorCode(str, enum.Enum):
     DEAD_LETTERED = "dead_lettered"  # delivered too often without finishing (a crashing or poison input)
     INTERNAL = "internal_error"  # the worker failed on this input; retried before this result
     ID_CONFLICT = "id_conflict"  # the id was answered before for a different request: nothing computed
+    CANCELLED = "cancelled"  # a cancel came before any of its prompts was packed: never computed
     # Written by the producer's command line for its own output, never by a worker:
     TIMEOUT = "timeout"  # no result within the wait; the request stays queued and its result may still come
     NOT_SENT = "not_sent"  # never enqueued: the queue stayed full

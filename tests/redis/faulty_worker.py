@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +41,9 @@ class FaultyEngine:
         self.name = inner.name
         self.slow_packs = self.poisoned_packs = 0  # how many happened (in-process tests wait on these)
         self.poisoned_sizes: list[int] = []  # the prompts of each poisoned pack
+        self.prompts = 0  # prompts launched: the count of computed prompts that cancel tests check
+        self.texts: list[str] | None = None  # a list: every launched prompt's text is kept there (in-process tests)
+        self.gate: threading.Event | None = None  # an Event: each pack waits for it before it runs (in-process tests)
 
     @property
     def max_pack_tokens(self) -> int:
@@ -49,6 +53,11 @@ class FaultyEngine:
         self.inner.warmup()
 
     def launch(self, prompts):
+        self.prompts += len(prompts)
+        if self.texts is not None:
+            self.texts += [self.tokenizer.decode(prompt.input_ids) for prompt in prompts]
+        if self.gate is not None:
+            self.gate.wait()
         if self.slow_s:
             self.slow_packs += 1
             log.info("fault: slow pack of %d prompts started (%.1f s)", len(prompts), self.slow_s)

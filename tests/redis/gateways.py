@@ -3,7 +3,7 @@ CPU worker (tiny checkpoint), one stack per server binary, shared by every gatew
 
 The keyed gateway's keys, one per case the tests need: ``acme`` (namespace dq, both lanes), ``acme-normal`` (dq,
 normal lane only, 2 requests in flight), ``globex`` (namespace globex: no worker, so its requests stay queued),
-``initech`` (globex too, 4 in flight),
+``initech`` (globex too, 4 in flight), ``keeper`` (globex too, its hang-ups keep its requests queued),
 ``kilo`` (namespace kill: the worker-killed test's own workers).
 """
 
@@ -26,11 +26,12 @@ from producer.local.server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = {name: f"test-token-{name}-0123456789abcdef" for name in ("acme", "acme-normal", "globex", "initech",
-                                                                  "kilo")}
+                                                                  "keeper", "kilo")}
 KEYS = [{"name": "acme", "token": TOKENS["acme"]},
         {"name": "acme-normal", "token": TOKENS["acme-normal"], "lanes": ["normal"], "max_inflight": 2},
         {"name": "globex", "token": TOKENS["globex"], "namespace": "globex"},
         {"name": "initech", "token": TOKENS["initech"], "namespace": "globex", "max_inflight": 4},
+        {"name": "keeper", "token": TOKENS["keeper"], "namespace": "globex", "hang_up": "keep"},
         {"name": "kilo", "token": TOKENS["kilo"], "namespace": "kill"}]
 # Small limits, so that each refusal is cheap to reach: the tests keep fewer unfinished requests than this in dq.
 LIMITS = {"max_body_bytes": 65536, "max_batch": 20, "max_unfinished": 30, "wait_s": 20, "max_wait_s": 60}

@@ -11,7 +11,7 @@ from redis.crc import key_slot
 from redis.exceptions import ClusterDownError, MovedError, RedisClusterException, TryAgainError
 
 from producer.wire import cluster_wait
-from producer.wire.cluster_wait import MARK_TTL_MS, Batch, Confirmed, Routed, plan, settle
+from producer.wire.cluster_wait import MARK_TTL_MS, Confirmed, Routed, plan, settle
 from producer.wire.keys import Keys, hash_tag
 
 

@@ -1,6 +1,7 @@
 """A held entry's state, one field set at each step of its life (worker/loop/held.py ``State``): the lifecycle and
 the settle loop on a real event loop, the GPU thread's events handed over as compute hands them; the planner, the
-consumer and the Redis side stand in (this is about the order of states, not Redis: tests/redis/ has the rest)."""
+consumer and the Redis side stand in (this is about the order of states, not Redis: tests/redis/ has the rest);
+so are cancels: honoured while every prompt of the entry waits in the packer, too late once one is packed."""
 
 import asyncio
 import json
@@ -22,6 +23,7 @@ from worker.model.engine import Prompt
 from worker.tasks import Computed, Expired, Failed, Launched, Task
 
 REQUEST = Request.model_validate({"state": "x", "questions": {"q": {"type": "noul"}}})
+NOW = 2 ** 50  # a cancel notice's time (ms): after the entries of these tests (entry id 1-0)
 
 
 class Planner:
@@ -54,12 +56,13 @@ class Redis:
 
     def __init__(self) -> None:
         self.settled, self.dead = [], []
+        self.cancelled = False  # what the take function answers (a cancel came before the take)
 
     async def claim_again(self, delivery: Delivery) -> Delivery:
         return delivery.again()
 
-    async def stored(self, request_id: str) -> None:
-        return None
+    async def look_up(self, task: Task) -> tuple[None, bool]:  # no stored result; cancelled before the take?
+        return None, self.cancelled
 
     async def settle(self, outcomes):
         self.settled += outcomes
@@ -80,6 +83,7 @@ def scenario(steps, max_deliveries: int = 5, refuse: bool = False):
                               RedisCalls(None, metrics, give_up=lambda: True, where="test"), redis, planner, packer,
                               redis, asyncio.get_running_loop())
         settling = asyncio.ensure_future(lifecycle.settler.run())
+        lifecycle.cancels.look_up = redis.look_up
         delivery = Delivery.parse(REQUESTS, "k", "1-0", {b"body": json.dumps({"id": "r"}).encode()}, 1)
         entry = ("k", "1-0")
 
@@ -184,3 +188,83 @@ def test_an_expired_task_and_a_refused_entry_go_straight_to_settling():
 
     scenario(expired)
     scenario(refused, refuse=True)
+
+
+def cancels(metrics: Metrics) -> dict[str, float]:
+    return {outcome: metrics.cancels.labels(outcome)._value.get() for outcome in ("honoured", "too_late")}
+
+
+def test_a_cancel_notice_drops_a_queued_entry_before_it_is_packed():
+    async def steps(lifecycle, planner, packer, redis, delivery, state):
+        lifecycle.take(delivery, "read")
+        await planner.finish()
+        await turn()
+        assert state() == State.QUEUED
+        lifecycle.cancels._learn("r", NOW)  # a notice read for its request
+        assert state() == State.SETTLING and packer.next(wait=False) == []  # withdrawn: nothing left to pack
+        await turn()
+        assert state() is None and redis.settled[0].result.error.code == ErrorCode.CANCELLED
+        assert cancels(lifecycle.metrics) == {"honoured": 1, "too_late": 0}
+
+    scenario(steps)
+
+
+def test_a_cancel_notice_after_the_pack_took_a_prompt_is_too_late():
+    async def steps(lifecycle, planner, packer, redis, delivery, state):
+        lifecycle.take(delivery, "read")
+        await planner.finish()
+        await turn()
+        [item] = packer.next(wait=False)  # packed on the GPU thread; its Launched event not handled yet
+        lifecycle.cancels._learn("r", NOW)
+        assert state() == State.QUEUED and not item.task.closed
+        lifecycle.hand_over(Launched((item,)))
+        lifecycle.hand_over(Computed(item, [], 0.01))
+        await turn()
+        assert state() is None and redis.settled[0].result.status == "ok"  # answered normally
+        assert cancels(lifecycle.metrics) == {"honoured": 0, "too_late": 1}
+
+    scenario(steps)
+
+
+def test_a_cancel_during_planning_or_before_the_take_drops_the_entry_once_planned():
+    async def noticed(lifecycle, planner, packer, redis, delivery, state):
+        lifecycle.take(delivery, "read")
+        lifecycle.cancels._learn("r", NOW)  # while planning: nothing to withdraw yet
+        assert state() == State.PLANNING
+        await planner.finish()
+        await turn()
+        assert state() is None and not any(packer.lanes.values())
+        assert redis.settled[0].result.error.code == ErrorCode.CANCELLED
+        assert cancels(lifecycle.metrics) == {"honoured": 1, "too_late": 0}
+
+    async def at_take(lifecycle, planner, packer, redis, delivery, state):
+        redis.cancelled = True  # the take function found the record cancelled
+        lifecycle.take(delivery, "read")
+        await planner.finish()
+        await turn()
+        assert state() is None and not any(packer.lanes.values())
+        assert redis.settled[0].result.error.code == ErrorCode.CANCELLED
+
+    async def before_read(lifecycle, planner, packer, redis, delivery, state):
+        lifecycle.cancels._learn("r", NOW)
+        lifecycle.take(delivery, "read")  # not even planned
+        assert state() == State.SETTLING and not planner.waiting
+        await turn(10)
+        assert state() is None and redis.settled[0].result.error.code == ErrorCode.CANCELLED
+
+    for steps in (noticed, at_take, before_read):
+        scenario(steps)
+
+
+def test_a_cancel_notice_older_than_the_entry_leaves_it_alone():
+    """The id was sent again after its cancel: another request, served as any other."""
+    async def steps(lifecycle, planner, packer, redis, delivery, state):
+        lifecycle.cancels._learn("r", 0)  # a notice of a cancel before this entry was enqueued (entry id 1-0)
+        lifecycle.take(delivery, "read")
+        await planner.finish()
+        await turn()
+        assert state() == State.QUEUED
+        lifecycle.cancels._learn("r", 0)
+        assert state() == State.QUEUED and cancels(lifecycle.metrics) == {"honoured": 0, "too_late": 0}
+
+    scenario(steps)

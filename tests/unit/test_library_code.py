@@ -12,7 +12,7 @@ REVISIONS = {
     1: "551d18b9babcaca2",
     2: "92a0e75cffd7b6f0",  # publish_as, part_as, reply; the high lane's request stream (docs/PROTOCOL.md)
     3: "9d0a1bb4ce5b0bbc",  # a reply stream's length capped: publish_as and reply take it last (optional)
-    4: "f69d5b77e772db65",  # dead_letter (a dead letter with its result, one step) and requeue
+    4: "f96d2f6239a69e1b",  # dead_letter (a dead letter with its result, one step), requeue; records, cancel
 }
 
 
@@ -26,5 +26,6 @@ def test_each_revision_of_the_code_is_pinned():
 def test_names_carry_the_protocol_version():
     assert library.LIBRARY == "dq_v1" and library.CODE.startswith("#!lua name=dq_v1\n")
     for name in (library.SUBMIT, library.PUBLISH, library.PART, library.FORGET, library.REVISION_FUNCTION,
-                 library.PUBLISH_AS, library.PART_AS, library.REPLY, library.DEAD_LETTER, library.REQUEUE):
+                 library.PUBLISH_AS, library.PART_AS, library.REPLY, library.DEAD_LETTER, library.REQUEUE,
+                 library.CANCEL):
         assert name.startswith("dq_v1_") and f"'{name}'" in library.CODE

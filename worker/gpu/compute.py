@@ -92,6 +92,7 @@ class Compute:
             self._isolate(pack, error)
             return
         self._record(run)
+        self.metrics.prompts.inc(len(pack))
         if self.traces is not None:
             ended = time.time()
             self.traces.computed(list({id(item.task): item.task.delivery for item in pack}.values()),

@@ -23,7 +23,7 @@ from collections import deque
 
 from producer.wire.keys import HIGH, LANES, NORMAL, Priority
 
-from ..tasks import Item
+from ..tasks import Item, Task
 
 HOLD = 64  # prompts of a lane looked at per step (first fit), oldest first
 HIGH_RECENT_S = 1.0  # packs stay at high_budget this long after high work was last queued
@@ -50,6 +50,21 @@ class Packer:
             if item.lane == HIGH:
                 self.high_seen = time.monotonic()
             self.ready.notify()
+
+    def withdraw(self, task: Task) -> bool:
+        """Take every prompt of ``task`` out (any thread), if none of them has left for a pack yet: True; else leave
+        them all (its answers come as usual) and False. Under the lock ``next`` takes packs under, so a prompt is
+        either withdrawn here or packed there, never both."""
+        with self.ready:
+            queued = [item for item in self.lanes[task.delivery.lane] if item.task is task]
+            if len(queued) != len(task.prompts):
+                return False
+            lane = self.lanes[task.delivery.lane]
+            kept = [item for item in lane if item.task is not task]
+            lane.clear()
+            lane.extend(kept)
+            self.tokens[task.delivery.lane] -= sum(item.tokens for item in queued)
+            return True
 
     def next(self, timeout: float = 0.25, wait: bool = True) -> list[Item]:
         """The next pack (possibly empty after ``timeout`` with no work). ``wait=False``: take what is there."""

@@ -40,6 +40,11 @@ class Held:
     delivery: Delivery
     state: State = State.TAKEN
     task: Task | None = None
+    cancelled: bool = False  # answered ``cancelled``
+
+    @property
+    def request_id(self) -> str:  # the body's, once planned (a delivery of a request entry may not know it)
+        return self.task.request_id if self.task is not None else self.delivery.request_id
 
 
 class HeldEntries:
@@ -48,6 +53,7 @@ class HeldEntries:
     def __init__(self, max_inflight: int, metrics: Metrics) -> None:
         self.max_inflight, self.metrics = max_inflight, metrics
         self.entries: dict[Entry, Held] = {}
+        self.by_request: dict[str, dict[Entry, None]] = {}  # request id -> its held entries (cancels find them)
         self.held_in = dict.fromkeys(LANES, 0)
         self.room = {lane: asyncio.Event() for lane in LANES}  # set when an entry of the lane is let go
         self.lost: dict[Entry, None] = {}  # counted as lost, recent ones
@@ -69,19 +75,35 @@ class HeldEntries:
     def get(self, entry: Entry) -> Held | None:
         return self.entries.get(entry)
 
+    def of_request(self, request_id: str) -> list[Held]:
+        return [self.entries[entry] for entry in self.by_request.get(request_id, ())]
+
+    def _index(self, held: Held, add: bool) -> None:
+        entry = (held.delivery.key, held.delivery.entry_id)
+        if add:
+            self.by_request.setdefault(held.request_id, {})[entry] = None
+        elif (entries := self.by_request.get(held.request_id)) is not None:
+            entries.pop(entry, None)
+            if not entries:
+                del self.by_request[held.request_id]
+
     def move(self, delivery: Delivery, state: State, task: Task | None = None) -> None:
         """The entry's next state (and its task, once planned), while this delivery of it is held: not once a stop
         past its deadline let it go, nor after a retry took it again under a new delivery."""
         held = self.entries.get((delivery.key, delivery.entry_id))
         if held is not None and held.delivery is delivery:
             held.state = state
-            held.task = task or held.task
+            if task is not None:  # indexed under the request id its body names from now on
+                self._index(held, add=False)
+                held.task = task
+                self._index(held, add=True)
 
     def hold(self, delivery: Delivery, how: str, since: float | None) -> bool:
         """Hold an entry, counted, unless it is held already or was let go ``since`` the call that found it."""
         if self.known((delivery.key, delivery.entry_id), since):
             return False
-        self.entries[delivery.key, delivery.entry_id] = Held(delivery)
+        self.entries[delivery.key, delivery.entry_id] = held = Held(delivery)
+        self._index(held, add=True)
         self.held_in[delivery.lane] += 1
         metrics = self.metrics
         metrics.inflight.set(len(self.entries))
@@ -99,7 +121,8 @@ class HeldEntries:
     def release(self, delivery: Delivery) -> None:
         """Let the entry go (settled, fanned out, or acknowledged alone)."""
         entry = (delivery.key, delivery.entry_id)
-        if self.entries.pop(entry, None) is not None:
+        if (held := self.entries.pop(entry, None)) is not None:
+            self._index(held, add=False)
             self.held_in[delivery.lane] -= 1
             self.room[delivery.lane].set()
             self.released[entry] = time.monotonic()

@@ -6,13 +6,17 @@ Each step sets the held entry's state (``State``, in capitals below).
              away -> acknowledged, counted lost; a part naming no request -> dead-lettered, unanswered; delivered
              over --max-deliveries times -> dead-lettered with an error result; else planned
     plan     PLANNING: the planner parses the body once (threads or processes): a Task, or a Refusal answered at
-             once; an id answered before is a replay or a conflict, not computed again
+             once; an id answered before is a replay or a conflict, not computed again; a request cancelled before
+             this take (cancels.py) is answered ``cancelled``, never computed
     queue    QUEUED: a task's prompts to the packer; a task over --fanout-tokens is fanned out as parts instead
     compute  COMPUTING: a pack with one of its prompts went to the GPU
     failed   a failed pack: the same task again under a new delivery (its counter up: TAKEN), or dead-lettered
     settle   SETTLING: each outcome handed to the settle loop (settler.py): published once, replied to,
              acknowledged; then the entry is let go (``HeldEntries.release``); so are a dead letter, a fan-out's
              parts and an acknowledgement alone
+
+    cancel   a cancel notice: the request's entries held here and not packed yet (QUEUED, every prompt still with
+             the packer) are answered ``cancelled``; packed or settling ones as they are (too late)
 
 Held entries keep the order they were taken in; each lane has room for ``--max-inflight`` of them.
 """
@@ -35,6 +39,7 @@ from ..metrics import Metrics
 from ..outcomes import answered_before, error_outcome, task_outcome
 from ..tasks import Computed, Expired, Failed, GpuEvent, Item, Launched, Task
 from ..traces import Traces
+from .cancels import Cancels
 from .consumer import Consumer
 from .held import HeldEntries, State
 from .publisher import Publisher
@@ -55,6 +60,8 @@ class Packs(Protocol):
 
     def put(self, item: Item) -> None: ...
 
+    def withdraw(self, task: Task) -> bool: ...
+
 
 class Lifecycle:
     def __init__(self, keys: Keys, settings: Settings, metrics: Metrics, redis_calls: RedisCalls, consumer: Consumer,
@@ -67,6 +74,7 @@ class Lifecycle:
         self.held = HeldEntries(settings.max_inflight, metrics)
         self.traces = traces  # None: tracing off (worker/traces.py)
         self.settler = Settler(publisher, redis_calls, metrics, self.held, loop, traces)
+        self.cancels = Cancels(redis_calls, keys, settings.consumer_name, settings.block_ms, self.cancel)
 
     def take(self, delivery: Delivery, how: str, since: float | None = None) -> None:
         """Hold an entry and route it, once however it arrived; not one let go ``since`` the call that found it."""
@@ -88,14 +96,23 @@ class Lifecycle:
         elif delivery.deliveries > self.settings.max_deliveries:
             self.held.move(delivery, State.SETTLING)
             asyncio.ensure_future(self._dead_letter(delivery, f"delivered {delivery.deliveries} times unfinished"))
+        elif self.cancels.cancelled(delivery.request_id, delivery.enqueued_ms):  # a notice before: not even planned
+            self.held.move(delivery, State.SETTLING)
+            asyncio.ensure_future(self._cancelled(delivery))
         else:  # bad fields too: the planner answers them with the identity its parse finds
             self.held.move(delivery, State.PLANNING)
             asyncio.ensure_future(self._plan(delivery))
 
     async def _plan(self, delivery: Delivery) -> None:
         start, began = time.perf_counter(), time.time()
+        body, cancelled = None, False
+        if delivery.stream == PARTS and delivery.answerable:  # its request's body, and whether it was cancelled
+            body, cancelled = await self.redis_calls.until(lambda: self.cancels.part_body(delivery), "get body")
+        if cancelled:
+            await self._cancelled(delivery, body)
+            return
         try:
-            planned = await asyncio.wrap_future(self.planner.submit(delivery, await self._stored_body(delivery)))
+            planned = await asyncio.wrap_future(self.planner.submit(delivery, body))
         except Exception as error:  # noqa: BLE001 - a planner bug must not take the daemon down
             log.exception("planning %s failed", delivery.entry_id, extra=delivery.log_fields)
             self._failed(delivery, f"{type(error).__name__}: {error}")
@@ -119,11 +136,15 @@ class Lifecycle:
         if isinstance(planned, Refusal):  # bad input, a deadline passed: answered at once, never retried
             self.settler.put(error_outcome(delivery, planned.identity, planned.code, planned.message,
                                            self.model_name))
-        elif stored := delivery.stream == REQUESTS and await self.redis_calls.until(
-                lambda: self.publisher.stored(planned.request_id), "look up"):  # a reused id: no compute
+            return
+        stored, cancelled = await self.redis_calls.until(lambda: self.cancels.look_up(planned), "look up") \
+            if delivery.stream == REQUESTS else (None, False)
+        if stored is not None:  # a reused id: no compute
             outcome = answered_before(planned.delivery, planned.identity, stored, self.model_name)
             self.settler.count_reused(outcome)
             self.settler.put(outcome)
+        elif cancelled or self.cancels.cancelled(planned.request_id, delivery.enqueued_ms):  # or a notice meanwhile
+            self._drop(delivery, planned.identity)
         elif planned.fan_out:
             self.held.move(delivery, State.SETTLING)  # its parts added, then it is acknowledged
             await self.redis_calls.until(lambda: self.publisher.fan_out(planned), "fan out")
@@ -163,6 +184,8 @@ class Lifecycle:
         if self.held.hold(fresh, "retried", None):
             if task is None:
                 self._route(fresh)
+            elif self.cancels.cancelled(task.request_id, fresh.enqueued_ms):
+                self._drop(fresh, task.identity)
             else:
                 self._queue(Task(fresh, task.identity, task.request, task.prompts, remaining=len(task.prompts)))
 
@@ -185,6 +208,41 @@ class Lifecycle:
                                 f"gave up after {delivery.deliveries} deliveries: {reason}", self.model_name)
         outcome.dead_letter = reason
         self.settler.put(outcome)
+
+    async def _cancelled(self, delivery: Delivery, body: bytes | None = None) -> None:
+        """An entry taken after its request's cancel: its body parsed once, off this thread, for where the result
+        goes; answered ``cancelled`` unless the body names another request than the notice was for."""
+        job = Job.of(delivery, body if body is not None else await self._stored_body(delivery))
+        identity = await asyncio.to_thread(identity_with_digest, self.keys, job)
+        if identity.request_id == delivery.request_id or self.cancels.cancelled(identity.request_id,
+                                                                                  delivery.enqueued_ms):
+            self._drop(delivery, identity)
+        else:
+            self.held.move(delivery, State.PLANNING)
+            await self._plan(delivery)
+
+    def _drop(self, delivery: Delivery, identity: Identity) -> None:
+        """Answer ``cancelled``: never computed (a cancel honoured)."""
+        self.metrics.cancels.labels("honoured").inc()
+        self.settler.put(error_outcome(delivery, identity, ErrorCode.CANCELLED, "cancelled before it was computed",
+                                       self.model_name))
+        if (held := self.held.get((delivery.key, delivery.entry_id))) is not None:
+            held.cancelled = True  # a notice coming now counts it neither honoured again nor too late
+
+    def cancel(self, request_id: str, at_ms: int) -> None:
+        """A cancel notice (of ``at_ms``): the request's entries held here (enqueued before it) whose prompts all wait
+        in the packer are answered ``cancelled``; those with a prompt packed, or being settled, are answered as they
+        are (too late); those still being planned are checked once planned."""
+        for held in self.held.of_request(request_id):
+            if held.delivery.enqueued_ms > at_ms:  # sent again under the id after the cancel: another request
+                continue
+            task = held.task
+            if held.state == State.QUEUED and task is not None and not task.closed and self.packer.withdraw(task):
+                task.closed = True
+                self._drop(task.delivery, task.identity)
+            elif held.state in (State.QUEUED, State.COMPUTING) or (
+                    held.state == State.SETTLING and not held.cancelled and not (task and task.fan_out)):
+                self.metrics.cancels.labels("too_late").inc()
 
     async def _ack_only(self, delivery: Delivery) -> None:
         await self.redis_calls.until(lambda: self.publisher.ack([delivery]), "ack")

@@ -26,8 +26,10 @@ from redis.asyncio import RedisCluster
 from producer.wire import cluster_wait, library, sentinel
 from producer.wire.connection import WAIT_MS
 from producer.wire.errors import NotDurable
-from producer.wire.keys import Field, Keys, text
+from producer.wire.keys import Field, Keys, Record, RecordState, text
+from producer.wire.records import AFTER_RESULT_S
 from producer.wire.result import Result, Unreadable, read_stored
+from producer.wire.schema import ErrorCode
 
 from ..entries import REQUESTS, Delivery
 from ..outcomes import Outcome, Share, answered_before, dead_fields
@@ -50,6 +52,7 @@ class Settlement:
     reused: list[Outcome] = field(default_factory=list)  # answered as a reused id: another entry published first
     # the result stored under their ids cannot be read (no worker wrote it): dead-lettered and acknowledged, why
     unreadable: list[tuple[Outcome, Unreadable]] = field(default_factory=list)
+    records_refused: list[redis.ResponseError] = field(default_factory=list)  # records not updated (an old ACL)
 
 
 class Publisher:
@@ -140,8 +143,10 @@ class Publisher:
             if not outcome.copied:
                 await self.dead_letter(outcome.delivery, f"{error}: no result can be published under this id")
                 outcome.copied = True
-        await self.ack([outcome.delivery for outcome, *_ in settled] + [o.delivery for o, _ in done.unreadable],
-                       durable=True)
+        done.records_refused = await self.ack(
+            [outcome.delivery for outcome, *_ in settled] + [o.delivery for o, _ in done.unreadable], durable=True,
+            answered=[(outcome, result) for outcome, result, *_ in settled
+                      if result is not None and not _conflict(result)])
         done.settled = [(outcome, result, mine) for outcome, result, mine, _ in settled]
         return done
 
@@ -176,7 +181,9 @@ class Publisher:
             return False
         if outcome.delivery.stream == REQUESTS:
             return not self._same_entry(outcome, reply[1].decode())
-        return stored.digest is None or stored.digest != outcome.identity.digest
+        if outcome.identity.digest is None:  # a part that does not know its request's digest cannot tell
+            return False
+        return stored.digest != outcome.identity.digest  # a stored result without one answers no request
 
     def _publication(self, outcome: Outcome) -> tuple[Any, list[str], list[Any]]:
         request_id = outcome.request_id
@@ -218,11 +225,6 @@ class Publisher:
             if isinstance(reply, BaseException) and not isinstance(reply, redis.ResponseError):
                 raise reply
         return replies
-
-    async def stored(self, request_id: str) -> Result | None:
-        """The result a request id already has, if any (a reused id); raises Unreadable for one no worker wrote."""
-        [entry] = await self.redis.xrange(self.keys.result(request_id), count=1) or [None]
-        return None if entry is None else read_stored(entry[1].get(Field.BODY.encode()), request_id)
 
     async def check_library(self) -> bool:
         """Whether the function library is loaded, loading it if the server lacks it or has an older revision (when
@@ -270,24 +272,38 @@ class Publisher:
             await pipe.execute()
         await self.ack([entry])
 
-    async def ack(self, deliveries: list[Delivery], durable: bool = False) -> None:
-        """Acknowledge and delete; ``durable`` (a settlement's acks), with a WAIT in durable mode."""
+    async def ack(self, deliveries: list[Delivery], durable: bool = False,
+                  answered: list[tuple[Outcome, Result]] | None = None) -> list[redis.ResponseError]:
+        """Acknowledge and delete; ``durable`` (a settlement's acks), with a WAIT in durable mode. ``answered``: their
+        records say how each request was answered, kept a while past its result; refusals of those are returned."""
         if durable and self.wait_replicas and deliveries and isinstance(self.redis, RedisCluster):
             calls = [cluster_wait.Routed(entry.key, command) for entry in deliveries for command in (
                 ("XACK", entry.key, self.keys.group, entry.entry_id), ("XDEL", entry.key, entry.entry_id))]
             for reply in await self._per_node(calls, "acknowledgements", len(deliveries)):
                 if isinstance(reply, BaseException):
                     raise reply
-            return
+            deliveries = []  # acknowledged, confirmed: the records follow on their own (a status, not the result)
         async with self.redis.pipeline(transaction=False) as pipe:
             for entry in deliveries:
                 pipe.xack(entry.key, self.keys.group, entry.entry_id)
                 pipe.xdel(entry.key, entry.entry_id)
+            for outcome, result in answered or []:
+                record, code = self.keys.record(outcome.request_id), result.error.code if result.error else ""
+                pipe.hset(record, mapping={Record.STATE: RecordState.ANSWERED, Record.STATUS: result.status,
+                                           Record.CODE: getattr(code, "value", code),
+                                           Record.AT: int(time.time() * 1000)})
+                pipe.expire(record, self.ttl + AFTER_RESULT_S)
             if durable and self.wait_replicas and deliveries:
                 pipe.wait(self.wait_replicas, WAIT_MS)
-            replies = await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
+        acks = replies[: 2 * len(deliveries)]
+        records = replies[len(acks): len(acks) + 2 * len(answered or [])]
+        for reply in acks + replies[len(acks) + len(records):]:
+            if isinstance(reply, BaseException):
+                raise reply
         if durable and self.wait_replicas and deliveries:
             await self._durable(replies[-1], "acknowledgements", len(deliveries))
+        return [reply for reply in records if isinstance(reply, redis.ResponseError)]
 
     async def _per_node(self, calls: list[cluster_wait.Routed], what: str, count: int) -> list[Any]:
         """Durable mode on Redis Cluster: ``calls`` in one pipeline and WAIT per primary, once (a doubt raises: the
@@ -312,3 +328,8 @@ class Publisher:
         duplicate, never a loss. (A dead letter with a result is copied by its publication: ``_publication``.)"""
         await self.redis.xadd(self.keys.dead, dead_fields(delivery, reason), maxlen=self.dead_maxlen,
                               approximate=True)
+
+
+def _conflict(result: Result) -> bool:
+    """An id_conflict answers a request its id's stored result is not for: the record keeps what the id has."""
+    return result.error is not None and result.error.code == ErrorCode.ID_CONFLICT

@@ -66,6 +66,8 @@ class Settler:
                 log.error("%s: entry %s of %s dead-lettered unanswered", error, outcome.delivery.entry_id,
                           outcome.delivery.key, extra=outcome.identity.log_fields)
                 self.held.release(outcome.delivery)
+            for error in done.records_refused:  # the result is published and acknowledged: work goes on
+                self.redis_calls.refused("record", error, stalls=False, detail="a record not updated")
             now = time.time()
             for outcome in done.reused:  # lost the race to another request under its id: answered as reused
                 self.count_reused(outcome)
