@@ -76,4 +76,4 @@ def describe(schema: dict[str, Any], routes: list[tuple[str, str, str, tuple[str
         if timeout:
             operation["parameters"] = [{"name": "timeout", "in": "query", "required": False, "description": TIMEOUT,
                                         "schema": {"type": "number", "exclusiveMinimum": 0}}]
-        schema.setdefault("paths", {})[path] = {"post": operation}
+        schema.setdefault("paths", {}).setdefault(path, {})["post"] = operation  # beside its GET, DELETE

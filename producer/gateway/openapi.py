@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..wire.records import Cancel, Status
 from ..wire.result import Result
 
 
@@ -57,7 +58,15 @@ class Readiness(BaseModel):
     ready: bool
 
 
-MODELS = (Result, Refusal, Enqueued, Health, Info, Readiness)
+class Cancels(BaseModel):
+    requests: list[Cancel] = Field(description="what each cancel did, in the order asked")
+
+
+class Statuses(BaseModel):
+    requests: list[Status] = Field(description="where each request is, in the order asked")
+
+
+MODELS = (Result, Refusal, Enqueued, Health, Info, Readiness, Cancel, Status, Cancels, Statuses)
 JSON, NDJSON = "application/json", "application/x-ndjson"
 
 
@@ -96,6 +105,11 @@ RESULT_ERRORS = {  # the worker's error results beside the gateway's own refusal
     "504": body("no result in time (timeout: the id, Location to fetch it later; the message says when no worker "
                 "of the namespace is alive), or the worker's deadline_exceeded result", Refusal, Result)}
 
+# Cancel and status (cancels.py): one slot of the key's while they run, ids checked.
+BY_ID = {"422": body("an id that cannot be one", Refusal),
+         "429": body("the key has too many calls in flight: Retry-After", Refusal)}
+BY_IDS = {**BY_ID, "413": body("more ids than --max-batch in one call (batch_too_large)", Refusal)}
+
 RESPONSES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/v1/decide"): {**KEYED, **SUBMITTING, **RESULT_ERRORS, "200": body("the result", Result)},
     ("post", "/v1/decide/batch"): {**KEYED, **SUBMITTING, "200": body(
@@ -113,6 +127,16 @@ RESPONSES: dict[tuple[str, str], dict[str, Any]] = {
                                           "409": body("id_conflict: with ?digest=, another request's result under "
                                                       "the id; with or without, an entry that is no result of it",
                                                       Result)},
+    ("delete", "/v1/requests/{request_id}"): {
+        **KEYED, **BY_ID, "200": body("cancelled: not delivered to a worker yet, never computed", Cancel),
+        "202": body("cancelling: a worker holds it and decides (answered cancelled unless already packed)", Cancel),
+        "409": body("too_late: already answered (status, code)", Cancel),
+        "404": body("unknown: no record of the id in the key's namespace", Cancel)},
+    ("get", "/v1/requests/{request_id}"): {
+        **KEYED, **BY_ID, "200": body("where it is: queued, in_progress, answered, cancelled, dead_lettered", Status),
+        "404": body("unknown: never sent with this key's namespace, or answered and long expired", Status)},
+    ("delete", "/v1/requests"): {**KEYED, **BY_IDS, "200": body("what each cancel did, in order", Cancels)},
+    ("get", "/v1/requests"): {**KEYED, **BY_IDS, "200": body("where each is, in order", Statuses)},
     ("get", "/health"): {**HOST, "200": body("the process answers", Health)},
     ("get", "/ready"): {**HOST, "200": body("ready: it can serve (Redis reachable on its own connection, its limits "
                                             "not exhausted)", Readiness),

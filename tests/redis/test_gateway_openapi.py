@@ -13,6 +13,7 @@ from collections import defaultdict
 import httpx
 import jsonschema
 import pytest
+import redis
 
 from inprocess import InProcessWorker
 from producer.gateway.config import ApiKey, GatewayConfig
@@ -20,6 +21,7 @@ from producer.gateway.routes import create_app
 from producer.local.binaries import servers_under_test
 from producer.local.ports import free_port
 from producer.wire.connection import Deployment
+from producer.wire.keys import GROUP, Keys
 
 pytestmark = pytest.mark.redis
 TOKENS = {name: f"openapi-token-{name}-0123456789" for name in ("acme", "normal", "idle", "full", "one")}
@@ -65,7 +67,7 @@ async def stalled():
     yield b'"questions": {"q": {"type": "noul"}}}'
 
 
-async def exercise(app, broken, solo, opened, seen: Seen) -> dict:
+async def exercise(app, broken, solo, opened, seen: Seen, url: str) -> dict:
     """Every route into each of its statuses; the OpenAPI document as served. ``broken``: a gateway whose Redis
     does not answer; ``solo``: one whose only key's namespace has a worker (ready); ``opened``: one without keys."""
     async with app.app.router.lifespan_context(app.app), broken.app.router.lifespan_context(broken.app), \
@@ -74,6 +76,8 @@ async def exercise(app, broken, solo, opened, seen: Seen) -> dict:
                 client(opened, "127.0.0.1") as local:
             decide, batch, enqueue = ("post", "/v1/decide"), ("post", "/v1/decide/batch"), ("post", "/v1/requests")
             results = ("get", "/v1/results/{request_id}")
+            cancel_one, status_one = ("delete", "/v1/requests/{request_id}"), ("get", "/v1/requests/{request_id}")
+            cancel_many, status_many = ("delete", "/v1/requests"), ("get", "/v1/requests")
             c = seen.call
             for method, template in (decide, batch, enqueue):
                 body = request() if template != "/v1/decide/batch" else {"requests": [request()]}
@@ -98,6 +102,29 @@ async def exercise(app, broken, solo, opened, seen: Seen) -> dict:
             await c(http, *decide, json=request("oa-1", state="Another request."), headers=auth("acme"))  # 409
             await c(http, *decide, json=request(state=POISON), headers=auth("acme"))  # dead-lettered: 500
             await c(http, *decide, params={"timeout": 0.3}, json=request("oa-late"), headers=auth("idle"))  # 504
+            await c(http, *cancel_one, "/v1/requests/oa-late", headers=auth("idle"))  # queued: 200 cancelled
+            assert (await c(http, *enqueue, json=request("oa-held"), headers=auth("idle"))).status_code == 202
+            idle, holder = Keys("idle"), redis.Redis.from_url(url)
+            holder.xgroup_create(idle.requests, GROUP, id="0", mkstream=True)  # a worker of its own that holds it
+            holder.xreadgroup(GROUP, "a-worker", {idle.requests: ">"}, count=10)
+            holder.close()
+            await c(http, *cancel_one, "/v1/requests/oa-held", headers=auth("idle"))  # held: 202 cancelling
+            await c(http, *cancel_one, "/v1/requests/oa-1", headers=auth("acme"))  # answered: 409 too_late
+            await c(http, *cancel_one, "/v1/requests/oa-never", headers=auth("acme"))  # 404 unknown
+            await c(http, *status_one, "/v1/requests/oa-1", headers=auth("acme"))  # 200
+            await c(http, *status_one, "/v1/requests/oa-never", headers=auth("acme"))  # 404
+            for route in (cancel_one, status_one):
+                await c(http, *route, "/v1/requests/not%20an%20id", headers=auth("acme"))  # 422
+                await c(http, *route, "/v1/requests/oa-1")  # 401
+                await c(down, *route, "/v1/requests/oa-1", headers=auth("acme"))  # 503
+                await c(foreign, *route, "/v1/requests/oa-1")  # 400
+            for route in (cancel_many, status_many):
+                await c(http, *route, params=[("id", "oa-1"), ("id", "oa-never")], headers=auth("acme"))  # 200
+                await c(http, *route, params=[("id", f"oa-{i}") for i in range(5)], headers=auth("acme"))  # 413
+                await c(http, *route, params={"id": "not an id"}, headers=auth("acme"))  # 422
+                await c(http, *route, params={"id": "oa-1"})  # 401
+                await c(down, *route, params={"id": "oa-1"}, headers=auth("acme"))  # 503
+                await c(foreign, *route, params={"id": "oa-1"})  # 400
             await c(http, *batch, json={"requests": [request("oa-b1"), request("oa-b2")]}, headers=auth("acme"))
             await c(http, *batch, json={"requests": [request() for _ in range(5)]}, headers=auth("acme"))  # 413
             await c(http, *enqueue, json={"requests": [request("oa-e1")]}, headers=auth("acme"))  # 202
@@ -112,6 +139,10 @@ async def exercise(app, broken, solo, opened, seen: Seen) -> dict:
                                               headers=auth("one")))
             await asyncio.sleep(0.5)
             await c(http, *results, "/v1/results/oa-poll", headers=auth("one"))  # its one slot is taken: 429
+            for route in (cancel_one, status_one):
+                await c(http, *route, "/v1/requests/oa-poll", headers=auth("one"))  # 429
+            for route in (cancel_many, status_many):
+                await c(http, *route, params={"id": "oa-poll"}, headers=auth("one"))  # 429
             await polling
             for path in ("/health", "/info", "/metrics"):
                 await c(http, "get", path)
@@ -134,7 +165,7 @@ def test_every_route_declares_the_statuses_it_returns_with_their_bodies(redis_se
                                           keys=KEYS, **LIMITS))
         solo = create_app(GatewayConfig(deployment=Deployment(url=redis_server.url), keys=KEYS[:1], **LIMITS))
         opened = create_app(GatewayConfig(deployment=Deployment(url=redis_server.url), **LIMITS))
-        served = asyncio.run(exercise(app, broken, solo, opened, seen))
+        served = asyncio.run(exercise(app, broken, solo, opened, seen, redis_server.url))
     finally:
         worker.stop()
     document = served["document"]

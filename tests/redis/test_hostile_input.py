@@ -30,9 +30,11 @@ def request(request_id: str | None = None, **extra) -> bytes:
 
 
 def own_keys(ids) -> set[bytes]:
-    """What work on these requests may write: the work and dead-letter streams, the heartbeats, their own keys."""
+    """What work on these requests may write: the work and dead-letter streams, the heartbeats, their own keys
+    (result, shares, body, record)."""
     shared = {KEYS.requests, KEYS.parts, KEYS.dead, KEYS.workers()}
-    return {key.encode() for key in shared | {make(i) for i in ids for make in (KEYS.result, KEYS.shares, KEYS.body)}}
+    return {key.encode() for key in shared | {make(i) for i in ids
+                                              for make in (KEYS.result, KEYS.shares, KEYS.body, KEYS.record)}}
 
 
 class Watched:
