@@ -17,7 +17,8 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import arrivals, stats
+from . import arrivals, served, stats
+from .served import ModelNotServed, ServedModel
 from .plans import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
                    Step, Submittable, WrongResult, prepare)
 from .wire import library, sentinel
@@ -28,9 +29,9 @@ from .wire.library import LibraryUnavailable
 from .wire.result import Result, ResultError
 from .wire.supported import Server, UnsupportedServer, acheck, check
 
-__all__ = ["AsyncClient", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "NotDurable", "Prepared",
-           "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout", "UnsupportedServer", "WrongResult",
-           "aconnect", "connect", "prepare"]
+__all__ = ["AsyncClient", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "ModelNotServed",
+           "NotDurable", "Prepared", "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout", "ServedModel",
+           "UnsupportedServer", "WrongResult", "aconnect", "connect", "prepare"]
 T = TypeVar("T")
 # What a first contact that never reached a server raises (RedisClusterException: no node of a cluster answered).
 UNREACHED = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException)
@@ -47,6 +48,8 @@ class _Face:
     ``DQ_REDIS_CLUSTER``, ``DQ_REDIS_TLS_*``) and ``DQ_SHARDS``, then the defaults. ``max_unfinished``: the
     backpressure limit per shard (0: none). ``wait_replicas`` (``DQ_WAIT_REPLICAS``): durable mode, an enqueue is
     acknowledged and a result returned only once that many replicas have it, else NotDurable names the ids.
+    ``model``: the client uses the first of ``model_namespaces`` (default: the namespace) whose live workers serve
+    a model of that name, found at its first call, which raises ModelNotServed if none does (producer/served.py).
     ``options``: redis-py connection options (e.g. ``ssl_ca_certs``).
 
     The first call asks the server what it is, once and without retries: a Redis that is down raises
@@ -58,9 +61,12 @@ class _Face:
 
     def __init__(self, url: str | None = None, namespace: str | None = None, max_unfinished: int = 100_000,
                  cluster: bool | None = None, connection: Any = None, shards: int | None = None,
-                 wait_replicas: int | None = None, **options: Any) -> None:
+                 wait_replicas: int | None = None, model: str | None = None,
+                 model_namespaces: Iterable[str] | None = None, **options: Any) -> None:
         self.deployment = Deployment.resolve(url=url, namespace=namespace, cluster=cluster, shards=shards,
                                              wait_replicas=wait_replicas)
+        self.model, self.model_namespaces = model, list(model_namespaces or [self.deployment.namespace])
+        self.routed: ServedModel | None = None  # the model's, once found
         self._options = {**self.deployment.tls_files(), **options}
         self._given = connection is not None
         try:  # a cluster client connects here already
@@ -152,6 +158,7 @@ class Client(_Face):
     def _run(self, plan: Plan[T]) -> T:
         if self.server is None:
             self.server = self._first_contact()
+        plan = served.routing(self, plan)
         reply: Any = None
         error: BaseException | None = None
         while True:
@@ -250,6 +257,7 @@ class AsyncClient(_Face):
     async def _run(self, plan: Plan[T]) -> T:
         if self.server is None:
             self.server = await self._first_contact()
+        plan = served.routing(self, plan)
         reply: Any = None
         error: BaseException | None = None
         while True:

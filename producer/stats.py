@@ -9,6 +9,7 @@ from typing import Any
 import redis
 
 from .plans import Call, Plan, Producer
+from .served import catalog
 from .wire.keys import GONE_S, GROUP, LANES, Keys, beat_age
 from .wire.supported import lag_of
 
@@ -18,7 +19,8 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
     streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``prompts``: both
     lanes together; dead letters; and the live workers. Live: a consumer seen in the last ``GONE_S`` seconds or
     holding entries, a worker whose heartbeat is younger than that (workers delete the gone: presence.py). The
-    lag is the server's, or the length less pending when the server cannot count it (``servers.lag_of``)."""
+    lag is the server's, or the length less pending when the server cannot count it (``servers.lag_of``). ``models``:
+    the models the live workers serve, by the name their results say: every name each answers to, and its workers."""
     shards = []
     for shard in range(core.shards):
         keys, entry = Keys(core.keys.namespace, shard), {"shard": shard}
@@ -39,6 +41,8 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
     beats = yield Call("hgetall", (core.keys.workers(),))
     now = time.time()
     totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
+    served = {m.name: m for m in catalog(beats, core.keys.namespace, now).values()}
+    totals["models"] = {name: {"names": list(m.names), "workers": m.workers} for name, m in sorted(served.items())}
     return {**totals, "shards": shards}
 
 

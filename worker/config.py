@@ -17,6 +17,7 @@ from typing import Any
 
 from producer.wire.connection import (MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT, mode_problem, redact, tls_url,
                                       url_problem)
+from producer.wire.keys import MODEL_NAME
 
 DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
 GPUS = re.compile(r"|all|cpu:[1-9][0-9]{0,2}|[0-9]{1,3}(,[0-9]{1,3})*")  # --gpus; worker/launch/launcher.py reads it
@@ -32,6 +33,7 @@ class SettingsError(ValueError):
 SECTIONS = {"checkpoint": "model", "pack_tokens": "packing, planning and the GPU fast path",
             "redis_url": "Redis connection", "shard": "queue", "metrics_port": "operations (metrics, health, logs)"}
 ALIASES = {"redis_url": ("--redis",), "redis_cluster": ("--cluster",)}  # dq-producer's spellings too
+REPEATED = ("served_model_name",)  # a flag given again adds to the list (its variable: the names, comma-separated)
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] = (), low: float | None = None,
@@ -45,6 +47,9 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] = (), low: float | No
 class Settings:
     # Model
     checkpoint: str = _opt("", "decision checkpoint directory (any format transformers.decision loads)")
+    served_model_name: str = _opt("", "a name the model is served under; repeat the flag (or separate by commas) for "
+                                      "aliases; the first is the one results say (empty: the checkpoint's own name)",
+                                  more="the gateway routes System One calls by these names (docs/GATEWAY.md)")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     gpus: str = _opt("", "one worker process per GPU, started and supervised by this one: all, a list like 0,1,3, or "
                          "cpu:N (N CPU workers: tests, CPU hosts); empty: this process is the worker",
@@ -160,6 +165,10 @@ class Settings:
             problems.append(("gpus", "all, cpu:N (N up to 999) or distinct GPU numbers like 0,1,3", self.gpus))
         elif gpus and self.device != "auto":
             problems.append(("device", "auto with --gpus (the launcher gives each worker its device)", self.device))
+        names = self.served_model_name.split(",") if self.served_model_name else []
+        if not all(MODEL_NAME.match(n) for n in names) or len(set(names)) < len(names):
+            problems.append(("served_model_name", "distinct names of 1 to 128 of A-Z a-z 0-9 . _ : / @ + - (a letter "
+                             "or digit first)", self.served_model_name))
         if not NAMESPACE.fullmatch(self.namespace):
             problems.append(("namespace", "1 to 64 of A-Z a-z 0-9 . _ -", self.namespace))
         if not self.redis_url.startswith(REDIS_SCHEMES):
@@ -185,6 +194,11 @@ class Settings:
     @property
     def consumer_name(self) -> str:
         return self.consumer or f"{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """--served-model-name's names, the one results say first; empty: the checkpoint's own name serves."""
+        return tuple(self.served_model_name.split(",")) if self.served_model_name else ()
 
     @property
     def redis_where(self) -> str:
@@ -242,6 +256,8 @@ class Settings:
             if f.type == "bool":
                 group.add_argument(*flags, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
                                    help=help_text)
+            elif f.name in REPEATED:
+                group.add_argument(*flags, dest=f.name, default=None, action="append", help=help_text)
             else:
                 # choices are matched ignoring case when the settings are made: shown here, not enforced
                 shown = {"metavar": "{" + ",".join(f.metadata["choices"]) + "}"} if f.metadata["choices"] else {}
@@ -250,7 +266,10 @@ class Settings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
-        return cls.from_env(environ, **{f.name: getattr(args, f.name, None) for f in fields(cls)})
+        given = {f.name: getattr(args, f.name, None) for f in fields(cls)}
+        for name in REPEATED:
+            given[name] = ",".join(given[name]) if given[name] else None
+        return cls.from_env(environ, **given)
 
 
 def _names(name: str) -> str:

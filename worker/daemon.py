@@ -86,9 +86,12 @@ class Daemon:
             self.stopping.is_set() and (not self.lifecycle.held or time.monotonic() > self.stop_deadline)))
         consumer = Consumer(client, self.keys, settings.consumer_name, settings.max_entry_bytes,
                             once=redis_client(settings, retries=0), max_read_bytes=settings.max_read_bytes)
+        # The names it serves under, the one results say first (the gateway routes System One calls by them).
+        self.served = settings.served_names or (self.model.name,)
         presence = Presence(client, self.keys, settings.consumer_name, list(consumer.streams),
-                            settings.consumer_gone_ms, {"model": self.model.name, "engine": self.engine.name})
-        self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name, settings.reply_maxlen,
+                            settings.consumer_gone_ms,
+                            {"model": self.served[0], "models": list(self.served), "engine": self.engine.name})
+        self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.served[0], settings.reply_maxlen,
                                    settings.dead_maxlen, settings.wait_replicas)
         self.planner = Planner(self.model, settings, on_crash=self.metrics.planner_crashes.inc,
                                fatal=lambda code: self.exit(code))
@@ -99,7 +102,7 @@ class Daemon:
         self.intake = Intake(consumer, self.lifecycle, self.redis_calls, settings, self.metrics, self.stopping,
                              presence)
         self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.lifecycle)
-        self.metrics.built(__version__, self.model.name, self.engine.name, str(self.model.device))
+        self.metrics.built(__version__, self.served[0], self.engine.name, str(self.model.device))
 
     # ---------------------------------------------------------------- lifecycle (main thread)
 
@@ -124,8 +127,8 @@ class Daemon:
         while not self.redis_calls.reachable and time.monotonic() < deadline:
             time.sleep(0.05)
         log.info("%s: model %s, engine %s on %s, consumer %s", "ready" if self.redis_calls.reachable else
-                 f"warm, ready once Redis at {self.redis_calls.where} answers", self.model.name, self.engine.name,
-                 self.model.device, self.settings.consumer_name)
+                 f"warm, ready once Redis at {self.redis_calls.where} answers", ", ".join(self.served),
+                 self.engine.name, self.model.device, self.settings.consumer_name)
         self.compute.run(lambda: (self._burst_over() if burst else self.stopping.is_set()) and self._drained())
         redis_thread.join(timeout=max(5.0, self.settings.drain_timeout_s))
         self.planner.shutdown()

@@ -21,6 +21,7 @@ from ..wire.keys import PROTOCOL
 from .config import ConfigError, GatewayConfig, add_arguments, load
 
 log = logging.getLogger("producer.gateway")
+KEEP_ALIVE_S = 65
 
 
 def parser() -> argparse.ArgumentParser:
@@ -65,8 +66,10 @@ def serve(config: GatewayConfig) -> int:
                     "loopback address only", config.host, config.port, config.deployment.namespace)
     else:
         log.info("%d API keys; namespaces %s", len(config.keys), ", ".join(config.namespaces()))
+    # Idle connections are kept longer than the System One clients' pools keep theirs (30 s): a connection closed
+    # by the server just as a client reuses it fails that call (the client retries it, but a second time).
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level.lower(),
-                access_log=False, proxy_headers=False, server_header=False)
+                access_log=False, proxy_headers=False, server_header=False, timeout_keep_alive=KEEP_ALIVE_S)
     return 0
 
 

@@ -21,12 +21,14 @@ OPEN = "open"  # the caller's name when the gateway has no keys
 
 @dataclass(frozen=True)
 class Access:
-    """An authenticated caller: its key's name, namespace, lanes and in-flight limit."""
+    """An authenticated caller: its key's name, namespace (its tenant), lanes and in-flight limit, and the
+    namespaces whose models it may name, in the order they are looked in."""
 
     name: str
     namespace: str
     lanes: frozenset[Priority]
     max_inflight: int
+    model_namespaces: tuple[str, ...] = ()
 
 
 class Keyring:
@@ -35,12 +37,13 @@ class Keyring:
     def __init__(self, config: GatewayConfig) -> None:
         self.open = not config.keys
         self._keys: list[tuple[bytes, Access]] = [(key.digest, self._access(config, key)) for key in config.keys]
-        self._anyone = Access(OPEN, config.deployment.namespace, frozenset(LANES), config.max_inflight_per_key)
+        self._anyone = Access(OPEN, config.deployment.namespace, frozenset(LANES), config.max_inflight_per_key,
+                              config.model_namespaces_of(None))
 
     @staticmethod
     def _access(config: GatewayConfig, key: ApiKey) -> Access:
         return Access(key.name, config.namespace_of(key), key.lane_set(),
-                      key.max_inflight or config.max_inflight_per_key)
+                      key.max_inflight or config.max_inflight_per_key, config.model_namespaces_of(key))
 
     def find(self, authorization: str | None) -> Access | None:
         if self.open:

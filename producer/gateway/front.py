@@ -16,8 +16,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .access import Inflight, Keyring
 from .replies import JSON, error_body
+from .translate import ID_HEADER as TYPESAFE_ID
+from .translate import fresh_id, reshaped
 
 PUBLIC = {"health", "ready", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
+SYSTEM_ONE = {"systemone", "models"}  # routes whose every answer is shaped for the System One clients
+ID_HEADER = TYPESAFE_ID.encode()
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -26,8 +30,8 @@ def route_of(path: str) -> str:
     if path.startswith("/v1/results/"):
         return "results"
     return {"/v1/decide": "decide", "/v1/decide/batch": "decide_batch", "/v1/requests": "requests",
-            "/health": "health", "/ready": "ready", "/metrics": "metrics", "/docs": "docs",
-            "/openapi.json": "docs"}.get(path, "other")
+            "/v1/systemone": "systemone", "/v1/models": "models", "/health": "health", "/ready": "ready",
+            "/metrics": "metrics", "/docs": "docs", "/openapi.json": "docs"}.get(path, "other")
 
 
 class Metrics:
@@ -43,6 +47,9 @@ class Metrics:
                                registry=self.registry)
         self.queued = Counter("dq_gateway_queued_requests", "requests the gateway put on the queue, by lane",
                               ["lane"], registry=self.registry)
+        self.attached = Counter("dq_gateway_calls_attached", "System One calls answered by a request an earlier "
+                                "call enqueued: a client's retry, or an identical call within the retry window",
+                                ["how"], registry=self.registry)
 
 
 class Front:
@@ -62,6 +69,8 @@ class Front:
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                if route in SYSTEM_ONE and not any(name == ID_HEADER for name, _ in message.get("headers", ())):
+                    message["headers"] = [*message.get("headers", ()), (ID_HEADER, fresh_id().encode())]
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 self._give_back(state)  # before the caller sees the end: its next call may come at once
             await send(message)
@@ -70,6 +79,8 @@ class Front:
         gauge.inc()
         try:
             refusal = self._refuse(scope, route, state)
+            if refusal is not None and route in SYSTEM_ONE:  # the System One clients' shape (translate.py)
+                refusal = (refusal[0], reshaped(*refusal[:2]), refusal[2])
             if refusal is not None:
                 await _answer(sending, *refusal)
                 return

@@ -19,7 +19,7 @@ from ..plans import ResultTimeout, WrongResult
 from ..wire.keys import ID_PATTERN
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request
-from . import replies
+from . import replies, systemone
 from .access import Access
 from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
@@ -152,5 +152,6 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
             describe(schema, [(*post[:5], failures) for post in posts])
         return app.openapi_schema
 
+    systemone.install(app, gateway, config, watched)
     app.openapi = openapi  # type: ignore[method-assign]
     return Front(app, gateway.keyring, gateway.inflight, gateway.metrics, config.max_body_bytes)

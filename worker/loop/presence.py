@@ -1,8 +1,8 @@
 """A worker's presence on its shard: its heartbeat, and forgetting the workers and consumers that are gone, so that
 ``python -m producer stats`` and the dashboards count the living only.
 
-- Heartbeat: every maintenance round (5 s) a worker writes ``{ts, inflight, model, engine}`` under its consumer name
-  in ``Keys.workers``. A beat older than ``GONE_S`` (producer/wire/keys.py) is a worker that is gone: Redis 7.0 has no
+- Heartbeat: every maintenance round (5 s) a worker writes ``{ts, inflight, model, models, engine}`` under its
+  consumer name in ``Keys.workers`` (the gateway routes System One calls by ``models``). A beat older than ``GONE_S`` (producer/wire/keys.py) is a worker that is gone: Redis 7.0 has no
   per-field expiry, so any live worker deletes such beats, and stats never count them.
 - Consumers: the group keeps a consumer after its worker died (a restart under a new name, a KEDA scale-down). One
   with nothing pending that has been idle longer than ``--consumer-gone-ms`` is deleted, by a function of the library
@@ -23,10 +23,10 @@ from producer.wire.keys import GONE_S, Keys, beat_age, text
 
 class Presence:
     def __init__(self, redis_client: Any, keys: Keys, name: str, streams: list[str], gone_ms: int,
-                 identity: dict[str, str]) -> None:
+                 identity: dict[str, Any]) -> None:
         self.redis, self.keys, self.name, self.streams = redis_client, keys, name, streams
         self.gone_ms = gone_ms
-        self.identity = identity  # model and engine
+        self.identity = identity  # model (the name results say), models (every name it serves under), engine
 
     async def beat(self, inflight: int) -> None:
         beat = {"ts": time.time(), "inflight": inflight, **self.identity}
