@@ -481,3 +481,25 @@ def test_undecodable_bodies(stack):
     assert big.status_code == 413 and big.headers["x-typesafe-request-id"].startswith("req_")
     plain = httpx.post(url, content=call, headers={**headers, "Content-Type": "text/plain"})
     assert plain.status_code == 415
+
+
+def test_the_python_client_and_the_cli_route_by_model(stack, tmp_path):
+    """The queue's own callers name a model as System One callers do; a model nobody serves is refused at once."""
+    import sys
+
+    from producer.client import ModelNotServed
+
+    request = {"state": "Routed by name.", "questions": {"q": {"type": "noul", "instructions": "ok?"}}}
+    with Client(stack.server.url, model="b-alias", model_namespaces=BOTH) as client:
+        assert client.decide(request, timeout=60).model == "decider-b" and client.keys.namespace == "beta"
+        assert client.stats()["models"] == {"decider-b": {"names": ["decider-b", "b-alias"], "workers": 1}}
+    with Client(stack.server.url, model="nobody", model_namespaces=BOTH) as client, \
+            pytest.raises(ModelNotServed, match="served: b-alias, decider-a, decider-b"):
+        client.submit(request)
+    (tmp_path / "requests.jsonl").write_text(json.dumps(request) + "\n")
+    cli = [sys.executable, "-m", "producer", "submit", str(tmp_path / "requests.jsonl"), "--redis-url",
+           stack.server.url, "--model-namespaces", "alpha,beta", "--wait", "--timeout", "60", "--model"]
+    done = subprocess.run([*cli, "decider-a"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["model"] == "decider-a", done.stderr
+    done = subprocess.run([*cli, "nobody"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no live worker serves the model 'nobody'" in done.stderr
