@@ -10,8 +10,9 @@ functions run, on exactly those keys. Selectors (the parenthesised groups) give 
 
 - producer: FCALL the submit function on request streams, either lane's (and the XADD, XLEN it runs),
   XREAD/XRANGE results and reply streams. It cannot read request streams, consume, delete, write results, or run
-  its own Lua. It may read the heartbeat hash (whether any worker is alive), nothing else of the workers'. Durable
-  mode: WAIT, and PUBLISH on one channel nobody reads (``Keys.durable``: what a reader's WAIT covers).
+  its own Lua. It may read the heartbeat hash (whether any worker is alive, which models are served), nothing else
+  of the workers'. Durable mode: WAIT, and PUBLISH on one channel nobody reads (``Keys.durable``: what a reader's
+  WAIT covers). The gateway, which runs as this user: SET/GET/DEL of System One calls' mappings (``Keys.call``).
 - worker: the group commands on the work streams (both lanes'); XADD to part and dead-letter streams; SET/GET
   stored bodies; the heartbeat hash; the publish and part functions and what they run on per-request keys and reply
   streams; WAIT (durable mode). No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work
@@ -48,7 +49,8 @@ ROLES = {
         # the submit function's keys, and the commands it runs (also callable directly: see docs/OPERATIONS.md)
         "{connect} +fcall +xadd +xlen ~{requests} ~{high_requests} "
         "(+xread +xrange %R~{results} %R~{replies}) "
-        "(+hgetall %R~{workers}) "  # live workers: a wait with none says so at once
+        "(+hgetall %R~{workers}) "  # live workers: a wait with none says so at once; the gateway's routing by model
+        "(+set +get +del ~{calls}) "  # the gateway: a System One call's retries mapped to one request
         "+wait +publish &{durable}"  # durable mode: WAIT, and the empty PUBLISH a reader's WAIT covers
     ),
     "worker": (
@@ -83,7 +85,7 @@ def patterns(namespace: str) -> dict[str, str]:
     return {"requests": every.requests, "high_requests": every.requests_in(HIGH), "part_stream": every.parts,
             "high_part_stream": every.parts_in(HIGH), "dead": every.dead, "results": every.result(ANY),
             "shares": every.shares(ANY), "bodies": every.body(ANY), "replies": every.reply_prefix + ANY,
-            "workers": every.workers(), "durable": every.durable()}
+            "workers": every.workers(), "durable": every.durable(), "calls": every.call(ANY)}
 
 
 def password_hash(password: str) -> str:
