@@ -2,6 +2,7 @@
 
     python ops/redis_acl.py [--namespace dq] > users.acl     # passwords from DQ_ACL_<ROLE>_PASSWORD, else generated
     python ops/redis_acl.py --development > ops/redis/users.acl   # the compose file's well-known passwords
+    python ops/redis_acl.py --namespace 'dq*' > users.acl     # a glob: every namespace it matches (several models)
 
 No role but admin runs Lua of its own (no EVAL, EVALSHA, SCRIPT or FUNCTION LOAD): Redis Functions of the
 queue's library (producer/wire/library.py, loaded by ``dq-worker load-functions`` as admin) are called with FCALL.
@@ -104,7 +105,8 @@ def render(passwords: dict[str, str], namespace: str = "dq") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--namespace", default="dq", help="the deployment's namespace (DQ_NAMESPACE)")
+    parser.add_argument("--namespace", default="dq", help="the deployment's namespace (DQ_NAMESPACE), or a glob "
+                        "matching several (dq*: dq, dq-b, ...)")
     parser.add_argument("--development", action="store_true", help="the well-known local passwords")
     args = parser.parse_args(argv)
     if args.development:
