@@ -31,6 +31,7 @@ where hang-ups cancel) calls ``forget`` too, so that no later attempt even waits
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -63,20 +64,48 @@ def after(call: str, cancelled: str) -> str:
 
 
 class Retries:
+    """Claims made in one turn of the event loop go to Redis together, one pipeline of ``SET NX``, not a round trip
+    each: under load a call's own Redis command was most of what the route added to a decide. Only a claim that
+    finds a mapping (a retry, an identical call) reads it, on its own."""
+
     def __init__(self, connection: Any, window_s: float) -> None:
         self.connection, self.window_ms = connection, max(1, int(window_s * 1000))
+        self.waiting: list[tuple[str, str, asyncio.Future[Any]]] = []
 
     async def claim(self, namespace: str, call: str, request_id: str, digest: str) -> Claim:
         """Map ``call`` to ``request_id`` unless it maps to a request already."""
         key, value = Keys(namespace).call(call), f"{request_id} {digest}"
         for _ in range(CLAIMS):
-            if await self.connection().set(key, value, nx=True, px=self.window_ms):
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            if not self.waiting:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self.waiting.append((key, value, future))
+            if await future:
                 return Claim(request_id, True, digest)
             found = await self.connection().get(key)
             if found is not None:  # else it expired between the two commands: claim again
                 mapped, _, mapped_digest = text(found).partition(" ")
                 return Claim(mapped, False, mapped_digest)
         return Claim(request_id, True, digest)  # not mapped: this attempt's own request
+
+    def _flush(self) -> None:
+        batch, self.waiting = self.waiting, []
+        asyncio.ensure_future(self._send(batch))
+
+    async def _send(self, batch: list[tuple[str, str, asyncio.Future[Any]]]) -> None:
+        try:
+            async with self.connection().pipeline(transaction=False) as pipe:
+                for key, value, _ in batch:
+                    pipe.set(key, value, nx=True, px=self.window_ms)
+                replies = await pipe.execute(raise_on_error=False)  # each claim its own reply, or its error
+        except Exception as error:  # noqa: BLE001 - every claim of the turn sees what its own command would raise
+            for *_, future in batch:
+                if not future.done():  # a caller that went away cancelled its future
+                    future.set_exception(error)
+            return
+        for (*_, future), made in zip(batch, replies):
+            if not future.done():
+                future.set_exception(made) if isinstance(made, Exception) else future.set_result(made)
 
     async def forget(self, namespace: str, call: str) -> None:
         """Drop a call's mapping: its submit certainly failed, or its request was cancelled."""
