@@ -92,6 +92,8 @@ class Settings:
     fp8_matrices: str = _opt("all", "matrices fp8 converts in those layers: all, or some of mlp, attention "
                                     "(full-attention projections), linear (linear-attention projections)")
     fused_kernels: bool = _opt(True, "the fast path's own Triton kernels (convolution, SwiGLU and norm + FP8)")
+    epilogues: str = _opt("", "opt-in kernels with the fused ones, bf16 (fast path): all, or some of swiglu (in the "
+                              "gate/up GEMM), residual (in the GEMMs before it), gated_norm, comma-separated")
     compile_cache: str = _opt("", "directory for compiled kernels (Inductor, Triton, TileLang); empty: their defaults")
     planner_threads: int = _opt(2, "threads that validate, render and tokenize requests", low=1)
     planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU); "

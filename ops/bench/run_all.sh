@@ -15,7 +15,8 @@
 # e2e-bf16-det against e2e-bf16 on the same machine). Named only, never by default: scaling (2B bf16 through one
 # Redis on 1, 2, 4, 8 of the machine's GPUs, each count up to what it has; ops/bench/scaling.py).
 # E2E_LOADS: the end-to-end latency phases, x the peak (default 0.5; 0.1,0.2,...,1.0 for latency against load,
-# which ops/bench/plot.py draws); E2E_LATENCY_SECONDS: each phase's length (default 10).
+# which ops/bench/plot.py draws); E2E_LATENCY_SECONDS: each phase's length (default 10); E2E_EPILOGUES: the workers'
+# --epilogues in the end-to-end and invariance stages (worker/fast/epilogues.py; default none).
 # The workers share one compile cache, COMPILE_CACHE (default OUTDIR/compile-cache): the first end-to-end stage
 # of a fresh OUTDIR starts cold, the later ones find what it compiled.
 # Stage limits in seconds: E2E_TIMEOUT, SCALING_TIMEOUT, PRIORITY_TIMEOUT, FIDELITY_TIMEOUT, INVARIANCE_TIMEOUT,
@@ -53,7 +54,7 @@ for run in bf16 fp8 fp8-late bf16-warm bf16-2 bf16-3 bf16-det; do
     bf16-det) flag="--deterministic --no-reference" ;; *) flag=--no-reference ;; esac
   timeout "${E2E_TIMEOUT:-420}" $PY ops/bench/end_to_end.py --shape 2b $flag --requests "${E2E_REQUESTS:-3000}" \
     --loads "${E2E_LOADS:-0.5}" --latency-seconds "${E2E_LATENCY_SECONDS:-10}" --compile-cache "$cache" --out "$out/e2e-2b-$run" \
-    >"$out/e2e-2b-$run.log" 2>&1
+    ${E2E_EPILOGUES:+--epilogues "$E2E_EPILOGUES"} >"$out/e2e-2b-$run.log" 2>&1
   echo "exit $?"; grep -E "^(worker ready|SUMMARY)" "$out/e2e-2b-$run.log" || tail -n 30 "$out/e2e-2b-$run.log"
   pkill -f "end_to_end.py --worker" 2>/dev/null; sleep 1  # a worker left by a killed stage holds the GPU
 done
@@ -81,7 +82,8 @@ for run in invariance invariance-det; do
   stage "$run: alone against mixed, 2b bf16"
   flag=; [ $run = invariance-det ] && flag=--deterministic
   timeout "${INVARIANCE_TIMEOUT:-420}" $PY ops/bench/invariance.py --shape 2b $flag --requests "${INVARIANCE_REQUESTS:-3000}" \
-    --compile-cache "$cache" --out "$out/$run-2b-bf16" >"$out/$run-2b-bf16.log" 2>&1
+    --compile-cache "$cache" --out "$out/$run-2b-bf16" ${E2E_EPILOGUES:+--epilogues "$E2E_EPILOGUES"} \
+    >"$out/$run-2b-bf16.log" 2>&1
   echo "exit $?"; grep -E "^SUMMARY" "$out/$run-2b-bf16.log" || tail -n 30 "$out/$run-2b-bf16.log"
   pkill -f "invariance.py --worker" 2>/dev/null; sleep 1
 done

@@ -41,7 +41,7 @@ def settings_for(args: argparse.Namespace, **extra):
                     fp8=args.fp8, fp8_layers=args.fp8_layers, compile=args.compile, compile_cache=args.compile_cache,
                     cuda_graphs=not args.no_graphs, buckets=args.buckets, planner_processes=args.planner_processes,
                     max_inflight=args.max_inflight, deterministic=args.deterministic, read_count=128,
-                    claim_idle_ms=600_000, **extra)
+                    claim_idle_ms=600_000, epilogues=args.epilogues, **extra)
 
 
 def serve_worker(args: argparse.Namespace, make_model: Callable[[], Any] | None = None,
@@ -95,6 +95,7 @@ def worker_process(script: str, args: argparse.Namespace, url: str, log_path: Pa
     cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
     cmd += ["--no-graphs"] if args.no_graphs else []
     cmd += ["--deterministic"] if args.deterministic else []
+    cmd += ["--epilogues", args.epilogues] if args.epilogues else []
     with open(log_path, "w") as log:
         worker = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
         try:
@@ -118,6 +119,7 @@ def worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", default="layer", choices=("none", "sub", "layer"))
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--deterministic", action="store_true", help="the worker's --deterministic")
+    parser.add_argument("--epilogues", default="", help="the worker's --epilogues (worker/fast/epilogues.py)")
     parser.add_argument("--compile-cache", default="", help="the worker's compile_cache (empty: the defaults)")
     parser.add_argument("--buckets", default="2048,4096,8192,16384")
     parser.add_argument("--planner-processes", type=int, default=4)

@@ -3,6 +3,7 @@ all), runs a held-out set of prompts alone and inside packs of random traffic (f
 every bucket), and saves every held-out prompt's scores per composition.
 
 Usage: python bitwise_run.py CHECKPOINT OUT.pt [--deterministic] [--fp8] [--seed N] [--cache DIR] [--cpu]
+[--epilogues LIST]
 ``--seed``: the random traffic (two processes given other seeds share only the held-out set). ``--cache``: the
 process's own compile cache (no process loads another's kernels or their tuning). ``--cpu``: the stand-ins
 (plain-torch mixers, plain calls for graphs) on the CPU, to check this script without a GPU.
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cache", default="")
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--epilogues", default="")
     args = parser.parse_args()
     if args.deterministic:
         from worker.fast import deterministic
@@ -82,7 +84,7 @@ def main() -> None:
     model = checkpoint.load(args.checkpoint, device=device, dtype=dtype, max_prompt_tokens=2560)
     settings = Settings(deterministic=args.deterministic, fp8=args.fp8, buckets=",".join(map(str, BUCKETS)),
                         pack_tokens=max(BUCKETS), max_prompt_tokens=2560, compile="none" if args.cpu else "layer",
-                        compile_cache=args.cache)
+                        compile_cache=args.cache, epilogues=args.epilogues)
     extra = {}
     if args.cpu:
         from worker.fast.mixers import TorchMixers

@@ -3,7 +3,7 @@ images, a request split over several prompts) computed alone and first, last and
 bucket, in worker-like processes started apart (tests/gpu/bitwise_run.py): in deterministic mode every score is
 bitwise the same (``torch.equal``) in every place, bucket and process; the default mode's spread is reported.
 
-The processes run at once, each with a compile cache of its own (none loads another's kernels or tuning): four of
+The processes run at once, each with a compile cache of its own (none loads another's kernels or tuning): five of
 them, a few minutes on an H200. Deterministic mode compiles fewer graphs than the default (one per piece for every
 bucket, not one per bucket), and no process compiles anything after its warm-up. DQ_GPU_REPORT=path appends the
 figures.
@@ -31,6 +31,7 @@ PROCESSES = {  # name -> flags
     "deterministic": ["--deterministic", "--seed", "1"],
     "deterministic, second process": ["--deterministic", "--seed", "2"],
     "deterministic fp8": ["--deterministic", "--fp8", "--seed", "3"],
+    "deterministic epilogues": ["--deterministic", "--epilogues", "all", "--seed", "4"],
     "default": ["--seed", "1"],
 }
 
@@ -96,3 +97,16 @@ def test_fp8_in_deterministic_mode_keeps_the_same_bits_too(runs):
     report(test="determinism", mode="deterministic fp8", vs="same process, prompt alone", compared=compared,
            unequal=len(differ), max_score_diff=worst)
     assert not differ, differ[:20]
+
+
+def test_the_epilogue_kernels_in_deterministic_mode_keep_the_same_bits_too(runs):
+    """--epilogues all (worker/fast/epilogues.py): the same bits alone and in every pack, and within bf16's spread
+    of the deterministic process without them (other kernels, other roundings)."""
+    fused = runs["deterministic epilogues"]
+    assert isinstance(fused, dict), f"the deterministic epilogues process failed:\n{fused}"
+    differ, worst, compared = apart(fused["scores"], fused["scores"])
+    against, worst_against, _ = apart(fused["scores"], runs["deterministic"]["scores"])
+    report(test="determinism", mode="deterministic epilogues", vs="same process, prompt alone", compared=compared,
+           unequal=len(differ), max_score_diff=worst, vs_deterministic_max_score_diff=worst_against)
+    assert not differ, differ[:20]
+    assert worst_against < 0.5

@@ -92,7 +92,8 @@ class FastEngine(WarmUp):
         self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last and not self.deterministic,
                                  fp8=settings.fp8, fp8_layers=settings.fp8_layers, fp8_matrices=settings.fp8_matrices,
                                  compile=settings.compile, compile_pieces=not self.graphs_on, fused=fused,
-                                 image_by_image=self.deterministic)
+                                 image_by_image=self.deterministic, epilogues=settings.epilogues,
+                                 deterministic=self.deterministic)
         linear = self.linear_dims = next((stage.dims for stage in self.fwd.stages if stage.kind == LINEAR), None)
         # Where the delta rule runs on FlashQLA (else on fla's kernels, or the stand-in mixers).
         self.on_flash_qla = (linear is not None and getattr(mixers, "flash_qla", None) is not None

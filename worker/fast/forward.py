@@ -22,6 +22,18 @@ from .ops import Ops
 
 ROWS = "rows"  # the pruned last layer: queries, output and MLP at marker rows only
 COMPILE_MODES = ("none", "sub", "layer")
+EPILOGUES = ("swiglu", "residual", "gated_norm")  # opt-in kernels of worker/fast/epilogues.py
+
+
+def chosen_epilogues(spec: str) -> frozenset[str]:
+    """The kernels an ``epilogues`` setting names: empty (none), "all", or any of ``EPILOGUES`` comma-separated."""
+    names = {part.strip() for part in spec.lower().split(",") if part.strip()}
+    if names == {"all"}:
+        return frozenset(EPILOGUES)
+    if not names <= set(EPILOGUES):
+        raise ValueError(f"epilogues must be empty, all, or some of {', '.join(EPILOGUES)} comma-separated; "
+                         f"got {spec!r}")
+    return frozenset(names)
 
 
 @dataclass(frozen=True)
@@ -81,12 +93,15 @@ def configure_compile() -> None:
 class PackedForward:
     def __init__(self, model: DecisionModel, mixers: Mixers, *, prune_last: bool = True, fp8: bool = False,
                  fp8_layers: str = "all", fp8_matrices: str = "all", compile: str = "none",
-                 compile_pieces: bool = True, fused: bool = False, image_by_image: bool = False) -> None:
+                 compile_pieces: bool = True, fused: bool = False, image_by_image: bool = False,
+                 epilogues: str = "", deterministic: bool = False) -> None:
         """``fp8_layers``, ``fp8_matrices``: which layers and families of matrices ``fp8`` converts
         (worker/fast/fp8.py: chosen_layers, chosen_families). ``compile_pieces``:
         with ``compile="layer"``, also compile the eager pieces (off when the pieces run from CUDA graphs, which
         compile their own variants). ``fused``: the project's Triton kernels (worker/fast/fused.py) where they
-        apply. ``image_by_image``: the vision tower runs each image alone (deterministic mode)."""
+        apply. ``image_by_image``: the vision tower runs each image alone (deterministic mode). ``epilogues``: the
+        opt-in kernels of worker/fast/epilogues.py (``chosen_epilogues``), with ``fused`` only; ``deterministic``:
+        deterministic mode (their GEMM runs one configuration for every token count)."""
         assert compile in COMPILE_MODES, f"compile must be one of {COMPILE_MODES}, got {compile!r}"
         self.model, self.mixers, self.image_by_image = model, mixers, image_by_image
         lm = model.language_model
@@ -113,10 +128,17 @@ class PackedForward:
             configure_compile()
         self.ops = Ops().compiled() if compile == "sub" else Ops()
         self.fused = fused
+        chosen = chosen_epilogues(epilogues)  # checked here even where it does not apply
+        self.epilogues = chosen if fused else frozenset()
         if fused:
             from .fused import fused_ops  # Triton: imported only where it runs
 
             self.ops = fused_ops(self.ops)
+        if self.epilogues:
+            from .epilogues import epilogue_ops
+
+            self.ops = epilogue_ops(self.ops, model.device, deterministic=deterministic,
+                                    **{name: True for name in self.epilogues})
         self.pieces = PLAIN
         if compile == "layer" and compile_pieces:
             self.pieces = Pieces(*(compile_piece(fn, inline=fn is layers.pre_linear) for fn in PLAIN))

@@ -126,9 +126,17 @@ def head_weights(language_model: Any, proj: torch.nn.Linear, softcap: float | No
 
 # ---- dense pieces: (tokens, hidden) in, row-local, no knowledge of prompt boundaries except ``seqpos`` ----
 
+def gate_up(ops: Ops, mlp: Mlp, normed: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the MLP's input: in the GEMM's epilogue where a kernel is chosen, else the GEMM, then
+    SwiGLU (quantised where the down projection is FP8)."""
+    inner = ops.gate_up_swiglu(normed, mlp.gate_up, mlp.down)
+    return inner if inner is not None else ops.swiglu(ops.linear(normed, mlp.gate_up), mlp.down)
+
+
 def mlp_block(ops: Ops, mlp: Mlp, hidden: torch.Tensor, eps: float) -> torch.Tensor:
+    """``hidden`` may be updated in place (ops.add_linear)."""
     normed = ops.rms_norm(hidden, mlp.norm, eps)
-    return hidden + ops.linear(ops.swiglu(ops.linear(normed, mlp.gate_up), mlp.down), mlp.down)
+    return ops.add_linear(hidden, gate_up(ops, mlp, normed), mlp.down)
 
 
 def pre_linear(ops: Ops, dims: LinearDims, weights: LinearAttn, hidden: torch.Tensor, seqpos: torch.Tensor,
@@ -148,9 +156,9 @@ def pre_linear(ops: Ops, dims: LinearDims, weights: LinearAttn, hidden: torch.Te
 
 def post_linear(ops: Ops, dims: LinearDims, weights: LinearAttn, hidden: torch.Tensor, mixed: torch.Tensor,
                 out_gate: torch.Tensor) -> torch.Tensor:
-    """mixed: the delta rule's output (T, Hv, Dv)."""
+    """mixed: the delta rule's output (T, Hv, Dv). ``hidden`` may be updated in place (ops.add_linear)."""
     core = ops.gated_norm(mixed, out_gate, weights.out_norm, dims.eps, weights.out_proj)
-    hidden = hidden + ops.linear(core, weights.out_proj)
+    hidden = ops.add_linear(hidden, core, weights.out_proj)
     return mlp_block(ops, weights.mlp, hidden, dims.eps)
 
 
@@ -189,8 +197,9 @@ def pre_full_rows(ops: Ops, dims: FullDims, weights: FullAttn, hidden: torch.Ten
 
 def post_full(ops: Ops, dims: FullDims, weights: FullAttn, hidden: torch.Tensor, mixed: torch.Tensor,
               gate: torch.Tensor) -> torch.Tensor:
-    """mixed: attention output (rows, H, D); also the pruned layer's second half, on marker rows only."""
-    hidden = hidden + ops.linear(mixed.reshape(hidden.shape[0], -1) * torch.sigmoid(gate), weights.o_proj)
+    """mixed: attention output (rows, H, D); also the pruned layer's second half, on marker rows only. ``hidden``
+    may be updated in place (ops.add_linear)."""
+    hidden = ops.add_linear(hidden, mixed.reshape(hidden.shape[0], -1) * torch.sigmoid(gate), weights.o_proj)
     return mlp_block(ops, weights.mlp, hidden, dims.eps)
 
 

@@ -130,6 +130,18 @@ def swiglu(gate_up: torch.Tensor, target: Linear | None = None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gate_up_swiglu(normed: torch.Tensor, gate_up: Linear, target: Linear | None = None) -> torch.Tensor | None:
+    """The MLP's gate/up GEMM and SwiGLU in one kernel, where one is chosen (worker/fast/epilogues.py); None: the
+    caller runs ``linear`` and ``swiglu``."""
+    return None
+
+
+def add_linear(hidden: torch.Tensor, inputs: torch.Tensor | Quantized, weights: Linear) -> torch.Tensor:
+    """A residual update, ``hidden + inputs @ W.T``. The epilogue kernel (worker/fast/epilogues.py) updates
+    ``hidden`` in place: callers pass a hidden state they no longer need."""
+    return hidden + linear(inputs, weights)
+
+
 def gated_norm(attended: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                target: Linear | None = None) -> torch.Tensor:
     """The linear layers' output norm on the delta rule's output (T, H, D) and the gate z (T, H * D), per head
@@ -197,8 +209,13 @@ class Ops:
     swiglu: Callable[..., torch.Tensor | Quantized] = swiglu
     rope: Callable[..., torch.Tensor] = rope
     linear: Callable[..., torch.Tensor] = linear
+    gate_up_swiglu: Callable[..., torch.Tensor | None] = gate_up_swiglu
+    add_linear: Callable[..., torch.Tensor] = add_linear
 
     def compiled(self) -> Ops:
-        # linear stays eager: cuBLAS does the work; compiling it would only add guards.
-        return Ops(**{f.name: getattr(self, f.name) if f.name == "linear"
+        # The GEMMs stay eager: cuBLAS does the work; compiling them would only add guards.
+        return Ops(**{f.name: getattr(self, f.name) if f.name in GEMMS
                       else torch.compile(getattr(self, f.name), dynamic=True) for f in fields(self)})
+
+
+GEMMS = ("linear", "gate_up_swiglu", "add_linear")  # the Ops functions that ``compiled`` leaves eager

@@ -99,10 +99,10 @@ class WarmUp:
             self._check_deterministic()
         self.compile_seconds = time.perf_counter() - start - self.capture_seconds
         log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices, layers %s, %s), "
-                 "fused kernels %s; capture %.1fs, first packs %.1fs (%d delta-rule variants)", self.buckets or "-",
-                 self.settings.compile, self.graphs_on, self.fwd.pruned, self.settings.fp8, self.fwd.fp8_matrices,
-                 self.settings.fp8_layers, self.settings.fp8_matrices, self.fwd.fused, self.capture_seconds,
-                 self.compile_seconds,
+                 "fused kernels %s (epilogues %s); capture %.1fs, first packs %.1fs (%d delta-rule variants)",
+                 self.buckets or "-", self.settings.compile, self.graphs_on, self.fwd.pruned, self.settings.fp8,
+                 self.fwd.fp8_matrices, self.settings.fp8_layers, self.settings.fp8_matrices, self.fwd.fused,
+                 ",".join(sorted(self.fwd.epilogues)) or "none", self.capture_seconds, self.compile_seconds,
                  len(variants))
 
     def _check_deterministic(self) -> None:
