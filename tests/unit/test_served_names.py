@@ -58,3 +58,26 @@ def test_heartbeats_become_a_catalog_of_served_models():
     assert found["decider-a"].name == "decider-a" and found["decider-a"].workers == 2  # a first name wins an alias
     assert found["jev-latest"] is found["decider-a"] and found["decider-a"].namespace == "alpha"
     assert found["decider-b"].names == ("decider-b", "decider-a")
+
+
+def test_the_gateway_knows_where_callers_may_name_models():
+    from producer.gateway.__main__ import parser as gateway_parser
+    from producer.gateway.access import Keyring
+    from producer.gateway.config import ConfigError, load
+
+    keys = json.dumps([{"name": "a", "token": "t" * 20, "namespace": "acme", "model_namespaces": ["dq", "dq-b"]},
+                       {"name": "b", "token": "u" * 20, "namespace": "beta"}, {"name": "c", "token": "v" * 20}])
+    args = vars(gateway_parser().parse_args(["--model-alias", "jev-latest=decider-a", "--model-alias", "old=decider-b",
+                                        "--model-namespaces", "dq,dq-c"]))
+    config = load(args, {"DQ_GATEWAY_API_KEYS": keys})
+    assert config.aliases == {"jev-latest": "decider-a", "old": "decider-b"}
+    keyring = Keyring(config)
+    assert keyring.find("Bearer " + "t" * 20).model_namespaces == ("dq", "dq-b")
+    assert keyring.find("Bearer " + "u" * 20).model_namespaces == ("beta",)  # its own namespace
+    assert keyring.find("Bearer " + "v" * 20).model_namespaces == ("dq", "dq-c")  # names none: the gateway's
+    assert set(config.namespaces()) == {"acme", "beta", "dq", "dq-b", "dq-c"}  # a client for each
+    open_gateway = load({"model_namespaces": "dq,dq-b"}, {})
+    assert Keyring(open_gateway).find(None).model_namespaces == ("dq", "dq-b")
+    for bad in ({"model_alias": "jev-latest"}, {"model_alias": "a=b,a=c"}, {"model_namespaces": "dq,{x}"}):
+        with pytest.raises(ConfigError):
+            load(bad, {})
