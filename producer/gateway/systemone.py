@@ -78,7 +78,9 @@ def install(app: FastAPI, gateway: Gateway, config: GatewayConfig, watched: Watc
                 gateway.metrics.attached.labels("retry" if RETRY_COUNT in http.headers else "identical").inc()
             waited = client.wait_any([claim.request_id], gateway.wait_for(None, []))
             landed = await watched(http, waited, [claim.request_id], WAIT)
-            if landed is None:
+            if landed is None:  # a hang-up: the SDK's read timeout is one, and the same call follows. The request
+                # stays queued and mapped for it; where a hang-up cancels a request, its mapping must go with it
+                # (retries.forget), and a result `cancelled` found below is never an answer either way.
                 return Response(status_code=CLIENT_GONE)
             result = landed.get(claim.request_id)
             if result is None:
