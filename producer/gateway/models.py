@@ -56,6 +56,8 @@ class Models:
     async def served(self, access: Access, fresh_s: float = FRESH_S) -> dict[str, ServedModel]:
         """The models served where ``access`` may send, by each of their names: a name served in several of its
         namespaces is the first one's."""
+        if len(access.model_namespaces) == 1:  # the usual case: the catalog itself (read only)
+            return await self._catalog(access.model_namespaces[0], fresh_s)
         out: dict[str, ServedModel] = {}
         for namespace in access.model_namespaces:
             for name, model in (await self._catalog(namespace, fresh_s)).items():
