@@ -18,8 +18,9 @@ functions run, on exactly those keys. Selectors (the parenthesised groups) give 
   stored bodies; the heartbeat hash; the publish and part functions and what they run on per-request keys and reply
   streams; WAIT (durable mode). No DEL, SET, EXPIRE, RENAME, XTRIM, XSETID or group deletion can reach a work
   stream.
-- monitor: counts only: XLEN, XINFO GROUPS/CONSUMERS, XPENDING, INFO, the heartbeat hash. No XINFO STREAM (it
-  returns the first and last entries), no XRANGE, no per-request keys.
+- monitor: counts only: XLEN, XINFO GROUPS/CONSUMERS, XPENDING, INFO, the heartbeat hash; for redis_exporter,
+  LATENCY LATEST/HISTOGRAM and SLOWLOG LEN. No XINFO STREAM (it returns the first and last entries), no XRANGE, no
+  SLOWLOG GET (it shows commands' arguments), no CONFIG, no per-request keys.
 - admin: everything, for operators (and for loading the function library).
 - default (no credentials): PING only, for container health checks.
 
@@ -67,7 +68,9 @@ ROLES = {
         "(+del ~{shares} ~{bodies})"
     ),
     "monitor": (
-        "{connect} +info +xlen +xinfo|groups +xinfo|consumers +xpending %R~{requests} %R~{high_requests} "
+        # counts, and what redis_exporter reads of Redis itself (INFO; latency and slow-log counts, not their entries)
+        "{connect} +info +latency|latest +latency|histogram +slowlog|len "
+        "+xlen +xinfo|groups +xinfo|consumers +xpending %R~{requests} %R~{high_requests} "
         "%R~{part_stream} %R~{high_part_stream} %R~{dead} "
         "(+hlen +hkeys +hget +hgetall %R~{workers})"
     ),

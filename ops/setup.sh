@@ -10,8 +10,8 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
   say "installing torch ${DQ_TORCH_VERSION:-2.13.0} (a large download: a few minutes on a fresh machine)..."
   "$PY" -m pip install -q "torch==${DQ_TORCH_VERSION:-2.13.0}"
 fi
-extras="worker,embedded"
-[ "${1:-}" = "test" ] && extras="worker,embedded,test"
+extras="worker,embedded,http"
+[ "${1:-}" = "test" ] && extras="worker,embedded,http,test"
 say "installing decision-queue with its extras ($extras): transformers, an embedded Valkey, ..."
 "$PY" -m pip install -q -e ".[$extras]"
 say "installed"

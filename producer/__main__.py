@@ -6,7 +6,7 @@ result, or show queue stats.
   dq-producer submit urgent.jsonl --priority high        the high lane, for lines that do not say
   dq-producer submit r.jsonl --model decider-b --model-namespaces decider-a,decider-b     to a model's workers
   dq-producer result ID --wait 30
-  dq-producer stats
+  dq-producer stats [--watch 2] [--json]               the streams and workers as tables (--json: the figures)
   dq-producer dead list | requeue ID... | purge --all    dead letters (the admin user)
   dq-producer exporter --port 9401                       queue depth as Prometheus metrics (the monitor user)
 
@@ -30,7 +30,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import __version__
+from . import __version__, table
 from .admin import dead_letters, exporter
 from .client import (Client, LibraryUnavailable, ModelNotServed, NotDurable, QueueFull, ResultTimeout,
                      UnsupportedServer)
@@ -140,7 +140,18 @@ def _no_worker_warning(client: Client, timeout: float, say: Any) -> None:
 
 
 def stats(args: argparse.Namespace, client: Client) -> int:
-    print(json.dumps(client.stats(), indent=2, default=str))
+    def shown() -> str:
+        found = client.stats()
+        return json.dumps(found, indent=2, default=str) + "\n" if args.json else \
+            table.render(found, client.deployment.namespace)
+
+    if args.watch is None:
+        sys.stdout.write(shown())
+        return OK
+    try:
+        table.watch(shown, args.watch)
+    except KeyboardInterrupt:  # how a watch ends
+        pass
     return OK
 
 
@@ -204,10 +215,15 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--quiet", action="store_true", help="no progress line (the summary stays) [default off]")
     sub.set_defaults(run=submit)
 
-    stat = commands.add_parser("stats", parents=[common], help="queue totals and each shard's figures",
+    stat = commands.add_parser("stats", parents=[common], help="the queue's streams and workers, as tables",
                                description="Stream lengths, the worker group's pending, lag and consumers, for each "
-                                           "lane (high, normal) and both together; dead letters; per shard and in "
-                                           "total; and the live workers (JSON).")
+                                           "shard and lane (high, normal) and every shard together; dead letters; "
+                                           "and each worker's heartbeat (name, shard, model, engine, state, entries "
+                                           "held, last beat).")
+    stat.add_argument("--json", action="store_true", help="the figures as JSON (per lane and both lanes together, "
+                                                          "per shard and in total) [default off: tables]")
+    stat.add_argument("--watch", type=_interval, default=None, metavar="SECONDS",
+                      help="draw the tables again every SECONDS until Ctrl-C [default off: once]")
     stat.set_defaults(run=stats)
 
     res = commands.add_parser("result", parents=[routed], help="print one result (exit 1 for an error or none)",
@@ -221,6 +237,13 @@ def parser() -> argparse.ArgumentParser:
 
     exporter.add_parser(commands, common)
     return top
+
+
+def _interval(text: str) -> float:
+    value = float(text)
+    if not value >= 0.1:  # nan too
+        raise argparse.ArgumentTypeError(f"must be at least 0.1 seconds, got {text}")
+    return value
 
 
 def _at_least_zero(text: str) -> int:
@@ -259,13 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                     model_namespaces=[n for n in (getattr(args, "model_namespaces", None) or "").split(",") if n],
                     **deployment.tls_files(), **options) as client:
             return args.run(args, client)
-    except ModelNotServed as error:
-        print(f"dq-producer: {error}", file=sys.stderr)
-        return USAGE
     except redis.RedisError as error:
         print(f"dq-producer: Redis at {deployment.safe_url}: {error}", file=sys.stderr)
         return UNREACHABLE
-    except UnsupportedServer as error:
+    except (UnsupportedServer, ModelNotServed) as error:  # an old server; a --model no live worker serves
         print(f"dq-producer: {error}", file=sys.stderr)
         return USAGE
     except LibraryUnavailable as error:  # refusing: the library is missing and this user may not load it

@@ -18,19 +18,18 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from . import arrivals, served, stats
-from .served import ModelNotServed, ServedModel
-from .plans import (Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull, ResultTimeout,
-                   Step, Submittable, WrongResult, prepare)
+from .plans import (NO_WORKER_S, Function, InvalidRequest, Load, Pipeline, Plan, Prepared, Producer, QueueFull,
+                   ResultTimeout, Step, Submittable, WrongResult, prepare)
 from .wire import library, sentinel
 from .wire.connection import WAIT_MS, Deployment, aconnect, connect
-from .wire.errors import DecisionQueueError, NotDurable, RedisUnreachable
+from .wire.errors import DecisionQueueError, ModelNotServed, NotDurable, RedisUnreachable
 from .wire.keys import Keys
 from .wire.library import LibraryUnavailable
 from .wire.result import Result, ResultError
 from .wire.supported import Server, UnsupportedServer, acheck, check
 
 __all__ = ["AsyncClient", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "ModelNotServed",
-           "NotDurable", "Prepared", "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout", "ServedModel",
+           "NotDurable", "Prepared", "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout",
            "UnsupportedServer", "WrongResult", "aconnect", "connect", "prepare"]
 T = TypeVar("T")
 # What a first contact that never reached a server raises (RedisClusterException: no node of a cluster answered).
@@ -48,9 +47,10 @@ class _Face:
     ``DQ_REDIS_CLUSTER``, ``DQ_REDIS_TLS_*``) and ``DQ_SHARDS``, then the defaults. ``max_unfinished``: the
     backpressure limit per shard (0: none). ``wait_replicas`` (``DQ_WAIT_REPLICAS``): durable mode, an enqueue is
     acknowledged and a result returned only once that many replicas have it, else NotDurable names the ids.
-    ``model``: the client uses the first of ``model_namespaces`` (default: the namespace) whose live workers serve
-    a model of that name, found at its first call, which raises ModelNotServed if none does (producer/served.py).
-    ``options``: redis-py connection options (e.g. ``ssl_ca_certs``).
+    ``no_worker_s``: a wait (``wait``, ``wait_many``, ``decide``) during which no worker of the namespace is alive
+    ends after this many seconds, not its whole timeout, with a ResultTimeout that says "no live worker in namespace
+    X" (``no_worker``); None: the whole timeout. ``model``: the first of ``model_namespaces`` whose live workers
+    serve it, or ModelNotServed (producer/served.py). ``options``: redis-py connection options (``ssl_ca_certs``).
 
     The first call asks the server what it is, once and without retries: a Redis that is down raises
     ``RedisUnreachable`` within the socket timeout (5 s), not after the retries that ride out a restart.
@@ -58,15 +58,15 @@ class _Face:
 
     _connect: Any  # connect or aconnect
     server: Server | None = None  # what the server said at first contact (producer/wire/supported.py)
+    routed: served.ServedModel | None = None  # where ``model`` is served, once found
 
     def __init__(self, url: str | None = None, namespace: str | None = None, max_unfinished: int = 100_000,
                  cluster: bool | None = None, connection: Any = None, shards: int | None = None,
-                 wait_replicas: int | None = None, model: str | None = None,
+                 wait_replicas: int | None = None, no_worker_s: float | None = NO_WORKER_S, model: str | None = None,
                  model_namespaces: Iterable[str] | None = None, **options: Any) -> None:
         self.deployment = Deployment.resolve(url=url, namespace=namespace, cluster=cluster, shards=shards,
                                              wait_replicas=wait_replicas)
         self.model, self.model_namespaces = model, list(model_namespaces or [self.deployment.namespace])
-        self.routed: ServedModel | None = None  # the model's, once found
         self._options = {**self.deployment.tls_files(), **options}
         self._given = connection is not None
         try:  # a cluster client connects here already
@@ -75,7 +75,8 @@ class _Face:
             raise _unreachable(self.deployment.safe_url, error) from None
         cluster = self.deployment.cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
         self.keys = Keys(self.deployment.namespace)
-        self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster, self.deployment.wait_replicas)
+        self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster, self.deployment.wait_replicas,
+                             no_worker_s)
 
     @property
     def shards(self) -> int:
@@ -130,7 +131,7 @@ class Client(_Face):
 
     def live_workers(self) -> int | None:
         """Live workers of the namespace (a heartbeat in the last 30 s); None when the user may not look."""
-        return self._run(stats.live_workers(self.core))
+        return self._run(self.core.live_workers())
 
     def close(self) -> None:
         self.redis.close()
@@ -230,7 +231,7 @@ class AsyncClient(_Face):
         return await self._run(stats.stats(self.core))
 
     async def live_workers(self) -> int | None:
-        return await self._run(stats.live_workers(self.core))
+        return await self._run(self.core.live_workers())
 
     async def close(self) -> None:
         await self.redis.aclose()

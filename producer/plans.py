@@ -26,10 +26,11 @@ from typing import Any, NamedTuple, TypeVar
 import redis
 from pydantic import ValidationError
 
+from .liveness import NO_WORKER_S, Liveness
 from .wire import library
 from .wire.connection import WAIT_MS
 from .wire.errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here
-from .wire.keys import LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, shard_of
+from .wire.keys import GONE_S, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
 from .wire.result import Result
 from .wire.schema import Request, describe, digest
 
@@ -128,9 +129,11 @@ def parse_result(fields: Mapping[bytes, bytes], request_id: str) -> Result:
 class Producer:
     """The producer's logic without I/O: every operation returns a plan that a face runs."""
 
-    def __init__(self, keys: Keys, shards: int, max_unfinished: int, cluster: bool, wait_replicas: int = 0) -> None:
+    def __init__(self, keys: Keys, shards: int, max_unfinished: int, cluster: bool, wait_replicas: int = 0,
+                 no_worker_s: float | None = NO_WORKER_S) -> None:
         self.keys, self.shards, self.max_unfinished, self.cluster = keys, shards, max_unfinished, cluster
         self.wait_replicas = wait_replicas  # durable mode (docs/RELIABILITY.md): WAIT after each write and read
+        self.no_worker_s = no_worker_s  # None: a wait with no live worker runs its whole timeout
         # The digest of what this producer last submitted under each id, lately (digests only: bodies can be
         # megabytes): a result read for one of them that is another request's (a reused id) is returned as the
         # id_conflict it is, never as this request's answer.
@@ -212,13 +215,15 @@ class Producer:
 
     def wait_many(self, request_ids: Iterable[str], timeout: float | None, check: bool = True
                   ) -> Plan[dict[str, Result]]:
-        """Results of all ``request_ids`` in their order; raises ResultTimeout naming how many are missing.
-        ``check``: each against what this producer last submitted under its id (else as stored)."""
+        """Results of all ``request_ids`` in their order; raises ResultTimeout naming how many are missing (early,
+        after ``no_worker_s``, when no worker is alive). ``check``: each against what this producer last submitted
+        under its id (else as stored)."""
         checked = self._checked if check else (lambda result: result)
         deadline = None if timeout is None else time.monotonic() + timeout
         waiting = list(dict.fromkeys(request_ids))
         done: dict[str, Result] = {}
         look, shortfall = waiting, None  # ids to look at, read again with a confirmation in durable mode
+        liveness = Liveness(self.keys.namespace, self.no_worker_s, forever=timeout is None)
         while True:
             try:
                 done.update((yield from self.present(look)))
@@ -229,9 +234,15 @@ class Producer:
             left = None if deadline is None else deadline - time.monotonic()
             if not missing:
                 break
-            if left is not None and left <= 0:
-                raise shortfall or ResultTimeout(f"{len(missing)} of {len(waiting)} results not there yet",
-                                                 {r: checked(result) for r, result in done.items()}, missing)
+            late = left is not None and left <= 0
+            if liveness.due(late):
+                liveness.looked((yield from self.live_workers()))
+            gone = liveness.gone(late)
+            if late or gone:
+                raise shortfall or ResultTimeout(f"{len(missing)} of {len(waiting)} results not there yet"
+                                                 f"{liveness.why() if gone else ''}",
+                                                 {r: checked(result) for r, result in done.items()}, missing,
+                                                 self.keys.namespace if gone else None)
             block = BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
             window = {self.keys.result(r): r for r in missing[: 1 if self.cluster else WINDOW]}
             reply = yield Call("xread", (dict.fromkeys(window, "0-0"),), {"count": 1, "block": block})
@@ -245,6 +256,16 @@ class Producer:
             if self.cluster and reply:  # one key per read there: when the oldest lands, look at the rest
                 look = missing[1:]
         return {r: checked(done[r]) for r in waiting}
+
+    def live_workers(self) -> Plan[int | None]:
+        """Workers of this namespace whose heartbeat is younger than ``GONE_S`` (any shard); None when this user
+        may not read the heartbeat hash (an aclfile older than the producer's read of it)."""
+        try:
+            beats = yield Call("hgetall", (self.keys.workers(),))
+        except redis.exceptions.NoPermissionError:
+            return None
+        now = time.time()
+        return sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
 
     def present(self, request_ids: list[str]) -> Plan[dict[str, Result]]:
         """The results already there, in one round trip (one key per command: fine on Redis Cluster too). Durable

@@ -10,13 +10,14 @@ at once (``ModelNotServed``, naming the served ones), never queued to wait for a
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .plans import Call, Plan
-from .wire.errors import DecisionQueueError
+from .wire.errors import ModelNotServed
 from .wire.keys import GONE_S, Keys, beat_age, beat_models
 
 T = TypeVar("T")
@@ -33,25 +34,15 @@ class ServedModel:
     workers: int
 
 
-class ModelNotServed(DecisionQueueError):
-    """No live worker of the namespaces searched serves the model asked for: ``model``, and ``served`` (the names
-    that are served there)."""
-
-    def __init__(self, model: str, served: Iterable[str], namespaces: Iterable[str]) -> None:
-        self.model, self.served = model, sorted(served)
-        where = ", ".join(namespaces)
-        super().__init__(f"no live worker serves the model {model!r} (namespaces {where}); served: "
-                         f"{', '.join(self.served) or 'none'}")
-
-
 def catalog(beats: Mapping[bytes | str, bytes | str], namespace: str, now: float) -> dict[str, ServedModel]:
-    """One namespace's served models by each of their names, from its heartbeat hash (``HGETALL Keys.workers``). A
-    name that is one worker's first and another's alias belongs to the first (the name its results say)."""
+    """One namespace's served models by each of their names, from its heartbeat hash (``HGETALL Keys.workers``): the
+    live workers', those warming up included, a draining one's not (it reads no more). A name that is one worker's
+    first and another's alias belongs to the first (the name its results say)."""
     counts: dict[str, int] = {}
     names: dict[str, tuple[str, ...]] = {}
     for raw in beats.values():
         served = beat_models(raw)
-        if served and beat_age(raw, now) < GONE_S:
+        if served and beat_age(raw, now) < GONE_S and not draining(raw):
             counts[served[0]] = counts.get(served[0], 0) + 1
             names[served[0]] = tuple(dict.fromkeys(names.get(served[0], ()) + served))
     models = {first: ServedModel(first, namespace, names[first], count) for first, count in counts.items()}
@@ -61,6 +52,13 @@ def catalog(beats: Mapping[bytes | str, bytes | str], namespace: str, now: float
             out.setdefault(name, model)
     out.update(models)  # a first name wins over an alias
     return out
+
+
+def draining(raw: Any) -> bool:
+    try:
+        return json.loads(raw).get("state") == "draining"
+    except (ValueError, TypeError, AttributeError):
+        return False
 
 
 def served(namespaces: Iterable[str]) -> Plan[dict[str, ServedModel]]:

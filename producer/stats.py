@@ -1,8 +1,9 @@
-"""Queue stats, plans of the core (producer/plans.py) that both client faces run (``Client.stats``,
-``AsyncClient.stats``, ``live_workers``)."""
+"""Queue stats, a plan of the core (producer/plans.py) that both client faces run (``Client.stats``,
+``AsyncClient.stats``)."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -10,17 +11,19 @@ import redis
 
 from .plans import Call, Plan, Producer
 from .served import catalog
-from .wire.keys import GONE_S, GROUP, LANES, Keys, beat_age
+from .wire.keys import GONE_S, GROUP, LANES, Keys, beat_age, text
 from .wire.supported import lag_of
 
 
 def stats(core: Producer) -> Plan[dict[str, Any]]:
     """Totals over every shard, then each shard: for each lane (``lanes``: high, normal) the request and part
     streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``prompts``: both
-    lanes together; dead letters; and the live workers. Live: a consumer seen in the last ``GONE_S`` seconds or
-    holding entries, a worker whose heartbeat is younger than that (workers delete the gone: presence.py). The
-    lag is the server's, or the length less pending when the server cannot count it (``servers.lag_of``). ``models``:
-    the models the live workers serve, by the name their results say: every name each answers to, and its workers."""
+    lanes together; dead letters; the live workers (``workers``: how many) and every heartbeat (``heartbeats``:
+    each worker's name, shard, model, engine, state, entries held and the age of its last beat; state ``gone`` when
+    that is ``GONE_S`` or older); ``models``: the models the live workers serve, by the name their results say,
+    with every name each answers to and its workers. Live: a consumer seen in the last ``GONE_S`` seconds or holding
+    entries, a worker whose heartbeat is younger than that (workers delete the gone: presence.py). The lag is the
+    server's, or the length less pending when the server cannot count it (``servers.lag_of``)."""
     shards = []
     for shard in range(core.shards):
         keys, entry = Keys(core.keys.namespace, shard), {"shard": shard}
@@ -41,20 +44,25 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
     beats = yield Call("hgetall", (core.keys.workers(),))
     now = time.time()
     totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
+    totals["heartbeats"] = sorted((_heartbeat(name, raw, now) for name, raw in beats.items()),
+                                  key=lambda beat: (str(beat["shard"]), beat["name"]))
     served = {m.name: m for m in catalog(beats, core.keys.namespace, now).values()}
     totals["models"] = {name: {"names": list(m.names), "workers": m.workers} for name, m in sorted(served.items())}
     return {**totals, "shards": shards}
 
 
-def live_workers(core: Producer) -> Plan[int | None]:
-    """Workers of this namespace whose heartbeat is younger than ``GONE_S`` (any shard); None when this user may
-    not read the heartbeat hash (an aclfile older than the producer's read of it)."""
+def _heartbeat(name: Any, raw: Any, now: float) -> dict[str, Any]:
+    """One worker's heartbeat, as stats show it: any field the worker did not write (an older worker, or a beat
+    that is not JSON) is None."""
     try:
-        beats = yield Call("hgetall", (core.keys.workers(),))
-    except redis.exceptions.NoPermissionError:
-        return None
-    now = time.time()
-    return sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
+        beat = json.loads(raw)
+        beat = beat if isinstance(beat, dict) else {}
+    except ValueError:
+        beat = {}
+    age = beat_age(raw, now)
+    return {"name": text(name), "shard": beat.get("shard"), "model": beat.get("model"), "engine": beat.get("engine"),
+            "state": "gone" if age >= GONE_S else beat.get("state"), "held": beat.get("inflight"),
+            "beat_age_s": round(age, 1) if age != float("inf") else None}
 
 
 def _stream_stats(stream: str) -> Plan[dict[str, Any]]:

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from producer import __version__
+from producer.wire import traces
 from producer.wire.keys import Keys
 from producer.wire.supported import UnsupportedServer
 
@@ -38,6 +39,7 @@ from .model import checkpoint
 from .model.engine import Engine
 from .model.reference import ReferenceAdapter
 from .plan.planner import Planner
+from .traces import Traces
 
 log = logging.getLogger("worker")
 
@@ -90,18 +92,21 @@ class Daemon:
         self.served = settings.served_names or (self.model.name,)
         presence = Presence(client, self.keys, settings.consumer_name, list(consumer.streams),
                             settings.consumer_gone_ms,
-                            {"model": self.served[0], "models": list(self.served), "engine": self.engine.name})
+                            {"model": self.served[0], "models": list(self.served), "engine": self.engine.name,
+                             "shard": settings.shard}, self._state)
         self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.served[0], settings.reply_maxlen,
                                    settings.dead_maxlen, settings.wait_replicas)
         self.planner = Planner(self.model, settings, on_crash=self.metrics.planner_crashes.inc,
                                fatal=lambda code: self.exit(code))
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
                              settings.high_pack_tokens)
+        self.traces = Traces.configured()  # None unless an OTLP endpoint is set (producer/wire/traces.py)
         self.lifecycle = Lifecycle(self.keys, settings, self.metrics, self.redis_calls, consumer, self.planner,
-                                   self.packer, self.publisher, self.loop)
+                                   self.packer, self.publisher, self.loop, self.traces)
         self.intake = Intake(consumer, self.lifecycle, self.redis_calls, settings, self.metrics, self.stopping,
                              presence)
-        self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.lifecycle)
+        self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.lifecycle,
+                               traces=self.traces)
         self.metrics.built(__version__, self.served[0], self.engine.name, str(self.model.device))
 
     # ---------------------------------------------------------------- lifecycle (main thread)
@@ -133,7 +138,12 @@ class Daemon:
         redis_thread.join(timeout=max(5.0, self.settings.drain_timeout_s))
         self.planner.shutdown()
         self._last_word(len(self.lifecycle.held))
+        traces.shutdown()  # what is buffered, exported (nothing when off)
         return 0
+
+    def _state(self) -> str:
+        """What the heartbeat says this worker is doing (``dq-producer stats``)."""
+        return "draining" if self.stopping.is_set() else "ready" if self.ready.is_set() else "warming"
 
     def _burst_over(self) -> bool:
         empty_since = self.intake.streams_empty_since

@@ -1,4 +1,5 @@
-"""Logging: one line per state change (never one per request at INFO), as text or JSON.
+"""Logging: one line per state change (never one per request at INFO), as text or JSON (the formats:
+producer/wire/logs.py, the gateway's too).
 
 With ``json``, every line the process writes to stderr is a JSON object: progress bars are off, and third-party
 handlers, warnings and uncaught exceptions go through the one handler.
@@ -10,40 +11,18 @@ line, so a trace can be followed into this worker's logs.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import threading
-import time
 from typing import Any
 
-REQUEST_FIELDS = ("request_id", "traceparent")
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        line = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-                "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
-        line.update({name: getattr(record, name) for name in REQUEST_FIELDS if hasattr(record, name)})
-        if record.exc_info:
-            line["exc"] = self.formatException(record.exc_info)
-        return json.dumps(line, ensure_ascii=False)
-
-
-class TextFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        about = " ".join(f"{name.removesuffix('_id')} {getattr(record, name)}" for name in REQUEST_FIELDS
-                         if hasattr(record, name))
-        return super().formatMessage(record) + (f" [{about}]" if about else "")
+from producer.wire.logs import formatter
 
 
 def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(formatter(fmt))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -1,8 +1,8 @@
 """Prometheus metrics of one worker process, defined once: prefix ``dq_``, base units, few labels, no ids.
 
 Queue gauges carry the worker's ``shard``: every worker of a shard reports the same value, so dashboards and alerts
-take ``max by (shard, stream, priority)`` and then sum across shards. ``priority`` is the lane (high, normal) of the
-stream an entry came from: latency, queue wait and the stream gauges carry it. Labelled counters start at zero for
+take ``max by (shard, stream, lane)`` and then sum across shards. ``lane`` is the lane (high, normal) of the stream an
+entry came from: latency, queue wait and the stream gauges carry it (the gateway's metrics name it the same). Labelled counters start at zero for
 every known label value, so a panel shows a flat line rather than no data until the first event. The process and
 Python collectors (``process_*``, ``python_*``) come with the registry.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -28,6 +28,9 @@ FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 STREAMS = ("requests", "chunks")
 TAKEN = ("read", "recovered", "reclaimed", "retried")
 STATUSES = ("ok", "error")
+# No ``_created`` series beside each counter and histogram (process-wide): no alert or panel reads them, and they
+# doubled the counters' series.
+disable_created_metrics()
 REDIS_OPS = ("create groups", "read", "get body", "fan out", "claim", "dead letter", "ack", "publish", "reply",
              "maintenance")
 
@@ -58,7 +61,7 @@ class Metrics:
         self.lost = Counter("dq_lost_entries_total", "Pending entries whose payload was gone (trimmed)", registry=r)
         self.unread_deleted = Counter("dq_unread_entries_deleted_total", "Times entries of a work stream were found "
                                       "deleted before the group read them (a trim: requests lost unanswered)",
-                                      ["stream", "priority"], registry=r)
+                                      ["stream", "lane"], registry=r)
         for stream in Stream:  # from zero: the alerts' increase() sees the first one
             self.entries_ahead.labels(stream)
             for lane in LANES:
@@ -71,9 +74,9 @@ class Metrics:
         self.not_durable.labels("publish")  # from zero: the alert's increase() sees the first one
         self.latency = Histogram("dq_request_latency_seconds",
                                  "Enqueue (stream entry id) to result published, by result status and lane",
-                                 ["status", "priority"], buckets=LATENCY_BUCKETS, registry=r)
+                                 ["status", "lane"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram("dq_queue_wait_seconds", "Enqueue to first taken by a worker, by lane",
-                                    ["priority"], buckets=LATENCY_BUCKETS, registry=r)
+                                    ["lane"], buckets=LATENCY_BUCKETS, registry=r)
         self.planning = Histogram("dq_planning_seconds", "Validate, render and tokenize one entry",
                                   buckets=FORWARD_BUCKETS, registry=r)
         self.forward = Histogram("dq_forward_seconds", "One forward pass, launch to scores on the host, by static "
@@ -91,11 +94,11 @@ class Metrics:
         self.gpu_memory_peak = Gauge("dq_gpu_memory_peak_bytes", "Most GPU memory this process has had allocated",
                                      registry=r)
         self.stream_length = Gauge("dq_stream_length", "Entries in the stream (unfinished work)",
-                                   ["shard", "stream", "priority"], registry=r)
+                                   ["shard", "stream", "lane"], registry=r)
         self.stream_pending = Gauge("dq_stream_pending", "Entries delivered and not acknowledged",
-                                    ["shard", "stream", "priority"], registry=r)
+                                    ["shard", "stream", "lane"], registry=r)
         self.stream_lag = Gauge("dq_stream_lag", "Entries not yet delivered to any worker",
-                                ["shard", "stream", "priority"],
+                                ["shard", "stream", "lane"],
                                 registry=r)
         self.inflight = Gauge("dq_inflight_entries", "Entries this worker holds", registry=r)
         self.heartbeat = Gauge("dq_loop_heartbeat_timestamp_seconds", "Last turn of each loop", ["loop"], registry=r)

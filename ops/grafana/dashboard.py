@@ -4,7 +4,7 @@
 
 Panels sum over the selected workers (``$instance``, among the chosen models' workers: ``$model``). Queue gauges are reported by every worker of a shard and by the
 queue exporter (``dq-producer exporter``, which reports them when no worker is left) for the same streams: they are
-aggregated per shard, stream and lane (``priority``) with ``max`` (never summed), then summed across shards
+aggregated per shard, stream and lane (``lane``) with ``max`` (never summed), then summed across shards
 (``queue``); they do not follow the worker selector. Latency percentiles are of ``ok`` results: error results, answered at once, would pull them
 down.
 """
@@ -33,10 +33,10 @@ OK = 'status="ok"'
 
 def queue(metric: str, by: str = "stream", extra: str = "") -> str:
     """A queue gauge: one value per shard, stream and lane (every worker of a shard and the exporter report it),
-    summed across shards (and lanes, unless ``by`` names ``priority``)."""
+    summed across shards (and lanes, unless ``by`` names ``lane``)."""
     matchers = "{" + extra + "}" if extra else ""
-    return f"sum by ({by}) (max by (shard, stream, priority) ({metric}{matchers}))" if by else \
-        f"sum(max by (shard, stream, priority) ({metric}{matchers}))"
+    return f"sum by ({by}) (max by (shard, stream, lane) ({metric}{matchers}))" if by else \
+        f"sum(max by (shard, stream, lane) ({metric}{matchers}))"
 
 
 def quantiles(metric: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.95, 0.99), extra: str = "") -> list:
@@ -131,7 +131,7 @@ def build() -> dict:
     b.panel(title="Workers ready", targets=[(f"sum(dq_ready{W})", "ready")], **stat)
     b.panel(title="Results / s", targets=[(f"sum(rate(dq_results_total{W}[{RATE}]))", "results/s")], unit="reqps",
             **stat)
-    b.panel(title="Latency p95 by lane", targets=quantiles("dq_request_latency_seconds", by="priority", qs=(0.95,),
+    b.panel(title="Latency p95 by lane", targets=quantiles("dq_request_latency_seconds", by="lane", qs=(0.95,),
                                                            extra=OK), unit="s", **stat,
             description="Enqueue to result, ok results, per lane: includes work read into a worker but not started, "
                         "which the lag does not show.")
@@ -186,25 +186,25 @@ def build() -> dict:
 
     b.row("Priority lanes")
     b.panel("timeseries", "End to end by lane",
-            quantiles("dq_request_latency_seconds", by="priority", qs=(0.5, 0.99), extra=OK), unit="s",
+            quantiles("dq_request_latency_seconds", by="lane", qs=(0.5, 0.99), extra=OK), unit="s",
             description="Enqueue to result per lane, ok results: high requests are read, planned and packed first.")
-    b.panel("timeseries", "Queue wait by lane", quantiles("dq_queue_wait_seconds", by="priority", qs=(0.5, 0.99)),
+    b.panel("timeseries", "Queue wait by lane", quantiles("dq_queue_wait_seconds", by="lane", qs=(0.5, 0.99)),
             unit="s", description="Enqueue to taken by a worker, per lane: each lane has its own reader.")
-    b.panel("timeseries", "Results by lane", [(f"sum by (priority) (rate(dq_request_latency_seconds_count{W}"
-                                               f"[{RATE}]))", "{{priority}}")], unit="reqps", stack=True,
+    b.panel("timeseries", "Results by lane", [(f"sum by (lane) (rate(dq_request_latency_seconds_count{W}"
+                                               f"[{RATE}]))", "{{lane}}")], unit="reqps", stack=True,
             description="Results published per second per lane: normal work keeps --normal-share of each pack "
                         "while it waits.")
 
     b.row("Queue")
     b.panel("timeseries", "Stream length (unfinished work)",
-            [(queue("dq_stream_length", by="stream, priority"), "{{priority}} {{stream}}")], unit="short",
+            [(queue("dq_stream_length", by="stream, lane"), "{{lane}} {{stream}}")], unit="short",
             description="Workers delete entries once answered: the length is what is left to do. All shards "
                         "together, each lane's streams.")
     b.panel("timeseries", "Lag (not yet delivered)",
-            [(queue("dq_stream_lag", by="stream, priority"), "{{priority}} {{stream}}")], unit="short",
+            [(queue("dq_stream_lag", by="stream, lane"), "{{lane}} {{stream}}")], unit="short",
             description="The autoscaler's signal (KEDA lagCount), all shards together, each lane's streams.")
     b.panel("timeseries", "Pending (delivered, not acknowledged)",
-            [(queue("dq_stream_pending", by="stream, priority"), "{{priority}} {{stream}}")], unit="short")
+            [(queue("dq_stream_pending", by="stream, lane"), "{{lane}} {{stream}}")], unit="short")
     b.panel("timeseries", "Lag per shard", [(queue("dq_stream_lag", by="shard"), "shard {{shard}}")], unit="short",
             description="Requests and parts not yet taken, per shard: a shard whose workers fall behind.")
     b.panel("timeseries", "In flight per worker", [(f"dq_inflight_entries{W}", "{{instance}}")], unit="short")

@@ -1,9 +1,10 @@
 """Writes one kustomize overlay per extra model: ops/k8s-models/<NAME>/kustomization.yaml. A model is a namespace
 of the queue (its own streams, lanes and workers; docs/OPERATIONS.md, "Several models"), so each overlay is the
-base's workers for that namespace: the Deployment, ScaledObject, ConfigMap, PodDisruptionBudget and the queue
-exporter renamed with -<NAME>, labelled with the model (selectors included), DQ_NAMESPACE, DQ_SERVED_MODEL_NAME and
-the KEDA streams set to it, the checkpoint from the model's own image; what all models share (the Kubernetes
-namespace, KEDA's TriggerAuthentication, the gateway, monitoring) stays in the base only.
+base's workers for that namespace: the Deployment, ScaledObject, ConfigMap, PodDisruptionBudget, the queue exporter
+and the set-up Job (it creates the namespace's streams and group before KEDA reads them) renamed with -<NAME>,
+labelled with the model (selectors included), DQ_NAMESPACE, DQ_SERVED_MODEL_NAME and the KEDA streams set to it, the
+checkpoint from the model's own image; what all models share (the Kubernetes namespace, KEDA's
+TriggerAuthentication, the gateway, Redis' exporter, monitoring) stays in the base only.
 
     python ops/k8s/models.py decider-b --namespace dq-b --image REGISTRY/decider-b-model:1
     kubectl apply -k ops/k8s && kubectl apply -k ops/k8s-models/decider-b
@@ -29,6 +30,7 @@ from shards import _Literal  # noqa: E402
 from producer.wire.keys import LANES, MODEL_NAME, NAMESPACE_PATTERN, Keys  # noqa: E402
 
 SHARED = [("Namespace", None), ("TriggerAuthentication", None), ("PodMonitor", None), ("PrometheusRule", None),
+          ("Deployment", "dq-redis-exporter"),  # Redis itself, watched once
           ("Deployment", "dq-gateway"), ("Service", "dq-gateway"), ("HorizontalPodAutoscaler", "dq-gateway"),
           ("PodDisruptionBudget", "dq-gateway")]  # the gateway routes to every model
 MODEL_IMAGE = "decision-queue-model"  # the base's checkpoint image (worker.yaml's init container)
@@ -58,11 +60,14 @@ def overlay(name: str, namespace: str, image: str) -> str:
          "patch": yaml.safe_dump([{"op": "replace", "path": "/spec/scaleTargetRef/name",
                                    "value": f"{scaled['spec']['scaleTargetRef']['name']}-{label}"}, *streams])}]
     new_name, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "")
+    # The base names its images already (kustomization.yaml, images): the overlay renames what the base made.
+    named = yaml.safe_load((K8S / "kustomization.yaml").read_text()).get("images") or []
+    model_image = next((i.get("newName", MODEL_IMAGE) for i in named if i["name"] == MODEL_IMAGE), MODEL_IMAGE)
     document = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
                 "resources": ["../../k8s"], "nameSuffix": f"-{label}",
                 "labels": [{"pairs": {"decision-queue/model": label}, "includeSelectors": True,
                             "includeTemplates": True}],
-                "images": [{"name": MODEL_IMAGE, "newName": new_name, **({"newTag": tag} if tag else {})}],
+                "images": [{"name": model_image, "newName": new_name, **({"newTag": tag} if tag else {})}],
                 "patches": patches}
     header = (f"# The model {name}'s workers (namespace {namespace}), written by python ops/k8s/models.py: edit that, "
               f"not this.\n#   kubectl apply -k ops/k8s-models/{label}     (after kubectl apply -k ops/k8s)\n")

@@ -2,7 +2,7 @@
 COUNT - 1 (shard 0 is ops/k8s itself; kustomize refuses an overlay inside its base's directory). Each overlay is the base's worker for its shard: the Deployment,
 ScaledObject, ConfigMap and PodDisruptionBudget renamed with -s<N>, labelled with the shard (selectors included),
 DQ_SHARD and the KEDA streams set to it; what all shards share (the namespace, KEDA's TriggerAuthentication, the
-exporter, the gateway, monitoring) stays in the base only.
+exporters, the load-functions Job, the gateway, monitoring) stays in the base only.
 
     python ops/k8s/shards.py 4             # shards 1, 2 and 3
     kubectl apply -k ops/k8s && kubectl apply -k ops/k8s-shards/s1 ...
@@ -24,6 +24,7 @@ sys.path.insert(0, str(K8S.parents[1]))
 from producer.wire.keys import Keys  # noqa: E402
 
 SHARED = [("Namespace", None), ("TriggerAuthentication", None), ("Deployment", "dq-exporter"), ("PodMonitor", None),
+          ("Job", "dq-load-functions"), ("Deployment", "dq-redis-exporter"),
           ("PrometheusRule", None), ("Deployment", "dq-gateway"), ("Service", "dq-gateway"),
           ("HorizontalPodAutoscaler", "dq-gateway"), ("PodDisruptionBudget", "dq-gateway")]  # gateways serve every shard
 

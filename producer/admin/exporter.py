@@ -3,8 +3,8 @@ itself, so that alerts and dashboards see the backlog when no worker is left to 
 
 It runs as the read-only ``monitor`` ACL user (counts only: XLEN, XINFO GROUPS/CONSUMERS, the heartbeat hash) and
 reads on each scrape what ``dq-producer stats`` shows. Its stream gauges have the workers' names and labels
-(``dq_stream_length{shard, stream, priority}``...), so the dashboard's and the alerts' ``max by (shard, stream,
-priority)`` takes either source; a stream whose group does not exist yet counts as all lag (nobody took anything).
+(``dq_stream_length{shard, stream, lane}``...), so the dashboard's and the alerts' ``max by (shard, stream, lane)``
+takes either source; a stream whose group does not exist yet counts as all lag (nobody took anything).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ OTHER_GAUGES = {
     "dq_exporter_read_seconds": "How long the last read of the queue took",
 }
 # Every series this exporter can write -> its labels (tests check the dashboard's and the alerts' names against it).
-EXPORTED = {**{name: ("shard", "stream", "priority") for name in STREAM_GAUGES}, "dq_dead_letter_entries": ("shard",),
+EXPORTED = {**{name: ("shard", "stream", "lane") for name in STREAM_GAUGES}, "dq_dead_letter_entries": ("shard",),
             **{name: () for name in OTHER_GAUGES if name != "dq_dead_letter_entries"}}
 
 
@@ -56,7 +56,7 @@ def render(stats: dict[str, Any] | None, seconds: float) -> str:
                 # no group yet: nothing was delivered, everything waits
                 values = {"pending": 0, "lag": figures["length"], "consumers": 0, **figures}
                 for name, (field, _) in STREAM_GAUGES.items():
-                    samples[name].append(f"{name}{_labels(shard=shard['shard'], stream=stream, priority=lane)} "
+                    samples[name].append(f"{name}{_labels(shard=shard['shard'], stream=stream, lane=lane)} "
                                          f"{values[field]}")
         samples["dq_dead_letter_entries"].append(f"dq_dead_letter_entries{_labels(shard=shard['shard'])} "
                                                  f"{shard['dead_letters']}")

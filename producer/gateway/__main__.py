@@ -19,6 +19,7 @@ from .. import __version__
 from ..exits import UNREACHABLE, USAGE
 from ..wire.connection import Deployment, check_reachable
 from ..wire.keys import PROTOCOL
+from . import logs
 from .config import ConfigError, GatewayConfig, add_arguments, load
 
 log = logging.getLogger("producer.gateway")
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as error:
         print(f"dq-gateway: {error}", file=sys.stderr)
         return USAGE
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(config)  # one format for every line: the gateway's and uvicorn's
     try:  # a wrong URL or password is said at once, not as a 503 on every call
         check_reachable(config.deployment)
     except Exception as error:  # noqa: BLE001 - redis errors and a TLS file that cannot be read alike
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve(config: GatewayConfig) -> int:
     import uvicorn
 
+    from ..wire import traces
     from .routes import create_app
 
     if not config.keys:
@@ -67,10 +69,14 @@ def serve(config: GatewayConfig) -> int:
                     "loopback address only", config.host, config.port, config.deployment.namespace)
     else:
         log.info("%d API keys; namespaces %s", len(config.keys), ", ".join(config.namespaces()))
+    traces.configure("dq-gateway")  # on when an OTLP endpoint is set (OTEL_EXPORTER_OTLP_*)
+    log.info("dq-gateway %s (wire protocol v%s) on %s:%d", __version__, PROTOCOL, config.host, config.port)
     # Idle connections are kept longer than the System One clients' pools keep theirs (30 s): a connection closed
     # by the server just as a client reuses it fails that call (the client retries it, but a second time).
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level.lower(),
-                access_log=False, proxy_headers=False, server_header=False, timeout_keep_alive=KEEP_ALIVE_S)
+    uvicorn.run(logs.cors(create_app(config), config), host=config.host, port=config.port, log_config=None,
+                log_level=config.log_level.lower(), access_log=False, proxy_headers=False, server_header=False,
+                timeout_keep_alive=KEEP_ALIVE_S)
+    traces.shutdown()
     return 0
 
 

@@ -58,22 +58,21 @@ def seconds(http: HttpRequest, name: str = "timeout") -> float | None:
     return value
 
 
-def describe(schema: dict[str, Any], routes: list[tuple[str, str, str, tuple[str, ...], bool, dict]]) -> None:
-    """Add the plain routes (path, summary, status, body models, takes ?timeout=, failure responses) and the
-    bodies' schemas to FastAPI's OpenAPI description."""
+def describe(schema: dict[str, Any], routes: list[tuple[str, str, str, tuple[str, ...], bool]]) -> None:
+    """Add the plain routes (path, summary, status, body models, takes ?timeout=) and the bodies' schemas to
+    FastAPI's OpenAPI description (their responses: openapi.py)."""
     schemas = schema.setdefault("components", {}).setdefault("schemas", {})
     for model in (Request, Batch):
         described = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(described.pop("$defs", {}))
         schemas[model.__name__] = described
-    for path, summary, status, models, timeout, failures in routes:
+    for path, summary, status, models, timeout in routes:
         refs = [{"$ref": f"#/components/schemas/{m}"} for m in models]
         operation: dict[str, Any] = {
             "summary": summary, "operationId": path.strip("/").replace("/", "_"),
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": refs[0] if len(refs) == 1 else {"oneOf": refs}}}},
-            "responses": {status: {"description": "the result(s)"},
-                          **{str(code): value for code, value in failures.items()}}}
+            "responses": {status: {"description": "the result(s)"}}}
         if timeout:
             operation["parameters"] = [{"name": "timeout", "in": "query", "required": False, "description": TIMEOUT,
                                         "schema": {"type": "number", "exclusiveMinimum": 0}}]

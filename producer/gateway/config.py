@@ -16,6 +16,7 @@ import ipaddress
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -108,6 +109,11 @@ class GatewayConfig:
     retry_window_s: float = _opt(0.0, "how long a System One call's retries map to its request (and identical calls "
                                       "are computed once); 0: the clients' 30 s retry budget plus --wait-s", low=0)
     log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR")
+    log_format: str = _opt("text", "text, or json: one JSON object per line, the gateway's lines and uvicorn's alike")
+    access_log: str = _opt("on", "on: one line per call (method, path, status, duration, key, lane, client; probes "
+                                 "and scrapes at DEBUG); off: none")
+    cors_allow_origin: str = _opt("", "origins browsers may call from, comma-separated (https://app.example), or * "
+                                      "for any; empty: no CORS headers")
     keys: tuple[ApiKey, ...] = field(default=(), metadata={"help": ""})  # read from the file or the variable
 
     def __post_init__(self) -> None:
@@ -122,6 +128,13 @@ class GatewayConfig:
                 problems.append(f"{_names(f.name)} must be at most {high:g}, got {value!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             problems.append(f"{_names('log_level')} must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        for name, allowed in (("log_format", ("text", "json")), ("access_log", ("on", "off"))):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{_names(name)} must be {' or '.join(allowed)}, got {getattr(self, name)!r}")
+        for origin in filter(None, (o.strip() for o in self.cors_allow_origin.split(","))):
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                problems.append(f"{_names('cors_allow_origin')}: an origin is scheme://host[:port] (or *), got "
+                                f"{origin!r}")
         if not NAMESPACE_PATTERN.match(self.deployment.namespace):
             problems.append(f"--namespace (DQ_NAMESPACE) must be 1 to 64 of A-Z a-z 0-9 . _ -, got "
                             f"{self.deployment.namespace!r}")

@@ -10,18 +10,25 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .. import __version__
+from ..wire import traces
+from ..wire.schema import valid_traceparent
+from . import logs
 from .access import Inflight, Keyring
 from .replies import JSON, error_body
 from .translate import ID_HEADER as TYPESAFE_ID
 from .translate import fresh_id, reshaped
 
-PUBLIC = {"health", "ready", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
+PUBLIC = {"health", "ready", "info", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
 SYSTEM_ONE = {"systemone", "models"}  # routes whose every answer is shaped for the System One clients
 ID_HEADER = TYPESAFE_ID.encode()
+# No ``_created`` series beside each counter and histogram (process-wide): no alert or panel reads them, and they
+# doubled the counters' series (worker/metrics.py does the same).
+disable_created_metrics()
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -31,7 +38,8 @@ def route_of(path: str) -> str:
         return "results"
     return {"/v1/decide": "decide", "/v1/decide/batch": "decide_batch", "/v1/requests": "requests",
             "/v1/systemone": "systemone", "/v1/models": "models", "/health": "health", "/ready": "ready",
-            "/metrics": "metrics", "/docs": "docs", "/openapi.json": "docs"}.get(path, "other")
+            "/info": "info", "/metrics": "metrics", "/docs": "docs", "/redoc": "docs",
+            "/openapi.json": "docs"}.get(path, "other")
 
 
 class Metrics:
@@ -50,13 +58,17 @@ class Metrics:
         self.attached = Counter("dq_gateway_calls_attached", "System One calls answered by a request an earlier "
                                 "call enqueued: a client's retry, or an identical call within the retry window",
                                 ["how"], registry=self.registry)
+        self.build = Gauge("dq_gateway_build_info", "always 1: the version this gateway runs", ["version"],
+                           registry=self.registry)
+        self.build.labels(__version__).set(1)
 
 
 class Front:
     def __init__(self, app: ASGIApp, keyring: Keyring, inflight: Inflight, metrics: Metrics,
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, tracer: Any = None) -> None:
         self.app, self.keyring, self.inflight, self.metrics = app, keyring, inflight, metrics
         self.max_body_bytes = max_body_bytes
+        self.tracer = tracer  # None: tracing off (producer/wire/traces.py)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -77,6 +89,7 @@ class Front:
 
         gauge = self.metrics.in_flight.labels(route)
         gauge.inc()
+        end_span = self._span(scope, route) if self.tracer is not None and route not in PUBLIC else None
         try:
             refusal = self._refuse(scope, route, state)
             if refusal is not None and route in SYSTEM_ONE:  # the System One clients' shape (translate.py)
@@ -86,11 +99,33 @@ class Front:
                 return
             await self.app(scope, self._counting(receive), sending)
         finally:
+            if end_span is not None:  # the call's span: ended once its last byte went
+                end_span(status[0])
             gauge.dec()
             self._give_back(state)  # a call cut short, or one that failed before its last byte
-            lane = state.get("lane", "")
+            lane, seconds = state.get("lane", ""), time.perf_counter() - started
             self.metrics.calls.labels(route, lane, str(status[0])).inc()
-            self.metrics.seconds.labels(route, lane).observe(time.perf_counter() - started)
+            self.metrics.seconds.labels(route, lane).observe(seconds)
+            logs.called(scope, status[0], seconds, route in PUBLIC, state)
+
+    def _span(self, scope: Scope, route: str) -> Any:
+        """Start the call's span, current while it runs (its parent: the call's ``traceparent`` header; the requests
+        it enqueues carry it, service.py); what ends it with the call's status."""
+        from opentelemetry import context
+        from opentelemetry.trace import SpanKind, set_span_in_context
+
+        header = dict(scope["headers"]).get(b"traceparent")
+        span = self.tracer.start_span(f"{scope['method']} {route}", kind=SpanKind.SERVER, attributes={
+            "http.request.method": scope["method"], "http.route": route},
+            context=traces.context_of(valid_traceparent(header.decode("latin-1") if header else None)))
+        token = context.attach(set_span_in_context(span))
+
+        def end(status: int) -> None:
+            span.set_attribute("http.response.status_code", status)
+            context.detach(token)
+            span.end()
+
+        return end
 
     def _give_back(self, state: dict[str, Any]) -> None:
         for name, count in state.pop("held", ()):

@@ -23,6 +23,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from ..plans import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult
+from ..wire.keys import GONE_S
 from ..wire.library import LibraryUnavailable
 from ..wire.result import Result
 from ..wire.schema import ErrorCode
@@ -137,9 +138,11 @@ def install(app: FastAPI) -> None:
     async def timeout(_: HttpRequest, error: Exception) -> Response:
         assert isinstance(error, ResultTimeout)
         missing = error.missing[0] if error.missing else None
-        return refusal(Refused(504, ErrorCode.TIMEOUT.value, "no result in time; the request stays queued: "
-                               f"GET /v1/results/{missing}", headers={"Location": f"/v1/results/{missing}"}),
-                       missing)
+        why = f"no live worker in namespace {error.no_worker!r} (no heartbeat in the last {GONE_S} s: none started, " \
+              "or all gone); the request stays queued until one starts" if error.no_worker else \
+            "the request stays queued"
+        return refusal(Refused(504, ErrorCode.TIMEOUT.value, f"no result in time; {why}: GET /v1/results/{missing}",
+                               headers={"Location": f"/v1/results/{missing}"}), missing)
 
     async def unreachable(_: HttpRequest, error: Exception) -> Response:
         return refusal(_redis_refusal(error))

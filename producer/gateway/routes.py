@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
 from ..plans import ResultTimeout, WrongResult
-from ..wire.keys import ID_PATTERN
+from ..wire.keys import ID_PATTERN, PROTOCOL
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request
 from . import replies, systemone
@@ -24,6 +24,7 @@ from .access import Access
 from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
 from .front import Front
+from .openapi import complete
 from .replies import READ, WAIT, Refused, Unsettled
 from .service import Gateway
 
@@ -61,18 +62,10 @@ async def _disconnect(http: HttpRequest) -> None:
 def create_app(config: GatewayConfig, connection: Any = None) -> Front:
     """The ASGI application: the routes behind the front layer (keys, body size, metrics)."""
     gateway = Gateway(config, connection)
-    app = FastAPI(title="dq-gateway", version=__version__, lifespan=gateway.lifespan, redoc_url=None,
+    app = FastAPI(title="dq-gateway", version=__version__, lifespan=gateway.lifespan, redoc_url="/redoc",
                   description="The decision queue over HTTP: the queue's request and result JSON (docs/PROTOCOL.md).")
     replies.install(app)
     app.state.gateway = gateway
-    failures = {status: {"description": text} for status, text in (
-        (401, "no valid API key"), (403, "the key may not use this lane"),
-        (409, "id_conflict: the id has another request's result"),
-        (413, "body or batch too large (a batch over the key's in-flight limit included)"),
-        (422, "invalid input: error.code and error.field say what"), (429, "queue full or too many in flight: "
-                                                                          "Retry-After"),
-        (503, "Redis unreachable, or replicas did not confirm (not_durable); names the id once known"),
-        (504, "no result in time: the id, to fetch later"))}
 
     # The POST routes: plain Starlette routes, described in the OpenAPI document by bodies.describe.
     async def decide(http: HttpRequest) -> Response:
@@ -86,8 +79,9 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
                                [request_id], WAIT)
         if landed is None:
             return Response(status_code=CLIENT_GONE)
-        if request_id not in landed:
-            raise ResultTimeout("no result in time", missing=[request_id])
+        if request_id not in landed:  # with why, when no worker of the namespace is alive to answer it
+            raise ResultTimeout("no result in time", missing=[request_id],
+                                no_worker=access.namespace if await gateway.no_worker(client) else None)
         # The result under this id may be another request's (a reused id): then id_conflict, never its answer.
         return replies.result_response(prepared[0].answered_by(landed[request_id]))
 
@@ -115,7 +109,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
     for path, *_, endpoint in posts:
         app.add_route(path, endpoint, methods=["POST"], include_in_schema=False)
 
-    @app.get("/v1/results/{request_id}", responses=failures, summary="A result, waiting up to ?wait= seconds")
+    @app.get("/v1/results/{request_id}", summary="A result, waiting up to ?wait= seconds")
     async def result(request_id: str, http: HttpRequest,
                      wait: Annotated[float, Query(ge=0, description="seconds to wait for it")] = 0) -> Response:
         access: Access = http.state.access
@@ -137,21 +131,25 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready", summary="Redis reachable and workers alive", responses={503: {"description": "not ready"}})
+    @app.get("/ready", summary="Redis reachable and workers alive")
     async def ready() -> JSONResponse:
         ok, detail = await gateway.ready()
         return JSONResponse({"ready": ok, **detail}, 200 if ok else 503)
+
+    @app.get("/info", summary="What runs: the gateway's version and wire protocol")
+    async def info() -> dict[str, str]:
+        return {"version": __version__, "protocol": PROTOCOL}
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:  # FastAPI's description, and the plain routes'
-            schema = FastAPI.openapi(app)
-            describe(schema, [(*post[:5], failures) for post in posts])
+        if app.openapi_schema is None:  # FastAPI's description, the plain routes', every route's responses
+            describe(FastAPI.openapi(app), [post[:5] for post in posts])
+            complete(app.openapi_schema)
         return app.openapi_schema
 
     systemone.install(app, gateway, config, watched)
     app.openapi = openapi  # type: ignore[method-assign]
-    return Front(app, gateway.keyring, gateway.inflight, gateway.metrics, config.max_body_bytes)
+    return Front(app, gateway.keyring, gateway.inflight, gateway.metrics, config.max_body_bytes, gateway.tracer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any
 
 import redis
@@ -21,6 +21,7 @@ from redis.backoff import ExponentialBackoff
 
 from ..client import AsyncClient
 from ..plans import NotDurable, Prepared, QueueFull, WrongResult, prepare
+from ..wire import traces
 from ..wire.connection import aconnect
 from ..wire.keys import GONE_S, NORMAL, Keys, Priority, beat_age
 from ..wire.result import Result
@@ -52,6 +53,7 @@ class Gateway:
         self.keyring, self.inflight, self.metrics = Keyring(config), Inflight(), Metrics()
         self.clients: dict[str, AsyncClient] = {}
         self.batchers: dict[str, Batcher] = {}
+        self.tracer = traces.tracer("dq-gateway")  # None: tracing off
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
@@ -98,7 +100,8 @@ class Gateway:
         if len(requests) > self.config.max_batch:
             raise Refused(413, "batch_too_large", f"{len(requests)} requests, over the limit of "
                                                   f"{self.config.max_batch} per call", "requests")
-        header = valid_traceparent(http.headers.get("traceparent"))
+        # with tracing on, the call's span (producer/wire/traces.py); else the caller's own traceparent, passed on
+        header = traces.current() or valid_traceparent(http.headers.get("traceparent"))
         lanes, seen, out = set(), set(), []
         for index, request in enumerate(requests):
             where = f"requests.{index}." if batch else ""
@@ -133,8 +136,11 @@ class Gateway:
         in, QueueFull: a 429 naming the accepted and the refused). Any Redis error is Unsettled: it names the ids,
         which may have been queued."""
         refused: list[str] = []
+        enqueue = self.tracer.start_as_current_span("dq.enqueue", attributes={
+            "dq.namespace": namespace, "dq.requests": len(prepared)}) if self.tracer is not None else nullcontext()
         try:
-            await self.batchers[namespace].submit(prepared)
+            with enqueue:
+                await self.batchers[namespace].submit(prepared)
         except QueueFull as full:
             if not (partial and full.accepted):
                 self._count(prepared, full.accepted)
@@ -178,6 +184,13 @@ class Gateway:
         for request_id in pending:
             yield _line(Result.failure(request_id, ErrorCode.TIMEOUT, f"no result within {wait:g} s; the request "
                                        f"stays queued: GET /v1/results/{request_id}"))
+
+    async def no_worker(self, client: AsyncClient) -> bool:
+        """No worker of the client's namespace is alive (False when unknown: Redis failing, heartbeats unreadable)."""
+        try:
+            return await client.live_workers() == 0
+        except redis.RedisError:
+            return False
 
     async def ready(self) -> tuple[bool, dict[str, Any]]:
         """Redis answers, and each namespace has a live worker (or the gateway's user may not read heartbeats)."""

@@ -20,10 +20,11 @@ from .ports import free_port
 
 class RedisServer:
     """A server process on 127.0.0.1 (``binary``: this one rather than ``find()``'s); ``stop``/``start`` keep the
-    port and the data directory."""
+    port and the data directory. ``detached``: in a session of its own, so that a terminal's Ctrl-C reaches only
+    the program that started it, which stops it in its turn (ops/stack.py)."""
 
     def __init__(self, *args: str, port: int | None = None, appendonly: bool = True, directory: str | None = None,
-                 cluster: bool = False, binary: Binary | None = None) -> None:
+                 cluster: bool = False, binary: Binary | None = None, detached: bool = False) -> None:
         self.found = binary or find()
         self.binary = self.found.path
         self.port = port or free_port()
@@ -34,6 +35,7 @@ class RedisServer:
         if cluster:
             self.args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf"]
         self.process: subprocess.Popen | None = None
+        self.detached = detached
         self.server = self.found.server
         self.version = self.server.version
 
@@ -49,7 +51,8 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         log = open(self.directory / "redis.log", "ab")
-        self.process = subprocess.Popen([self.binary, *self.args], stdout=log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen([self.binary, *self.args], stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=self.detached)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -143,9 +143,10 @@ class Keys:
         return f"{self.base}:durable"
 
     def workers(self) -> str:
-        """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, models, engine}``, written every
-        5 s (worker/loop/presence.py); beats older than GONE_S are gone and deleted by the live workers. ``model``:
-        the name its results say; ``models``: every name it serves under, that one first (``beat_models``)."""
+        """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, models, engine, shard, state}``,
+        written every 5 s (worker/loop/presence.py); beats older than GONE_S are gone and deleted by the live
+        workers. ``model``: the name its results say; ``models``: every name it serves under, that one first
+        (``beat_models``)."""
         return f"{self.base}:workers"
 
     def call(self, digest: str) -> str:

@@ -3,6 +3,8 @@ refused (the busy-loop Lua included), every needed one allowed, and the daemon, 
 a whole end to end under their own users without a single denial. docs/RELIABILITY.md cites each test here."""
 
 import json
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import redis
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from ops.redis_acl import ROLES, render
 from producer.client import Client, LibraryUnavailable
@@ -18,6 +22,7 @@ from producer.local.ports import free_port
 from producer.local.server import RedisServer
 from producer.wire import library
 from producer.wire.keys import HIGH, Keys
+from support import http_get
 from test_e2e import QUESTIONS, requests
 
 pytestmark = [pytest.mark.redis]
@@ -200,12 +205,57 @@ def test_monitor_sees_counts_not_payloads(acl_server, prepared):
                     command(monitor, "HGETALL", KEYS.shares("half")), command(monitor, "GET", KEYS.body("half")),
                     command(monitor, "XADD", KEYS.requests, "*", "body", "{}"), command(monitor, "DEL", "x"),
                     command(monitor, "FCALL", library.SUBMIT, 1, KEYS.requests, 0, "m", "{}"),
-                    command(monitor, "CONFIG", "GET", "*"), command(monitor, "FLUSHALL"), command(monitor, "MONITOR")]:
+                    command(monitor, "CONFIG", "GET", "*"), command(monitor, "FLUSHALL"), command(monitor, "MONITOR"),
+                    command(monitor, "SLOWLOG", "GET", "1"),  # the slow commands' arguments: bodies
+                    command(monitor, "LATENCY", "RESET"), command(monitor, "SLOWLOG", "RESET")]:
         assert refused(attempt)
+    # what redis_exporter reads of Redis itself: counts, never an entry
+    assert monitor.slowlog_len() >= 0 and command(monitor, "LATENCY", "LATEST")() is not None
+    assert command(monitor, "LATENCY", "HISTOGRAM", "info")() is not None
 
     anonymous = connect(acl_server, None)
     assert anonymous.ping()  # container health checks need no credentials
     assert refused(anonymous.xlen, KEYS.requests) and refused(anonymous.get, "x")
+
+
+EXPORTER = shutil.which("redis_exporter") or shutil.which("prometheus-redis-exporter")
+
+
+@pytest.mark.skipif(EXPORTER is None, reason="no redis_exporter (Debian: apt-get install prometheus-redis-exporter)")
+def test_redis_exporter_reads_every_series_the_redis_alerts_name_as_the_monitor_user(acl_server, prepared, tmp_path):
+    """redis_exporter as compose and Kubernetes run it (the monitor user, --config-command=-): Redis is up to it,
+    every series the rules of ops/prometheus/redis.yml read is there (maxclients comes from INFO from release 1.68
+    on, older ones read it from CONFIG, which the monitor may not), and the server refused it nothing but the slow
+    log's entries."""
+    port = free_port()
+    exporter = subprocess.Popen([EXPORTER, "--web.listen-address", f"127.0.0.1:{port}", "--include-system-metrics",
+                                 "--config-command=-", "--redis.addr", f"redis://127.0.0.1:{acl_server.port}",
+                                 "--redis.user", "monitor"], env={"REDIS_PASSWORD": PASSWORDS["monitor"]},
+                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "exporter.log", "wb"))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                status, text = http_get(f"http://127.0.0.1:{port}/metrics")
+                break
+            except OSError:
+                assert exporter.poll() is None and time.monotonic() < deadline, (tmp_path / "exporter.log").read_text()
+                time.sleep(0.1)
+    finally:
+        exporter.terminate()
+        exporter.wait(10)
+    samples = {sample.name: sample for family in text_string_to_metric_families(text) for sample in family.samples}
+    assert status == 200 and samples["redis_up"].value == 1
+    rules = yaml.safe_load((ROOT / "ops/prometheus/redis.yml").read_text())["groups"][0]["rules"]
+    named = {name for rule in rules for name in re.findall(r"\b(redis_[a-z_]+)", rule["expr"])}
+    version = tuple(int(part) for part in re.findall(r"\d+", samples["redis_exporter_build_info"].labels["version"])[:2])
+    # errors_total appears with a first error; master_link_up on a replica
+    expected = named - {"redis_errors_total", "redis_master_link_up"} - ({"redis_max_clients"} if version < (1, 68)
+                                                                          else set())
+    assert expected <= set(samples), expected - set(samples)
+    assert samples["redis_instance_info"].labels["maxmemory_policy"] == "noeviction"
+    # refused, on purpose, only the last slow command (its arguments may be a body): the exporter then goes without it
+    assert {entry["object"] for entry in prepared.acl_log()} <= {"slowlog|get"}
 
 
 @pytest.mark.slow
@@ -254,7 +304,7 @@ def test_daemon_and_producer_run_end_to_end_under_their_users(acl_server, start_
     [(_, [(_, reply)])] = client.redis.xread({KEYS.reply_prefix + "svc-1": "0-0"}, count=1, block=4000)
     assert reply[b"id"] == b"reply"
 
-    stats = subprocess.run([sys.executable, "-m", "producer", "stats", "--redis", url(acl_server, "monitor")],
+    stats = subprocess.run([sys.executable, "-m", "producer", "stats", "--json", "--redis", url(acl_server, "monitor")],
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout)["dead_letters"] == 1

@@ -103,7 +103,7 @@ def test_end_to_end_on_a_three_node_cluster_with_two_shards(cluster, start_worke
             return await aclient.wait_many(more, timeout=60)
 
     assert all(r.ok for r in asyncio.run(through_async_client()).values())
-    stats = subprocess.run([sys.executable, "-m", "producer", "stats", "--cluster", "--redis", cluster.url],
+    stats = subprocess.run([sys.executable, "-m", "producer", "stats", "--json", "--cluster", "--redis", cluster.url],
                            capture_output=True, text=True, timeout=60)
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout)["requests"] == {"length": 0, "pending": 0, "lag": 0, "consumers": 1}

@@ -67,12 +67,12 @@ def test_the_exporter_reports_the_backlog_as_the_monitor_with_no_worker_and_surv
             def value(name: str, **labels: str) -> float:
                 return samples[(name, tuple(sorted(labels.items())))]
 
-            normal0 = {"shard": "0", "stream": "requests", "priority": str(NORMAL)}
+            normal0 = {"shard": "0", "stream": "requests", "lane": str(NORMAL)}
             assert value("dq_stream_length", **normal0) == 5 and value("dq_stream_pending", **normal0) == 2
             assert value("dq_stream_lag", **normal0) == 3 and value("dq_stream_consumers", **normal0) == 1
-            high0 = {"shard": "0", "stream": "requests", "priority": str(HIGH)}
+            high0 = {"shard": "0", "stream": "requests", "lane": str(HIGH)}
             assert value("dq_stream_lag", **high0) == 1  # no group yet: all of it waits
-            assert value("dq_stream_lag", shard="1", stream="chunks", priority=str(NORMAL)) == 1
+            assert value("dq_stream_lag", shard="1", stream="chunks", lane=str(NORMAL)) == 1
             assert value("dq_dead_letter_entries", shard="0") == 2 and value("dq_dead_letter_entries", shard="1") == 0
             assert value("dq_workers_live") == 0 and value("dq_exporter_redis_up") == 1
             assert admin.acl_log() == []  # the monitor's rights were enough

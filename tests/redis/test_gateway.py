@@ -112,14 +112,16 @@ def test_a_reused_id_with_another_request_is_409_id_conflict_never_the_other_req
 
 
 def test_no_result_in_time_is_504_with_the_id_and_the_result_is_fetchable_later(stack):
-    """Namespace globex has no worker: nothing answers in time. The result, published later (as a worker would),
-    is read by the id the 504 gave, by a GET already waiting for it (a worker killed mid-request:
+    """Namespace globex has no worker: nothing answers in time, and the 504 says so. The result, published later (as
+    a worker would), is read by the id the 504 gave, by a GET already waiting for it (a worker killed mid-request:
     test_gateway_faults)."""
     with stack.gateway.client("globex") as http:
         started = time.monotonic()
         reply = http.post("/v1/decide", params={"timeout": 0.5}, json=request("gw-late-1"))
         assert reply.status_code == 504 and 0.5 <= time.monotonic() - started < 3
         assert reply.json()["id"] == "gw-late-1" and reply.json()["error"]["code"] == "timeout"
+        assert reply.json()["error"]["message"].startswith(  # why: no worker of globex is alive
+            "no result in time; no live worker in namespace 'globex' (no heartbeat in the last 30 s")
         assert reply.headers["location"] == "/v1/results/gw-late-1"
         assert http.get("/v1/results/gw-late-1").status_code == 404  # still queued: no result yet
         threading.Timer(0.5, publish, (stack, "globex", "gw-late-1")).start()

@@ -15,7 +15,7 @@ from test_e2e import QUESTIONS, requests
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 # Every label a dq_ metric may carry: dimensions with a handful of values, never an id.
-LABELS = {"shard", "stream", "priority", "how", "status", "code", "op", "size", "mode", "kind", "loop", "version",
+LABELS = {"shard", "stream", "lane", "how", "status", "code", "op", "size", "mode", "kind", "loop", "version",
           "model", "engine", "device", "le"}
 
 
@@ -76,8 +76,8 @@ def test_metrics_move_as_the_work_goes(redis_server, start_worker, tiny_dir):
     producer_view = sum(r.timings.finished_ms - r.timings.enqueued_ms for r in ok) / 1000
     assert producer_view * 0.95 <= m("dq_request_latency_seconds_sum") <= producer_view + 0.5 * len(ids) + wall
     assert m("dq_request_latency_seconds_bucket", le="+Inf") == len(ids) + 1
-    assert m("dq_request_latency_seconds_count", priority="normal") == len(ids) + 1  # all in the normal lane
-    assert m("dq_request_latency_seconds_count", priority="high") == 0
+    assert m("dq_request_latency_seconds_count", lane="normal") == len(ids) + 1  # all in the normal lane
+    assert m("dq_request_latency_seconds_count", lane="high") == 0
     # The backlog waited in the queue: the queue wait grew beyond the first entries' (a spread, not all zeros).
     assert m("dq_queue_wait_seconds_count") == len(ids) + 1 + parts
     assert m("dq_queue_wait_seconds_sum") > 0.5

@@ -128,7 +128,7 @@ def test_entries_deleted_before_any_worker_read_them_are_detected(redis_server, 
     client.redis.xadd(keys.requests, {"body": "{}"}, maxlen=0, approximate=False)  # a leaked producer key at work
     assert client.redis.xlen(keys.requests) == 0
     worker = inprocess(redis_server.url).start()
-    found = dict(stream="requests", priority="normal")
+    found = dict(stream="requests", lane="normal")
     wait_for(lambda: worker.metric("dq_unread_entries_deleted_total", **found) == 1, 20, what="the trim detected")
     [kept] = client.submit_many(batch(1, "kept"))  # delivered and deleted by the worker: no new detection
     assert wait_and_check(client.redis, keys, [kept], timeout=30).assert_ok().results[kept].ok

@@ -25,7 +25,7 @@ def consumers(connection: redis.Redis, key: str, group: str) -> dict[str, int]:
 
 
 def stats(url: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "producer", "stats", "--redis", url], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "producer", "stats", "--json", "--redis", url], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)

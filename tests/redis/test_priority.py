@@ -44,9 +44,9 @@ def test_a_high_request_enqueued_after_5000_normal_ones_finishes_before_30_perce
     assert client.redis.xlen(client.keys.requests) > 0.5 * len(bulk)  # most of the backlog still queued
     # Observed once its acknowledgement is back, a moment after the result is readable (the backlog is still held:
     # no waiting for nothing held here); one request in the high lane, so one observation.
-    wait_for(lambda: worker.metric("dq_request_latency_seconds_count", priority="high") >= 1, timeout=30,
+    wait_for(lambda: worker.metric("dq_request_latency_seconds_count", lane="high") >= 1, timeout=30,
              what="the high result counted")
-    assert worker.metric("dq_request_latency_seconds_count", priority="high") == 1
+    assert worker.metric("dq_request_latency_seconds_count", lane="high") == 1
 
 
 def test_a_worker_holding_max_inflight_normal_entries_still_takes_a_high_request_into_its_next_pack(
@@ -90,7 +90,7 @@ def test_normal_work_keeps_its_share_under_a_steady_flood_of_high_work(redis_ser
         thread.join(10)
     assert all(r.ok for r in results.values())
     assert backlog > 0 and min(lows) > 0, lows  # high work waited the whole time the normal work was served
-    assert worker.metric("dq_request_latency_seconds_count", priority="high") > len(normal)
+    assert worker.metric("dq_request_latency_seconds_count", lane="high") > len(normal)
 
 
 # ---------------------------------------------------------------- the lane is the stream
@@ -137,8 +137,8 @@ def test_a_plain_xadd_is_served_in_the_lane_of_its_stream_and_a_body_naming_the_
     assert "was sent to the normal lane's stream" in results["normal-said-high"].error.message
     assert "priority" in results["bad-value"].error.message
     wait_released(worker)
-    assert worker.metric("dq_request_latency_seconds_count", priority="high") == 4
-    assert worker.metric("dq_request_latency_seconds_count", priority="normal") == 1
+    assert worker.metric("dq_request_latency_seconds_count", lane="high") == 4
+    assert worker.metric("dq_request_latency_seconds_count", lane="normal") == 1
 
 
 # ---------------------------------------------------------------- every guarantee in both lanes
@@ -170,7 +170,7 @@ def test_kill_9_mid_pack_the_other_worker_reclaims_and_finishes_in_both_lanes(re
         survivor.log.read_text()[-3000:])
     wait_released(survivor)
     for priority in LANES:
-        assert survivor.metric("dq_request_latency_seconds_count", priority=priority) == 8
+        assert survivor.metric("dq_request_latency_seconds_count", lane=priority) == 8
 
 
 @pytest.mark.parametrize("priority", LANES)

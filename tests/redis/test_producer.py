@@ -82,6 +82,46 @@ def test_wait_many_returns_results_published_before_and_after(redis_server):
         client.wait_many(["never-submitted"], timeout=0.3)
 
 
+def test_a_wait_with_no_live_worker_ends_early_and_says_why(redis_server):
+    """Client(namespace="typo") waited its whole timeout in silence: now, with no worker of the namespace alive
+    for the whole wait, it ends after no_worker_s (15 s by default), naming the namespace; a shorter timeout ends
+    on time with the same hint; with a worker alive (a fresh heartbeat) it waits its whole timeout, and says
+    nothing of workers."""
+    assert Client(redis_server.url).core.no_worker_s == 15.0
+    typo = Client(redis_server.url, namespace="typo", no_worker_s=1.5)
+    request_id = typo.submit(REQUEST)
+    started = time.monotonic()
+    with pytest.raises(ResultTimeout, match="no live worker in namespace 'typo'") as early:
+        typo.wait(request_id, timeout=60)
+    assert 1.5 <= time.monotonic() - started < 10 and early.value.no_worker == "typo"
+    assert early.value.missing == [request_id] and "1 of 1 results not there yet" in str(early.value)
+    with pytest.raises(ResultTimeout, match="no live worker in namespace 'typo'") as short:
+        Client(redis_server.url, namespace="typo").wait(request_id, timeout=0.3)
+    assert short.value.no_worker == "typo"
+
+    async def awaited():
+        async with AsyncClient(redis_server.url, namespace="typo", no_worker_s=1.5) as client:
+            return await client.decide(REQUEST, timeout=60)
+
+    started = time.monotonic()
+    with pytest.raises(ResultTimeout, match="no live worker") as through_decide:
+        asyncio.run(awaited())
+    assert time.monotonic() - started < 10 and through_decide.value.no_worker == "typo"
+
+    alive = Client(redis_server.url, no_worker_s=1.0)
+    alive.redis.hset(alive.keys.workers(), "w-1", json.dumps({"ts": time.time(), "inflight": 0}))
+    request_id = alive.submit(REQUEST)
+    started = time.monotonic()
+    with pytest.raises(ResultTimeout) as full:
+        alive.wait(request_id, timeout=3)
+    assert time.monotonic() - started >= 3 and full.value.no_worker is None and "worker" not in str(full.value)
+    patient = Client(redis_server.url, namespace="typo", no_worker_s=None)
+    started = time.monotonic()
+    with pytest.raises(ResultTimeout) as whole:
+        patient.wait(request_id, timeout=2.5)
+    assert time.monotonic() - started >= 2.5 and whole.value.no_worker is None
+
+
 def test_async_client(redis_server):
     async def scenario():
         async with AsyncClient(redis_server.url, max_unfinished=3) as client:

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,9 +62,38 @@ def test_submit_wait_writes_one_result_per_line_in_order_and_exits_1_on_errors(s
     assert everything_ok.returncode == 0 and everything_ok.stdout == "", everything_ok.stderr
     assert everything_ok.stderr.splitlines() == ["2 requests: 2 ok"]
     assert {json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()} == {"w-7", "w-8"}
-    stats = json.loads(cli("stats", "--redis-url", served.url).stdout)
+    stats = json.loads(cli("stats", "--json", "--redis-url", served.url).stdout)
     assert stats["requests"]["length"] == 0 and stats["workers"] == 1  # answered entries are deleted
 
+
+
+def test_stats_watch_draws_the_tables_until_ctrl_c(served):
+    """Frame after frame of the streams and the live worker's row (its state and shard from its heartbeat), until
+    SIGINT, which ends a watch with 0; once, the same tables."""
+    watching = subprocess.Popen([sys.executable, "-m", "producer", "stats", "--watch", "0.2", "--redis-url",
+                                 served.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(watching.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sum(line.startswith("every 0.2 s, ") for line in lines) < 3:
+            time.sleep(0.05)
+    finally:
+        watching.send_signal(signal.SIGINT)
+    assert watching.wait(30) == 0, watching.stderr.read()
+    reader.join(10)
+    frames = "".join(lines).split("every 0.2 s, ")[1:]
+    assert len(frames) >= 3, lines
+    for frame in frames:
+        rows = frame.splitlines()
+        assert rows[2].startswith("namespace dq: 1 shard, 1 worker live, 0 dead letters"), frame
+        assert rows[4].split() == ["SHARD", "LANE", "REQUESTS", "PENDING", "LAG", "PARTS", "PARTS", "PENDING",
+                                   "PARTS", "LAG", "CONSUMERS"]
+        [worker] = [row.split() for row in rows if row.startswith("in-process-")]
+        assert worker[1:2] + worker[4:6] == ["0", "ready", "0"] and worker[-2:] == ["s", "ago"], frame
+    once = cli("stats", "--redis-url", served.url)
+    assert once.returncode == 0 and once.stdout.startswith("namespace dq: 1 shard, 1 worker live"), once.stderr
 
 
 @pytest.mark.slow
@@ -226,9 +256,9 @@ def test_the_workers_connection_vocabulary_and_shards(redis_server, tmp_path):
     lengths = [connection.xlen(Keys("shop", shard).requests) for shard in range(3)]
     assert lengths == [sum(shard_of(f"s-{i}", 3) == shard for i in range(12)) for shard in range(3)]
     assert all(lengths)
-    stats = json.loads(cli("stats", env=env).stdout)
+    stats = json.loads(cli("stats", "--json", env=env).stdout)
     assert stats["requests"]["length"] == 12 and [s["requests"]["length"] for s in stats["shards"]] == lengths
     # the flags win over the environment; --redis is kept as an alias of --redis-url
-    one = json.loads(cli("stats", "--redis", redis_server.url, "--shards", "1", "--namespace", "shop",
+    one = json.loads(cli("stats", "--json", "--redis", redis_server.url, "--shards", "1", "--namespace", "shop",
                          env={"DQ_REDIS_URL": "redis://127.0.0.1:1/0"}).stdout)
     assert [s["shard"] for s in one["shards"]] == [0] and one["requests"]["length"] == lengths[0]

@@ -121,10 +121,10 @@ def test_a_real_prometheus_scrapes_workers_and_every_panel_shows_its_series(serv
                 assert all(label in s["metric"] for s in series), (panel["title"], label, series)
             checked += 1
     assert checked > 30
-    per_shard = query(port, 'sum by (shard) (max by (shard, stream, priority) (dq_stream_length{instance=~".*"}))')
+    per_shard = query(port, 'sum by (shard) (max by (shard, stream, lane) (dq_stream_length{instance=~".*"}))')
     assert {s["metric"]["shard"] for s in per_shard} == {"0", "1"}
-    lanes = query(port, 'count by (priority) (dq_stream_lag{stream="requests"})')
-    assert {s["metric"]["priority"]: float(s["value"][1]) for s in lanes} == {"high": 4, "normal": 4}  # + exporter
+    lanes = query(port, 'count by (lane) (dq_stream_lag{stream="requests"})')
+    assert {s["metric"]["lane"]: float(s["value"][1]) for s in lanes} == {"high": 4, "normal": 4}  # + exporter
     by_status = query(port, "sum by (status) (dq_results_total)")
     assert {s["metric"]["status"]: float(s["value"][1]) for s in by_status} == {"ok": len(batch) - 1, "error": 1}
 

@@ -26,7 +26,7 @@ def test_serve_help_is_in_sections_with_choices_shown():
 
 
 def test_connection_flags_are_spelled_the_same_everywhere():
-    connection = flags(subcommand(producer_parser(), "stats")) - {"-h", "--help"}
+    connection = flags(subcommand(producer_parser(), "stats")) - {"-h", "--help", "--json", "--watch"}  # its own
     serve = flags(subcommand(worker_parser(), "serve"))
     load = flags(subcommand(worker_parser(), "load-functions"))
     assert connection - {"--shards"} <= serve, connection - serve  # a worker reads one --shard

@@ -27,7 +27,7 @@ def test_the_overview_shows_length_beside_lag_and_p95_per_lane():
     queue = exprs(next(p for title, p in overview.items() if "lag" in title.lower()))
     assert "dq_stream_length" in queue and "dq_stream_lag" in queue
     p95 = next(p for p in overview.values() if "histogram_quantile(0.95" in exprs(p))
-    assert "priority" in exprs(p95) and "{{priority}}" in p95["targets"][0]["legendFormat"]
+    assert "lane" in exprs(p95) and "{{lane}}" in p95["targets"][0]["legendFormat"]
 
 
 def test_gpu_busy_and_fan_outs_have_panels():

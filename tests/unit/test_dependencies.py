@@ -13,6 +13,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # Imported only where present, each with a fallback or a clear error: not required by any extra.
 OPTIONAL = {"peft",  # merges a JEV checkpoint's LoRA at load, when installed
             "triton", "tilelang", "flash_qla", "fla", "kernels",  # the GPU fast path's kernels (gpu extra, torch)
+            "opentelemetry",  # traces, imported only when configured (the otel extra: below)
             "compression"}  # compression.zstd: the stdlib's from Python 3.14 (before it, backports.zstd: http extra)
 
 
@@ -57,6 +58,18 @@ def test_the_gateway_declares_what_it_imports_in_the_http_extra():
 
 def test_the_worker_declares_what_it_imports():
     assert missing("worker", "worker", "gpu") == []
+
+
+def test_traces_import_only_what_the_otel_extra_declares():
+    """OpenTelemetry's modules come from the otel extra's two distributions (and the API they depend on)."""
+    code = "".join(p.read_text() for package in ("producer", "worker") for p in (ROOT / package).rglob("*.py"))
+    used = set(re.findall(r"(?:from|import) (opentelemetry(?:\.\w+)+)", code))
+    assert used and {"opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"} <= set(declared("otel"))
+    distributions = packages_distributions()
+    for module in used:  # each resolves to the SDK, the exporter or the API both bring
+        assert module.startswith(("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http", "opentelemetry.trace",
+                                  "opentelemetry.context")), module
+    assert "opentelemetry-api" in {d.lower() for d in distributions.get("opentelemetry", [])}
 
 
 def test_declared_minimums_have_what_the_code_calls():

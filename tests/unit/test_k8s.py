@@ -112,7 +112,9 @@ def test_the_checkpoint_comes_from_an_image_by_default_or_from_a_claim_many_node
 
 
 
-def test_the_operator_gets_the_alert_rules_and_scrapes_workers_and_the_exporter(tmp_path):
+def test_the_operator_gets_every_alert_rule_and_scrapes_every_part(tmp_path):
+    """Workers, the queue exporter, the gateway and Redis' exporter each have a PodMonitor on a port their pod
+    names, and the PrometheusRule carries the rules of every rule file (the gateway's and Redis' included)."""
     sys.path.insert(0, str(OPS / "prometheus"))
     import operator_rules
 
@@ -120,16 +122,87 @@ def test_the_operator_gets_the_alert_rules_and_scrapes_workers_and_the_exporter(
     docs = render(with_monitoring(tmp_path))
     [rule] = by_kind(docs, "PrometheusRule").values()
     alerts = {r["alert"] for group in rule["spec"]["groups"] for r in group["rules"]}
-    assert {"DecisionQueueWorkerDown", "DecisionQueueNoReadyWorker", "DecisionQueueLagWithoutWorkers"} <= alerts
+    assert {"DecisionQueueWorkerDown", "DecisionQueueNoReadyWorker", "DecisionQueueLagWithoutWorkers",
+            "DecisionQueueGatewayDown", "DecisionQueueGatewayUnavailable", "DecisionQueueGatewayTimeouts",
+            "DecisionQueueRedisMemoryFull", "DecisionQueueRedisEvicting"} <= alerts
     deployments = by_kind(docs, "Deployment")
     monitors = by_kind(docs, "PodMonitor")
-    for name in ("dq-worker", "dq-exporter"):
+    for name in ("dq-worker", "dq-exporter", "dq-gateway", "dq-redis-exporter"):
         labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
         [monitor] = [m for m in monitors.values()
                      if m["spec"]["selector"]["matchLabels"].items() <= labels.items()]
         port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
         [container] = deployments[name]["spec"]["template"]["spec"]["containers"]
-        assert port in {p["name"] for p in container["ports"]}
+        assert port in {p["name"] for p in container["ports"]}, name
+
+
+def pods(docs: list[dict]) -> dict[str, dict]:
+    """Every pod template of the rendered workloads, by workload name."""
+    return {doc["metadata"]["name"]: doc["spec"]["template"]["spec"] for doc in docs
+            if doc["kind"] in ("Deployment", "StatefulSet", "Job")}
+
+
+def secrets_used(pod: dict) -> set[str]:
+    used = {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        used |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
+                 if "secretKeyRef" in e.get("valueFrom", {})}
+    return used
+
+
+def test_a_job_loads_the_function_library_as_the_admin_user():
+    """Least-privilege workers cannot load the library or create the streams: the Job does, as admin, with the
+    worker image and the deployment's namespace and shards."""
+    docs = render()
+    job = by_kind(docs, "Job")["dq-load-functions"]
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    worker = by_kind(docs, "Deployment")["dq-worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"] == ["load-functions"] and container["image"] == worker["image"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["DQ_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "dq-redis-admin", "key": "url"}
+    assert env["DQ_NAMESPACE"]["valueFrom"]["configMapKeyRef"]["key"] == "DQ_NAMESPACE" and "DQ_SHARDS" in env
+    assert job["spec"]["template"]["spec"]["restartPolicy"] in ("OnFailure", "Never")
+    example = {d["metadata"]["name"]: d for d in yaml.safe_load_all((K8S / "secret.example.yaml").read_text()) if d}
+    assert example["dq-redis-admin"]["stringData"]["url"].startswith("redis://admin:")
+
+
+@needs_kubectl
+def test_it_schedules_without_a_tls_secret_and_the_tls_component_mounts_the_ca_everywhere(tmp_path):
+    """By default no pod needs the dq-redis-tls secret (a cluster whose Redis has no TLS schedules everything);
+    with components/redis-tls every pod that talks to Redis mounts the CA where its CA setting points, and KEDA's
+    trigger logs in over TLS. Every secret a pod reads is in secret.example.yaml either way."""
+    example = {d["metadata"]["name"] for d in yaml.safe_load_all((K8S / "secret.example.yaml").read_text()) if d}
+    plain = render()
+    for name, pod in pods(plain).items():
+        assert "dq-redis-tls" not in secrets_used(pod) and secrets_used(pod) <= example, name
+    [auth] = by_kind(plain, "TriggerAuthentication").values()
+    assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} == {"username", "password"}
+    tls = render(switched_on(tmp_path, "components:", "  - components/redis-tls"))
+    talk_to_redis = {"dq-worker", "dq-gateway", "dq-exporter", "dq-load-functions", "dq-redis-exporter"}
+    assert talk_to_redis <= set(pods(tls))
+    config = by_kind(tls, "ConfigMap")["dq-worker"]["data"]
+    for name in talk_to_redis:
+        pod = pods(tls)[name]
+        assert "dq-redis-tls" in secrets_used(pod) and secrets_used(pod) <= example, name
+        [container] = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        ca = env.get("DQ_REDIS_TLS_CA") or env.get("REDIS_EXPORTER_TLS_CA_CERT_FILE") or config.get("DQ_REDIS_TLS_CA")
+        assert ca and str(Path(ca).parent) in {m["mountPath"] for m in container["volumeMounts"]}, name
+    assert pods(tls)["dq-redis-exporter"]["containers"][0]["env"][0]["value"].startswith("rediss://")
+    [auth] = by_kind(tls, "TriggerAuthentication").values()
+    assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} == {"username", "password", "tls", "ca"}
+
+
+@needs_kubectl
+def test_the_projects_images_come_from_your_registry_through_the_images_transformer():
+    """Every image the project builds is named without registry or tag in the manifests, and the kustomization's
+    images: entry gives both (one place to point at your registry)."""
+    entries = {i["name"]: i for i in yaml.safe_load((K8S / "kustomization.yaml").read_text())["images"]}
+    assert set(entries) == {"decision-queue-worker", "decision-queue-gateway", "decision-queue-model"}
+    images = {c["image"] for pod in pods(render()).values() for c in pod.get("initContainers", []) + pod["containers"]}
+    ours = {image for image in images if "decision-queue-" in image}
+    assert ours == {f"{e['newName']}:{e['newTag']}" for e in entries.values()}
+    assert all(image.startswith("registry.example.com/") for image in ours)
 
 
 def test_the_exporter_reads_the_queue_as_the_monitor_user():
@@ -142,7 +215,7 @@ def test_the_exporter_reads_the_queue_as_the_monitor_user():
     assert env["DQ_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "dq-redis-monitor", "key": "url"}
     example = [d for d in yaml.safe_load_all((K8S / "secret.example.yaml").read_text())
                if d["metadata"]["name"] == "dq-redis-monitor"][0]
-    assert example["stringData"]["url"].startswith("rediss://monitor:")
+    assert example["stringData"]["url"].startswith("redis://monitor:")  # rediss:// with components/redis-tls
 
 
 @needs_kubectl
@@ -202,8 +275,8 @@ def test_a_second_model_is_an_overlay_of_the_base_for_its_own_namespace(tmp_path
     docs = render(copy / "k8s-models" / "decider-b")
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == [
         ("ConfigMap", "dq-worker-decider-b"), ("Deployment", "dq-exporter-decider-b"),
-        ("Deployment", "dq-worker-decider-b"), ("PodDisruptionBudget", "dq-worker-decider-b"),
-        ("ScaledObject", "dq-worker-decider-b")]
+        ("Deployment", "dq-worker-decider-b"), ("Job", "dq-load-functions-decider-b"),
+        ("PodDisruptionBudget", "dq-worker-decider-b"), ("ScaledObject", "dq-worker-decider-b")]
     config = by_kind(docs, "ConfigMap")["dq-worker-decider-b"]["data"]
     assert (config["DQ_NAMESPACE"], config["DQ_SERVED_MODEL_NAME"]) == ("dq-b", "decider-b")
     worker = by_kind(docs, "Deployment")["dq-worker-decider-b"]["spec"]
@@ -212,6 +285,9 @@ def test_a_second_model_is_an_overlay_of_the_base_for_its_own_namespace(tmp_path
     exporter = by_kind(docs, "Deployment")["dq-exporter-decider-b"]["spec"]["template"]["spec"]["containers"][0]
     [namespace] = [e for e in exporter["env"] if e["name"] == "DQ_NAMESPACE"]
     assert namespace["valueFrom"]["configMapKeyRef"]["name"] == "dq-worker-decider-b"  # it reads the model's queue
+    setup = by_kind(docs, "Job")["dq-load-functions-decider-b"]["spec"]["template"]["spec"]["containers"][0]
+    [namespace] = [e for e in setup["env"] if e["name"] == "DQ_NAMESPACE"]
+    assert namespace["valueFrom"]["configMapKeyRef"]["name"] == "dq-worker-decider-b"  # its streams made first
     scaled = by_kind(docs, "ScaledObject")["dq-worker-decider-b"]
     assert scaled["spec"]["scaleTargetRef"]["name"] == "dq-worker-decider-b"
     keys = Keys("dq-b", 0)

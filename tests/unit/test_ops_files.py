@@ -277,7 +277,7 @@ def test_worker_deployment_gpu_probes_and_grace_period():
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == config["DQ_METRICS_PORT"]
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert str(Path(config["DQ_REDIS_TLS_CA"]).parent) in mounts and "/tmp" in mounts
+    assert "/tmp" in mounts and "DQ_REDIS_TLS_CA" not in config  # TLS: components/redis-tls (tests/unit/test_k8s.py)
     assert str(Path(config["DQ_CHECKPOINT"]).parent) in mounts
     selector = deployment["spec"]["selector"]["matchLabels"]
     assert docs[("PodDisruptionBudget", "dq-worker")]["spec"]["selector"]["matchLabels"] == selector

@@ -84,7 +84,7 @@ def test_a_result_is_counted_before_its_entry_is_let_go():
         def counted_then_release(entry: Delivery) -> None:
             counted_at_release.append((metrics.registry.get_sample_value("dq_results_total", {
                 "status": "error", "code": "invalid_request"}) or 0.0, metrics.registry.get_sample_value(
-                "dq_request_latency_seconds_count", {"status": "error", "priority": "normal"}) or 0.0))
+                "dq_request_latency_seconds_count", {"status": "error", "lane": "normal"}) or 0.0))
             release(entry)
 
         held.release = counted_then_release

@@ -51,10 +51,11 @@ def test_heartbeats_become_a_catalog_of_served_models():
     assert beat_models(beat("decider-a", "jev-latest")) == ("decider-a", "jev-latest")
     assert beat_models(beat("older-worker", field="model")) == ("older-worker",)  # a worker before served names
     assert beat_models("not json") == () and beat_models(json.dumps({"models": ["bad name", 3]})) == ()
+    leaving = json.dumps({**json.loads(beat("decider-d")), "state": "draining"})
     beats = {b"w1": beat("decider-a", "jev-latest"), b"w2": beat("decider-a"), b"w3": beat("decider-b", "decider-a"),
-             b"gone": beat("decider-c", age=60)}
+             b"gone": beat("decider-c", age=60), b"leaving": leaving}
     found = catalog(beats, "alpha", time.time())
-    assert set(found) == {"decider-a", "jev-latest", "decider-b"}  # the gone worker's model is not served
+    assert set(found) == {"decider-a", "jev-latest", "decider-b"}  # the gone and the draining serve nothing
     assert found["decider-a"].name == "decider-a" and found["decider-a"].workers == 2  # a first name wins an alias
     assert found["jev-latest"] is found["decider-a"] and found["decider-a"].namespace == "alpha"
     assert found["decider-b"].names == ("decider-b", "decider-a")

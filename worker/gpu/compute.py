@@ -27,6 +27,7 @@ from ..model.checkpoint import DecisionModel
 from ..model.engine import Engine, Pending, PackRun
 from ..model.readout import answer, option_logits
 from ..tasks import Computed, Expired, Failed, GpuEvent, Item, Launched
+from ..traces import Traces
 from .packer import Packer
 
 log = logging.getLogger("worker")
@@ -41,8 +42,10 @@ class Sink(Protocol):
 
 
 class Compute:
-    def __init__(self, model: DecisionModel, engine: Engine, packer: Packer, metrics: Metrics, sink: Sink) -> None:
+    def __init__(self, model: DecisionModel, engine: Engine, packer: Packer, metrics: Metrics, sink: Sink,
+                 traces: Traces | None = None) -> None:
         self.model, self.engine, self.packer, self.metrics, self.sink = model, engine, packer, metrics, sink
+        self.traces = traces  # None: tracing off
         self.turned_at: float | None = None  # the loop's last turn (liveness)
 
     def run(self, done: Callable[[], bool]) -> None:
@@ -89,6 +92,10 @@ class Compute:
             self._isolate(pack, error)
             return
         self._record(run)
+        if self.traces is not None:
+            ended = time.time()
+            self.traces.computed(list({id(item.task): item.task.delivery for item in pack}.values()),
+                                 ended - run.seconds, ended, run.bucket, run.tokens)
         config = self.model.decision_config
         for item, scores in zip(pack, run.scores):
             questions = item.prompt.questions

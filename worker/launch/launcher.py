@@ -32,7 +32,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, disable_created_metrics,
+                               generate_latest)
 
 from producer.wire.endpoints import NOT_FOUND, Answer, serve_paths
 from producer.wire.keys import LANES, Keys, text
@@ -41,6 +42,7 @@ from ..config import Settings
 from .host import Device, LaunchError, devices, environment, host_cores
 
 log = logging.getLogger("worker.launcher")
+disable_created_metrics()  # as worker/metrics.py: no _created series
 
 ENTRY = ["-m", "worker"]  # what a worker runs (then "serve"); tests/redis/faulty_worker.py points it at itself
 BACKOFF_S, BACKOFF_MAX_S, STABLE_S = 1.0, 60.0, 60.0  # restart pauses; up this long (no endpoints) resets the row

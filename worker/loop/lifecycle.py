@@ -33,6 +33,7 @@ from ..entries import PARTS, REQUESTS, Delivery, Identity, Job, Refusal, identit
 from ..metrics import Metrics
 from ..outcomes import answered_before, error_outcome, task_outcome
 from ..tasks import Computed, Expired, Failed, GpuEvent, Item, Launched, Task
+from ..traces import Traces
 from .consumer import Consumer
 from .held import HeldEntries, State
 from .publisher import Publisher
@@ -56,13 +57,15 @@ class Packs(Protocol):
 
 class Lifecycle:
     def __init__(self, keys: Keys, settings: Settings, metrics: Metrics, redis_calls: RedisCalls, consumer: Consumer,
-                 planner: Planners, packer: Packs, publisher: Publisher, loop: asyncio.AbstractEventLoop) -> None:
+                 planner: Planners, packer: Packs, publisher: Publisher, loop: asyncio.AbstractEventLoop,
+                 traces: Traces | None = None) -> None:
         self.keys, self.settings, self.metrics, self.redis_calls, self.loop = keys, settings, metrics, redis_calls, \
             loop
         self.consumer, self.planner, self.packer, self.publisher = consumer, planner, packer, publisher
         self.model_name = publisher.model_name
         self.held = HeldEntries(settings.max_inflight, metrics)
-        self.settler = Settler(publisher, redis_calls, metrics, self.held, loop)
+        self.traces = traces  # None: tracing off (worker/traces.py)
+        self.settler = Settler(publisher, redis_calls, metrics, self.held, loop, traces)
 
     def take(self, delivery: Delivery, how: str, since: float | None = None) -> None:
         """Hold an entry and route it, once however it arrived; not one let go ``since`` the call that found it."""
@@ -89,7 +92,7 @@ class Lifecycle:
             asyncio.ensure_future(self._plan(delivery))
 
     async def _plan(self, delivery: Delivery) -> None:
-        start = time.perf_counter()
+        start, began = time.perf_counter(), time.time()
         try:
             planned = await asyncio.wrap_future(self.planner.submit(delivery, await self._stored_body(delivery)))
         except Exception as error:  # noqa: BLE001 - a planner bug must not take the daemon down
@@ -98,6 +101,8 @@ class Lifecycle:
             return
         finally:
             self.metrics.planning.observe(time.perf_counter() - start)
+            if self.traces is not None:
+                self.traces.planned(delivery, began, time.time())
         if isinstance(planned, Refusal):  # bad input, a deadline passed: answered at once, never retried
             self.settler.put(error_outcome(delivery, planned.identity, planned.code, planned.message,
                                            self.model_name))

@@ -15,6 +15,7 @@ from producer.wire import library
 
 from ..metrics import Metrics
 from ..outcomes import Outcome
+from ..traces import Traces
 from .held import HeldEntries, State
 from .publisher import Publisher
 from .redis_calls import RedisCalls
@@ -25,9 +26,10 @@ BATCH = 512  # outcomes settled in one go at most
 
 class Settler:
     def __init__(self, publisher: Publisher, redis_calls: RedisCalls, metrics: Metrics, held: HeldEntries,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, traces: Traces | None = None) -> None:
         self.publisher, self.redis_calls, self.metrics, self.held, self.loop = publisher, redis_calls, metrics, \
             held, loop
+        self.traces = traces  # None: tracing off
         self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
 
     def put(self, outcome: Outcome) -> None:
@@ -44,6 +46,7 @@ class Settler:
             batch = [await self.outcomes.get()]
             while not self.outcomes.empty() and len(batch) < BATCH:
                 batch.append(self.outcomes.get_nowait())
+            began = time.time()
             try:
                 done = await self.redis_calls.until(lambda: self.publisher.settle(batch), "publish")
             except Exception:  # noqa: BLE001 - a bug, or stopping past the drain: keep the batch, try again
@@ -69,6 +72,10 @@ class Settler:
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("published %s: %s", result.id, code or result.status,
                                   extra=outcome.identity.log_fields)
+                if self.traces is not None:  # a result, or a part's share (no result of its own)
+                    self.traces.settled(outcome.delivery, outcome.identity.request_id, outcome.identity.traceparent,
+                                        result.status if result else None,
+                                        result.error.code.value if result and result.error else None, (began, now))
                 # Let go once counted: a scrape (another thread) that sees nothing held sees every result counted.
                 self.held.release(outcome.delivery)
 

@@ -1,0 +1,119 @@
+"""What each route answers, in the OpenAPI document (``GET /openapi.json``, ``/docs``, ``/redoc``): every status a
+route returns, with the schema of its body, so that a generated client gets types, not ``any``.
+
+Two bodies: a result (``Result``, the queue's result JSON, ok or the worker's error result) and a refusal decided
+by the gateway (``Refusal``: the same ``id``, ``status`` and ``error`` fields, plus what some refusals add). A
+status that may be either (a worker's ``invalid_request`` result and the gateway's own 422 alike) declares both.
+``tests/redis/test_gateway_openapi.py`` calls every route into each status it declares and holds the two equal.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..wire.result import Result
+
+
+class RefusalError(BaseModel):
+    code: str = Field(description="what went wrong, a word: unauthorized, invalid_request, queue_full, timeout, ...")
+    message: str
+    field: str | None = Field(None, description="the field at fault (invalid input)")
+
+
+class Refusal(BaseModel):
+    """An answer the gateway decided itself, shaped like an error result."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = Field(description="the request's id, once the gateway knows it")
+    status: Literal["error"]
+    error: RefusalError
+    accepted: list[str] | None = Field(None, description="429 queue_full: the ids that went in")
+    refused: list[str] | None = Field(None, description="429 queue_full: the ids that did not")
+    ids: list[str] | None = Field(None, description="503 after the ids were known: they may be queued")
+
+
+class Enqueued(BaseModel):
+    ids: list[str] = Field(description="each request's id, in order (the given one, else the one generated)")
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Info(BaseModel):
+    version: str = Field(description="the gateway's release")
+    protocol: str = Field(description="the wire protocol it speaks (docs/PROTOCOL.md)")
+
+
+class Readiness(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    ready: bool
+
+
+MODELS = (Result, Refusal, Enqueued, Health, Info, Readiness)
+JSON, NDJSON = "application/json", "application/x-ndjson"
+
+
+def _ref(*models: type[BaseModel]) -> dict[str, Any]:
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    return refs[0] if len(refs) == 1 else {"anyOf": refs}
+
+
+def body(text: str, *models: type[BaseModel], media: str = JSON) -> dict[str, Any]:
+    return {"description": text, "content": {media: {"schema": _ref(*models)}}}
+
+
+# Refusals every keyed route may give before its own work (front.py), and a Redis that fails it (replies.py).
+KEYED = {"401": body("no valid API key (WWW-Authenticate: Bearer)", Refusal),
+         "503": body("Redis unreachable or refusing the gateway, or replicas did not confirm (not_durable): "
+                     "Retry-After; names the ids once known", Refusal)}
+SUBMITTING = {"403": body("the key may not send to this lane (lane_forbidden)", Refusal),
+              "413": body("the body or the batch is too large (a batch over the key's in-flight limit: it can "
+                          "never be admitted)", Refusal),
+              "422": body("invalid input: error.code and error.field say what", Refusal),
+              "429": body("the queue is full (queue_full: accepted and refused ids) or the key has too many calls "
+                          "in flight: Retry-After", Refusal)}
+RESULT_ERRORS = {  # the worker's error results beside the gateway's own refusals
+    "409": body("id_conflict: the id has another request's result", Result),
+    "413": body("the body or the batch is too large, or the worker's too_large result", Refusal, Result),
+    "422": body("invalid input: the gateway's refusal, or the worker's invalid_* result", Refusal, Result),
+    "500": body("the worker's internal_error or dead_lettered result", Result),
+    "504": body("no result in time (timeout: the id, Location to fetch it later; the message says when no worker "
+                "of the namespace is alive), or the worker's deadline_exceeded result", Refusal, Result)}
+
+RESPONSES: dict[tuple[str, str], dict[str, Any]] = {
+    ("post", "/v1/decide"): {**KEYED, **SUBMITTING, **RESULT_ERRORS, "200": body("the result", Result)},
+    ("post", "/v1/decide/batch"): {**KEYED, **SUBMITTING, "200": body(
+        "one line per request, each id once, as results land: its result, or an error line (timeout, not_sent, "
+        "id_conflict, unavailable)", Result, media=NDJSON)},
+    ("post", "/v1/requests"): {**KEYED, **SUBMITTING, "202": body("queued: the ids, to read with GET "
+                                                                  "/v1/results/{id}", Enqueued)},
+    ("get", "/v1/results/{request_id}"): {**KEYED, "200": body("the result, ok or the worker's error result", Result),
+                                          "429": body("the key has too many calls in flight (a long-poll holds "
+                                                      "one): Retry-After", Refusal),
+                                          "404": body("no result for this id (yet): not answered, expired, or "
+                                                      "another namespace's", Refusal),
+                                          "422": body("an id that cannot be one, or a bad ?wait=", Refusal)},
+    ("get", "/health"): {"200": body("the process answers", Health)},
+    ("get", "/ready"): {"200": body("ready", Readiness), "503": body("not ready: the body says why", Readiness)},
+    ("get", "/info"): {"200": body("what runs", Info)},
+    ("get", "/metrics"): {"200": {"description": "Prometheus metrics",
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}}},
+}
+
+
+def complete(schema: dict[str, Any]) -> dict[str, Any]:
+    """Every route's responses and their schemas, into FastAPI's document (in place; returned)."""
+    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in MODELS:
+        described = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(described.pop("$defs", {}))
+        schemas[model.__name__] = described
+    for (method, path), responses in RESPONSES.items():
+        operation = schema.get("paths", {}).get(path, {}).get(method)
+        if operation is not None:
+            operation["responses"] = dict(sorted(responses.items()))
+    schemas.pop("HTTPValidationError", None), schemas.pop("ValidationError", None)  # FastAPI's 422, not ours
+    return schema

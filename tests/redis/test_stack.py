@@ -1,0 +1,151 @@
+"""The local stack (ops/stack.py, ``bash ops/stack.sh``) as a new user meets it: started, it answers the README's
+snippets as the README writes them (the Python client's, curl's and redis-cli's) and the three commands it prints
+itself; a second one on the same ports is refused, naming the flag; Ctrl-C stops every part and removes what it
+made. The snippets run verbatim but for the addresses: a test never takes 6379 or 8080, which a developer's own
+Redis or gateway may hold, so the stack runs on free ports and the snippets' ``127.0.0.1:6379`` (the client's
+default, given as ``DQ_REDIS_URL``) and ``localhost:8080`` point there."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from producer.local.binaries import servers_under_test
+from producer.local.ports import free_port
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+FIRST = servers_under_test()[0].label if servers_under_test() else None
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", README, re.M | re.S)
+
+
+class Stack:
+    """``python ops/stack.py`` on free ports; what it printed once up."""
+
+    def __init__(self) -> None:
+        self.redis_port, self.gateway_port = free_port(), free_port()
+        self.process = subprocess.Popen([sys.executable, "ops/stack.py", "--redis-port", str(self.redis_port),
+                                         "--gateway-port", str(self.gateway_port)], cwd=ROOT, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.process.stdout), daemon=True)
+        self.reader.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def wait_up(self, timeout: float = 300) -> Stack:
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith("redis); the Python client") for line in self.lines):
+            assert self.process.poll() is None, "".join(self.lines)
+            assert time.monotonic() < deadline, "".join(self.lines)
+            time.sleep(0.1)
+        return self
+
+    def printed(self, prefix: str) -> list[str]:
+        return [line.strip() for line in self.lines if line.strip().startswith(prefix)]
+
+    def commands(self) -> list[str]:
+        start = self.lines.index(next(line for line in self.lines if line.startswith("Try (")))
+        return [line.strip() for line in self.lines[start + 1:] if line.startswith("  ")]
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+        code = self.process.wait(120)
+        self.reader.join(10)
+        return code
+
+
+@pytest.fixture(scope="module")
+def stack():
+    started = Stack()
+    try:
+        yield started.wait_up()
+    finally:
+        started.stop()
+
+
+@pytest.fixture
+def up(request, server_binary):
+    if server_binary.label != FIRST:
+        pytest.skip("the stack runs whichever server is found; the snippets' answers do not depend on it: one run")
+    return request.getfixturevalue("stack")
+
+
+def shell(command: str, **env: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def test_the_readme_python_snippet_runs_as_written(up):
+    [snippet] = [block for block in blocks("python") if "from producer.client import Client" in block]
+    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env={**os.environ, "DQ_REDIS_URL": up.url})
+    assert done.returncode == 0, done.stderr
+    first, *batch = done.stdout.splitlines()
+    assert [0 <= float(p) <= 1 for p in first.split()] == [True, True]  # refund's noul, tone's calm
+    assert [line.split()[0] for line in batch] == ["ticket-0", "ticket-1"]
+    assert all(line.endswith("{'tenant': 'acme'}") for line in batch), batch
+
+
+def test_the_readme_curl_snippets_answer_as_written(up):
+    [snippet] = [block for block in blocks("bash") if block.startswith("curl ")]
+    decided, queued, fetched = [json.loads(shell(line.replace("localhost:8080", f"localhost:{up.gateway_port}"))
+                                           .stdout) for line in snippet.splitlines()]
+    assert decided["status"] == "ok" and set(decided["answers"]) == {"refund"}
+    assert queued == {"ids": ["ticket-7"]}
+    assert fetched["id"] == "ticket-7" and fetched["status"] == "ok"
+
+
+@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="no redis-cli (Debian: apt-get install redis-tools)")
+def test_the_readme_redis_cli_snippets_answer_as_written(up):
+    [snippet] = [block for block in blocks("bash") if block.startswith("redis-cli ")]
+    added, result = [shell(line.replace("redis-cli ", f"redis-cli -p {up.redis_port} ", 1)).stdout
+                     for line in snippet.splitlines()]
+    assert re.fullmatch(r"\d+-\d+\n", added), added
+    fields = result.splitlines()  # the stream, the entry id, then field and value lines
+    body = json.loads(fields[fields.index("body") + 1])
+    assert body["id"] == "t-1" and body["status"] == "ok"
+
+
+def test_the_stack_says_where_everything_is_runs_what_it_prints_and_keeps_its_ports(up):
+    assert up.printed("Redis    ") == [f"Redis    {up.url}   (export DQ_REDIS_URL={up.url} for the Python client)"]
+    assert up.printed("gateway  ")[0].startswith(f"gateway  http://localhost:{up.gateway_port}")
+    decide, submit, stats = up.commands()
+    assert json.loads(shell(decide).stdout)["status"] == "ok"
+    assert json.loads(shell(submit).stdout)["status"] == "ok"
+    assert "1 worker live" in shell(stats).stdout
+    again = subprocess.run([sys.executable, "ops/stack.py", "--redis-port", str(up.redis_port)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and f"port {up.redis_port} is taken" in again.stderr and "--redis-port" in \
+        again.stderr
+
+
+def test_ctrl_c_stops_every_part_and_removes_what_it_made(up):
+    """Last: it stops the module's stack."""
+    [logs] = up.printed("logs     ")
+    work = Path(logs.split()[1])
+    assert work.is_dir()
+    assert up.stop() == 0, "".join(up.lines)
+    assert not work.exists() and up.lines[-1] == "stack: stopping...\n"
+    for port in (up.redis_port, up.gateway_port):  # every part gone: the ports are free again
+        socket.create_server(("127.0.0.1", port)).close()
