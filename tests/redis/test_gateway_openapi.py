@@ -22,8 +22,11 @@ from producer.local.ports import free_port
 from producer.wire.connection import Deployment
 
 pytestmark = pytest.mark.redis
-TOKENS = {name: f"openapi-token-{name}-0123456789" for name in ("acme", "normal", "idle", "full", "one")}
+TOKENS = {name: f"openapi-token-{name}-0123456789" for name in ("acme", "normal", "idle", "full", "one", "high",
+                                                                 "dq-one")}
 KEYS = (ApiKey(name="acme", token=TOKENS["acme"]),
+        ApiKey(name="high", token=TOKENS["high"], lanes=("high",)),  # a System One call goes to the normal lane
+        ApiKey(name="dq-one", token=TOKENS["dq-one"], max_inflight=1),  # the worker's namespace, one call at a time
         ApiKey(name="normal", token=TOKENS["normal"], lanes=("normal",)),
         ApiKey(name="idle", token=TOKENS["idle"], namespace="idle"),  # no worker: results never come
         ApiKey(name="full", token=TOKENS["full"], namespace="full"),  # no worker, filled to --max-unfinished
@@ -58,12 +61,39 @@ def client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=60)
 
 
-async def exercise(app, broken, solo, seen: Seen) -> dict:
+async def system_one(http, down, hasty, c) -> None:
+    """POST /v1/systemone and GET /v1/models into each of their statuses (the worker serves its checkpoint under
+    the checkpoint's own name, repo). ``hasty``: a gateway that waits a millisecond for a result."""
+    so, models = ("post", "/v1/systemone"), ("get", "/v1/models")
+    call = {"model": "repo", "state": "Refund me, please.", "questions": {"refund": {"type": "noul"}}}
+    raw = {**auth("acme"), "content-type": "application/json"}
+    assert (await c(http, *so, json=call, headers=auth("acme"))).status_code == 200
+    await c(http, *so, json=call)  # 401
+    await c(down, *so, json=call, headers=auth("acme"))  # 503
+    await c(http, *so, json=call, headers=auth("high"))  # 403
+    await c(http, *so, json={**call, "model": "nobody"}, headers=auth("acme"))  # 404
+    await c(http, *so, json={**call, "state": "x" * 5000}, headers=auth("acme"))  # 413
+    await c(http, *so, content=json.dumps(call).encode(), headers={**raw, "content-encoding": "br"})  # 415
+    await c(http, *so, content=b"\x28\xb5\x2f\xfd not zstd", headers={**raw, "content-encoding": "zstd"})  # 400
+    await c(http, *so, json={**call, "questions": {"where": {"type": "box"}}}, headers=auth("acme"))  # 422
+    await c(http, *so, json={**call, "state": POISON}, headers=auth("acme"))  # dead-lettered: 500
+    await c(hasty, *so, json={**call, "state": "Too late."}, headers=auth("acme"))  # 504
+    polling = asyncio.ensure_future(c(http, "get", "/v1/results/{request_id}", "/v1/results/so-poll",
+                                      params={"wait": 3}, headers=auth("dq-one")))
+    await asyncio.sleep(0.5)
+    await c(http, *so, json=call, headers=auth("dq-one"))  # its one slot is taken: 429
+    await polling
+    for gateway, key in ((http, "acme"), (http, None), (down, "acme")):  # 200, 401, 503
+        await c(gateway, *models, headers=auth(key) if key else {})
+
+
+async def exercise(app, broken, solo, hasty, seen: Seen) -> dict:
     """Every route into each of its statuses; the OpenAPI document as served. ``broken``: a gateway whose Redis
     does not answer; ``solo``: one whose only key's namespace has a worker (ready)."""
     async with app.app.router.lifespan_context(app.app), broken.app.router.lifespan_context(broken.app), \
-            solo.app.router.lifespan_context(solo.app):
-        async with client(app) as http, client(broken) as down, client(solo) as one:
+            solo.app.router.lifespan_context(solo.app), hasty.app.router.lifespan_context(hasty.app):
+        async with client(app) as http, client(broken) as down, client(solo) as one, client(hasty) as late:
+            await system_one(http, down, late, seen.call)
             decide, batch, enqueue = ("post", "/v1/decide"), ("post", "/v1/decide/batch"), ("post", "/v1/requests")
             results = ("get", "/v1/results/{request_id}")
             c = seen.call
@@ -118,7 +148,9 @@ def test_every_route_declares_the_statuses_it_returns_with_their_bodies(redis_se
         broken = create_app(GatewayConfig(deployment=Deployment(url=f"redis://127.0.0.1:{free_port()}/0"),
                                           keys=KEYS, **LIMITS))
         solo = create_app(GatewayConfig(deployment=Deployment(url=redis_server.url), keys=KEYS[:1], **LIMITS))
-        served = asyncio.run(exercise(app, broken, solo, seen))
+        hasty = create_app(GatewayConfig(deployment=Deployment(url=redis_server.url), keys=KEYS,
+                                         **{**LIMITS, "wait_s": 0.001}))
+        served = asyncio.run(exercise(app, broken, solo, hasty, seen))
     finally:
         worker.stop()
     document = served["document"]
