@@ -2,6 +2,7 @@
 
     python ops/redis_acl.py [--namespace dq] > users.acl     # passwords from DQ_ACL_<ROLE>_PASSWORD, else generated
     python ops/redis_acl.py --development > ops/redis/users.acl   # the compose file's well-known passwords
+    python ops/redis_acl.py --namespace 'dq*' > users.acl     # a glob: every namespace it matches (several models)
 
 No role but admin runs Lua of its own (no EVAL, EVALSHA, SCRIPT or FUNCTION LOAD): Redis Functions of the
 queue's library (producer/wire/library.py, loaded by ``dq-worker load-functions`` as admin) are called with FCALL.
@@ -10,12 +11,13 @@ functions run, on exactly those keys. Selectors (the parenthesised groups) give 
 
 - producer: FCALL the submit function on request streams, either lane's (and the XADD, XLEN it runs),
   XREAD/XRANGE results and reply streams. It cannot read request streams, consume, delete, write results, or run
-  its own Lua. It may read the heartbeat hash (whether any worker is alive), nothing else of the workers'. Durable
-  mode: WAIT, and PUBLISH on one channel nobody reads (``Keys.durable``: what a reader's WAIT covers); on Redis
-  Cluster, where PUBLISH is not replicated, SET of the short-lived read marks instead (``Keys.durable_mark``).
-  Requests' records (what submit writes, a cancel marks, status reads), the cancel function (a notice, a count), and
-  what status reads besides: the group and pending metadata of request streams, whether a result exists, how many
-  parts of a fan-out are done. Who may cancel: a producer of the namespace, and admin.
+  its own Lua. It may read the heartbeat hash (whether any worker is alive, which models are served), nothing else
+  of the workers'. Durable mode: WAIT, and PUBLISH on one channel nobody reads (``Keys.durable``: what a reader's
+  WAIT covers); on Redis Cluster, where PUBLISH is not replicated, SET of the short-lived read marks instead
+  (``Keys.durable_mark``). Requests' records (what submit writes, a cancel marks, status reads), the cancel function
+  (a notice, a count), and what status reads besides: the group and pending metadata of request streams, whether a
+  result exists, how many parts of a fan-out are done. Who may cancel: a producer of the namespace, and admin. The
+  gateway, which runs as this user: SET/GET/DEL of System One calls' mappings (``Keys.call``).
 - worker: the group commands on the work streams (both lanes'); XADD to part and dead-letter streams; SET/GET
   stored bodies; the heartbeat hash; the publish and part functions and what they run on per-request keys and reply
   streams; WAIT (durable mode); requests' records (a take's cancel mark and note, how it was answered); reading the
@@ -55,7 +57,8 @@ ROLES = {
         # the submit function's keys, and the commands it runs (also callable directly: see docs/OPERATIONS.md)
         "{connect} +fcall +xadd +xlen ~{requests} ~{high_requests} "
         "(+xread +xrange %R~{results} %R~{replies}) "
-        "(+hgetall %R~{workers}) "  # live workers: a wait with none says so at once
+        "(+hgetall %R~{workers}) "  # live workers: a wait with none says so at once; the gateway's routing by model
+        "(+set +get +del ~{calls}) "  # the gateway: a System One call's retries mapped to one request
         "+wait +publish &{durable} (+set %W~{marks}) "  # durable mode: WAIT, and what a reader's WAIT covers
         # requests' records: the submit function writes them (with each one's place), cancel marks them, status reads
         # them and where an entry stands (no payload); the cancel function's keys, its notice and its counts
@@ -103,7 +106,8 @@ def patterns(namespace: str) -> dict[str, str]:
             "high_part_stream": every.parts_in(HIGH), "dead": every.dead, "results": every.result(ANY),
             "shares": every.shares(ANY), "bodies": every.body(ANY), "replies": every.reply_prefix + ANY,
             "workers": every.workers(), "durable": every.durable(), "marks": every.durable_mark(ANY),
-            "records": every.record(ANY), "cancels": every.cancels, "cancel_counts": every.cancel_counts}
+            "records": every.record(ANY), "cancels": every.cancels, "cancel_counts": every.cancel_counts,
+            "calls": every.call(ANY)}
 
 
 def password_hash(password: str) -> str:
@@ -122,7 +126,8 @@ def render(passwords: dict[str, str], namespace: str = "dq") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--namespace", default="dq", help="the deployment's namespace (DQ_NAMESPACE)")
+    parser.add_argument("--namespace", default="dq", help="the deployment's namespace (DQ_NAMESPACE), or a glob "
+                        "matching several (dq*: dq, dq-b, ...)")
     parser.add_argument("--development", action="store_true", help="the well-known local passwords")
     args = parser.parse_args(argv)
     if args.development:

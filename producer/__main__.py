@@ -4,6 +4,7 @@ result, cancel requests or say where they are, or show queue stats.
   dq-producer submit requests.jsonl                      one line per request: {"line": N, "id": ...}
   dq-producer submit requests.jsonl --wait --ordered     one result per request line, in input order
   dq-producer submit urgent.jsonl --priority high        the high lane, for lines that do not say
+  dq-producer submit r.jsonl --model decider-b --model-namespaces decider-a,decider-b     to a model's workers
   dq-producer result ID --wait 30
   dq-producer cancel ID... | --file ids.txt              one line per id: cancelled, cancelling, too_late, unknown
   dq-producer status ID... | --file ids.txt              one line per id: queued, in_progress, answered, ...
@@ -12,9 +13,9 @@ result, cancel requests or say where they are, or show queue stats.
   dq-producer exporter --port 9401                       queue depth as Prometheus metrics (the monitor user)
 
 Exit codes: 0 every request queued (or, with --wait, answered ok); 1 some refused, answered with an error or timed
-out (cancel: one too late; status: one unknown); 2 usage (bad flag, file, URL or id) or an unsupported server (older
-than Redis 7.0 or Valkey 7.2); 3 queue full, some requests not sent; 4 Redis unreachable or refusing; 130
-interrupted (Ctrl-C: every line still gets its record).
+out (cancel: one too late; status: one unknown); 2 usage (bad flag, file, URL or id; a --model no live worker
+serves) or an unsupported server (older than Redis 7.0 or Valkey 7.2); 3 queue full, some requests not sent; 4
+Redis unreachable or refusing; 130 interrupted (Ctrl-C: every line still gets its record).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from redis.retry import Retry
 
 from . import __version__, control, table
 from .admin import dead_letters, exporter
-from .client import Client, LibraryUnavailable, NotDurable, QueueFull, ResultTimeout, UnsupportedServer
+from .client import (Client, LibraryUnavailable, ModelNotServed, NotDurable, QueueFull, ResultTimeout,
+                     UnsupportedServer)
 from .exits import FAILED, INTERRUPTED, OK, UNREACHABLE, USAGE
 from .submission import Line, Report, read_lines
 from .wire.connection import Deployment, check_reachable
@@ -134,7 +136,7 @@ def _wait(client: Client, lines: list[Line], report: Report, args: argparse.Name
 def _no_worker_warning(client: Client, timeout: float, say: Any) -> None:
     """Say at once when no worker is alive to answer (or the namespace is mistyped): the wait may be long."""
     if client.live_workers() == 0:
-        say(f"dq-producer: no live worker in namespace {client.deployment.namespace!r} (no heartbeat in the last "
+        say(f"dq-producer: no live worker in namespace {client.keys.namespace!r} (no heartbeat in the last "
             f"{GONE_S} s; is the namespace right?): requests stay queued until one starts; waiting up to "
             f"{timeout:g} s")
 
@@ -186,8 +188,13 @@ def parser() -> argparse.ArgumentParser:
                                 else {"metavar": metavar})
         shown = ("on" if default else "off") if isinstance(default, bool) else repr(default)
         common.add_argument(*flags, dest=name, default=None, help=f"{text} [env {env}, default {shown}]", **kind)
+    routed = argparse.ArgumentParser(add_help=False, parents=[common])  # where requests go: by model
+    routed.add_argument("--model", default=None, metavar="NAME", help="the model to use: the first of "
+                        "--model-namespaces whose live workers serve it (exit 2 if none does) [default: the namespace's]")
+    routed.add_argument("--model-namespaces", default=None, metavar="NS,NS", help="the namespaces where --model is "
+                        "looked for, in order [default: --namespace]")
 
-    sub = commands.add_parser("submit", parents=[common], help="submit a JSONL file, one request per line",
+    sub = commands.add_parser("submit", parents=[routed], help="submit a JSONL file, one request per line",
                               description="Submit a JSONL file, one request per line (blank lines are skipped).")
     sub.add_argument("file", help="JSONL file, or - for stdin")
     sub.add_argument("--wait", action="store_true",
@@ -217,11 +224,11 @@ def parser() -> argparse.ArgumentParser:
                                            "held, last beat).")
     stat.add_argument("--json", action="store_true", help="the figures as JSON (per lane and both lanes together, "
                                                           "per shard and in total) [default off: tables]")
-    stat.add_argument("--watch", type=_interval, default=None, metavar="SECONDS",
+    stat.add_argument("--watch", type=table.interval, default=None, metavar="SECONDS",
                       help="draw the tables again every SECONDS until Ctrl-C [default off: once]")
     stat.set_defaults(run=stats)
 
-    res = commands.add_parser("result", parents=[common], help="print one result (exit 1 for an error or none)",
+    res = commands.add_parser("result", parents=[routed], help="print one result (exit 1 for an error or none)",
                               description="Print one request's result; exit 0 if it is ok, 1 if it is an error "
                                           "result or there is none.")
     res.add_argument("id", help="the request id")
@@ -233,13 +240,6 @@ def parser() -> argparse.ArgumentParser:
 
     exporter.add_parser(commands, common)
     return top
-
-
-def _interval(text: str) -> float:
-    value = float(text)
-    if not value >= 0.1:  # nan too
-        raise argparse.ArgumentTypeError(f"must be at least 0.1 seconds, got {text}")
-    return value
 
 
 def _at_least_zero(text: str) -> int:
@@ -274,12 +274,14 @@ def main(argv: list[str] | None = None) -> int:
             check_reachable(deployment)
         with Client(deployment.url, deployment.namespace, cluster=deployment.cluster, shards=deployment.shards,
                     wait_replicas=deployment.wait_replicas, max_unfinished=getattr(args, "max_unfinished", 0),
+                    model=getattr(args, "model", None),
+                    model_namespaces=[n for n in (getattr(args, "model_namespaces", None) or "").split(",") if n],
                     **deployment.options(), **options) as client:
             return args.run(args, client)
     except redis.RedisError as error:
         print(f"dq-producer: Redis at {deployment.safe_url}: {error}", file=sys.stderr)
         return UNREACHABLE
-    except UnsupportedServer as error:
+    except (UnsupportedServer, ModelNotServed) as error:  # an old server; a --model no live worker serves
         print(f"dq-producer: {error}", file=sys.stderr)
         return USAGE
     except LibraryUnavailable as error:  # refusing: the library is missing and this user may not load it

@@ -2,93 +2,31 @@
 stats; blocking (``Client``) or asyncio (``AsyncClient``), with the same methods.
 
 Both faces run the plans of one core (``producer.plans.Producer``) against their connection: the logic is written
-once, only the I/O differs.
+once, only the I/O differs (runner.py, where ``Face`` says what the constructor takes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any
 
-import redis
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
-from . import arrivals, control, stats
-from .plans import (NO_WORKER_S, Function, InvalidRequest, Load, PerNode, Pipeline, Plan, Prepared, Producer,
-                    QueueFull, ResultTimeout, Step, Submittable, WrongResult, prepare)
-from .wire import cluster_wait, library, sentinel
-from .wire.connection import WAIT_MS, Deployment, aconnect, connect
-from .wire.errors import DecisionQueueError, NotDurable, RedisUnreachable
-from .wire.keys import Keys
+from . import arrivals, stats
+from .plans import InvalidRequest, Prepared, QueueFull, ResultTimeout, Submittable, WrongResult, prepare
+from .runner import Asynchronous, Blocking
+from .wire.connection import aconnect, connect
+from .wire.errors import DecisionQueueError, ModelNotServed, NotDurable, RedisUnreachable
 from .wire.library import LibraryUnavailable
 from .wire.records import Cancel, Status
 from .wire.result import Result, ResultError
-from .wire.supported import Server, UnsupportedServer, acheck, check
+from .wire.supported import UnsupportedServer
 
-__all__ = ["AsyncClient", "Cancel", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "NotDurable",
-           "Prepared", "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout", "Status", "UnsupportedServer",
-           "WrongResult", "aconnect", "connect", "prepare"]
-T = TypeVar("T")
-# What a first contact that never reached a server raises (RedisClusterException: no node of a cluster answered).
-UNREACHED = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException)
+__all__ = ["AsyncClient", "Cancel", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable",
+           "ModelNotServed", "NotDurable", "Prepared", "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout",
+           "Status", "UnsupportedServer", "WrongResult", "aconnect", "connect", "prepare"]
 
 
-def _unreachable(where: str, error: BaseException) -> RedisUnreachable:
-    return RedisUnreachable(f"Redis at {where} cannot be reached: {error}")
-
-
-class _Face:
-    """What both faces hold: the connection (made from the deployment unless one is given) and the core.
-
-    Arguments left out come from the worker's ``DQ_*`` variables (``DQ_REDIS_URL``, ``DQ_NAMESPACE``,
-    ``DQ_REDIS_CLUSTER``, ``DQ_REDIS_TLS_*``) and ``DQ_SHARDS``, then the defaults. ``max_unfinished``: the
-    backpressure limit per shard (0: none). ``wait_replicas`` (``DQ_WAIT_REPLICAS``): durable mode, an enqueue is
-    acknowledged and a result returned only once that many replicas have it, else NotDurable names the ids.
-    ``no_worker_s``: a wait (``wait``, ``wait_many``, ``decide``) during which no worker of the namespace is alive
-    ends after this many seconds, not its whole timeout, with a ResultTimeout that says "no live worker in namespace
-    X" (``no_worker``); None: the whole timeout. ``options``: redis-py connection options (e.g. ``ssl_ca_certs``).
-
-    The first call asks the server what it is, once and without retries: a Redis that is down raises
-    ``RedisUnreachable`` within the socket timeout (5 s), not after the retries that ride out a restart.
-    """
-
-    _connect: Any  # connect or aconnect
-    server: Server | None = None  # what the server said at first contact (producer/wire/supported.py)
-
-    def __init__(self, url: str | None = None, namespace: str | None = None, max_unfinished: int = 100_000,
-                 cluster: bool | None = None, connection: Any = None, shards: int | None = None,
-                 wait_replicas: int | None = None, no_worker_s: float | None = NO_WORKER_S, **options: Any) -> None:
-        self.deployment = Deployment.resolve(url=url, namespace=namespace, cluster=cluster, shards=shards,
-                                             wait_replicas=wait_replicas)
-        self._options = {**self.deployment.options(), **options}
-        self._given = connection is not None
-        try:  # a cluster client connects here already
-            self.redis = connection or self._connect(self.deployment.url, self.deployment.cluster, **self._options)
-        except UNREACHED as error:
-            raise _unreachable(self.deployment.safe_url, error) from None
-        cluster = self.deployment.cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
-        self.keys = Keys(self.deployment.namespace)
-        self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster, self.deployment.wait_replicas,
-                             no_worker_s)
-        self.shards, self.max_unfinished = self.core.shards, self.core.max_unfinished  # as the core has them
-
-    # Both faces' (``AsyncClient``: awaited), each the plan of producer/control.py run on the face's connection.
-    def cancel(self, request_ids: Iterable[str] | str) -> Any:
-        """Cancel requests (docs/PROTOCOL.md, "Cancelling"): by id, what each cancel did (``Cancel``)."""
-        return self._run(control.cancel(self.core, request_ids))  # type: ignore[attr-defined]
-
-    def status(self, request_ids: Iterable[str] | str) -> Any:
-        """Where requests are (docs/PROTOCOL.md, "Status"), by id (``Status``); two round trips, no payload."""
-        return self._run(control.status(self.core, request_ids))  # type: ignore[attr-defined]
-
-
-class Client(_Face):
+class Client(Blocking):
     """The blocking producer."""
-
-    _connect = staticmethod(connect)
 
     def submit(self, request: Submittable) -> str:
         """Enqueue one request; returns its id. Raises InvalidRequest (nothing sent) or QueueFull."""
@@ -141,70 +79,10 @@ class Client(_Face):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _first_contact(self) -> Server:
-        """UnsupportedServer unless Redis >= 7.0 or Valkey >= 7.2; RedisUnreachable at once when it is down."""
-        where = self.deployment.safe_url
-        try:
-            probe = self.redis if self._given else connect(self.deployment.url, self.deployment.cluster,
-                                                           **{**self._options, "retry": Retry(NoBackoff(), 0)})
-            try:
-                return check(probe, where)
-            finally:
-                if probe is not self.redis:
-                    probe.close()
-        except UNREACHED as error:
-            raise _unreachable(where, error) from None
 
-    def _run(self, plan: Plan[T]) -> T:
-        if self.server is None:
-            self.server = self._first_contact()
-        reply: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = plan.throw(error) if error is not None else plan.send(reply)
-            except StopIteration as finished:
-                return finished.value
-            try:
-                reply, error = self._do(step), None
-            except Exception as failed:  # handed to the plan: it knows which errors mean what
-                reply, error = None, failed
-
-    def _do(self, step: Step) -> Any:
-        try:
-            reply = self._send(step)
-        except redis.ResponseError as error:  # "WAIT cannot be used with replica instances": a demoted primary
-            if isinstance(step, Pipeline) and step.wait and "replica" in str(error):
-                sentinel.follow(self.redis)
-                raise NotDurable(f"the node that answered is a replica now: {error}", [], 0, step.wait) from None
-            raise
-        if isinstance(step, (Function, Pipeline)) and step.wait and reply[-1] < step.wait:
-            sentinel.follow(self.redis)  # a replaced primary that still answers: to the promoted one
-        return reply
-
-    def _send(self, step: Step) -> Any:
-        if isinstance(step, PerNode):  # durable mode on Redis Cluster: a pipeline and a WAIT per primary
-            return cluster_wait.run(self.redis, step.calls, step.wait, WAIT_MS, step.marks)
-        if isinstance(step, Function) and step.wait:  # WAIT counts its connection's writes: one pipeline
-            with self.redis.pipeline(transaction=False) as pipe:
-                return pipe.fcall(step.name, len(step.keys), *step.keys, *step.args).wait(step.wait, WAIT_MS).execute()
-        if isinstance(step, Function):
-            return self.redis.fcall(step.name, len(step.keys), *step.keys, *step.args)
-        if isinstance(step, Load):  # only when missing: a producer never replaces the workers' revision
-            return library.ensure(self.redis, replace_older=False)
-        if isinstance(step, Pipeline):
-            with self.redis.pipeline(transaction=False) as pipe:
-                for call in step.calls:
-                    getattr(pipe, call.method)(*call.args, **call.kwargs)
-                return pipe.execute(raise_on_error=step.raising)
-        return getattr(self.redis, step.method)(*step.args, **step.kwargs)
-
-
-class AsyncClient(_Face):
+class AsyncClient(Asynchronous):
     """The asyncio producer: ``Client``'s methods, awaited."""
 
-    _connect = staticmethod(aconnect)
-    _once: Any = None  # durable mode on Redis Cluster: a client that never retries (cluster_wait.arun)
 
     async def submit(self, request: Submittable) -> str:
         return (await self.submit_many([request]))[0]
@@ -245,62 +123,3 @@ class AsyncClient(_Face):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    async def _first_contact(self) -> Server:
-        where = self.deployment.safe_url
-        try:
-            probe = self.redis if self._given else aconnect(self.deployment.url, self.deployment.cluster,
-                                                            **{**self._options, "retry": AsyncRetry(NoBackoff(), 0)})
-            try:
-                return await acheck(probe, where)
-            finally:
-                if probe is not self.redis:
-                    await probe.aclose()
-        except UNREACHED as error:
-            raise _unreachable(where, error) from None
-
-    async def _run(self, plan: Plan[T]) -> T:
-        if self.server is None:
-            self.server = await self._first_contact()
-        reply: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = plan.throw(error) if error is not None else plan.send(reply)
-            except StopIteration as finished:
-                return finished.value
-            try:
-                reply, error = await self._do(step), None
-            except Exception as failed:
-                reply, error = None, failed
-
-    async def _do(self, step: Step) -> Any:
-        try:
-            reply = await self._send(step)
-        except redis.ResponseError as error:
-            if isinstance(step, Pipeline) and step.wait and "replica" in str(error):
-                await sentinel.afollow(self.redis)
-                raise NotDurable(f"the node that answered is a replica now: {error}", [], 0, step.wait) from None
-            raise
-        if isinstance(step, (Function, Pipeline)) and step.wait and reply[-1] < step.wait:
-            await sentinel.afollow(self.redis)
-        return reply
-
-    async def _send(self, step: Step) -> Any:
-        if isinstance(step, PerNode):  # on a client of its own that never re-sends a command by itself
-            self._once = self._once or cluster_wait.once(self.deployment.url, self._options)
-            return await cluster_wait.arun(self._once, step.calls, step.wait, WAIT_MS, step.marks)
-        if isinstance(step, Function) and step.wait:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                return await pipe.fcall(step.name, len(step.keys), *step.keys, *step.args).wait(step.wait,
-                                                                                                 WAIT_MS).execute()
-        if isinstance(step, Function):
-            return await self.redis.fcall(step.name, len(step.keys), *step.keys, *step.args)
-        if isinstance(step, Load):
-            return await library.aensure(self.redis, replace_older=False)
-        if isinstance(step, Pipeline):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for call in step.calls:
-                    getattr(pipe, call.method)(*call.args, **call.kwargs)
-                return await pipe.execute(raise_on_error=step.raising)
-        return await getattr(self.redis, step.method)(*step.args, **step.kwargs)

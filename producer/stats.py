@@ -10,6 +10,7 @@ from typing import Any
 import redis
 
 from .plans import Call, Plan, Producer
+from .served import catalog
 from .wire.keys import GONE_S, GROUP, LANES, Keys, beat_age, text
 from .wire.records import FOUND
 from .wire.supported import lag_of
@@ -20,9 +21,11 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
     streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``prompts``: both
     lanes together; dead letters; cancels asked, by what each found; the live workers (``workers``: how many) and
     every heartbeat (``heartbeats``: each worker's name, shard, model, engine, state, entries held and the age of its
-    last beat; state ``gone`` when that is ``GONE_S`` or older). Live: a consumer seen in the last ``GONE_S`` seconds
-    or holding entries, a worker whose heartbeat is younger than that (workers delete the gone: presence.py). The lag
-    is the server's, or the length less pending when the server cannot count it (``servers.lag_of``)."""
+    last beat; state ``gone`` when that is ``GONE_S`` or older); ``models``: the models the live workers serve, by
+    the name their results say, with every name each answers to and its workers. Live: a consumer seen in the last
+    ``GONE_S`` seconds or holding entries, a worker whose heartbeat is younger than that (workers delete the gone:
+    presence.py). The lag is the server's, or the length less pending when the server cannot count it
+    (``servers.lag_of``)."""
     shards = []
     for shard in range(core.shards):
         keys, entry = Keys(core.keys.namespace, shard), {"shard": shard}
@@ -47,6 +50,8 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
     totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
     totals["heartbeats"] = sorted((_heartbeat(name, raw, now) for name, raw in beats.items()),
                                   key=lambda beat: (str(beat["shard"]), beat["name"]))
+    served = {m.name: m for m in catalog(beats, core.keys.namespace, now).values()}
+    totals["models"] = {name: {"names": list(m.names), "workers": m.workers} for name, m in sorted(served.items())}
     return {**totals, "shards": shards}
 
 

@@ -6,6 +6,7 @@ together), then one of the workers (each heartbeat: name, shard, model, engine, 
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +50,14 @@ def render(stats: dict[str, Any], namespace: str) -> str:
         if any(b["state"] == "gone" for b in beats):
             lines.append(f"gone: no heartbeat for {GONE_S} s or more (a live worker deletes such beats)")
     return "\n".join(lines) + "\n"
+
+
+def interval(text: str) -> float:
+    """--watch's seconds: at least 0.1."""
+    value = float(text)
+    if not value >= 0.1:  # nan too
+        raise argparse.ArgumentTypeError(f"must be at least 0.1 seconds, got {text}")
+    return value
 
 
 def watch(shown: Callable[[], str], every: float, out: TextIO = sys.stdout, frames: int | None = None) -> None:

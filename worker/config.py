@@ -17,6 +17,7 @@ from typing import Any
 
 from producer.wire.connection import (MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT, mode_problem, redact, tls_url,
                                       url_problem)
+from producer.wire.keys import MODEL_NAME
 from producer.wire.sentinel import credentials, is_sentinel
 
 DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
@@ -33,6 +34,7 @@ class SettingsError(ValueError):
 SECTIONS = {"checkpoint": "model", "pack_tokens": "packing, planning and the GPU fast path",
             "redis_url": "Redis connection", "shard": "queue", "metrics_port": "operations (metrics, health, logs)"}
 ALIASES = {"redis_url": ("--redis",), "redis_cluster": ("--cluster",)}  # dq-producer's spellings too
+REPEATED = ("served_model_name",)  # a flag given again adds to the list (its variable: the names, comma-separated)
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] = (), low: float | None = None,
@@ -46,6 +48,9 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] = (), low: float | No
 class Settings:
     # Model
     checkpoint: str = _opt("", "decision checkpoint directory (any format transformers.decision loads)")
+    served_model_name: str = _opt("", "a name the model is served under; repeat the flag (or separate by commas) for "
+                                      "aliases; the first is the one results say (empty: the checkpoint's own name)",
+                                  more="the gateway routes System One calls by these names (docs/GATEWAY.md)")
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
     gpus: str = _opt("", "one worker process per GPU, started and supervised by this one: all, a list like 0,1,3, or "
                          "cpu:N (N CPU workers: tests, CPU hosts); empty: this process is the worker",
@@ -166,6 +171,10 @@ class Settings:
             problems.append(("gpus", "all, cpu:N (N up to 999) or distinct GPU numbers like 0,1,3", self.gpus))
         elif gpus and self.device != "auto":
             problems.append(("device", "auto with --gpus (the launcher gives each worker its device)", self.device))
+        names = self.served_model_name.split(",") if self.served_model_name else []
+        if not all(MODEL_NAME.match(n) for n in names) or len(set(names)) < len(names):
+            problems.append(("served_model_name", "distinct names of 1 to 128 of A-Z a-z 0-9 . _ : / @ + - (a letter "
+                             "or digit first)", self.served_model_name))
         if not NAMESPACE.fullmatch(self.namespace):
             problems.append(("namespace", "1 to 64 of A-Z a-z 0-9 . _ -", self.namespace))
         if not self.redis_url.startswith(REDIS_SCHEMES):
@@ -196,8 +205,12 @@ class Settings:
         return self.consumer or f"{socket.gethostname()}-{os.getpid()}"
 
     @property
-    def redis_where(self) -> str:
-        """The Redis URL without its password, for logs and errors."""
+    def served_names(self) -> tuple[str, ...]:
+        """--served-model-name's names, the one results say first; empty: the checkpoint's own name serves."""
+        return tuple(self.served_model_name.split(",")) if self.served_model_name else ()
+
+    @property
+    def redis_where(self) -> str:  # the Redis URL without its password, for logs and errors
         return redact(self.redis_url)
 
     @property
@@ -207,19 +220,16 @@ class Settings:
 
     @property
     def bucket_sizes(self) -> tuple[int, ...]:
-        """The static pack sizes captured as CUDA graphs: --pack-tokens, the budget of every pack, with or without
-        graphs, and the listed sizes below it (larger ones would hold no pack)."""
+        """The static pack sizes captured as CUDA graphs: --pack-tokens (every pack's budget, graphs or not) and the
+        listed sizes below it (larger ones would hold no pack)."""
         return tuple(sorted({size for size in self.listed_buckets if size < self.pack_tokens} | {self.pack_tokens}))
 
     def redis_options(self) -> dict[str, Any]:
-        """Connection options beyond the URL: the TLS files (only valid with a rediss:// URL), the sentinels'
-        credentials."""
+        """Connection options beyond the URL: the TLS files (a rediss:// URL: checked above), the sentinels'."""
         files = {"ssl_ca_certs": self.redis_tls_ca, "ssl_certfile": self.redis_tls_cert,
                  "ssl_keyfile": self.redis_tls_key}
-        options = {name: path for name, path in files.items() if path}
-        if options and not tls_url(self.redis_url):
-            raise ValueError("DQ_REDIS_TLS_* files need a rediss:// or rediss+sentinel:// URL")
-        return {**options, **credentials(self.sentinel_username, self.sentinel_password)}
+        return {**{name: path for name, path in files.items() if path},
+                **credentials(self.sentinel_username, self.sentinel_password)}
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -252,6 +262,8 @@ class Settings:
             if f.type == "bool":
                 group.add_argument(*flags, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
                                    help=help_text)
+            elif f.name in REPEATED:
+                group.add_argument(*flags, dest=f.name, default=None, action="append", help=help_text)
             else:
                 # choices are matched ignoring case when the settings are made: shown here, not enforced
                 shown = {"metavar": "{" + ",".join(f.metadata["choices"]) + "}"} if f.metadata["choices"] else {}
@@ -260,7 +272,10 @@ class Settings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
-        return cls.from_env(environ, **{f.name: getattr(args, f.name, None) for f in fields(cls)})
+        given = {f.name: getattr(args, f.name, None) for f in fields(cls)}
+        for name in REPEATED:
+            given[name] = ",".join(given[name]) if given[name] else None
+        return cls.from_env(environ, **given)
 
 
 def _names(name: str) -> str:

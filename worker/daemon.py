@@ -90,10 +90,13 @@ class Daemon:
         # closes it): entries handed over, and on Redis Cluster in durable mode each primary's writes and its WAIT
         consumer = Consumer(client, self.keys, settings.consumer_name, settings.max_entry_bytes, once=once,
                             max_read_bytes=settings.max_read_bytes)
+        # The names it serves under, the one results say first (the gateway routes System One calls by them).
+        self.served = settings.served_names or (self.model.name,)
         presence = Presence(client, self.keys, settings.consumer_name, list(consumer.streams),
-                            settings.consumer_gone_ms, {"model": self.model.name, "engine": self.engine.name,
-                                                        "shard": settings.shard}, self._state)
-        self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.model.name, settings.reply_maxlen,
+                            settings.consumer_gone_ms,
+                            {"model": self.served[0], "models": list(self.served), "engine": self.engine.name,
+                             "shard": settings.shard}, self._state)
+        self.publisher = Publisher(client, self.keys, settings.result_ttl_s, self.served[0], settings.reply_maxlen,
                                    settings.dead_maxlen, settings.wait_replicas, once)
         self.planner = Planner(self.model, settings, on_crash=self.metrics.planner_crashes.inc,
                                fatal=lambda code: self.exit(code))
@@ -106,7 +109,7 @@ class Daemon:
                              presence)
         self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.lifecycle,
                                traces=self.traces)
-        self.metrics.built(__version__, self.model.name, self.engine.name, str(self.model.device))
+        self.metrics.built(__version__, self.served[0], self.engine.name, str(self.model.device))
 
     # ---------------------------------------------------------------- lifecycle (main thread)
 
@@ -131,8 +134,8 @@ class Daemon:
         while not self.redis_calls.reachable and time.monotonic() < deadline:
             time.sleep(0.05)
         log.info("%s: model %s, engine %s on %s, consumer %s", "ready" if self.redis_calls.reachable else
-                 f"warm, ready once Redis at {self.redis_calls.where} answers", self.model.name, self.engine.name,
-                 self.model.device, self.settings.consumer_name)
+                 f"warm, ready once Redis at {self.redis_calls.where} answers", ", ".join(self.served),
+                 self.engine.name, self.model.device, self.settings.consumer_name)
         self.compute.run(lambda: (self._burst_over() if burst else self.stopping.is_set()) and self._drained())
         redis_thread.join(timeout=max(5.0, self.settings.drain_timeout_s))
         self.planner.shutdown()
@@ -177,7 +180,7 @@ class Daemon:
         beats = {"reader": self.intake.read_turn, "gpu": self.compute.turned_at}
         return Snapshot(beats={name: beat for name, beat in beats.items() if beat is not None},
                         reading_since=self.intake.reading_since, loop_running=self.loop.is_running(),
-                        redis_ok=self.redis_calls.reachable, library_ok=self.publisher.library_ok,
+                        redis_ok=self.redis_calls.reachable, library_ok=self.publisher.library.ok,
                         ready=self.ready.is_set(), inflight=len(self.lifecycle.held),
                         stopping=self.stopping.is_set(), block_ms=self.settings.block_ms,
                         refusing=self.redis_calls.refusing, oldest_taken=self.lifecycle.held.oldest_taken(),
@@ -218,7 +221,7 @@ class Daemon:
         except REDIS_ERRORS:  # stopped before Redis ever answered: nothing was taken, nothing to settle
             return
         loops = [asyncio.create_task(loop()) for loop in (self.lifecycle.settler.run, self.intake.run_maintenance,
-                                                           self.publisher.watch_library, self.lifecycle.cancels.run)]
+                                                           self.publisher.library.watch, self.lifecycle.cancels.run)]
         reader = asyncio.create_task(self.intake.run_reader())  # until stopping
         while not (self.stopping.is_set() or reader.done()):
             await asyncio.sleep(0.1)

@@ -2,7 +2,7 @@
 
     python ops/grafana/dashboard.py        # after changing a panel here; a test keeps the JSON equal to this output
 
-Panels sum over the selected workers (``$instance``). Queue gauges are reported by every worker of a shard and by the
+Panels sum over the selected workers (``$instance``, among the chosen models' workers: ``$model``). Queue gauges are reported by every worker of a shard and by the
 queue exporter (``dq-producer exporter``, which reports them when no worker is left) for the same streams: they are
 aggregated per shard, stream and lane (``lane``) with ``max`` (never summed), then summed across shards
 (``queue``); they do not follow the worker selector. Latency percentiles are of ``ok`` results: error results, answered at once, would pull them
@@ -19,6 +19,7 @@ OUT = Path(__file__).resolve().parent / "dashboards" / "decision-queue.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 W = '{instance=~"$instance"}'  # the worker selector
 RATE = "$__rate_interval"
+INSTANCES = 'label_values(dq_build_info{model=~"$model"}, instance)'  # the workers of the chosen models
 
 
 def sel(extra: str = "") -> str:
@@ -86,7 +87,7 @@ class Board:
 
 def gateway(b: Board) -> None:
     """The HTTP gateways (dq-gateway), all replicas together (the worker selector does not apply to them)."""
-    calls, apis = "dq_gateway_requests_total", 'route=~"decide|decide_batch|requests|results"'
+    calls, apis = "dq_gateway_requests_total", 'route=~"decide|decide_batch|requests|results|systemone|models"'
     b.row("Gateway (dq-gateway)")
     b.panel("timeseries", "Gateway calls by route and status",
             [(f"sum by (route, status) (rate({calls}{{{apis}}}[{RATE}]))", "{{route}} {{status}}")], unit="reqps",
@@ -108,6 +109,24 @@ def gateway(b: Board) -> None:
         stack=True, description="Requests a gateway cancelled because their caller hung up, or on DELETE "
                                 "/v1/requests, by what the cancel found (keep: a hang-up whose key or call keeps "
                                 "its requests queued).")
+    b.panel("timeseries", "System One calls answered by an earlier call's request",
+            [(f"sum by (how) (rate(dq_gateway_calls_attached_total[{RATE}]))", "{{how}}")], unit="reqps", stack=True,
+            description="retry: a client's retry (after a timeout, a dropped connection, 429 or 5xx) waited for the "
+                        "request its first attempt enqueued, not computed again; identical: the same call within the "
+                        "retry window (docs/GATEWAY.md, \"System One\").")
+
+
+def models(b: Board) -> None:
+    """One line per model (the ``model`` label of each worker's dq_build_info), side by side: several models on one
+    Redis are several namespaces, each with its workers (docs/OPERATIONS.md, "Several models")."""
+    join = f'on (instance) group_left (model) dq_build_info{{model=~"$model"}}'
+    b.row("Models")
+    b.panel("timeseries", "Workers ready by model", [(f"sum by (model) (dq_ready * {join})", "{{model}}")],
+            unit="short")
+    b.panel("timeseries", "Results by model", [(f"sum by (model) (rate(dq_results_total[{RATE}]) * {join})",
+                                                "{{model}}")], unit="reqps", stack=True)
+    b.panel("timeseries", "Tokens by model", [(f"sum by (model) (rate(dq_tokens_total[{RATE}]) * {join})",
+                                               "{{model}}")], unit="short", stack=True)
 
 
 def build() -> dict:
@@ -239,6 +258,7 @@ def build() -> dict:
     b.panel("table", "Build and model", [(f"dq_build_info{W}", "")], w=24, h=6)
     b.panels[-1]["targets"][0].update(format="table", instant=True)
 
+    models(b)
     gateway(b)
     return {
         "title": "Decision queue", "uid": "decision-queue", "tags": ["decision-queue"], "timezone": "",
@@ -247,9 +267,13 @@ def build() -> dict:
         "templating": {"list": [
             {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
              "current": {"text": "Prometheus", "value": "dq-prometheus"}, "hide": 0},
+            {"name": "model", "label": "Model", "type": "query", "datasource": DATASOURCE,
+             "query": {"query": "label_values(dq_build_info, model)", "refId": "model"},
+             "definition": "label_values(dq_build_info, model)", "refresh": 2, "includeAll": True,
+             "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"}, "hide": 0},
             {"name": "instance", "label": "Worker", "type": "query", "datasource": DATASOURCE,
-             "query": {"query": "label_values(dq_build_info, instance)", "refId": "instance"},
-             "definition": "label_values(dq_build_info, instance)", "refresh": 2, "includeAll": True,
+             "query": {"query": INSTANCES, "refId": "instance"},
+             "definition": INSTANCES, "refresh": 2, "includeAll": True,
              "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"}, "hide": 0},
         ]},
         "annotations": {"list": []},

@@ -2,6 +2,7 @@
 
   dq-gateway --redis-url redis://127.0.0.1:6379/0                      open, on 127.0.0.1:8080 only
   dq-gateway --host 0.0.0.0 --api-keys-file keys.json                  API keys: any address
+  dq-gateway --model-namespaces dq,dq-b --model-alias jev-latest=my-decider     System One calls, routed by model
 
 It takes the producer's connection flags and variables (--redis-url or DQ_REDIS_URL, --namespace, --shards, TLS,
 Redis Cluster) and its own (--host, --port, limits; DQ_GATEWAY_*). Exit codes: 0 stopped, 2 usage (a bad flag,

@@ -21,14 +21,16 @@ OPEN = "open"  # the caller's name when the gateway has no keys
 
 @dataclass(frozen=True)
 class Access:
-    """An authenticated caller: its key's name, namespace, lanes and in-flight limit, and what its hang-up does to
-    the requests it waits for (cancels.py)."""
+    """An authenticated caller: its key's name, namespace (its tenant), lanes and in-flight limit, what its hang-up
+    does to the requests it waits for (cancels.py), and the namespaces whose models it may name, in the order they
+    are looked in."""
 
     name: str
     namespace: str
     lanes: frozenset[Priority]
     max_inflight: int
     hang_up: str = "cancel"
+    model_namespaces: tuple[str, ...] = ()
 
 
 class Keyring:
@@ -37,12 +39,13 @@ class Keyring:
     def __init__(self, config: GatewayConfig) -> None:
         self.open = not config.keys
         self._keys: list[tuple[bytes, Access]] = [(key.digest, self._access(config, key)) for key in config.keys]
-        self._anyone = Access(OPEN, config.deployment.namespace, frozenset(LANES), config.max_inflight_per_key)
+        self._anyone = Access(OPEN, config.deployment.namespace, frozenset(LANES), config.max_inflight_per_key,
+                              "cancel", config.model_namespaces_of(None))
 
     @staticmethod
     def _access(config: GatewayConfig, key: ApiKey) -> Access:
         return Access(key.name, config.namespace_of(key), key.lane_set(),
-                      key.max_inflight or config.max_inflight_per_key, key.hang_up)
+                      key.max_inflight or config.max_inflight_per_key, key.hang_up, config.model_namespaces_of(key))
 
     def find(self, authorization: str | None) -> Access | None:
         if self.open:

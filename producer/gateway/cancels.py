@@ -8,9 +8,8 @@
   waited for, unless its key says ``"hang_up": "keep"`` or the call ``?hang_up=keep`` (fire and forget).
 
 Every cancel the gateway makes goes through ``cancel``: counted by reason and what it found
-(``dq_gateway_cancels_total``), and told first to each hook of ``Gateway.on_cancel`` (namespace, ids), so that what
-another part of the gateway keeps about those ids (a map of a client's retries to a queue id) forgets them: a retry
-of a cancelled request is then sent, and computed, afresh.
+(``dq_gateway_cancels_total``). A System One call's retries map to one request (retries.py): a retry of a cancelled
+one reads its ``cancelled`` result and is sent, and computed, afresh under a new id.
 """
 
 from __future__ import annotations
@@ -39,9 +38,7 @@ Ids = Annotated[list[str], Query(alias="id", description="request ids, each as i
 
 
 async def cancel(gateway: Any, namespace: str, ids: list[str], reason: str) -> dict[str, Cancel]:
-    """Cancel ``ids`` in ``namespace``, the hooks told first; counted by ``reason`` and what each found."""
-    for hook in gateway.on_cancel:
-        hook(namespace, ids)
+    """Cancel ``ids`` in ``namespace``; counted by ``reason`` and what each found."""
     found = await gateway.clients[namespace].cancel(ids)
     for answer in found.values():
         gateway.metrics.cancels.labels(reason, answer.state).inc()

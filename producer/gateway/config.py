@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..plans import BATCH
 from ..wire.connection import Deployment
-from ..wire.keys import LANES, MAX_BODY_BYTES, NAMESPACE_PATTERN, Priority
+from ..wire.keys import LANES, MAX_BODY_BYTES, MODEL_NAME, NAMESPACE_PATTERN, Priority
 from ..wire.schema import describe
 
 KEYS_VARIABLE = "DQ_GATEWAY_API_KEYS"
@@ -48,6 +48,9 @@ class ApiKey(BaseModel):
     lanes: tuple[Literal["high", "normal"], ...] = Field(default=tuple(str(lane) for lane in LANES), min_length=1)
     max_inflight: int | None = Field(default=None, ge=1)
     hang_up: Literal["cancel", "keep"] = "cancel"  # a caller that hangs up cancels what it waited for, or not
+    # The namespaces whose models it may name (POST /v1/systemone, GET /v1/models), in the order they are looked in;
+    # default: its namespace (or the gateway's --model-namespaces for a key that names no namespace).
+    model_namespaces: tuple[str, ...] | None = Field(default=None, min_length=1)
 
     @field_validator("token")
     @classmethod
@@ -63,6 +66,13 @@ class ApiKey(BaseModel):
             raise ValueError("a namespace is 1 to 64 of A-Z a-z 0-9 . _ -")
         return value
 
+    @field_validator("model_namespaces")
+    @classmethod
+    def _model_namespaces(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for namespace in value or ():
+            cls._namespace(namespace)
+        return value
+
     @property
     def digest(self) -> bytes:
         return hashlib.sha256(self.token.encode()).digest()
@@ -71,8 +81,8 @@ class ApiKey(BaseModel):
         return frozenset(Priority(lane) for lane in self.lanes)
 
 
-def _opt(default: Any, help: str, low: float | None = None, high: float | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "low": low, "high": high})
+def _opt(default: Any, help: str, low: float | None = None, high: float | None = None, repeat: bool = False) -> Any:
+    return field(default=default, metadata={"help": help, "low": low, "high": high, "repeat": repeat})
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,13 @@ class GatewayConfig:
     max_body_bytes_in_flight: int = _opt(64 << 20, "bodies read or parsed at once, over every caller (a call "
                                                    "without a length counts --max-body-bytes); beyond: 503 busy",
                                          low=1)
+    model_namespaces: str = _opt("", "the namespaces whose models callers may name (POST /v1/systemone), in order, "
+                                     "comma-separated, for keys that name no namespace and without keys; empty: "
+                                     "--namespace")
+    model_alias: str = _opt("", "ALIAS=NAME: a model name callers may send for a served one (e.g. the official "
+                                "clients' default jev-latest); repeat the flag, or separate by commas", repeat=True)
+    retry_window_s: float = _opt(0.0, "how long a System One call's retries map to its request (and identical calls "
+                                      "are computed once); 0: the clients' 30 s retry budget plus --wait-s", low=0)
     log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR")
     log_format: str = _opt("text", "text, or json: one JSON object per line, the gateway's lines and uvicorn's alike")
     access_log: str = _opt("on", "on: one line per call (method, path, status, duration, key, lane, client; probes "
@@ -142,6 +159,14 @@ class GatewayConfig:
         if not self.keys and not loopback(self.host):
             problems.append(f"without API keys the gateway listens on a loopback address only, not {self.host!r}: "
                             f"give --api-keys-file (or {KEYS_VARIABLE}), or --host 127.0.0.1")
+        for namespace in self.model_namespace_list:
+            if not NAMESPACE_PATTERN.match(namespace):
+                problems.append(f"{_names('model_namespaces')} must list namespaces of 1 to 64 of A-Z a-z 0-9 . _ -, "
+                                f"got {namespace!r}")
+        try:
+            self.aliases
+        except ValueError as error:
+            problems.append(f"{_names('model_alias')}: {error}")
         names, digests = [k.name for k in self.keys], {k.digest for k in self.keys}
         if len(set(names)) < len(names) or len(digests) < len(self.keys):
             problems.append("API keys must have distinct names and distinct tokens")
@@ -151,9 +176,32 @@ class GatewayConfig:
     def namespace_of(self, key: ApiKey | None) -> str:
         return (key.namespace if key is not None else None) or self.deployment.namespace
 
+    @property
+    def model_namespace_list(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.model_namespaces.split(",") if n.strip()) or (self.deployment.namespace,)
+
+    def model_namespaces_of(self, key: ApiKey | None) -> tuple[str, ...]:
+        """Where a caller's model names are looked for: its key's list, else its namespace (the gateway's list for
+        a key that names none, and without keys)."""
+        if key is not None and key.model_namespaces:
+            return key.model_namespaces
+        return (key.namespace,) if key is not None and key.namespace else self.model_namespace_list
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """--model-alias as {alias: name}; a ValueError for a pair that is not ALIAS=NAME of model names."""
+        out: dict[str, str] = {}
+        for pair in filter(None, (p.strip() for p in self.model_alias.split(","))):
+            alias, _, name = pair.partition("=")
+            if not (MODEL_NAME.match(alias.strip()) and MODEL_NAME.match(name.strip())) or alias.strip() in out:
+                raise ValueError(f"expected distinct ALIAS=NAME pairs of model names, got {pair!r}")
+            out[alias.strip()] = name.strip()
+        return out
+
     def namespaces(self) -> list[str]:
-        """Every namespace a caller can reach: the gateway's when open, else its keys'."""
-        return sorted({self.namespace_of(k) for k in self.keys} or {self.deployment.namespace})
+        """Every namespace a caller can reach, its own and those of the models it may name."""
+        reached = {self.namespace_of(k) for k in self.keys} | {n for k in self.keys for n in self.model_namespaces_of(k)}
+        return sorted(reached or {self.deployment.namespace, *self.model_namespace_list})
 
 
 def loopback(host: str) -> bool:
@@ -182,6 +230,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in own_fields():
         kind = {"int": int, "float": float}.get(f.type, str)
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, type=kind,
+                            action="append" if f.metadata["repeat"] else "store",
                             help=f"{f.metadata['help']} [env {env_name(f.name)}, default {f.default!r}]")
 
 
@@ -209,6 +258,8 @@ def load(values: Mapping[str, Any], environ: Mapping[str, str] | None = None) ->
     chosen: dict[str, Any] = {}
     for f in own_fields():
         value, raw = values.get(f.name), environ.get(env_name(f.name))
+        if isinstance(value, list):  # a repeated flag
+            value = ",".join(value)
         if value is None and raw is not None:
             try:
                 value = {"int": int, "float": float}.get(f.type, str)(raw)

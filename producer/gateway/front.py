@@ -24,8 +24,12 @@ from .access import Keyring
 from .admission import CLOSE, Admission
 from .disconnects import CLIENT_GONE
 from .replies import JSON, Refused, error_body
+from .translate import ID_HEADER as TYPESAFE_ID
+from .translate import fresh_id, reshaped
 
 PUBLIC = {"health", "ready", "info", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
+SYSTEM_ONE = {"systemone", "models"}  # routes whose every answer is shaped for the System One clients
+ID_HEADER = TYPESAFE_ID.encode()
 # No ``_created`` series beside each counter and histogram (process-wide): no alert or panel reads them, and they
 # doubled the counters' series (worker/metrics.py does the same).
 disable_created_metrics()
@@ -41,8 +45,9 @@ def route_of(path: str) -> str:
     if path.startswith("/v1/requests/"):
         return "request"  # one request's status or cancel
     return {"/v1/decide": "decide", "/v1/decide/batch": "decide_batch", "/v1/requests": "requests",
-            "/health": "health", "/ready": "ready", "/info": "info", "/metrics": "metrics", "/docs": "docs",
-            "/redoc": "docs", "/openapi.json": "docs"}.get(path, "other")
+            "/v1/systemone": "systemone", "/v1/models": "models", "/health": "health", "/ready": "ready",
+            "/info": "info", "/metrics": "metrics", "/docs": "docs", "/redoc": "docs",
+            "/openapi.json": "docs"}.get(path, "other")
 
 
 class Metrics:
@@ -63,6 +68,9 @@ class Metrics:
                               "reason (connections.py)", ["reason"], registry=self.registry)
         for reason in CLOSED_REASONS:  # from zero: an alert's increase() sees the first one
             self.closed.labels(reason)
+        self.attached = Counter("dq_gateway_calls_attached", "System One calls answered by a request an earlier "
+                                "call enqueued: a client's retry, or an identical call within the retry window",
+                                ["how"], registry=self.registry)
         self.build = Gauge("dq_gateway_build_info", "always 1: the version this gateway runs", ["version"],
                            registry=self.registry)
         self.build.labels(__version__).set(1)
@@ -92,6 +100,8 @@ class Front:
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                if route in SYSTEM_ONE and not any(name == ID_HEADER for name, _ in message.get("headers", ())):
+                    message["headers"] = [*message.get("headers", ()), (ID_HEADER, fresh_id().encode())]
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 ended[0] = True
                 self.admission.leave(state)  # before the caller sees the end: its next call may come at once
@@ -104,7 +114,7 @@ class Front:
             try:
                 self._admit(scope, route, state)
             except Refused as refused:
-                await _answer(sending, refused)
+                await _answer(sending, refused, route in SYSTEM_ONE)
                 return
             await self.app(scope, self.admission.receiving(receive, state), sending)
         finally:
@@ -185,8 +195,10 @@ def _json(values: list[bytes] | None) -> bool:
     return bool(values) and values[0].split(b";")[0].strip().lower() == b"application/json"
 
 
-async def _answer(send: Send, refused: Refused) -> None:
+async def _answer(send: Send, refused: Refused, system_one: bool = False) -> None:
     body = error_body(refused.code, refused.message, field=refused.field, **refused.extra)
+    if system_one:  # the System One clients' shape (translate.py)
+        body = reshaped(refused.status, body)
     raw = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
     raw += [(name.lower().encode(), value.encode()) for name, value in refused.headers.items()]
     await send({"type": "http.response.start", "status": refused.status, "headers": raw})

@@ -9,12 +9,14 @@ status that may be either (a worker's ``invalid_request`` result and the gateway
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..wire.records import Cancel, Status
 from ..wire.result import Result
+from .translate import Call
 
 
 class RefusalError(BaseModel):
@@ -66,7 +68,56 @@ class Statuses(BaseModel):
     requests: list[Status] = Field(description="where each request is, in the order asked")
 
 
-MODELS = (Result, Refusal, Enqueued, Health, Info, Readiness, Cancel, Status, Cancels, Statuses)
+class SystemOneUsage(BaseModel):
+    input_tokens: int = Field(description="the prompt tokens the model read")
+    output_tokens: int = Field(description="one per question: one readout each")
+
+
+class SystemOneAnswer(BaseModel):
+    """POST /v1/systemone's 200: the System One API's response (translate.py)."""
+
+    model: str = Field(description="the served name of the model that answered (never an alias)")
+    answers: dict[str, dict[str, Any]] = Field(description="question name -> {type, noul} | {type, choice, "
+                                                           "confidence, probabilities} | {type, score, confidence, "
+                                                           "legend, probabilities}")
+    usage: SystemOneUsage
+
+
+class SystemOneModel(BaseModel):
+    name: str = Field(description="a name a call's model may be: a served name or an alias")
+    description: str
+    release_date: str = Field(description="empty: the queue does not know a checkpoint's release date")
+
+
+class SystemOneModels(BaseModel):
+    models: list[SystemOneModel]
+
+
+class SystemOneDetail(BaseModel):
+    error_type: str = Field(description="the gateway's code: unauthorized, model_not_found, queue_full, timeout, ...")
+    message: str
+
+
+class SystemOneRefusal(BaseModel):
+    """A System One route's refusal other than 422, as the System One clients read it."""
+
+    detail: SystemOneDetail
+
+
+class SystemOneProblem(BaseModel):
+    loc: list[str | int] = Field(description="where: body, then the field's path")
+    msg: str
+    type: str
+
+
+class SystemOneInvalid(BaseModel):
+    """A System One route's 422, FastAPI's shape."""
+
+    detail: list[SystemOneProblem]
+
+
+MODELS = (Result, Refusal, Enqueued, Health, Info, Readiness, Cancel, Status, Cancels, Statuses, Call,
+          SystemOneAnswer, SystemOneModels, SystemOneRefusal, SystemOneInvalid)
 JSON, NDJSON = "application/json", "application/x-ndjson"
 
 
@@ -144,7 +195,42 @@ RESPONSES: dict[tuple[str, str], dict[str, Any]] = {
     ("get", "/info"): {**HOST, "200": body("what runs", Info)},
     ("get", "/metrics"): {**HOST, "200": {"description": "Prometheus metrics",
                                           "content": {"text/plain": {"schema": {"type": "string"}}}}},
+    ("post", "/v1/systemone"): {
+        "200": body("the answers", SystemOneAnswer), "422": body("invalid input, each problem at its place (box "
+                                                               "questions included), or the worker's", SystemOneInvalid),
+        **{status: body(text, SystemOneRefusal) for status, text in (
+            ("400", "a compressed body that is not what it says, or a gateway without keys called with a Host that "
+                    "is not a loopback name"), ("401", "no valid API key"),
+            ("403", "the key may not send to the normal lane"), ("404", "no live worker serves the model: the "
+                                                                        "message names the ones served"),
+            ("408", "the body paused longer than --body-timeout-s: the connection closed"),
+            ("413", "the body, sent or inflated, is over the limit"),
+            ("415", "an encoding or media type not taken (a gateway without keys takes application/json only)"),
+            ("429", "the key has too many calls in flight, or the queue is full: Retry-After"),
+            ("500", "the worker's internal_error or dead_lettered result"),
+            ("503", "Redis unreachable or refusing, or the gateway's body budget taken (busy): Retry-After"),
+            ("504", "no result in time (the request stays queued: a retry of the call waits for it)"))}},
+    ("get", "/v1/models"): {"200": body("every name the key may send", SystemOneModels),
+                            "400": body("a gateway without keys, called with a Host that is not a loopback name",
+                                        SystemOneRefusal),
+                            "401": body("no valid API key", SystemOneRefusal),
+                            "503": body("Redis unreachable or refusing: Retry-After", SystemOneRefusal)},
 }
+SYSTEM_ONE = {  # the System One routes (systemone.py): plain routes, added to the document here
+    "/v1/systemone": {"post": {
+        "summary": "A System One call (any System One client: typesafe-sdk, ...), routed by model",
+        "operationId": "v1_systemone", "parameters": [
+            {"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"},
+             "description": "retries under one key are one request (without it: the request's digest)"},
+            {"name": "Content-Encoding", "in": "header", "required": False,
+             "schema": {"enum": ["zstd", "gzip", "identity"]}}],
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/Call"}},
+            "multipart/form-data": {"schema": {
+                "type": "object", "required": ["request"], "additionalProperties": {"type": "string",
+                                                                                    "format": "binary"},
+                "properties": {"request": {"$ref": "#/components/schemas/Call"}}}}}}}},
+    "/v1/models": {"get": {"summary": "The models a System One call may name", "operationId": "v1_models"}}}
 
 
 def complete(schema: dict[str, Any]) -> dict[str, Any]:
@@ -154,6 +240,7 @@ def complete(schema: dict[str, Any]) -> dict[str, Any]:
         described = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(described.pop("$defs", {}))
         schemas[model.__name__] = described
+    schema.setdefault("paths", {}).update(copy.deepcopy(SYSTEM_ONE))
     for (method, path), responses in RESPONSES.items():
         operation = schema.get("paths", {}).get(path, {}).get(method)
         if operation is not None:

@@ -17,7 +17,7 @@ from ..plans import Prepared
 from ..wire.keys import GONE_S, ID_PATTERN, PROTOCOL
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request
-from . import cancels, replies
+from . import cancels, replies, systemone
 from .access import Access
 from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
@@ -156,6 +156,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         return app.openapi_schema
 
     cancels.install(app, gateway)
+    systemone.install(app, gateway, config, waited)
     app.openapi = openapi  # type: ignore[method-assign]
     front = Front(app, gateway.keyring, gateway.admission, gateway.metrics, gateway.tracer)
     front.gateway = gateway

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
 from typing import Any
 
@@ -67,8 +67,6 @@ class Gateway:
         self.probed: tuple[float, str] = (float("-inf"), "")  # when Redis was last asked, and what it said
         self.probing: asyncio.Future[str] | None = None
         self.tracer = traces.tracer("dq-gateway")  # None: tracing off
-        # Told of every cancel the gateway makes, before it is made: (namespace, ids) (cancels.py).
-        self.on_cancel: list[Callable[[str, list[str]], None]] = []
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:

@@ -5,7 +5,7 @@ does. Torch-free and import-light: result.py builds on this module, never the ot
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -50,6 +50,16 @@ class ResultTimeout(DecisionQueueError, TimeoutError):
                  missing: Sequence[str] = (), no_worker: str | None = None) -> None:
         super().__init__(message)
         self.results, self.missing, self.no_worker = dict(results or {}), list(missing), no_worker
+
+
+class ModelNotServed(DecisionQueueError, LookupError):
+    """No live worker of the namespaces searched serves the model asked for (producer/served.py): ``model``, and
+    ``served`` (the names that are served there)."""
+
+    def __init__(self, model: str, served: Iterable[str], namespaces: Iterable[str]) -> None:
+        self.model, self.served = model, sorted(served)
+        super().__init__(f"no live worker serves the model {model!r} (namespaces {', '.join(namespaces)}); served: "
+                         f"{', '.join(self.served) or 'none'}")
 
 
 class WrongResult(DecisionQueueError, RuntimeError):

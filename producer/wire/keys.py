@@ -34,6 +34,10 @@ REPLY_STREAM = re.compile(r"\A[A-Za-z0-9._:\-]{1,64}:v" + PROTOCOL + r":reply:[A
 NAMESPACE_PATTERN = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
 ANY = "*"  # as a shard or a request id, makes a Keys name a glob pattern (ACL rules); never a valid id
 MAX_BODY_BYTES = 8 << 20  # a request body's largest size: the submit function's cap, the worker's default one
+# A served model's name (``dq-worker serve --served-model-name``; the ``model`` of a System One call): what a result
+# says answered it, what a heartbeat lists and what the gateway routes by. Hub-style names (``org/name``) and versions
+# (``jev-1.14.0``) fit; spaces, quotes and braces do not.
+MODEL_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}\Z")
 # A worker whose heartbeat (Keys.workers) is this old, or a group consumer idle this long with nothing pending, is
 # gone: stats do not count it. Workers beat every 5 s; clocks are assumed in sync (NTP).
 GONE_S = 30
@@ -186,9 +190,17 @@ class Keys:
         return f"{self.base}:durable:{{{hash_tag(beside)}}}"
 
     def workers(self) -> str:
-        """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, engine, shard, state}``, written
-        every 5 s (worker/loop/presence.py); beats older than GONE_S are gone and deleted by the live workers."""
+        """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, models, engine, shard, state}``,
+        written every 5 s (worker/loop/presence.py); beats older than GONE_S are gone and deleted by the live
+        workers. ``model``: the name its results say; ``models``: every name it serves under, that one first
+        (``beat_models``)."""
         return f"{self.base}:workers"
+
+    def call(self, digest: str) -> str:
+        """A System One call's request id (``SET NX`` with a TTL): a client's retries of one call, whichever gateway
+        replica they reach, map to one request (producer/gateway/retries.py). ``digest``: hex of the caller's
+        tenant, the model and the request (or its ``Idempotency-Key``)."""
+        return f"{self.base}:call:{{{digest}}}"
 
     @property
     def everything(self) -> str:
@@ -223,6 +235,19 @@ def text(value: Any) -> str:
     """A name or value as Redis answers it (bytes, unless the client decodes) as text; bytes that are not UTF-8 are
     replaced, never raised on: stream names and consumer names come from anyone who can write."""
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def beat_models(raw: Any) -> tuple[str, ...]:
+    """The names a worker's heartbeat says it serves, the one its results say first (a heartbeat of a worker older
+    than served names has ``model`` alone); names that are not MODEL_NAME are left out, an unreadable beat has none."""
+    try:
+        beat = json.loads(raw)
+        names = beat.get("models") or [beat.get("model")]
+    except (ValueError, TypeError, AttributeError):
+        return ()
+    if not isinstance(names, list):
+        return ()
+    return tuple(dict.fromkeys(n for n in names if isinstance(n, str) and MODEL_NAME.match(n)))
 
 
 def beat_age(raw: Any, now: float) -> float:

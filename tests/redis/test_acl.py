@@ -96,6 +96,9 @@ def test_producer_submits_through_the_function_reads_results_and_nothing_else(ac
     assert admin.xlen(KEYS.requests_in(HIGH)) == 2
     assert producer.xrange(KEYS.result("done")) and producer.xread({KEYS.result("done"): "0-0"})
     assert producer.xread({KEYS.reply_prefix + "mine": "0-0"}) == []
+    # the gateway (this user): a System One call's retries mapped to its request
+    assert producer.set(KEYS.call("c1"), "an-id digest", nx=True, px=60000) and producer.get(KEYS.call("c1"))
+    assert producer.delete(KEYS.call("c1")) == 1
     lua_refused(producer)
     # The submit function takes no stream id: its argument is a request id, and an entry id's shape is refused.
     assert "INVALID" in str(pytest.raises(redis.ResponseError, producer.fcall, library.SUBMIT, 1, KEYS.requests,

@@ -24,8 +24,11 @@ from producer.wire.connection import Deployment
 from producer.wire.keys import GROUP, Keys
 
 pytestmark = pytest.mark.redis
-TOKENS = {name: f"openapi-token-{name}-0123456789" for name in ("acme", "normal", "idle", "full", "one")}
+TOKENS = {name: f"openapi-token-{name}-0123456789" for name in ("acme", "normal", "idle", "full", "one", "high",
+                                                                 "dq-one")}
 KEYS = (ApiKey(name="acme", token=TOKENS["acme"]),
+        ApiKey(name="high", token=TOKENS["high"], lanes=("high",)),  # a System One call goes to the normal lane
+        ApiKey(name="dq-one", token=TOKENS["dq-one"], max_inflight=1),  # the worker's namespace, one call at a time
         ApiKey(name="normal", token=TOKENS["normal"], lanes=("normal",)),
         ApiKey(name="idle", token=TOKENS["idle"], namespace="idle"),  # no worker: results never come
         ApiKey(name="full", token=TOKENS["full"], namespace="full"),  # no worker, filled to --max-unfinished
@@ -67,13 +70,44 @@ async def stalled():
     yield b'"questions": {"q": {"type": "noul"}}}'
 
 
-async def exercise(app, broken, solo, opened, seen: Seen, url: str) -> dict:
+async def system_one(http, down, hasty, foreign, c) -> None:
+    """POST /v1/systemone and GET /v1/models into each of their statuses (the worker serves its checkpoint under
+    the checkpoint's own name, repo). ``hasty``: a gateway that waits a millisecond for a result."""
+    so, models = ("post", "/v1/systemone"), ("get", "/v1/models")
+    call = {"model": "repo", "state": "Refund me, please.", "questions": {"refund": {"type": "noul"}}}
+    raw = {**auth("acme"), "content-type": "application/json"}
+    assert (await c(http, *so, json=call, headers=auth("acme"))).status_code == 200
+    await c(http, *so, json=call)  # 401
+    await c(down, *so, json=call, headers=auth("acme"))  # 503
+    await c(http, *so, json=call, headers=auth("high"))  # 403
+    await c(http, *so, json={**call, "model": "nobody"}, headers=auth("acme"))  # 404
+    await c(http, *so, json={**call, "state": "x" * 5000}, headers=auth("acme"))  # 413
+    await c(http, *so, content=json.dumps(call).encode(), headers={**raw, "content-encoding": "br"})  # 415
+    await c(http, *so, content=b"\x28\xb5\x2f\xfd not zstd", headers={**raw, "content-encoding": "zstd"})  # 400
+    await c(http, *so, json={**call, "questions": {"where": {"type": "box"}}}, headers=auth("acme"))  # 422
+    await c(http, *so, json={**call, "state": POISON}, headers=auth("acme"))  # dead-lettered: 500
+    await c(hasty, *so, json={**call, "state": "Too late."}, headers=auth("acme"))  # 504
+    await c(http, *so, content=stalled(), headers=auth("acme"))  # the body stalls: 408
+    await c(foreign, *so, json=call)  # no keys, a Host not loopback: 400
+    await c(foreign, *models)  # 400
+    polling = asyncio.ensure_future(c(http, "get", "/v1/results/{request_id}", "/v1/results/so-poll",
+                                      params={"wait": 3}, headers=auth("dq-one")))
+    await asyncio.sleep(0.5)
+    await c(http, *so, json=call, headers=auth("dq-one"))  # its one slot is taken: 429
+    await polling
+    for gateway, key in ((http, "acme"), (http, None), (down, "acme")):  # 200, 401, 503
+        await c(gateway, *models, headers=auth(key) if key else {})
+
+
+async def exercise(app, broken, solo, opened, hasty, seen: Seen, url: str) -> dict:
     """Every route into each of its statuses; the OpenAPI document as served. ``broken``: a gateway whose Redis
     does not answer; ``solo``: one whose only key's namespace has a worker (ready); ``opened``: one without keys."""
     async with app.app.router.lifespan_context(app.app), broken.app.router.lifespan_context(broken.app), \
-            solo.app.router.lifespan_context(solo.app), opened.app.router.lifespan_context(opened.app):
+            solo.app.router.lifespan_context(solo.app), opened.app.router.lifespan_context(opened.app), \
+            hasty.app.router.lifespan_context(hasty.app):
         async with client(app) as http, client(broken) as down, client(solo) as one, client(opened) as foreign, \
-                client(opened, "127.0.0.1") as local:
+                client(opened, "127.0.0.1") as local, client(hasty) as late:
+            await system_one(http, down, late, foreign, seen.call)
             decide, batch, enqueue = ("post", "/v1/decide"), ("post", "/v1/decide/batch"), ("post", "/v1/requests")
             results = ("get", "/v1/results/{request_id}")
             cancel_one, status_one = ("delete", "/v1/requests/{request_id}"), ("get", "/v1/requests/{request_id}")
@@ -165,7 +199,9 @@ def test_every_route_declares_the_statuses_it_returns_with_their_bodies(redis_se
                                           keys=KEYS, **LIMITS))
         solo = create_app(GatewayConfig(deployment=Deployment(url=redis_server.url), keys=KEYS[:1], **LIMITS))
         opened = create_app(GatewayConfig(deployment=Deployment(url=redis_server.url), **LIMITS))
-        served = asyncio.run(exercise(app, broken, solo, opened, seen, redis_server.url))
+        hasty = create_app(GatewayConfig(deployment=Deployment(url=redis_server.url), keys=KEYS,
+                                         **{**LIMITS, "wait_s": 0.001}))
+        served = asyncio.run(exercise(app, broken, solo, opened, hasty, seen, redis_server.url))
     finally:
         worker.stop()
     document = served["document"]

@@ -17,8 +17,9 @@ def test_every_error_the_client_raises_shares_one_base_and_keeps_its_own():
     raised = {name: getattr(client_module, name) for name in client_module.__all__
               if isinstance(getattr(client_module, name), type)
               and issubclass(getattr(client_module, name), BaseException)}
-    assert set(raised) == {"DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "NotDurable", "QueueFull",
-                           "RedisUnreachable", "ResultError", "ResultTimeout", "UnsupportedServer", "WrongResult"}
+    assert set(raised) == {"DecisionQueueError", "InvalidRequest", "LibraryUnavailable", "ModelNotServed",
+                           "NotDurable", "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout",
+                           "UnsupportedServer", "WrongResult"}
     assert all(issubclass(error, DecisionQueueError) for error in raised.values())
     assert issubclass(raised["InvalidRequest"], ValueError) and issubclass(raised["ResultTimeout"], TimeoutError)
     assert issubclass(RedisUnreachable, redis.ConnectionError)  # code catching redis-py's error still does

@@ -13,7 +13,8 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # Imported only where present, each with a fallback or a clear error: not required by any extra.
 OPTIONAL = {"peft",  # merges a JEV checkpoint's LoRA at load, when installed
             "triton", "tilelang", "flash_qla", "fla", "kernels",  # the GPU fast path's kernels (gpu extra, torch)
-            "opentelemetry"}  # traces, imported only when configured (the otel extra: below)
+            "opentelemetry",  # traces, imported only when configured (the otel extra: below)
+            "compression"}  # compression.zstd: the stdlib's from Python 3.14 (before it, backports.zstd: http extra)
 
 
 def declared(*groups: str) -> dict[str, str]:

@@ -257,3 +257,39 @@ def test_each_extra_shard_is_an_overlay_of_the_base_for_its_own_streams(tmp_path
     assert {t["metadata"]["stream"] for t in scaled["spec"]["triggers"]} == {
         stream for lane in LANES for stream in (keys.requests_in(lane), keys.parts_in(lane))}
     assert {t["authenticationRef"]["name"] for t in scaled["spec"]["triggers"]} == {"dq-redis-monitor"}  # shared
+
+
+@needs_kubectl
+def test_a_second_model_is_an_overlay_of_the_base_for_its_own_namespace(tmp_path):
+    sys.path.insert(0, str(K8S))
+    import models
+
+    from producer.wire.keys import LANES, Keys
+
+    overlay = OPS / "k8s-models" / "decider-b" / "kustomization.yaml"
+    assert overlay.read_text() == models.overlay("decider-b", "dq-b", "REGISTRY/decider-b-model:0.1.0"), \
+        "python ops/k8s/models.py decider-b --namespace dq-b --image REGISTRY/decider-b-model:0.1.0"
+    copy = tmp_path / "ops"  # with monitoring on in the base: the overlay must not repeat what models share
+    shutil.copytree(OPS / "k8s-models", copy / "k8s-models")
+    shutil.move(str(switched_on(tmp_path, "- monitoring.yaml", "- alerts.yaml")), copy / "k8s")
+    docs = render(copy / "k8s-models" / "decider-b")
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == [
+        ("ConfigMap", "dq-worker-decider-b"), ("Deployment", "dq-exporter-decider-b"),
+        ("Deployment", "dq-worker-decider-b"), ("Job", "dq-load-functions-decider-b"),
+        ("PodDisruptionBudget", "dq-worker-decider-b"), ("ScaledObject", "dq-worker-decider-b")]
+    config = by_kind(docs, "ConfigMap")["dq-worker-decider-b"]["data"]
+    assert (config["DQ_NAMESPACE"], config["DQ_SERVED_MODEL_NAME"]) == ("dq-b", "decider-b")
+    worker = by_kind(docs, "Deployment")["dq-worker-decider-b"]["spec"]
+    assert worker["template"]["spec"]["initContainers"][0]["image"] == "REGISTRY/decider-b-model:0.1.0"
+    assert worker["selector"]["matchLabels"]["decision-queue/model"] == "decider-b"
+    exporter = by_kind(docs, "Deployment")["dq-exporter-decider-b"]["spec"]["template"]["spec"]["containers"][0]
+    [namespace] = [e for e in exporter["env"] if e["name"] == "DQ_NAMESPACE"]
+    assert namespace["valueFrom"]["configMapKeyRef"]["name"] == "dq-worker-decider-b"  # it reads the model's queue
+    setup = by_kind(docs, "Job")["dq-load-functions-decider-b"]["spec"]["template"]["spec"]["containers"][0]
+    [namespace] = [e for e in setup["env"] if e["name"] == "DQ_NAMESPACE"]
+    assert namespace["valueFrom"]["configMapKeyRef"]["name"] == "dq-worker-decider-b"  # its streams made first
+    scaled = by_kind(docs, "ScaledObject")["dq-worker-decider-b"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "dq-worker-decider-b"
+    keys = Keys("dq-b", 0)
+    assert {t["metadata"]["stream"] for t in scaled["spec"]["triggers"]} == {
+        stream for lane in LANES for stream in (keys.requests_in(lane), keys.parts_in(lane))}

@@ -3,6 +3,7 @@
 other and with the worker's settings. The compose file and the built-in Kubernetes kinds are validated against
 their schemas (bundled by check-jsonschema and kubernetes-validate: no network)."""
 
+import importlib.util
 import json
 import re
 import shutil
@@ -191,6 +192,33 @@ def test_compose_file_matches_the_compose_spec():
     validator = jsonschema.validators.validator_for(schema)(schema)
     errors = sorted(error.message for error in validator.iter_errors(compose()))
     assert not errors, errors
+
+
+def test_the_two_model_compose_file_adds_a_namespace_of_its_own():
+    """ops/compose.models.yaml over ops/compose.yaml: the second model's worker and exporter read their own
+    namespace, Redis takes the ACL file of both namespaces, and the gateway may route to both."""
+    from ops.redis_acl import DEVELOPMENT_PASSWORDS, render
+
+    override = yaml.safe_load((OPS / "compose.models.yaml").read_text())["services"]
+    base = compose()["services"]
+    [acl] = override["redis"]["volumes"]
+    assert acl.split(":")[1] == next(v for v in base["redis"]["volumes"] if "users.acl" in v).split(":")[1]
+    assert (OPS / acl.split(":")[0]).read_text() == render(DEVELOPMENT_PASSWORDS, "dq*")
+    worker, exporter = override["worker-b"], override["queue-exporter-b"]
+    assert set(worker["environment"]) <= SETTINGS and set(worker["environment"]) >= set(
+        base["worker-0"]["environment"]), "worker-b is worker-0 in another namespace"
+    assert worker["environment"]["DQ_NAMESPACE"] == exporter["environment"]["DQ_NAMESPACE"] == "dq-b"
+    assert exporter["command"] == base["queue-exporter"]["command"]
+    namespaces = override["gateway"]["environment"]["DQ_GATEWAY_MODEL_NAMESPACES"].split(",")
+    assert namespaces == ["dq", "dq-b"]
+    if importlib.util.find_spec("check_jsonschema"):
+        import jsonschema
+        from importlib.resources import files
+
+        schema = json.loads((files("check_jsonschema.builtin_schemas.vendor")
+                             / "compose-spec.json").read_text())
+        merged = {**compose(), "services": {**base, **override}}
+        assert not list(jsonschema.validators.validator_for(schema)(schema).iter_errors(merged))
 
 
 def test_dockerfile_runs_the_worker_unprivileged_with_a_health_check():

@@ -1,9 +1,11 @@
 """A worker's presence on its shard: its heartbeat, and forgetting the workers and consumers that are gone, so that
 ``python -m producer stats`` and the dashboards count the living only.
 
-- Heartbeat: every maintenance round (5 s) a worker writes ``{ts, inflight, model, engine, shard, state}`` under its
-  consumer name in ``Keys.workers`` (``state``: warming, ready or draining; ``dq-producer stats`` lists them). A beat older than ``GONE_S`` (producer/wire/keys.py) is a worker that is gone: Redis 7.0 has no
-  per-field expiry, so any live worker deletes such beats, and stats never count them.
+- Heartbeat: every maintenance round (5 s) a worker writes ``{ts, inflight, model, models, engine, shard, state}``
+  under its consumer name in ``Keys.workers`` (``state``: warming, ready or draining; ``dq-producer stats`` lists
+  them; the gateway routes System One calls by ``models``). A beat older than ``GONE_S`` (producer/wire/keys.py)
+  is a worker that is gone: Redis 7.0 has no per-field expiry, so any live worker deletes such beats, and stats
+  never count them.
 - Consumers: the group keeps a consumer after its worker died (a restart under a new name, a KEDA scale-down). One
   with nothing pending that has been idle longer than ``--consumer-gone-ms`` is deleted, by a function of the library
   (producer/wire/library.py) that checks and deletes in one step: a consumer given an entry in between keeps it
@@ -27,7 +29,7 @@ class Presence:
                  identity: dict[str, Any], state: Callable[[], str] = lambda: "ready") -> None:
         self.redis, self.keys, self.name, self.streams = redis_client, keys, name, streams
         self.gone_ms = gone_ms
-        self.identity = identity  # model, engine and shard
+        self.identity = identity  # model (the name results say), models (every name it serves under), engine, shard
         self.state = state
 
     async def beat(self, inflight: int) -> None:

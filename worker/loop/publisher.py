@@ -1,6 +1,6 @@
 """Publication, the Redis side of an entry's end: an outcome's result stored exactly once (the function library,
 producer/wire/library.py: ``publish_as``, ``part_as``, ``reply``), its reply, the entry acknowledged and deleted;
-fan-out, dead letters, and watching the library. Torch-free: ops/redis_bench.py measures it alone.
+fan-out, dead letters (library_watch.py: whether the library is there). Torch-free: ops/redis_bench.py measures it alone.
 
 Order, for at-least-once processing with exactly one result: the publish function makes the result durable (the
 first publication wins; later ones change nothing, and learn who made it), then the entry is acknowledged and
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,9 +33,8 @@ from producer.wire.schema import ErrorCode
 from ..entries import REQUESTS, Delivery
 from ..outcomes import Outcome, Share, answered_before, dead_fields
 from ..tasks import Task
-from .redis_calls import REDIS_ERRORS
+from .library_watch import LibraryWatch
 
-log = logging.getLogger("worker")
 PUBLISHED = b"published"
 CLUSTER_CONCURRENCY = 64  # function calls in flight at once on Redis Cluster (connections per node stay bounded)
 
@@ -68,9 +66,7 @@ class Publisher:
         self.reply_maxlen, self.dead_maxlen = reply_maxlen, dead_maxlen  # approximate caps: Redis memory bounded
         self.inline_replies = not isinstance(redis_client, RedisCluster)  # in the publish call (library.PUBLISH_AS)
         self.wait_replicas = wait_replicas  # durable mode: publications and acks WAIT for this many replicas
-        self.library_ok = False  # the function library is on the server (readiness): check_library
-        self.library_logged = float("-inf")
-        self._checking: asyncio.Future[bool] | None = None
+        self.library = LibraryWatch(redis_client)  # the function library is on the server (readiness)
 
     async def settle(self, outcomes: list[Outcome]) -> Settlement:
         """Publish, reply, acknowledge. An outcome whose publication Redis refused is left out, with the error in
@@ -225,38 +221,6 @@ class Publisher:
             if isinstance(reply, BaseException) and not isinstance(reply, redis.ResponseError):
                 raise reply
         return replies
-
-    async def check_library(self) -> bool:
-        """Whether the function library is loaded, loading it if the server lacks it or has an older revision (when
-        this worker's user may); says so loudly while it is not (``library_ok``: readiness): nothing can be
-        published."""
-        try:
-            loaded = await library.aensure(self.redis)
-        except REDIS_ERRORS:  # Redis down: RedisCalls reports that
-            self.library_ok = False
-            return False
-        except (library.LibraryUnavailable, redis.ResponseError) as error:  # or NOPERM on the check itself
-            self.library_ok = False
-            if time.monotonic() - self.library_logged > 30:
-                self.library_logged = time.monotonic()
-                log.error("%s; unready: nothing can be published until the library is loaded", error)
-            return False
-        if loaded.action != "present":
-            log.info("function library %s revision %d %s", library.LIBRARY, loaded.revision, loaded.action)
-        self.library_ok = True
-        return True
-
-    async def recheck_library(self) -> bool:
-        """``check_library`` once for every caller meanwhile (each outcome a server without the library refused)."""
-        if self._checking is None or self._checking.done():
-            self._checking = asyncio.ensure_future(self.check_library())
-        return await asyncio.shield(self._checking)
-
-    async def watch_library(self) -> None:
-        """Until cancelled: look for the library every 5 s while it is missing, every 30 s while it is there (a
-        server restarted empty has none: the worker turns unready within that time, not at its next result)."""
-        while True:
-            await asyncio.sleep(30.0 if await self.check_library() else 5.0)
 
     async def fan_out(self, task: Task) -> None:
         """Store the request once, add one entry per part (``task.fan_out``) to its lane's part stream (the parts

@@ -98,5 +98,5 @@ class Settler:
         self.loop.call_later(1.0, self.outcomes.put_nowait, outcome)
 
     async def _after_library(self, outcome: Outcome) -> None:
-        await asyncio.sleep(0.01 if await self.publisher.recheck_library() else 1.0)
+        await asyncio.sleep(0.01 if await self.publisher.library.recheck() else 1.0)
         self.outcomes.put_nowait(outcome)

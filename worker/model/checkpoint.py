@@ -8,6 +8,7 @@ models), and a backbone with ``judge_config.json`` + ``head.safetensors`` + ``ca
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,26 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: cannot read JSON ({error})") from None
 
 
+# A Hugging Face cache holds a checkpoint at models--ORG--NAME/snapshots/REVISION: its folder's name is a commit hash.
+HUB_CACHE = re.compile(r"models--(?:(?P<org>[^/]+?)--)?(?P<name>[^/]+)/snapshots/[^/]+$")
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
+def own_name(path: Path) -> str:
+    """The name a checkpoint gives itself, which a worker serves it under unless told otherwise: the hub id its
+    ``config.json`` records (``_name_or_path``, written by transformers before v5, when it is an id and not a path),
+    else the hub id of a Hugging Face cache snapshot it sits in, else its folder's name."""
+    config = path / "config.json"
+    recorded = _read_json(config).get("_name_or_path") if config.exists() else None
+    if isinstance(recorded, str) and HUB_ID.fullmatch(recorded):
+        return recorded
+    resolved = path.resolve()
+    cached = HUB_CACHE.search(resolved.as_posix())
+    if cached:
+        return f"{cached['org']}/{cached['name']}" if cached["org"] else cached["name"]
+    return resolved.name
+
+
 def detect_format(path: Path) -> str:
     """``judge``, ``readout`` or ``repo``; raises CheckpointError for a directory that is not a decision checkpoint."""
     if not path.is_dir():
@@ -235,4 +256,4 @@ def load(path: str | Path, device: str = "auto", dtype: str = "auto", max_prompt
     if max_prompt_tokens:
         max_length = min(max_length, max_prompt_tokens)
     return DecisionModel(model=model, decision_config=model.decision_config, processor=processor,
-                         name=path.name, multimodal=multimodal, max_length=max_length)
+                         name=own_name(path), multimodal=multimodal, max_length=max_length)
