@@ -67,8 +67,7 @@ class Settings:
                                      "split by question, a shorter one runs whole", low=0,
                                 more="one over --pack-tokens runs alone, eagerly: set both alike to keep every prompt "
                                      "in one pack; a split request's result says usage.split (docs/PROTOCOL.md)")
-    fanout_tokens: int = _opt(8192, "requests with more tokens than this (over several prompts) fan out to all workers",
-                              low=1)
+    fanout_tokens: int = _opt(8192, "requests of more tokens than this (several prompts) fan out to all workers", low=1)
     # Packing and the fast path
     pack_tokens: int = _opt(16384, "token budget of one forward pass; with CUDA graphs also the largest bucket "
                                    "(--buckets above it are dropped)", low=1,
@@ -93,8 +92,9 @@ class Settings:
     fp8_matrices: str = _opt("all", "matrices fp8 converts in those layers: all, or some of mlp, attention "
                                     "(full-attention projections), linear (linear-attention projections)")
     fused_kernels: bool = _opt(True, "the fast path's own Triton kernels (convolution, SwiGLU and norm + FP8)")
-    epilogues: str = _opt("", "opt-in kernels with the fused ones, bf16 (fast path): all, or some of swiglu (in the "
-                              "gate/up GEMM), residual (in the GEMMs before it), gated_norm, comma-separated")
+    epilogues: str = _opt("residual,swiglu", "kernels with the fused ones, bf16 (fast path): some of swiglu (in the "
+                          "gate/up GEMM), residual (in the GEMMs before it), gated_norm; all; or none. The default "
+                          "measured faster end to end (docs/BENCHMARKS.md)")
     compile_cache: str = _opt("", "directory for compiled kernels (Inductor, Triton, TileLang); empty: their defaults")
     planner_threads: int = _opt(2, "threads that validate, render and tokenize requests", low=1)
     planner_processes: int = _opt(0, "plan in this many processes instead of threads (keeps the GIL for the GPU); "

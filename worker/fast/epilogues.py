@@ -1,4 +1,5 @@
-"""Opt-in kernels that take element-wise passes off the bf16 forward (``--epilogues``; none is on by default):
+"""Kernels that take element-wise passes off the bf16 forward (``--epilogues``; on by default: residual and swiglu,
+what measured faster end to end on an H100, docs/BENCHMARKS.md; gated_norm saved nothing there):
 
 - ``swiglu``: the MLP's gate/up GEMM computes, per output tile of the inner dimension, the gate tile and the up tile
   from the same input tile and writes silu(gate) * up: the (tokens, 2 x inner) product is never stored or read back.
@@ -9,8 +10,9 @@
   twin): reads o and z, writes one tensor.
 
 Rounding is the compiled path's: the GEMM's outputs are rounded to bf16 before SwiGLU, which then runs in fp32 and
-rounds once; the residual sum is rounded once (the unfused path rounds the product, then the sum: one bf16 step
-apart at most); the gated norm rounds as Qwen3_5RMSNormGated. Each kernel is a torch custom op, so compiled pieces
+rounds once; the residual sum in place, no extra pass over the hidden state, rounded as the unfused path rounds it
+(cuBLAS's bf16 beta = 1 rounds the product first: an H100 gives the unfused path's bits, tests/gpu/test_epilogues.py;
+one bf16 step apart at most); the gated norm rounds as Qwen3_5RMSNormGated. Each kernel is a torch custom op, so compiled pieces
 call it as one kernel and CUDA graphs capture it. Deterministic mode keeps them: rows are independent, the GEMM
 never splits K and sums K in one fixed order, and runs one configuration for every token count there (``deterministic``).
 """
@@ -145,7 +147,7 @@ def _(x, weight, deterministic):
 
 @torch.library.custom_op("dq::add_linear_", mutates_args=("hidden",))
 def add_linear_(hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """hidden += x @ weight.T in one GEMM (beta = 1), summed in fp32 and rounded once."""
+    """hidden += x @ weight.T in one GEMM (beta = 1), in place."""
     hidden.addmm_(x, weight.t())
 
 

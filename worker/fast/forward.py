@@ -22,16 +22,18 @@ from .ops import Ops
 
 ROWS = "rows"  # the pruned last layer: queries, output and MLP at marker rows only
 COMPILE_MODES = ("none", "sub", "layer")
-EPILOGUES = ("swiglu", "residual", "gated_norm")  # opt-in kernels of worker/fast/epilogues.py
+EPILOGUES = ("swiglu", "residual", "gated_norm")  # the kernels of worker/fast/epilogues.py
 
 
 def chosen_epilogues(spec: str) -> frozenset[str]:
-    """The kernels an ``epilogues`` setting names: empty (none), "all", or any of ``EPILOGUES`` comma-separated."""
+    """The kernels an ``epilogues`` setting names: none (or empty), "all", or any of ``EPILOGUES`` comma-separated."""
     names = {part.strip() for part in spec.lower().split(",") if part.strip()}
+    if names == {"none"}:
+        return frozenset()
     if names == {"all"}:
         return frozenset(EPILOGUES)
     if not names <= set(EPILOGUES):
-        raise ValueError(f"epilogues must be empty, all, or some of {', '.join(EPILOGUES)} comma-separated; "
+        raise ValueError(f"epilogues must be none, all, or some of {', '.join(EPILOGUES)} comma-separated; "
                          f"got {spec!r}")
     return frozenset(names)
 
