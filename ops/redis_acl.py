@@ -28,7 +28,11 @@ functions run, on exactly those keys. Selectors (the parenthesised groups) give 
   parts) and the cancel counts. No XINFO STREAM (it returns the first and last entries), no XRANGE, no SLOWLOG GET
   (it shows commands' arguments), no CONFIG, no body, result or share.
 - admin: everything, for operators (and for loading the function library).
-- default (no credentials): PING only, for container health checks.
+- default: off, so every connection authenticates as one of the roles above (a client without credentials gets
+  NOAUTH, PING included). Its rules allow every command because Redis (7.0 to 8.2; redis/redis#14541, fixed later)
+  checks them when it replays a MULTI block of the AOF at a restart: with a restricted default user, the writes of
+  every function call that made several (publication, submit with records, dead letters) are dropped then, in
+  silence. A disabled user is never one a client can be, so the rules give nobody anything.
 
 Passwords are stored as SHA-256 (``#<hex>``), never in clear. ``ops/redis/users.acl`` is this script's output with
 the compose file's development passwords (a test keeps the two equal); render your own for anything real.
@@ -116,7 +120,7 @@ def password_hash(password: str) -> str:
 
 def render(passwords: dict[str, str], namespace: str = "dq") -> str:
     """The aclfile text: one ``user`` line per role (every role in ROLES needs a password)."""
-    lines = ["user default on nopass resetkeys resetchannels -@all +ping"]  # aclfiles take no comments
+    lines = ["user default off resetpass ~* &* +@all"]  # aclfiles take no comments; why: the docstring
     for role, rules in ROLES.items():
         body = rules.format(connect=CONNECT, **patterns(namespace))
         lines.append(f"user {role} on {password_hash(passwords[role])} resetkeys resetchannels -@all {body}"

@@ -158,7 +158,8 @@ async def echo(url: str, stop: asyncio.Event) -> None:
 
     from producer.wire import library
     from producer.wire.keys import GROUP, Field, Keys
-    from producer.wire.schema import digest, parse_request
+    from producer.wire.digest import digest
+    from producer.wire.schema import parse_request
 
     keys, r = Keys(), aioredis.Redis.from_url(url)
     try:

@@ -17,9 +17,9 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 
-from ..plans import Prepared, QueueFull, ResultTimeout, prepare
+from ..plans import Prepared, QueueFull, prepare
 from ..wire.result import Result
-from ..wire.schema import MAX_ASSETS, Request
+from ..wire.schema import MAX_ASSETS, ErrorCode, Request
 from . import decoding, replies, translate
 from .config import GatewayConfig
 from .disconnects import CallerGone
@@ -80,11 +80,12 @@ def install(app: FastAPI, gateway: Gateway, config: GatewayConfig, watched: Watc
                 gateway.metrics.attached.labels("retry" if RETRY_COUNT in http.headers else "identical").inc()
             # A hang-up (CallerGone) leaves the request queued and mapped, never cancelled: the SDK's read timeout
             # is one, and the same call follows. A result `cancelled` found below is never an answer.
-            landed = await watched(http, client.wait_any([claim.request_id], gateway.wait_for(None)),
-                                   [claim.request_id], WAIT)
+            wait = gateway.wait_for(None)
+            landed = await watched(http, client.wait_any([claim.request_id], wait), [claim.request_id], WAIT)
             result = landed.get(claim.request_id)
             if result is None:
-                raise ResultTimeout("no result in time", missing=[claim.request_id])
+                raise Refused(504, ErrorCode.TIMEOUT.value, f"no result in time ({wait:g} s); the request stays "
+                              "queued: the same call again waits for it", request_id=claim.request_id)
             if result.error is None or result.error.code != CANCELLED:
                 break
             name = after(name, claim.request_id)

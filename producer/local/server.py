@@ -44,10 +44,10 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def answers(self) -> bool:
-        """One readiness probe: a PING over plain TCP."""
+        """One readiness probe: a PING over plain TCP (NOAUTH: a server whose default user is off, ops/redis_acl.py)."""
         with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         log = open(self.directory / "redis.log", "ab")

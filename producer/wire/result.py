@@ -64,7 +64,7 @@ class Result(_Open):
     model: str | None = None
     metadata: dict[str, JsonValue] | None = None  # the request's, echoed
     traceparent: str | None = None  # the request's, echoed
-    digest: str | None = None  # what the request asked (schema.digest): a reused id is told apart by it
+    digest: str | None = None  # what the request asked (digest.py): a reused id is told apart by it
     replay: bool | None = None  # this is the stored result of an earlier request with the same id and digest
 
     @property

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 # Every label a dq_ metric may carry: dimensions with a handful of values, never an id.
 LABELS = {"shard", "stream", "lane", "how", "status", "code", "op", "size", "mode", "kind", "loop", "version",
-          "model", "engine", "device", "le"}
+          "model", "engine", "device", "le", "outcome"}  # outcome: dq_cancels_total
 
 
 def eventually(condition, timeout: float = 15.0, every: float = 0.1):

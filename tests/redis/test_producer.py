@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -309,12 +310,15 @@ def test_the_readme_python_snippet_runs_as_written(served):
     done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**os.environ, "DQ_REDIS_URL": served.url})
     assert done.returncode == 0, done.stderr
-    first, *rest = done.stdout.splitlines()
+    first, *rest, status, cancel = done.stdout.splitlines()
     refund, calm = map(float, first.split())
     assert 0 <= refund <= 1 and 0 <= calm <= 1
     assert [line.split(" ", 1)[0] for line in rest] == ["ticket-0", "ticket-1"]
     assert all(line.split(" ", 1)[1].startswith("{'true': ") for line in rest)
     assert all(line.endswith("} {'tenant': 'acme'}") for line in rest)  # the metadata, echoed
+    # the last request's status, then its cancel: wherever the worker had it by then
+    assert re.search(r": Status\(id='[0-9a-f]{32}', state='(queued|in_progress|answered)'", status), status
+    assert re.search(r": Cancel\(id='[0-9a-f]{32}', state='(cancelled|cancelling|too_late)'", cancel), cancel
 
 
 def test_callers_sharing_a_client_are_each_told_of_their_own_request(redis_server, inprocess):

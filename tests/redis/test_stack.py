@@ -101,19 +101,22 @@ def test_the_readme_python_snippet_runs_as_written(up):
     done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=180, cwd=ROOT,
                           env={**os.environ, "DQ_REDIS_URL": up.url})
     assert done.returncode == 0, done.stderr
-    first, *batch = done.stdout.splitlines()
+    first, *batch, status, cancel = done.stdout.splitlines()
     assert [0 <= float(p) <= 1 for p in first.split()] == [True, True]  # refund's noul, tone's calm
     assert [line.split()[0] for line in batch] == ["ticket-0", "ticket-1"]
     assert all(line.endswith("{'tenant': 'acme'}") for line in batch), batch
+    assert "Status(" in status and "Cancel(" in cancel, (status, cancel)  # the last request's, then its cancel
 
 
 def test_the_readme_curl_snippets_answer_as_written(up):
     [snippet] = [block for block in blocks("bash") if block.startswith("curl ")]
-    decided, queued, fetched = [json.loads(shell(line.replace("localhost:8080", f"localhost:{up.gateway_port}"))
-                                           .stdout) for line in snippet.splitlines()]
+    decided, queued, fetched, where, cancelled = [
+        json.loads(shell(line.replace("localhost:8080", f"localhost:{up.gateway_port}")).stdout)
+        for line in snippet.splitlines()]
     assert decided["status"] == "ok" and set(decided["answers"]) == {"refund"}
-    assert queued == {"ids": ["ticket-7"]}
+    assert queued["ids"] == ["ticket-7"] and len(queued["digests"]) == 1
     assert fetched["id"] == "ticket-7" and fetched["status"] == "ok"
+    assert where["state"] == "answered" and cancelled["state"] == "too_late"  # answered by then: too late to cancel
 
 
 @pytest.mark.skipif(shutil.which("redis-cli") is None, reason="no redis-cli (Debian: apt-get install redis-tools)")

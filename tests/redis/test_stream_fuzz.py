@@ -166,7 +166,7 @@ def test_any_entry_on_any_stream_gets_its_own_one_result_and_writes_nowhere_else
         assert report.results[f"{tag}good-0"].ok and report.results[f"{tag}good-1"].ok
         wait_released(worker)
         own = {key for request_id in expected for key in (KEYS.result(request_id), KEYS.shares(request_id),
-                                                          KEYS.body(request_id))}
+                                                          KEYS.body(request_id), KEYS.record(request_id))}
         shared = {KEYS.requests, KEYS.parts, KEYS.dead, KEYS.workers()}
         outside = written.keys() - {key.encode() for key in own | shared} - replies
         assert not outside, outside

@@ -27,7 +27,8 @@ from producer.gateway.retries import call_of
 from producer.wire import library
 from producer.wire.keys import Keys
 from producer.wire.result import Result
-from producer.wire.schema import Request, digest
+from producer.wire.digest import digest
+from producer.wire.schema import Request
 from systemones import BOTH, MAX_BODY, OPEN_WAIT_S, TOKENS, start, wait_for
 
 QUESTIONS = {"billing": Noul(instructions="Is this about billing?"),

@@ -51,7 +51,7 @@ def exported():
 async def decide(app, url: str) -> httpx.Response:
     fastapi_app = app.app  # the routes behind the front layer
     async with fastapi_app.router.lifespan_context(fastapi_app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as http:  # a keyless gateway: loopback
             return await http.post("/v1/decide", json=REQUEST, headers={"traceparent": CALLER}, timeout=60)
 
 
