@@ -69,7 +69,7 @@ class Http:
             return await self._post(path, body)
 
     async def _post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        self.writer.write(b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+        self.writer.write(b"POST %s HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
                           b"content-length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
         head = await self.reader.readuntil(b"\r\n\r\n")
         length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
