@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections import defaultdict
 
 import httpx
@@ -70,7 +71,7 @@ async def stalled():
     yield b'"questions": {"q": {"type": "noul"}}}'
 
 
-async def system_one(http, down, hasty, foreign, c) -> None:
+async def system_one(http, down, hasty, foreign, c, worker) -> None:
     """POST /v1/systemone and GET /v1/models into each of their statuses (the worker serves its checkpoint under
     the checkpoint's own name, repo). ``hasty``: a gateway that waits a millisecond for a result."""
     so, models = ("post", "/v1/systemone"), ("get", "/v1/models")
@@ -86,7 +87,10 @@ async def system_one(http, down, hasty, foreign, c) -> None:
     await c(http, *so, content=b"\x28\xb5\x2f\xfd not zstd", headers={**raw, "content-encoding": "zstd"})  # 400
     await c(http, *so, json={**call, "questions": {"where": {"type": "box"}}}, headers=auth("acme"))  # 422
     await c(http, *so, json={**call, "state": POISON}, headers=auth("acme"))  # dead-lettered: 500
+    worker.faults.gate = threading.Event()  # its pack held: no answer within the hasty gateway's millisecond
     await c(hasty, *so, json={**call, "state": "Too late."}, headers=auth("acme"))  # 504
+    worker.faults.gate.set()
+    worker.faults.gate = None
     await c(http, *so, content=stalled(), headers=auth("acme"))  # the body stalls: 408
     await c(foreign, *so, json=call)  # no keys, a Host not loopback: 400
     await c(foreign, *models)  # 400
@@ -99,7 +103,7 @@ async def system_one(http, down, hasty, foreign, c) -> None:
         await c(gateway, *models, headers=auth(key) if key else {})
 
 
-async def exercise(app, broken, solo, opened, hasty, seen: Seen, url: str) -> dict:
+async def exercise(app, broken, solo, opened, hasty, seen: Seen, url: str, worker) -> dict:
     """Every route into each of its statuses; the OpenAPI document as served. ``broken``: a gateway whose Redis
     does not answer; ``solo``: one whose only key's namespace has a worker (ready); ``opened``: one without keys."""
     async with app.app.router.lifespan_context(app.app), broken.app.router.lifespan_context(broken.app), \
@@ -107,7 +111,7 @@ async def exercise(app, broken, solo, opened, hasty, seen: Seen, url: str) -> di
             hasty.app.router.lifespan_context(hasty.app):
         async with client(app) as http, client(broken) as down, client(solo) as one, client(opened) as foreign, \
                 client(opened, "127.0.0.1") as local, client(hasty) as late:
-            await system_one(http, down, late, foreign, seen.call)
+            await system_one(http, down, late, foreign, seen.call, worker)
             decide, batch, enqueue = ("post", "/v1/decide"), ("post", "/v1/decide/batch"), ("post", "/v1/requests")
             results = ("get", "/v1/results/{request_id}")
             cancel_one, status_one = ("delete", "/v1/requests/{request_id}"), ("get", "/v1/requests/{request_id}")
@@ -201,7 +205,7 @@ def test_every_route_declares_the_statuses_it_returns_with_their_bodies(redis_se
         opened = create_app(GatewayConfig(deployment=Deployment(url=redis_server.url), **LIMITS))
         hasty = create_app(GatewayConfig(deployment=Deployment(url=redis_server.url), keys=KEYS,
                                          **{**LIMITS, "wait_s": 0.001}))
-        served = asyncio.run(exercise(app, broken, solo, opened, hasty, seen, redis_server.url))
+        served = asyncio.run(exercise(app, broken, solo, opened, hasty, seen, redis_server.url, worker))
     finally:
         worker.stop()
     document = served["document"]
