@@ -28,6 +28,20 @@ T = TypeVar("T")
 UNREACHED = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException)
 
 
+def _demoted(step: Step, error: redis.ResponseError) -> NotDurable | None:
+    """A durable step's "WAIT cannot be used with replica instances": the node was a primary, demoted since (each face
+    then asks the sentinels for the promoted one)."""
+    if isinstance(step, Pipeline) and step.wait and "replica" in str(error):
+        return NotDurable(f"the node that answered is a replica now: {error}", [], 0, step.wait)
+    return None
+
+
+def _replaced(step: Step, reply: Any) -> bool:
+    """Fewer replicas than asked confirmed a durable step: a replaced primary may still answer (follow the
+    sentinels to the promoted one)."""
+    return isinstance(step, (Function, Pipeline)) and bool(step.wait) and reply[-1] < step.wait
+
+
 def _unreachable(where: str, error: BaseException) -> RedisUnreachable:
     return RedisUnreachable(f"Redis at {where} cannot be reached: {error}")
 
@@ -119,13 +133,13 @@ class Blocking(Face):
     def _do(self, step: Step) -> Any:
         try:
             reply = self._send(step)
-        except redis.ResponseError as error:  # "WAIT cannot be used with replica instances": a demoted primary
-            if isinstance(step, Pipeline) and step.wait and "replica" in str(error):
+        except redis.ResponseError as error:
+            if (demoted := _demoted(step, error)) is not None:
                 sentinel.follow(self.redis)
-                raise NotDurable(f"the node that answered is a replica now: {error}", [], 0, step.wait) from None
+                raise demoted from None
             raise
-        if isinstance(step, (Function, Pipeline)) and step.wait and reply[-1] < step.wait:
-            sentinel.follow(self.redis)  # a replaced primary that still answers: to the promoted one
+        if _replaced(step, reply):
+            sentinel.follow(self.redis)
         return reply
 
     def _send(self, step: Step) -> Any:
@@ -185,11 +199,11 @@ class Asynchronous(Face):
         try:
             reply = await self._send(step)
         except redis.ResponseError as error:
-            if isinstance(step, Pipeline) and step.wait and "replica" in str(error):
+            if (demoted := _demoted(step, error)) is not None:
                 await sentinel.afollow(self.redis)
-                raise NotDurable(f"the node that answered is a replica now: {error}", [], 0, step.wait) from None
+                raise demoted from None
             raise
-        if isinstance(step, (Function, Pipeline)) and step.wait and reply[-1] < step.wait:
+        if _replaced(step, reply):
             await sentinel.afollow(self.redis)
         return reply
 

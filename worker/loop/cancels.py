@@ -37,7 +37,7 @@ READ_COUNT = 1000  # notices per read
 
 class Cancels:
     def __init__(self, redis_calls: RedisCalls, keys: Keys, consumer: str, block_ms: int,
-                 cancel: Callable[[str, int], None]) -> None:
+                 cancel: Callable[[str], None]) -> None:
         self.redis_calls, self.keys, self.consumer, self.block_ms = redis_calls, keys, consumer, block_ms
         self.cancel = cancel  # what to do with a request cancelled now (the lifecycle drops what it holds of it)
         self.recent: dict[str, int] = {}  # request id -> when its cancel came (ms, the notice's entry id)
@@ -116,4 +116,4 @@ class Cancels:
         self.recent[request_id] = at_ms
         while len(self.recent) > REMEMBERED:
             del self.recent[next(iter(self.recent))]
-        self.cancel(request_id, at_ms)
+        self.cancel(request_id)

@@ -229,12 +229,12 @@ class Lifecycle:
         if (held := self.held.get((delivery.key, delivery.entry_id))) is not None:
             held.cancelled = True  # a notice coming now counts it neither honoured again nor too late
 
-    def cancel(self, request_id: str, at_ms: int) -> None:
-        """A cancel notice (of ``at_ms``): the request's entries held here (enqueued before it) whose prompts all wait
-        in the packer are answered ``cancelled``; those with a prompt packed, or being settled, are answered as they
-        are (too late); those still being planned are checked once planned."""
+    def cancel(self, request_id: str) -> None:
+        """A cancel notice: the request's entries held here (enqueued before it: ``Cancels.cancelled``) whose prompts
+        all wait in the packer are answered ``cancelled``; those with a prompt packed, or being settled, are answered
+        as they are (too late); those still being planned are checked once planned."""
         for held in self.held.of_request(request_id):
-            if held.delivery.enqueued_ms > at_ms:  # sent again under the id after the cancel: another request
+            if not self.cancels.cancelled(request_id, held.delivery.enqueued_ms):  # sent again after: another one
                 continue
             task = held.task
             if held.state == State.QUEUED and task is not None and not task.closed and self.packer.withdraw(task):

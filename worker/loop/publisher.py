@@ -1,6 +1,7 @@
 """Publication, the Redis side of an entry's end: an outcome's result stored exactly once (the function library,
 producer/wire/library.py: ``publish_as``, ``part_as``, ``reply``), its reply, the entry acknowledged and deleted;
-fan-out, dead letters (library_watch.py: whether the library is there). Torch-free: ops/redis_bench.py measures it alone.
+fan-out and dead letters (library_watch.py: whether the library is there). Torch-free: ops/redis_bench.py
+measures it alone.
 
 Order, for at-least-once processing with exactly one result: the publish function makes the result durable (the
 first publication wins; later ones change nothing, and learn who made it), then the entry is acknowledged and
