@@ -72,18 +72,18 @@ class Settings:
     pack_tokens: int = _opt(16384, "token budget of one forward pass; with CUDA graphs also the largest bucket "
                                    "(--buckets above it are dropped)", low=1,
                             more="lower it for shorter packs, with graphs or without")
-    max_wait_ms: float = _opt(5.0, "longest a partly filled pack waits for more work before it runs", low=0)
+    max_wait_ms: float = _opt(0.0, "longest a partly filled pack waits for more work before it runs on an idle GPU "
+                                   "(0: at once; under load the running pack gathers the next)", low=0)
     normal_share: float = _opt(0.1, "share of each pack's tokens kept for normal-priority work while some waits "
                                     "(high work never starves it)", low=0.01, high=0.9)
     high_pack_tokens: int = _opt(4096, "token budget of packs while high-priority work flows (queued in the last "
                                        "second): a high request waits behind less work on the GPU (0: pack_tokens)",
                                  low=0, more="what 4096 costs and buys at the 2B shape: docs/BENCHMARKS.md, "
                                              "\"Priority lanes\"")
-    buckets: str = _opt("2048,4096,8192,16384", "static pack sizes captured as CUDA graphs (fast path), those below "
-                                                "--pack-tokens kept, --pack-tokens always one")
+    buckets: str = _opt("512,1024,2048,4096,8192,16384", "static pack sizes captured as CUDA graphs (fast path), "
+                        "those below --pack-tokens kept, --pack-tokens always one; a pack pays for its bucket")
     cuda_graphs: bool = _opt(True, "replay packs through CUDA graphs (fast path)")
-    compile: str = _opt("layer", "torch.compile mode of the fast path: none, sub or layer",
-                        choices=("none", "sub", "layer"))
+    compile: str = _opt("layer", "torch.compile mode (fast path): none, sub or layer", choices=("none", "sub", "layer"))
     prune_last: bool = _opt(True, "last layer computes only the marker rows (fast path)")
     fp8: bool = _opt(False, "FP8 rowwise matmuls (fast path, Hopper)")
     fp8_layers: str = _opt("all", "layers fp8 converts: all, full (full-attention), linear, late (the second half: "

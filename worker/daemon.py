@@ -101,7 +101,7 @@ class Daemon:
         self.planner = Planner(self.model, settings, on_crash=self.metrics.planner_crashes.inc,
                                fatal=lambda code: self.exit(code))
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
-                             settings.high_pack_tokens)
+                             settings.high_pack_tokens, self.engine.pack_sizes)
         self.traces = Traces.configured()  # None unless an OTLP endpoint is set (producer/wire/traces.py)
         self.lifecycle = Lifecycle(self.keys, settings, self.metrics, self.redis_calls, consumer, self.planner,
                                    self.packer, self.publisher, self.loop, self.traces)
@@ -136,7 +136,8 @@ class Daemon:
         log.info("%s: model %s, engine %s on %s, consumer %s", "ready" if self.redis_calls.reachable else
                  f"warm, ready once Redis at {self.redis_calls.where} answers", ", ".join(self.served),
                  self.engine.name, self.model.device, self.settings.consumer_name)
-        self.compute.run(lambda: (self._burst_over() if burst else self.stopping.is_set()) and self._drained())
+        with self.metrics.collector_pauses():  # each pass of the collector timed, while serving
+            self.compute.run(lambda: (self._burst_over() if burst else self.stopping.is_set()) and self._drained())
         redis_thread.join(timeout=max(5.0, self.settings.drain_timeout_s))
         self.planner.shutdown()
         self._last_word(len(self.lifecycle.held))

@@ -9,6 +9,10 @@ Python collectors (``process_*``, ``python_*``) come with the registry.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -24,6 +28,9 @@ from .entries import Stream
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 FORWARD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5, 10, 30)
+STATE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
+PAUSE_BUCKETS = (0.001, 0.005, 0.02, 0.1, 0.5, 2)
+STATES = ("planning", "queued", "computing", "settling")  # a computed entry's states after it is taken (held.py)
 FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 STREAMS = ("requests", "chunks")
 TAKEN = ("read", "recovered", "reclaimed", "retried")
@@ -84,12 +91,19 @@ class Metrics:
                                  ["status", "lane"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram("dq_queue_wait_seconds", "Enqueue to first taken by a worker, by lane",
                                     ["lane"], buckets=LATENCY_BUCKETS, registry=r)
+        self.states = Histogram("dq_request_state_seconds", "Time a computed entry spent in each state after it was "
+                                "taken: planning (to its prompts queued), queued (waiting for a pack), computing (its "
+                                "packs on the GPU, to its answers read out), settling (to its result published); with "
+                                "dq_queue_wait_seconds before them, where its latency went", ["state", "lane"],
+                                buckets=STATE_BUCKETS, registry=r)
         self.planning = Histogram("dq_planning_seconds", "Validate, render and tokenize one entry",
                                   buckets=FORWARD_BUCKETS, registry=r)
         self.forward = Histogram("dq_forward_seconds", "One forward pass, launch to scores on the host, by static "
                                  "pack size in tokens (eager: none)", ["size"], buckets=FORWARD_BUCKETS, registry=r)
         self.pack_gpu = Histogram("dq_pack_gpu_seconds", "One pack's own time on the GPU", buckets=FORWARD_BUCKETS,
                                   registry=r)
+        self.gc_pause = Histogram("dq_gc_pause_seconds", "One pass of Python's garbage collector, any generation: "
+                                  "every thread of the worker stops meanwhile", buckets=PAUSE_BUCKETS, registry=r)
         self.gpu_idle = Histogram("dq_gpu_idle_seconds", "GPU idle between the previous pack's end and a pack's start",
                                   buckets=FORWARD_BUCKETS, registry=r)
         self.fill = Histogram("dq_pack_fill_ratio", "Real tokens / tokens computed, per pack", buckets=FILL_BUCKETS,
@@ -125,9 +139,22 @@ class Metrics:
             self.redis_errors.labels(op)
         for lane in LANES:
             self.queue_wait.labels(lane)
+            for state in STATES:
+                self.states.labels(state, lane)
             for status in STATUSES:
                 self.latency.labels(status, lane)
         self.ready.labels(self.shard).set(0)
+
+    @contextlib.contextmanager
+    def collector_pauses(self) -> Iterator[None]:
+        """Each pass of the garbage collector meanwhile timed into ``dq_gc_pause_seconds`` (a ``gc.callbacks``
+        entry)."""
+        pauses = CollectorPauses(self.gc_pause)
+        gc.callbacks.append(pauses)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(pauses)
 
     def streams(self, stats: dict[tuple[str, str], dict[str, Any]]) -> None:
         """The group stats of this worker's shard (``{(stream, lane): {length, pending, lag}}``; lag None: not
@@ -142,3 +169,19 @@ class Metrics:
 
     def built(self, version: str, model: str, engine: str, device: str) -> None:
         self.info.labels(version, model, engine, device, self.shard).set(1)
+
+
+class CollectorPauses:
+    """Times each pass of the garbage collector (a ``gc.callbacks`` entry; passes never overlap: they hold the
+    GIL)."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+        self.began: float | None = None
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.began = time.perf_counter()
+        elif self.began is not None:
+            self.histogram.observe(time.perf_counter() - self.began)
+            self.began = None

@@ -19,7 +19,7 @@ from producer.wire.result import Result, Timings, Usage
 from producer.wire.schema import ErrorCode
 
 from .entries import Delivery, Identity
-from .tasks import Task
+from .tasks import Task, Timeline
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class Outcome:
     dead_letter: str | None = None  # dead-lettered, why: its entry copied to the dead letters with its result
     copied: bool = False  # its dead letter was written: settling it again does not copy it again
     refused: redis.ResponseError | None = None  # Redis refused its publication this time: settle it again later
+    timeline: Timeline | None = None  # a computed task's: when it reached each step (its time in each state)
 
     @property
     def request_id(self) -> str:
@@ -117,10 +118,11 @@ def task_outcome(task: Task, model_name: str) -> Outcome:
     order, share = list(task.request.questions), Share.of(task)
     if task.delivery.parts > 1:
         return Outcome(task.delivery, task.identity, share=share, part=task.delivery.part,
-                       parts=task.delivery.parts, order=order)
+                       parts=task.delivery.parts, order=order, timeline=task.timeline)
     names = [q.name for prompt in task.prompts for q in prompt.questions]
     return Outcome(task.delivery, task.identity, result=ok_result(task.identity, [share], names,
-                                                                  task.delivery.enqueued_ms, model_name))
+                                                                  task.delivery.enqueued_ms, model_name),
+                   timeline=task.timeline)
 
 
 def answered_before(delivery: Delivery, identity: Identity, stored: Result, model_name: str) -> Outcome:

@@ -22,6 +22,16 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Timeline:
+    """When a task reached each step of its way through this worker (``time.time()``): the time it spent in each
+    state (worker/loop/held.py), observed once it is settled."""
+
+    queued: float = 0.0  # its prompts went to the packer
+    launched: float = 0.0  # the pack holding its last prompt went to the GPU
+    computed: float = 0.0  # its last prompt's answers were read out
+
+
+@dataclass
 class Task:
     """The work of one entry: a whole request, or one part of a fanned-out request."""
 
@@ -34,6 +44,7 @@ class Task:
     remaining: int = 0  # prompts not answered yet
     compute_seconds: float = 0.0
     closed: bool = False  # ended early (failed, expired): its prompts still queued are skipped, late answers dropped
+    timeline: Timeline = field(default_factory=Timeline)
 
     @property
     def request_id(self) -> str:
@@ -74,6 +85,7 @@ class Launched:
     """A pack holding these prompts went to the GPU."""
 
     items: tuple[Item, ...]
+    at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,7 @@ class Computed:
     item: Item
     answers: list[Answer]
     seconds: float
+    at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)

@@ -203,7 +203,7 @@ def main() -> None:
     parser.add_argument("--runs", default="2b:standard:bf16,2b:standard:fp8",
                         help="comma-separated shape:workload:dtype[:variant] (dtype: bf16, fp8, fp8+mlp, "
                              "fp8+mlp+attention@12-23 ...; variant: default, nograph, eager)")
-    parser.add_argument("--buckets", default="2048,4096,8192,16384")
+    parser.add_argument("--buckets", default=Settings().buckets, help="the engine's --buckets")
     parser.add_argument("--pack-tokens", type=int, default=16384)
     parser.add_argument("--profile", default="", help="the runs to profile (comma-separated)")
     parser.add_argument("--no-reference", action="store_true")

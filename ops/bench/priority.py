@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from served import serve_worker, worker_flags, worker_process  # noqa: E402
-from traffic import gc_collections, gpu_time, make_requests, percentile, scrape, slowest_pack_ms  # noqa: E402
+from traffic import (gc_collections, gpu_time, make_requests, percentile, redis_fsync_stalls, scrape,  # noqa: E402
+                     slowest_pack_ms, stalls)
 
 LANE_SETTINGS = ("normal_share", "high_pack_tokens")  # passed to the worker when given
 TARGETS = {"high_p99_ms": 150, "high_p50_ms": 80, "normal_over_peak": 0.9}  # issue 15
@@ -93,7 +94,7 @@ def phases(args: argparse.Namespace, url: str, port: int, report: dict) -> None:
 
 def with_high(args: argparse.Namespace, url: str, port: int, client, encoder, peak: dict, seed: int) -> dict:
     """Phase 2: a normal backlog answered while high requests arrive at ``--high-load`` x the peak rate."""
-    after = scrape(port)
+    after, fsync = scrape(port), redis_fsync_stalls(url)
     rate = args.high_load * peak["requests_per_s"]
     high_requests = make_requests(int(rate * args.timeout) + 1, seed, encoder)
     stop, high_ids = threading.Event(), []
@@ -124,7 +125,17 @@ def with_high(args: argparse.Namespace, url: str, port: int, client, encoder, pe
         "total_over_peak": round((normal_rate["tokens"] + high_tokens) / normal_rate["seconds"]
                                  / peak["tokens_per_s"], 3),
         "slowest_pack_ms": slowest_pack_ms(after, final), "gc_collections": gc_collections(after, final),
-        **gpu_time(after, final, normal_rate["seconds"])}
+        "high_slowest_ms": stalls(after, final, "high"), "redis_delayed_fsyncs": redis_fsync_stalls(url) - fsync,
+        "slowest_high": slowest(list(high.values())), **gpu_time(after, final, normal_rate["seconds"])}
+
+
+def slowest(results: list, count: int = 5) -> list[dict]:
+    """The slowest high requests' own timings (ms from their enqueue): when the worker took them, when their answers
+    were ready, and how long their packs computed."""
+    ordered = sorted(results, key=lambda r: r.timings.finished_ms - r.timings.enqueued_ms, reverse=True)
+    return [{"enqueued_ms": r.timings.enqueued_ms, "taken_after_ms": r.timings.started_ms - r.timings.enqueued_ms,
+             "finished_after_ms": r.timings.finished_ms - r.timings.enqueued_ms, "compute_ms": r.timings.compute_ms}
+            for r in ordered[:count]]
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -159,7 +170,8 @@ def run_bench(args: argparse.Namespace) -> int:
                                   "high_max_ms", "normal_p50_ms", "normal_over_peak", "total_over_peak")},
         "normal_tokens_per_s": result["normal"]["tokens_per_s"], "met": report["met"],
         "runs": [{k: r[k] for k in ("high_p50_ms", "high_p99_ms", "high_max_ms", "normal_over_peak",
-                                    "total_over_peak")} for r in runs],
+                                    "total_over_peak", "high_slowest_ms", "gc_collections", "redis_delayed_fsyncs",
+                                    "slowest_high")} for r in runs],
         "start_s": report["worker_start_seconds"]}), flush=True)
     return 0
 

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served import model_for, wait_ready  # noqa: E402
+from served import DEFAULTS, model_for, wait_ready  # noqa: E402
 from traffic import gpu_time, make_requests, percentile, scrape  # noqa: E402
 
 # ---------------------------------------------------------------- the launcher's and the workers' processes
@@ -285,7 +285,7 @@ def main() -> int:
                         help="tiny: cpu:N workers on the tiny checkpoint (checks this harness without a GPU)")
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--compile-cache", default="", help="the workers' DQ_COMPILE_CACHE (shared by all)")
-    parser.add_argument("--buckets", default="2048,4096,8192,16384")
+    parser.add_argument("--buckets", default=DEFAULTS.buckets, help="the workers' --buckets")
     parser.add_argument("--planner-processes", type=int, default=0,
                         help="per worker; 0: the launcher shares the host's cores out [default 0]")
     parser.add_argument("--max-inflight", type=int, default=1024)

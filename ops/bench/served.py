@@ -18,6 +18,11 @@ from typing import Any, Callable, Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from worker.config import Settings  # noqa: E402
+
+
+DEFAULTS = Settings()  # the worker's own defaults
+
 
 def model_for(shape: str):
     """A random model at ``shape`` that renders requests with the tiny checkpoint's tokenizer and template;
@@ -34,14 +39,13 @@ def model_for(shape: str):
 
 
 def settings_for(args: argparse.Namespace, **extra):
-    from worker.config import Settings
-
     gpu = args.shape != "tiny"
     return Settings(checkpoint="(random)", device="cuda" if gpu else "cpu", engine="fast" if gpu else "reference",
                     fp8=args.fp8, fp8_layers=args.fp8_layers, compile=args.compile, compile_cache=args.compile_cache,
                     cuda_graphs=not args.no_graphs, buckets=args.buckets, planner_processes=args.planner_processes,
                     max_inflight=args.max_inflight, deterministic=args.deterministic, read_count=128,
-                    claim_idle_ms=600_000, epilogues=args.epilogues, **extra)
+                    claim_idle_ms=600_000, epilogues=args.epilogues,
+                    **({} if args.max_wait_ms is None else {"max_wait_ms": args.max_wait_ms}), **extra)
 
 
 def serve_worker(args: argparse.Namespace, make_model: Callable[[], Any] | None = None,
@@ -96,6 +100,7 @@ def worker_process(script: str, args: argparse.Namespace, url: str, log_path: Pa
     cmd += ["--no-graphs"] if args.no_graphs else []
     cmd += ["--deterministic"] if args.deterministic else []
     cmd += ["--epilogues", args.epilogues] if args.epilogues else []
+    cmd += ["--max-wait-ms", str(args.max_wait_ms)] if args.max_wait_ms is not None else []
     with open(log_path, "w") as log:
         worker = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
         try:
@@ -121,7 +126,8 @@ def worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deterministic", action="store_true", help="the worker's --deterministic")
     parser.add_argument("--epilogues", default="", help="the worker's --epilogues (worker/fast/epilogues.py)")
     parser.add_argument("--compile-cache", default="", help="the worker's compile_cache (empty: the defaults)")
-    parser.add_argument("--buckets", default="2048,4096,8192,16384")
+    parser.add_argument("--buckets", default=DEFAULTS.buckets, help="the worker's --buckets")
+    parser.add_argument("--max-wait-ms", type=float, default=None, help="the worker's --max-wait-ms (default: its own)")
     parser.add_argument("--planner-processes", type=int, default=4)
     parser.add_argument("--max-inflight", type=int, default=1024)
     parser.add_argument("--start-timeout", type=float, default=400.0)

@@ -74,13 +74,40 @@ def gc_collections(before: dict[str, float], after: dict[str, float]) -> dict[st
             for generation in ("0", "1", "2")}
 
 
-def slowest_pack_ms(before: dict[str, float], after: dict[str, float]) -> str:
-    """The histogram bucket of the slowest pack (GPU time) in a phase: a stall shows here."""
-    edges = sorted((float(key.split("{le=")[1].rstrip("}")), after[key] - before.get(key, 0.0))
-                   for key in after if key.startswith("dq_pack_gpu_seconds_bucket"))
+def _labels(key: str) -> dict[str, str]:
+    """A ``scrape`` key's labels: ``name{a=1}{b=2}`` -> {a: 1, b: 2}."""
+    return dict(part.split("=", 1) for part in key[key.index("{") + 1:-1].split("}{")) if "{" in key else {}
+
+
+def slowest_ms(before: dict[str, float], after: dict[str, float], name: str, **labels: str) -> str:
+    """The bucket of histogram ``name``'s slowest observation (with these labels) over a phase: a stall shows
+    here."""
+    edges = []
+    for key, value in after.items():
+        if key.startswith(f"{name}_bucket{{"):
+            found = _labels(key)
+            if all(found.get(k) == v for k, v in labels.items()):
+                edges.append((float(found["le"]), value - before.get(key, 0.0)))
+    edges.sort()
     total = edges[-1][1] if edges else 0
     below = [le for le, count in edges if count >= total]
     return f"<= {below[0] * 1000:g}" if below and total else "-"
+
+
+def slowest_pack_ms(before: dict[str, float], after: dict[str, float]) -> str:
+    """The histogram bucket of the slowest pack (GPU time) in a phase."""
+    return slowest_ms(before, after, "dq_pack_gpu_seconds")
+
+
+def stalls(before: dict[str, float], after: dict[str, float], lane: str) -> dict[str, str]:
+    """Where a stall of the phase was: the slowest of the lane's waits for a worker and of its states, the slowest
+    pack, and the slowest pass of the garbage collector (each as its histogram bucket, ms)."""
+    out = {"read": slowest_ms(before, after, "dq_queue_wait_seconds", lane=lane)}
+    for state in ("planning", "queued", "computing", "settling"):
+        out[state] = slowest_ms(before, after, "dq_request_state_seconds", lane=lane, state=state)
+    out["pack"] = slowest_pack_ms(before, after)
+    out["gc"] = slowest_ms(before, after, "dq_gc_pause_seconds")
+    return out
 
 
 def redis_fsync_stalls(url: str) -> int:

@@ -49,6 +49,10 @@ class FaultyEngine:
     def max_pack_tokens(self) -> int:
         return self.inner.max_pack_tokens
 
+    @property
+    def pack_sizes(self) -> tuple[int, ...]:
+        return self.inner.pack_sizes
+
     def warmup(self) -> None:
         self.inner.warmup()
 

@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 # Every label a dq_ metric may carry: dimensions with a handful of values, never an id.
 LABELS = {"shard", "stream", "lane", "how", "status", "code", "op", "size", "mode", "kind", "loop", "version",
-          "model", "engine", "device", "le", "outcome"}  # outcome: dq_cancels_total
+          "model", "engine", "device", "le", "outcome",  # outcome: dq_cancels_total
+          "state"}  # state: dq_request_state_seconds
 
 
 def eventually(condition, timeout: float = 15.0, every: float = 0.1):
@@ -82,6 +83,14 @@ def test_metrics_move_as_the_work_goes(redis_server, start_worker, tiny_dir):
     assert m("dq_queue_wait_seconds_count") == len(ids) + 1 + parts
     assert m("dq_queue_wait_seconds_sum") > 0.5
     assert m("dq_planning_seconds_count") == len(ids) + 1 + parts
+    # Where the time went: every computed entry (the requests but the fanned-out one, and its parts) once in each
+    # state after it was taken; the refused one in none.
+    for state in ("planning", "queued", "computing", "settling"):
+        assert m("dq_request_state_seconds_count", state=state, lane="normal") == len(ids) - 1 + parts, state
+        assert m("dq_request_state_seconds_sum", state=state) > 0, state
+    assert m("dq_request_state_seconds_count", lane="high") == 0
+    # The collector's passes are timed while the worker serves (young ones certainly ran over 120 requests).
+    assert m("dq_gc_pause_seconds_count") > 0
     # Packs: eager on CPU (no CUDA graphs), one forward observation per pack, fill in (0, 1].
     packs = m("dq_packs_total")
     assert packs > 0 and m("dq_packs_total", mode="eager") == packs and m("dq_packs_total", mode="graph") == 0

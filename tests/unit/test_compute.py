@@ -22,6 +22,7 @@ class RecordingEngine:
 
     name = "recording"
     max_pack_tokens = BUDGET
+    pack_sizes = ()
 
     def __init__(self, verbalizers: int) -> None:
         self.events: list[tuple[str, int]] = []
@@ -59,7 +60,7 @@ def items(model, lengths):
 def run(model, lengths):
     packer = Packer(BUDGET, max_wait=0.0)
     for item in items(model, lengths):
-        packer.put(item)
+        packer.put([item])
     engine = RecordingEngine(int(model.model.proj.out_features))
     handed = []
 
@@ -101,3 +102,32 @@ def test_a_pack_finishing_after_a_stop_closed_the_loop_is_dropped_not_raised():
     lifecycle.loop.close()
     for event in (Launched(()), Computed(None, [], 0.0), Failed(None, "x"), Expired(None)):
         lifecycle.hand_over(event)
+
+
+def test_work_arriving_while_a_pack_runs_joins_the_next_pack(loaded):
+    """A GPU that keeps up: the next pack is formed once the running one is read out, with what came meanwhile
+    (formed at the first one's launch it would leave the late arrivals a pack further behind)."""
+    model = loaded("repo-text")
+    first, queued, *late = items(model, [30, 20, 20, 20])
+    packer = Packer(BUDGET, max_wait=0.0)
+    engine = RecordingEngine(int(model.model.proj.out_features))
+    launch, packs = engine.launch, []
+
+    def launching(prompts):
+        packs.append(len(prompts))
+        pending = launch(prompts)
+        if len(packs) == 1:  # while the first pack runs, two more prompts arrive
+            return Pending(lambda: (packer.put(late), pending.wait())[1])
+        return pending
+
+    engine.launch = launching
+    packer.put([first])
+
+    class Sink:
+        def hand_over(self, event):
+            if isinstance(event, Launched) and len(packs) == 1:
+                packer.put([queued])  # queued just after the first launch
+
+    Compute(model, engine, packer, Metrics(), Sink()).run(done=lambda: len(packs) >= 2 and not any(
+        packer.lanes.values()))
+    assert packs == [1, 3]

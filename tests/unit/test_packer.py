@@ -25,7 +25,7 @@ def item(lane, tokens: int, name: str) -> Item:
 
 def fill(packer: Packer, *items: Item) -> Packer:
     for one in items:
-        packer.put(one)
+        packer.put([one])
     return packer
 
 
@@ -86,7 +86,7 @@ def test_normal_work_alone_fills_packs_first_fit_in_order():
 def test_packs_shrink_to_the_high_budget_while_high_work_flows():
     packer = fill(Packer(400, max_wait=0.0, high_budget=100), *[item(NORMAL, 50, f"n{i}") for i in range(20)])
     assert lane_tokens(packer.next(), NORMAL) == 400 and packer.budget == 400
-    packer.put(item(HIGH, 50, "h0"))
+    packer.put([item(HIGH, 50, "h0")])
     pack = packer.next()
     assert "h0" in names(pack) and sum(one.tokens for one in pack) == 100 and packer.budget == 100
     assert sum(one.tokens for one in packer.next()) == 100  # just after high work: still small
@@ -96,7 +96,45 @@ def test_packs_shrink_to_the_high_budget_while_high_work_flows():
 
 def test_a_partly_filled_pack_waits_at_most_max_wait_for_more():
     packer = fill(Packer(1000, max_wait=0.2), item(NORMAL, 50, "n0"))
-    threading.Timer(0.05, packer.put, [item(HIGH, 50, "h0")]).start()
+    threading.Timer(0.05, packer.put, [[item(HIGH, 50, "h0")]]).start()
     start = time.monotonic()
     pack = packer.next()
     assert set(names(pack)) == {"n0", "h0"} and 0.15 < time.monotonic() - start < 1.0
+
+
+def test_an_idle_gpu_gets_everything_queued_up_to_the_budget():
+    packer = fill(Packer(2048, max_wait=0.0, sizes=(512, 1024, 2048)),
+                  *[item(NORMAL, n, f"n{i}") for i, n in enumerate([300, 200, 200])])
+    assert names(packer.next()) == ["n0", "n1", "n2"]  # 700 tokens, padded to 1024: nothing else would run
+
+
+def test_a_busy_gpu_gets_only_a_pack_that_fills_a_static_size():
+    packer = fill(Packer(2048, max_wait=0.0, sizes=(512, 1024, 2048)),
+                  *[item(NORMAL, n, f"n{i}") for i, n in enumerate([300, 200, 200])])
+    assert names(packer.next(behind=1)) == ["n0", "n1"]  # 500 of 512; 1024 would be padded by a third
+    assert packer.next(behind=1) == []  # 200 fills nothing: it waits for the pack on the GPU to end ...
+    assert names(packer.next()) == ["n2"]  # ... and then goes, with whatever came meanwhile
+
+
+def test_a_backlog_still_makes_full_budget_packs():
+    packer = fill(Packer(2048, max_wait=0.0, sizes=(512, 1024, 2048)),
+                  *[item(NORMAL, 256, f"n{i}") for i in range(20)])
+    assert sum(one.tokens for one in packer.next(behind=1)) == 2048
+    assert sum(one.tokens for one in packer.next(behind=1)) == 2048
+    assert sum(one.tokens for one in packer.next(behind=1)) == 1024  # 1024 left: the size it fills
+    assert packer.next(behind=1) == [] and not any(packer.lanes.values())
+
+
+def test_a_task_s_prompts_are_queued_at_once():
+    packer = Packer(2048, max_wait=0.0)
+    first, second = item(NORMAL, 100, "a"), item(NORMAL, 100, "b")
+    packer.put([first, second])
+    assert len(packer.next(wait=False)) == 2 and packer.tokens[NORMAL] == 0
+
+
+def test_behind_a_large_pack_only_a_small_one_is_launched():
+    """A high request arriving then waits for the running pack and a small one, never for two full ones."""
+    packer = fill(Packer(2048, max_wait=0.0, high_budget=512, sizes=(512, 1024, 2048)),
+                  *[item(NORMAL, 256, f"n{i}") for i in range(20)])
+    assert sum(one.tokens for one in packer.next(behind=2048)) == 512
+    assert sum(one.tokens for one in packer.next(behind=512)) == 2048

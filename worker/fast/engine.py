@@ -125,6 +125,10 @@ class FastEngine(WarmUp):
     def max_pack_tokens(self) -> int:
         return self._budget
 
+    @property
+    def pack_sizes(self) -> tuple[int, ...]:
+        return self.buckets
+
     # ---- packs ----
 
     @torch.inference_mode()

@@ -1,14 +1,11 @@
 """The GPU stage: packs from the packer through the engine, head scores to answers, each handed to the Redis loop.
 
-Runs on the main thread. While pack n is on the GPU, pack n+1 is formed from what is queued. Its scores are read out
-(temperatures, softmax, System One answers) and handed over (``Sink``: the lifecycle, which hops onto the Redis loop
-thread that owns every task's state), either before or after pack n+1 is launched:
-
-- n+1 full (the queue is ahead of the GPU; full: of the budget the packer filled it to, smaller while high-priority
-  work flows): launch first. Reading out first would leave the GPU idle for the read-out and the launch's host work,
-  a large share of each pack's time (docs/BENCHMARKS.md has the figures).
-- n+1 partly full (the GPU keeps up): read out first. The launch's host work (milliseconds per pack, whatever its
-  size) would otherwise delay n's answers.
+Runs on the main thread. While pack n is on the GPU, the queue is asked for pack n+1, but only a full one (it fills
+a static size, so the queue is ahead of the GPU; behind a large n, a small one: worker/gpu/packer.py). It is
+launched first, then n is read out (temperatures, softmax, System One answers) and handed over (``Sink``: the
+lifecycle, which hops onto the Redis loop thread that owns every task's state): the GPU never waits for the read-out
+and the launch's host work. Short of a full pack, n is read out first and the next pack formed after it, with what
+arrived meanwhile: a request arriving at a GPU that keeps up waits for the pack on the GPU, then rides in the next.
 
 A failing pack is bisected until the failing prompt is alone, so the others in it are still answered.
 """
@@ -31,8 +28,6 @@ from ..traces import Traces
 from .packer import Packer
 
 log = logging.getLogger("worker")
-# A pack this full (of the engine's token budget) is launched before the previous one is read out.
-LAUNCH_FIRST_FILL = 0.9
 
 
 class Sink(Protocol):
@@ -57,26 +52,31 @@ class Compute:
                 return
             self.turned_at = time.time()
             self.metrics.heartbeat.labels("gpu").set(self.turned_at)
-            pack = [] if finishing else self._take(wait=in_flight is None)  # past the drain deadline: no new pack
-            tokens = sum(item.tokens for item in pack)
-            if in_flight is not None and tokens < LAUNCH_FIRST_FILL * self.packer.budget:
+            if finishing:  # past the drain deadline: no new pack
+                pack = []
+            else:  # while a pack runs, only a full one: else the one on the GPU is read out first
+                pack = self._take(wait=in_flight is None,
+                                  behind=sum(item.tokens for item in in_flight[0]) if in_flight else 0)
+            if in_flight is not None and not pack:
                 self._finish(*in_flight)
                 in_flight = None
+                continue
             launched = None
             if pack:
+                began = time.time()
                 try:
                     launched = (pack, self.engine.launch([item.prompt for item in pack]))
                 except Exception as error:  # noqa: BLE001 - isolated below, prompt by prompt
                     self._isolate(pack, error)
                 else:
-                    self.sink.hand_over(Launched(tuple(pack)))
+                    self.sink.hand_over(Launched(tuple(pack), began))
             if in_flight is not None:
                 self._finish(*in_flight)
             in_flight = launched
 
-    def _take(self, wait: bool) -> list[Item]:
+    def _take(self, wait: bool, behind: int) -> list[Item]:
         pack = []
-        for item in self.packer.next(wait=wait):
+        for item in self.packer.next(wait=wait, behind=behind):
             if item.task.closed:
                 continue
             if item.task.expired:  # no compute for work past its deadline

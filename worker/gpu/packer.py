@@ -1,6 +1,14 @@
 """Prompts -> packs: fill one forward pass up to the token budget, high-priority work first, waiting at most
 ``max_wait`` for more work.
 
+How much a pack takes depends on whether the GPU is idle. Idle (``next()``): everything queued, up to the budget:
+nothing else would run meanwhile, and the smallest static size (CUDA graph bucket) that holds it pads it. Busy
+(``next(behind=n)``, while a pack of n tokens runs): only a pack that fills a static size, the largest that what is
+queued fills, or nothing: then the GPU thread reads out the pack on the GPU first, and what arrives meanwhile joins
+the next pack. So packs grow with the backlog rather than to the budget: under moderate load a request waits for
+one small pack, and only a backlog makes full-budget packs (the peak). A padded size would cost the GPU the time of
+tokens nobody sent; a full one launched behind the running pack keeps the GPU busy.
+
 Each lane's prompts wait in arrival order. A pack takes the high lane's first, then the normal lane's, first fit over a
 short window of each: a prompt that does not fit is passed over for smaller later ones, and waits at the front of its
 lane for a later pack.
@@ -27,14 +35,19 @@ from ..tasks import Item, Task
 
 HOLD = 64  # prompts of a lane looked at per step (first fit), oldest first
 HIGH_RECENT_S = 1.0  # packs stay at high_budget this long after high work was last queued
+FULL = 0.9  # a pack this full of its static size counts as full
 
 
 class Packer:
-    def __init__(self, budget: int, max_wait: float, normal_share: float = 0.1, high_budget: int = 0) -> None:
+    def __init__(self, budget: int, max_wait: float, normal_share: float = 0.1, high_budget: int = 0,
+                 sizes: tuple[int, ...] = ()) -> None:
+        """``sizes``: the static sizes a pack is padded to (the engine's CUDA graph buckets); none: a pack costs
+        its real tokens, and only the budget counts as a size."""
         self.full_budget = budget
         self.high_budget = min(high_budget, budget) if high_budget > 0 else budget
         self.max_wait = max_wait
         self.normal_share = normal_share
+        self.sizes = tuple(sorted(sizes))
         self.budget = budget  # the budget of the last pack formed
         self.lanes: dict[Priority, deque[Item]] = {lane: deque() for lane in LANES}
         self.tokens = {lane: 0 for lane in LANES}  # queued, per lane
@@ -42,13 +55,14 @@ class Packer:
         self.high_seen = float("-inf")  # when high work was last queued (monotonic)
         self.ready = threading.Condition()
 
-    def put(self, item: Item) -> None:
-        """Queue a prompt in its lane (any thread)."""
+    def put(self, items: list[Item]) -> None:
+        """Queue a task's prompts in their lane (any thread), at once: a pack formed meanwhile sees all or none."""
         with self.ready:
-            self.lanes[item.lane].append(item)
-            self.tokens[item.lane] += item.tokens
-            if item.lane == HIGH:
-                self.high_seen = time.monotonic()
+            for item in items:
+                self.lanes[item.lane].append(item)
+                self.tokens[item.lane] += item.tokens
+                if item.lane == HIGH:
+                    self.high_seen = time.monotonic()
             self.ready.notify()
 
     def withdraw(self, task: Task) -> bool:
@@ -66,15 +80,28 @@ class Packer:
             self.tokens[task.delivery.lane] -= sum(item.tokens for item in queued)
             return True
 
-    def next(self, timeout: float = 0.25, wait: bool = True) -> list[Item]:
-        """The next pack (possibly empty after ``timeout`` with no work). ``wait=False``: take what is there."""
+    def next(self, timeout: float = 0.25, wait: bool = True, behind: int = 0) -> list[Item]:
+        """The next pack (possibly empty after ``timeout`` with no work). ``wait=False``: take what is there.
+        ``behind`` (the tokens of the pack running on the GPU): a pack that fills a static size, or none, at once;
+        behind a pack over the high budget, at most the high budget (a high request arriving meanwhile then waits
+        for the running pack and a small one, never for two full ones)."""
         with self.ready:
+            if behind:
+                self.budget = self._budget_now()
+                size = self._filled_size(self.budget if behind <= self.high_budget else self.high_budget)
+                return self._fill(size) if size else []
             if not (self.ready.wait_for(self._queued, timeout) if wait else self._queued()):
                 return []
             if wait:  # the latency bound runs from the first prompt: a partly filled pack waits at most max_wait
                 self.ready.wait_for(lambda: sum(self.tokens.values()) >= self._budget_now(), self.max_wait)
             self.budget = self._budget_now()
             return self._fill(self.budget)
+
+    def _filled_size(self, budget: int) -> int:
+        """The largest static size up to ``budget`` that what is queued fills (``FULL``), else 0."""
+        queued = sum(self.tokens.values())
+        sizes = [size for size in self.sizes if size < budget] + [budget]
+        return max((size for size in sizes if queued >= FULL * size), default=0)
 
     def _queued(self) -> bool:
         return any(self.lanes.values())

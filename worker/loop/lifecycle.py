@@ -58,7 +58,7 @@ class Planners(Protocol):
 class Packs(Protocol):
     """Where a task's prompts wait for the GPU (gpu/packer.py; any thread may put)."""
 
-    def put(self, item: Item) -> None: ...
+    def put(self, items: list[Item]) -> None: ...
 
     def withdraw(self, task: Task) -> bool: ...
 
@@ -157,8 +157,8 @@ class Lifecycle:
 
     def _queue(self, task: Task) -> None:
         self.held.move(task.delivery, State.QUEUED, task)
-        for index, prompt in enumerate(task.prompts):
-            self.packer.put(Item(task, index, prompt))
+        task.timeline.queued = time.time()
+        self.packer.put([Item(task, index, prompt) for index, prompt in enumerate(task.prompts)])
 
     async def _stored_body(self, delivery: Delivery) -> bytes | None:  # a part's request body (None: gone)
         if delivery.stream != PARTS or not delivery.answerable:
@@ -260,17 +260,19 @@ class Lifecycle:
 
     def _handle(self, event: GpuEvent) -> None:
         match event:
-            case Launched(items):
+            case Launched(items, at):
                 for task in {id(item.task): item.task for item in items}.values():
                     if not task.closed:
+                        task.timeline.launched = at
                         self.held.move(task.delivery, State.COMPUTING)
-            case Computed(item, answers, seconds):
+            case Computed(item, answers, seconds, at):
                 if (task := item.task).closed:
                     return
                 task.answers.update({answer.name: answer for answer in answers})
                 task.compute_seconds += seconds
                 task.remaining -= 1
                 if task.remaining == 0:
+                    task.timeline.computed = at
                     self.settler.put(task_outcome(task, self.model_name))
             case Failed(task, reason):
                 if not task.closed:

@@ -15,6 +15,7 @@ from producer.wire import library
 
 from ..metrics import Metrics
 from ..outcomes import Outcome
+from ..tasks import Timeline
 from ..traces import Traces
 from .held import HeldEntries, State
 from .publisher import Publisher
@@ -80,12 +81,22 @@ class Settler:
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("published %s: %s", result.id, code or result.status,
                                   extra=outcome.identity.log_fields)
+                if (line := outcome.timeline) is not None and line.computed:
+                    self._states(outcome, line, now)
                 if self.traces is not None:  # a result, or a part's share (no result of its own)
                     self.traces.settled(outcome.delivery, outcome.identity.request_id, outcome.identity.traceparent,
                                         result.status if result else None,
                                         result.error.code.value if result and result.error else None, (began, now))
                 # Let go once counted: a scrape (another thread) that sees nothing held sees every result counted.
                 self.held.release(outcome.delivery)
+
+    def _states(self, outcome: Outcome, line: Timeline, now: float) -> None:
+        """A computed entry's time in each state after it was taken (dq_request_state_seconds)."""
+        lane = outcome.delivery.lane
+        for state, began, ended in (("planning", outcome.delivery.taken, line.queued),
+                                    ("queued", line.queued, line.launched),
+                                    ("computing", line.launched, line.computed), ("settling", line.computed, now)):
+            self.metrics.states.labels(state, lane).observe(max(0.0, ended - began))
 
     def _again(self, outcome: Outcome, error: redis.ResponseError) -> None:
         """Settle a refused outcome again later: soon once the function library is loaded again (a server restarted

@@ -72,6 +72,10 @@ class Engine(Protocol):
     def max_pack_tokens(self) -> int:
         """Token budget the packer fills; a single prompt longer than this still runs (eagerly, alone)."""
 
+    @property
+    def pack_sizes(self) -> tuple[int, ...]:
+        """The static sizes a pack is padded to (CUDA graph buckets); empty: a pack costs its real tokens."""
+
     def warmup(self) -> None:
         """Compile and capture everything up front, before the worker reports ready."""
 

@@ -68,6 +68,10 @@ class ReferenceAdapter:
     def max_pack_tokens(self) -> int:
         return self._budget
 
+    @property
+    def pack_sizes(self) -> tuple[int, ...]:
+        return ()
+
     def warmup(self) -> None:
         pass
 
