@@ -1,10 +1,13 @@
-"""Pictures and tables from the benchmarks' own reports: latency against load (end_to_end.py --loads) and the
-priority lanes' high-request latency per run (priority.py --repeats).
+"""Pictures and tables from the benchmarks' own reports: latency against load (end_to_end.py --loads), the
+priority lanes' high-request latency per run (priority.py, one or more fresh workers) and where a lone request's
+time goes (lone.py).
 
-    python ops/bench/plot.py --e2e OUT/e2e-2b-bf16 OUT/e2e-2b-fp8-late --priority OUT/priority-2b-bf16 --out docs
+    python ops/bench/plot.py --e2e OUT/before/e2e-2b-bf16=before OUT/e2e-2b-bf16=after \
+        --priority OUT/priority-2b-bf16 OUT/priority-2b-bf16-2 OUT/priority-2b-bf16-3 --lone OUT/lone-2b-bf16 --out docs
 
-Reads each directory's ``report.json``; writes ``latency-load.png`` and ``priority-lanes.png`` into ``--out`` and
-prints the tables beside them as Markdown. Needs matplotlib (not a dependency of the project: a bench tool).
+Reads each directory's ``report.json`` (``DIR=LABEL`` names its line); writes ``latency-load.png``,
+``priority-lanes.png`` and ``lone-latency.png`` into ``--out`` and prints the tables beside them as Markdown. Needs
+matplotlib (not a dependency of the project: a bench tool).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from pathlib import Path
 
 
 def label(report: dict) -> str:
+    if report.get("label"):
+        return report["label"]
     if report.get("dtype") != "fp8":
         return "bf16"
     layers = report.get("fp8_layers", "all")
@@ -32,10 +37,27 @@ def latency_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def priority_table(report: dict) -> str:
+def crossings(report: dict) -> str:
+    """The offered loads (x the peak) at which p99 first crosses 50 and 100 ms, interpolated between phases."""
+    out = []
+    for limit in (50, 100):
+        below = None
+        for phase in report.get("sweep", []):
+            if phase["p99_ms"] > limit:
+                at = phase["load"] if below is None else below[0] + (phase["load"] - below[0]) * (
+                    limit - below[1]) / (phase["p99_ms"] - below[1])
+                out.append(f"p99 crosses {limit} ms at {at:.0%} of the peak")
+                break
+            below = (phase["load"], phase["p99_ms"])
+        else:
+            out.append(f"p99 stays under {limit} ms up to {below[0]:.0%}" if below else "-")
+    return f"{label(report)} (peak {report['peak']['tokens_per_s'] / 1000:.1f}k tokens/s): " + "; ".join(out)
+
+
+def priority_table(runs: list[dict]) -> str:
     lines = ["| run | high offered/s | high p50 ms | high p99 ms | high max ms | normal / peak | total / peak |",
              "|---|---|---|---|---|---|---|"]
-    for number, run in enumerate(report.get("runs") or [report["with_high"]], 1):
+    for number, run in enumerate(runs, 1):
         lines.append(f"| {number} | {run['high_offered_per_s']:.1f} | {run['high_p50_ms']:.0f} | "
                      f"{run['high_p99_ms']:.0f} | {run['high_max_ms']:.0f} | {run['normal_over_peak']:.1%} | "
                      f"{run['total_over_peak']:.1%} |")
@@ -75,13 +97,12 @@ def plot_latency(reports: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_priority(report: dict, path: Path) -> None:
+def plot_priority(report: dict, runs: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = report.get("runs") or [report["with_high"]]
     numbers = list(range(1, len(runs) + 1))
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
     width = 0.35
@@ -104,22 +125,75 @@ def plot_priority(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_lone(reports: list[dict], path: Path) -> None:
+    """One stacked bar per report: the lone request's mean per step, its client p50 and p99 beside."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.2, 1.8 + 0.7 * len(reports)), dpi=100)
+    for row, report in enumerate(reports):
+        steps, left = report["client"]["breakdown_ms"], 0.0
+        for number, (step, ms) in enumerate(steps.items()):
+            ax.barh(row, ms, left=left, color=f"C{number}", label=step if row == 0 else None)
+            if ms >= 1.0:
+                ax.text(left + ms / 2, row, f"{ms:.1f}", ha="center", va="center", fontsize=7, color="white")
+            left += max(ms, 0.0)
+        client, gateway = report["client"], report["gateway"]
+        ax.text(left + 0.3, row, f"client p50 {client['p50_ms']:.1f}, p99 {client['p99_ms']:.1f} ms; "
+                f"gateway p50 {gateway['p50_ms']:.1f}", va="center", fontsize=8)
+    ax.set_yticks(range(len(reports)), [report.get("label") or "lone" for report in reports])
+    ax.set_xlabel("ms, mean per request (one at a time)")
+    ax.set_xlim(0, max(sum(max(v, 0) for v in r["client"]["breakdown_ms"].values()) for r in reports) * 2.0)
+    ax.set_title(f"A lone request, 2B bf16, {reports[0].get('gpu', '')}: where its time goes", fontsize=10)
+    ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.35), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def lone_table(reports: list[dict]) -> str:
+    lines = ["| run | client p50 ms | client p99 ms | gateway p50 ms | gateway p99 ms | " +
+             " | ".join(reports[0]["client"]["breakdown_ms"]) + " |", "|---" * (5 + len(
+                 reports[0]["client"]["breakdown_ms"])) + "|"]
+    for report in reports:
+        client, gateway = report["client"], report["gateway"]
+        lines.append(f"| {report.get('label') or 'lone'} | {client['p50_ms']:.1f} | {client['p99_ms']:.1f} | "
+                     f"{gateway['p50_ms']:.1f} | {gateway['p99_ms']:.1f} | " +
+                     " | ".join(f"{ms:.2f}" for ms in client["breakdown_ms"].values()) + " |")
+    return "\n".join(lines)
+
+
+def read(spec: str) -> dict:
+    """``DIR`` or ``DIR=LABEL``: the directory's report, labelled."""
+    directory, _, name = spec.partition("=")
+    report = json.loads((Path(directory) / "report.json").read_text())
+    return {**report, "label": name} if name else report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--e2e", nargs="*", default=[], help="end_to_end.py output directories with a sweep")
-    parser.add_argument("--priority", default="", help="a priority.py output directory")
+    parser.add_argument("--priority", nargs="*", default=[], help="priority.py output directories (fresh workers)")
+    parser.add_argument("--lone", nargs="*", default=[], help="lone.py output directories")
     parser.add_argument("--out", default="docs")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    reports = [json.loads((Path(d) / "report.json").read_text()) for d in args.e2e]
+    reports = [read(spec) for spec in args.e2e]
     if reports:
         plot_latency(reports, out / "latency-load.png")
-        print(latency_table(reports), end="\n\n")
+        print(latency_table(reports), *(crossings(report) for report in reports), sep="\n", end="\n\n")
     if args.priority:
-        report = json.loads((Path(args.priority) / "report.json").read_text())
-        plot_priority(report, out / "priority-lanes.png")
-        print(priority_table(report))
+        priorities = [read(spec) for spec in args.priority]
+        runs = [run for report in priorities for run in report.get("runs") or [report["with_high"]]]
+        plot_priority(priorities[0], runs, out / "priority-lanes.png")
+        print(priority_table(runs), end="\n\n")
+    if args.lone:
+        lones = [read(spec) for spec in args.lone]
+        plot_lone(lones, out / "lone-latency.png")
+        print(lone_table(lones))
     return 0
 
 
