@@ -263,8 +263,10 @@ def test_an_input_that_kills_its_planner_is_dead_lettered_and_the_worker_stays(r
     monkeypatch.setattr(planner, "_plan_in_process", faulty_worker.plan_or_die)
     worker = inprocess(redis_server.url, planner_processes=1, max_deliveries=3).start()
     client = Client(redis_server.url)
+    # With an image: a lone entry without one is planned in the worker's thread, one with one always in a process.
     [killer] = client.submit_many([{"id": "killer", "state": faulty_worker.PLANNER_KILLER.decode(),
-                                    "questions": {"q": {"type": "noul"}}}])
+                                    "questions": {"q": {"type": "noul"}},
+                                    "assets": {"img": {"type": "image", "format": "png", "data_base64": "AAAA"}}}])
     # alone: nothing planned between
     report = wait_and_check(client.redis, client.keys, [killer], timeout=180).assert_ok()
     assert report.results[killer].error.code == "dead_lettered" and worker.alive

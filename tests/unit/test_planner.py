@@ -1,6 +1,7 @@
 import json
 import multiprocessing
 import os
+import subprocess
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -13,6 +14,7 @@ from producer.wire.keys import HIGH, NORMAL
 from producer.wire.schema import ErrorCode
 from worker.config import Settings
 from worker.entries import PARTS, REQUESTS, Delivery
+from worker.plan import planner as planner_module
 from worker.plan.planner import Planner, Refusal
 from worker.plan.pool import LaneQueue, PlannerCrashed, _Waiting
 
@@ -31,6 +33,8 @@ def planner(request, loaded):
     settings = Settings(planner_processes=1 if request.param == "processes" else 0, max_entry_bytes=5000)
     planner = Planner(loaded("repo"), settings)
     planner.warmup()
+    if request.param == "processes":
+        assert planner.queue.claim_idle()  # counted busy for good: every entry goes to the processes, as under load
     yield planner
     planner.shutdown()
 
@@ -81,6 +85,101 @@ def test_a_part_whose_request_body_is_gone_is_refused_as_internal(planner):
     refusal = planner.submit(part, None).result(timeout=60)
     assert isinstance(refusal, Refusal) and refusal.code == ErrorCode.INTERNAL
     assert refusal.identity.request_id == "p-9"
+
+
+# ---- with processes, idle planners plan a lone entry in a thread of the worker (no process hop)
+
+
+@pytest.fixture(scope="module")
+def two(loaded):
+    planner = Planner(loaded("repo"), Settings(planner_processes=2, max_entry_bytes=5000))
+    planner.warmup()
+    yield planner
+    planner.shutdown()
+
+
+@pytest.fixture
+def planned_here(monkeypatch):
+    """The names of the threads of this process that planned (a planner process plans out of sight); a planning
+    waits while ``hold`` is set."""
+    names, hold, original = [], threading.Event(), planner_module.plan_entry
+
+    def plan_entry(*args):
+        names.append(threading.current_thread().name)
+        while hold.is_set():
+            time.sleep(0.01)
+        return original(*args)
+
+    monkeypatch.setattr(planner_module, "plan_entry", plan_entry)
+    return names, hold
+
+
+def test_idle_planner_processes_leave_a_lone_entry_to_a_thread_of_the_worker(two, planned_here):
+    names, _ = planned_here
+    task = two.submit(delivery(json.dumps(BODY).encode())).result(timeout=60)
+    assert task.request_id == "p-1" and names == ["planner-here_0"]
+    assert two.queue.running == 0
+
+
+@pytest.mark.parametrize("body", [
+    {**BODY, "assets": {"img": {"type": "image", "format": "png", "data_base64": "AAAA"}}},
+    {**BODY, "state": "Erstattung \u2013 bitte"},  # json.dumps escapes it: \\u could spell "assets"
+])
+def test_entries_that_may_hold_images_are_planned_in_the_processes_even_when_idle(two, planned_here, body):
+    """An image decoder that crashes must cost a planner process, never the worker."""
+    names, _ = planned_here
+    assert two.submit(delivery(json.dumps(body).encode())).result(timeout=60) and names == []
+
+
+def test_while_a_job_runs_in_the_processes_the_next_goes_there_too(two, planned_here, tmp_path):
+    names, _ = planned_here
+    gate = tmp_path / "open"
+    wait = f"for i in $(seq 1200); do [ -e {gate} ] && exit 0; sleep 0.05; done; exit 1"
+    running = two.queue.submit(NORMAL, subprocess.call, ["sh", "-c", wait])  # in a planner process until opened
+    try:
+        task = two.submit(delivery(json.dumps(BODY).encode())).result(timeout=60)
+        assert task.request_id == "p-1" and names == [] and not running.done()
+    finally:
+        gate.touch()
+    assert running.result(timeout=60) == 0
+
+
+def test_while_a_job_runs_in_the_thread_the_next_goes_to_the_processes(two, planned_here):
+    names, hold = planned_here
+    hold.set()
+    first = two.submit(delivery(json.dumps(BODY).encode()))
+    try:
+        deadline = time.monotonic() + 60
+        while not names and time.monotonic() < deadline:  # the first is planning, in the thread
+            time.sleep(0.01)
+        second = two.submit(delivery(json.dumps({**BODY, "id": "p-2"}).encode())).result(timeout=60)
+        assert second.request_id == "p-2" and not first.done() and names == ["planner-here_0"]
+    finally:
+        hold.clear()
+    assert first.result(timeout=60).request_id == "p-1"
+
+
+@pytest.mark.parametrize("body", [json.dumps(BODY).encode(), json.dumps({**BODY, "questions": {}}).encode(),
+                                  b"{broken"])
+def test_the_thread_and_the_processes_plan_alike(two, planned_here, body):
+    names, _ = planned_here
+    here = two.submit(delivery(body, max_bytes=5000)).result(timeout=60)
+    assert two.queue.claim_idle()  # busy: the next goes to the processes
+    try:
+        there = two.submit(delivery(body, max_bytes=5000)).result(timeout=60)
+    finally:
+        two.queue.release()
+    assert names == ["planner-here_0"]  # one each way
+    if isinstance(here, Refusal):
+        assert here == there
+        return
+    assert (here.identity, here.request, here.fan_out) == (there.identity, there.request, there.fan_out)
+    assert len(here.prompts) == len(there.prompts) > 0
+    for mine, theirs in zip(here.prompts, there.prompts):
+        assert (mine.questions, mine.split) == (theirs.questions, theirs.split)
+        for name in ("input_ids", "rows", "pixel_values", "image_grid_thw", "mm_token_type_ids"):
+            a, b = getattr(mine, name), getattr(theirs, name)
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
 
 
 def test_planner_processes_leave_when_their_worker_is_killed(tmp_path):

@@ -6,6 +6,7 @@ Planning is mostly Python (templates, validation): in threads it competes with t
 busy GPU worker plans in separate processes (``--planner-processes``), each with its own encoder built from the
 checkpoint's render spec (tokenizer, template; no weights). Threads suit CPU runs and small deployments. Entries
 wait for a planner in lane order (worker/plan/pool.py): a high entry never queues behind hundreds of normal ones.
+With processes, a text entry that finds them idle is planned in a thread of the worker instead (no process hop).
 """
 
 from __future__ import annotations
@@ -137,6 +138,13 @@ def _from_arrays(fields: dict[str, Any]) -> Prompt:
         name: None if fields[name] is None else torch.from_numpy(fields[name]) for name in _TENSORS})
 
 
+def may_hold_images(job: Job) -> bool:
+    """Whether the body may hold images: their decoders are native code that can crash, so such an entry is always
+    planned in a process (a crash costs a planner, never the worker). A \\u escape could spell "assets": unsure."""
+    raw = job.raw or b""
+    return b"assets" in raw or b"\\u" in raw
+
+
 # Entries, each of which killed a planner process alone, with nothing planned in between, that end the worker: so
 # many different inputs do not all kill a decoder, the processes cannot run here. One input that kills a planner at
 # every delivery counts once: it is dead-lettered after --max-deliveries, the worker stays.
@@ -160,6 +168,10 @@ class Planner:
         # Two jobs per planner: one running, one ready to start when it ends.
         self.queue = LaneQueue(pool, 2 * (self.processes or settings.planner_threads), settings.normal_share,
                                renew=self._renew if self.processes > 0 else None)
+        # With processes, an entry that finds them idle is planned here, in one thread of the worker: the hop to a
+        # process (pickling, the executor's thread, a process waking) costs a lone request milliseconds. Under load
+        # entries go to the processes, which keep the GIL free for the GPU thread; images always do.
+        self.here = ThreadPoolExecutor(1, thread_name_prefix="planner-here") if self.processes > 0 else None
 
     def _process_pool(self) -> ProcessPoolExecutor:
         # spawn: a forked child of a process that touched CUDA is unusable.
@@ -189,8 +201,10 @@ class Planner:
         return self.queue.pool
 
     def warmup(self) -> None:
-        """Start the planner processes now (they import transformers), not on the first request."""
-        if self.processes > 0:
+        """Start the planner processes now (they import transformers), and the encoder of the thread that plans
+        while they are idle, not on the first request."""
+        if self.here is not None:
+            self.here.submit(self._encoder).result()
             for future in [self.pool.submit(time.sleep, 0) for _ in range(self.processes)]:
                 future.result()
 
@@ -207,8 +221,19 @@ class Planner:
         """The entry's Task, or its Refusal; a planner bug fails the future. ``stored_body``: a part's request body
         (stored apart when its request fanned out)."""
         out: Future[Task | Refusal] = Future()
-        work = _plan_in_process if self.processes > 0 else self._plan_in_thread
-        inner = self.queue.submit(delivery.lane, work, Job.of(delivery, stored_body))
+        job = Job.of(delivery, stored_body)
+        # claim_idle: the queue counts it running until it ends
+        here = self.here is not None and not may_hold_images(job) and self.queue.claim_idle()
+        in_process = self.processes > 0 and not here
+        if not here:
+            inner = self.queue.submit(delivery.lane, _plan_in_process if in_process else self._plan_in_thread, job)
+        else:
+            try:
+                inner = self.here.submit(self._plan_in_thread, job)
+            except RuntimeError as error:  # shut down: failed as the queue fails it
+                inner = Future()
+                inner.set_exception(error)
+            inner.add_done_callback(lambda _: self.queue.release())
 
         def done(finished: Future) -> None:
             try:
@@ -218,12 +243,13 @@ class Planner:
                     self._convicted(delivery)
                 out.set_exception(error)
                 return
-            self.culprits.clear()  # a planner process did its work
+            if in_process:
+                self.culprits.clear()  # a planner process did its work
             if isinstance(value, Refusal):
                 out.set_result(value)
                 return
             identity, request, prompts = value
-            if self.processes > 0:
+            if in_process:
                 prompts = [_from_arrays(prompt) for prompt in prompts]
             task = Task(delivery=delivery, identity=identity, request=request, prompts=prompts,
                         remaining=len(prompts))
@@ -243,3 +269,5 @@ class Planner:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.here is not None:
+            self.here.shutdown(wait=False, cancel_futures=True)

@@ -64,6 +64,21 @@ class LaneQueue:
         self._pump()
         return out
 
+    def claim_idle(self) -> bool:
+        """True when no job runs or waits: then one job run outside the pool counts as running until ``release``
+        (so the next one goes to the pool)."""
+        with self.lock:
+            if self.running or self.alone or self.suspects or any(self.waiting.values()):
+                return False
+            self.running += 1
+            return True
+
+    def release(self) -> None:
+        """The job ``claim_idle`` let run outside the pool ended."""
+        with self.lock:
+            self.running -= 1
+        self._pump()
+
     def _next(self) -> tuple[_Waiting, bool] | None:
         """The next job to start and whether it runs alone, or None (under the lock)."""
         if self.alone or self.running >= self.depth:
