@@ -129,6 +129,9 @@ class Daemon:
         gc.collect()
         gc.freeze()
         log.info("start-up objects frozen: %d (collection %.2fs)", gc.get_freeze_count(), time.perf_counter() - collect)
+        # A full pass walks every live object (the held entries of a backlog) while every thread waits: up to 100 ms
+        # at the 2B shape, a few times a minute by default. Young passes as before; a full one a hundred times rarer.
+        gc.set_threshold(700, 10, 1000)
         self.ready.set()
         deadline = time.monotonic() + 2.0  # first contact runs beside the warm-up: normally done by now
         while not self.redis_calls.reachable and time.monotonic() < deadline:

@@ -132,9 +132,12 @@ def test_a_task_s_prompts_are_queued_at_once():
     assert len(packer.next(wait=False)) == 2 and packer.tokens[NORMAL] == 0
 
 
-def test_behind_a_large_pack_only_a_small_one_is_launched():
-    """A high request arriving then waits for the running pack and a small one, never for two full ones."""
+def test_behind_a_large_pack_only_a_small_one_is_launched_while_the_high_lane_is_in_use():
+    """The first high request after a spell of normal work then waits for the running pack and a small one, never
+    for two full ones; a worker without high work keeps full packs back to back."""
     packer = fill(Packer(2048, max_wait=0.0, high_budget=512, sizes=(512, 1024, 2048)),
                   *[item(NORMAL, 256, f"n{i}") for i in range(20)])
+    assert sum(one.tokens for one in packer.next(behind=2048)) == 2048  # no high work ever: full behind full
+    packer.high_seen = time.monotonic() - 10  # high work ten seconds ago: the lane is in use
     assert sum(one.tokens for one in packer.next(behind=2048)) == 512
     assert sum(one.tokens for one in packer.next(behind=512)) == 2048

@@ -35,6 +35,7 @@ from ..tasks import Item, Task
 
 HOLD = 64  # prompts of a lane looked at per step (first fit), oldest first
 HIGH_RECENT_S = 1.0  # packs stay at high_budget this long after high work was last queued
+HIGH_IN_USE_S = 300.0  # the high lane counts as in use this long after high work was last queued
 FULL = 0.9  # a pack this full of its static size counts as full
 
 
@@ -82,13 +83,16 @@ class Packer:
 
     def next(self, timeout: float = 0.25, wait: bool = True, behind: int = 0) -> list[Item]:
         """The next pack (possibly empty after ``timeout`` with no work). ``wait=False``: take what is there.
-        ``behind`` (the tokens of the pack running on the GPU): a pack that fills a static size, or none, at once;
-        behind a pack over the high budget, at most the high budget (a high request arriving meanwhile then waits
-        for the running pack and a small one, never for two full ones)."""
+        ``behind`` (the tokens of the pack running on the GPU): a pack that fills a static size, or none, at once.
+        While the high lane is in use, behind a pack over the high budget at most the high budget: the first high
+        request after a spell of normal work waits for the running pack and a small one, not two full ones (a
+        worker without high work never pays what the smaller packs cost: about 3% of the peak, docs/BENCHMARKS.md,
+        "Priority lanes")."""
         with self.ready:
             if behind:
                 self.budget = self._budget_now()
-                size = self._filled_size(self.budget if behind <= self.high_budget else self.high_budget)
+                in_use = time.monotonic() - self.high_seen < HIGH_IN_USE_S
+                size = self._filled_size(self.high_budget if in_use and behind > self.high_budget else self.budget)
                 return self._fill(size) if size else []
             if not (self.ready.wait_for(self._queued, timeout) if wait else self._queued()):
                 return []
