@@ -32,7 +32,7 @@ class Planner:
     def __init__(self, refuse: bool = False) -> None:
         self.refuse, self.waiting = refuse, []
 
-    def submit(self, delivery: Delivery, stored_body: bytes | None = None) -> Future:
+    def submit(self, delivery: Delivery, stored_body: bytes | None = None, alone: bool = False) -> Future:
         out: Future = Future()
         self.waiting.append((delivery, out))
         return out

@@ -116,9 +116,15 @@ def planned_here(monkeypatch):
 
 def test_idle_planner_processes_leave_a_lone_entry_to_a_thread_of_the_worker(two, planned_here):
     names, _ = planned_here
-    task = two.submit(delivery(json.dumps(BODY).encode())).result(timeout=60)
+    task = two.submit(delivery(json.dumps(BODY).encode()), alone=True).result(timeout=60)
     assert task.request_id == "p-1" and names == ["planner-here_0"]
     assert two.queue.running == 0
+
+
+def test_an_entry_beside_others_in_the_worker_goes_to_the_processes_even_when_they_are_idle(two, planned_here):
+    """Beside other held work a pack may run: planning stays off the worker's GIL."""
+    names, _ = planned_here
+    assert two.submit(delivery(json.dumps(BODY).encode()), alone=False).result(timeout=60) and names == []
 
 
 @pytest.mark.parametrize("body", [
@@ -128,7 +134,7 @@ def test_idle_planner_processes_leave_a_lone_entry_to_a_thread_of_the_worker(two
 def test_entries_that_may_hold_images_are_planned_in_the_processes_even_when_idle(two, planned_here, body):
     """An image decoder that crashes must cost a planner process, never the worker."""
     names, _ = planned_here
-    assert two.submit(delivery(json.dumps(body).encode())).result(timeout=60) and names == []
+    assert two.submit(delivery(json.dumps(body).encode()), alone=True).result(timeout=60) and names == []
 
 
 def test_while_a_job_runs_in_the_processes_the_next_goes_there_too(two, planned_here, tmp_path):
@@ -137,7 +143,7 @@ def test_while_a_job_runs_in_the_processes_the_next_goes_there_too(two, planned_
     wait = f"for i in $(seq 1200); do [ -e {gate} ] && exit 0; sleep 0.05; done; exit 1"
     running = two.queue.submit(NORMAL, subprocess.call, ["sh", "-c", wait])  # in a planner process until opened
     try:
-        task = two.submit(delivery(json.dumps(BODY).encode())).result(timeout=60)
+        task = two.submit(delivery(json.dumps(BODY).encode()), alone=True).result(timeout=60)
         assert task.request_id == "p-1" and names == [] and not running.done()
     finally:
         gate.touch()
@@ -147,12 +153,12 @@ def test_while_a_job_runs_in_the_processes_the_next_goes_there_too(two, planned_
 def test_while_a_job_runs_in_the_thread_the_next_goes_to_the_processes(two, planned_here):
     names, hold = planned_here
     hold.set()
-    first = two.submit(delivery(json.dumps(BODY).encode()))
+    first = two.submit(delivery(json.dumps(BODY).encode()), alone=True)
     try:
         deadline = time.monotonic() + 60
         while not names and time.monotonic() < deadline:  # the first is planning, in the thread
             time.sleep(0.01)
-        second = two.submit(delivery(json.dumps({**BODY, "id": "p-2"}).encode())).result(timeout=60)
+        second = two.submit(delivery(json.dumps({**BODY, "id": "p-2"}).encode()), alone=True).result(timeout=60)
         assert second.request_id == "p-2" and not first.done() and names == ["planner-here_0"]
     finally:
         hold.clear()
@@ -163,10 +169,10 @@ def test_while_a_job_runs_in_the_thread_the_next_goes_to_the_processes(two, plan
                                   b"{broken"])
 def test_the_thread_and_the_processes_plan_alike(two, planned_here, body):
     names, _ = planned_here
-    here = two.submit(delivery(body, max_bytes=5000)).result(timeout=60)
+    here = two.submit(delivery(body, max_bytes=5000), alone=True).result(timeout=60)
     assert two.queue.claim_idle()  # busy: the next goes to the processes
     try:
-        there = two.submit(delivery(body, max_bytes=5000)).result(timeout=60)
+        there = two.submit(delivery(body, max_bytes=5000), alone=True).result(timeout=60)
     finally:
         two.queue.release()
     assert names == ["planner-here_0"]  # one each way

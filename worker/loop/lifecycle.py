@@ -52,7 +52,8 @@ log = logging.getLogger("worker")
 class Planners(Protocol):
     """Where an entry is planned (plan/planner.py, on the planners' threads or processes)."""
 
-    def submit(self, delivery: Delivery, stored_body: bytes | None = None) -> Future[Task | Refusal]: ...
+    def submit(self, delivery: Delivery, stored_body: bytes | None = None, alone: bool = False
+               ) -> Future[Task | Refusal]: ...
 
 
 class Packs(Protocol):
@@ -112,7 +113,7 @@ class Lifecycle:
             await self._cancelled(delivery, body)
             return
         try:
-            planned = await asyncio.wrap_future(self.planner.submit(delivery, body))
+            planned = await asyncio.wrap_future(self.planner.submit(delivery, body, alone=len(self.held) == 1))
         except Exception as error:  # noqa: BLE001 - a planner bug must not take the daemon down
             log.exception("planning %s failed", delivery.entry_id, extra=delivery.log_fields)
             self._failed(delivery, f"{type(error).__name__}: {error}")

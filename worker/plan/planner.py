@@ -168,9 +168,10 @@ class Planner:
         # Two jobs per planner: one running, one ready to start when it ends.
         self.queue = LaneQueue(pool, 2 * (self.processes or settings.planner_threads), settings.normal_share,
                                renew=self._renew if self.processes > 0 else None)
-        # With processes, an entry that finds them idle is planned here, in one thread of the worker: the hop to a
-        # process (pickling, the executor's thread, a process waking) costs a lone request milliseconds. Under load
-        # entries go to the processes, which keep the GIL free for the GPU thread; images always do.
+        # With processes, an entry alone in the worker that finds them idle is planned here, in one thread of the
+        # worker: the hop to a process (pickling, the executor's thread, a process waking) cost a lone request 3 to 4
+        # of its 17 ms on an H100. Any other entry goes to the processes, which keep the GIL for the GPU thread while
+        # packs run; images always do.
         self.here = ThreadPoolExecutor(1, thread_name_prefix="planner-here") if self.processes > 0 else None
 
     def _process_pool(self) -> ProcessPoolExecutor:
@@ -217,13 +218,14 @@ class Planner:
     def _plan_in_thread(self, job: Job) -> tuple[Identity, Request, list[Prompt]] | Refusal:
         return plan_entry(self._encoder(), self.settings, job)
 
-    def submit(self, delivery: Delivery, stored_body: bytes | None = None) -> Future[Task | Refusal]:
+    def submit(self, delivery: Delivery, stored_body: bytes | None = None, alone: bool = False
+               ) -> Future[Task | Refusal]:
         """The entry's Task, or its Refusal; a planner bug fails the future. ``stored_body``: a part's request body
-        (stored apart when its request fanned out)."""
+        (stored apart when its request fanned out). ``alone``: nothing else is held by the worker (no pack to run)."""
         out: Future[Task | Refusal] = Future()
         job = Job.of(delivery, stored_body)
         # claim_idle: the queue counts it running until it ends
-        here = self.here is not None and not may_hold_images(job) and self.queue.claim_idle()
+        here = alone and self.here is not None and not may_hold_images(job) and self.queue.claim_idle()
         in_process = self.processes > 0 and not here
         if not here:
             inner = self.queue.submit(delivery.lane, _plan_in_process if in_process else self._plan_in_thread, job)
