@@ -31,7 +31,7 @@ def latency_table(reports: list[dict]) -> str:
              "|---|---|---|---|---|---|---|"]
     for report in reports:
         for phase in report.get("sweep", []):
-            lines.append(f"| {label(report)} | {phase['load']:.1f} | {phase['offered_requests_per_s']:.1f} | "
+            lines.append(f"| {label(report)} | {phase['load']:g} | {phase['offered_requests_per_s']:.1f} | "
                          f"{phase['p50_ms']:.0f} | {phase['p99_ms']:.0f} | {phase['max_ms']:.0f} | "
                          f"{phase['gpu_busy_fraction']:.0%} |")
     return "\n".join(lines)
@@ -89,7 +89,7 @@ def plot_latency(reports: list[dict], path: Path) -> None:
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("offered load, % of the end-to-end peak")
     ax.set_ylabel("enqueue to result, ms")
-    ax.set_title("2B standard workload, one H200: latency against load")
+    ax.set_title(f"2B standard workload, one {reports[0].get('gpu', 'GPU')}: latency against load", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -30,6 +30,7 @@ def sel(extra: str = "") -> str:
 REQUESTS, ERRORS, RECLAIMED = sel('stream="requests"'), sel('status="error"'), sel('how="reclaimed"')
 OK = 'status="ok"'
 HONOURED, TOO_LATE = sel('outcome="honoured"'), sel('outcome="too_late"')
+FULL_PASSES = sel('generation="2"')
 
 
 def queue(metric: str, by: str = "stream", extra: str = "") -> str:
@@ -181,6 +182,18 @@ def build() -> dict:
             description="From the stream entry id's time to the published result: ok results, and error results "
                         "apart (refused at once, they would pull the percentiles down).")
     b.panel("timeseries", "Queue wait (enqueue to taken)", quantiles("dq_queue_wait_seconds"), unit="s")
+    b.panel("timeseries", "Where a request's time goes (mean per step)", [
+        (f"sum(rate(dq_queue_wait_seconds_sum{W}[{RATE}])) / sum(rate(dq_queue_wait_seconds_count{W}[{RATE}]))",
+         "read"),
+        (f"sum by (state) (rate(dq_request_state_seconds_sum{W}[{RATE}])) / "
+         f"sum by (state) (rate(dq_request_state_seconds_count{W}[{RATE}]))", "{{state}}")], unit="s", stack=True,
+        w=12, description="A computed request's mean time in each step: read (enqueue to taken), planning, queued "
+                          "(waiting for a pack), computing, settling (to its result published).")
+    b.panel("timeseries", "Garbage collector pauses", [
+        *quantiles("dq_gc_pause_seconds", qs=(0.99,)),
+        (f"sum(rate(python_gc_collections_total{FULL_PASSES}[{RATE}]))", "full passes / s")], unit="s", w=12,
+        description="Every thread of a worker stops while the collector runs; a full pass walks every live object "
+                    "(the held entries of a backlog).")
     b.panel("timeseries", "Planning (validate, render, tokenize)", quantiles("dq_planning_seconds"), unit="s")
     b.panel("timeseries", "Forward pass by pack size", quantiles("dq_forward_seconds", by="size", qs=(0.5, 0.95)),
             unit="s", w=12, description="Launch to scores on the host, per static pack size in tokens (the CUDA-graph "
