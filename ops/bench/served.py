@@ -124,7 +124,8 @@ def worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", default="layer", choices=("none", "sub", "layer"))
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--deterministic", action="store_true", help="the worker's --deterministic")
-    parser.add_argument("--epilogues", default="", help="the worker's --epilogues (worker/fast/epilogues.py)")
+    parser.add_argument("--epilogues", default=DEFAULTS.epilogues,
+                        help="the worker's --epilogues (worker/fast/epilogues.py; default: its own)")
     parser.add_argument("--compile-cache", default="", help="the worker's compile_cache (empty: the defaults)")
     parser.add_argument("--buckets", default=DEFAULTS.buckets, help="the worker's --buckets")
     parser.add_argument("--max-wait-ms", type=float, default=None, help="the worker's --max-wait-ms (default: its own)")
