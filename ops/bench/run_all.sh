@@ -19,7 +19,7 @@
 # E2E_LOADS: the end-to-end latency phases, x the peak (default 0.5; 0.1,0.2,...,1.0 for latency against load,
 # which ops/bench/plot.py draws); E2E_LATENCY_SECONDS: each phase's length (default 10); E2E_EPILOGUES: the workers'
 # --epilogues in the end-to-end and invariance stages (worker/fast/epilogues.py; default the worker's own: until
-# f09b169 the benchmarks' workers ran without them unless it was set).
+# e7a3f4a the benchmarks' workers ran without them unless it was set).
 # The workers share one compile cache, COMPILE_CACHE (default OUTDIR/compile-cache): the first end-to-end stage
 # of a fresh OUTDIR starts cold, the later ones find what it compiled.
 # Stage limits in seconds: LONE_TIMEOUT, E2E_TIMEOUT, SCALING_TIMEOUT, PRIORITY_TIMEOUT, FIDELITY_TIMEOUT,
