@@ -131,3 +131,33 @@ def test_work_arriving_while_a_pack_runs_joins_the_next_pack(loaded):
     Compute(model, engine, packer, Metrics(), Sink()).run(done=lambda: len(packs) >= 2 and not any(
         packer.lanes.values()))
     assert packs == [1, 3]
+
+
+def test_the_halves_of_a_pack_whose_launch_failed_are_reported_launched(loaded):
+    """Bisected after a failed launch, each half that runs is reported launched before its answers: its tasks move
+    to computing, and their time computing is measured from it (not from zero: dq_request_state_seconds)."""
+    model = loaded("repo-text")
+    packer = Packer(BUDGET, max_wait=0.0)
+    packer.put(items(model, [30, 30]))
+    engine = RecordingEngine(int(model.model.proj.out_features))
+    launch, calls, handed = engine.launch, [], []
+
+    def flaky(prompts):
+        calls.append(len(prompts))
+        if len(calls) == 1:
+            raise RuntimeError("a launch that fails once")
+        return launch(prompts)
+
+    engine.launch = flaky
+
+    class Sink:
+        def hand_over(self, event):
+            handed.append(event)
+
+    Compute(model, engine, packer, Metrics(), Sink()).run(done=lambda: not any(packer.lanes.values()))
+    assert calls == [2, 1, 1]
+    computed = [event for event in handed if isinstance(event, Computed)]
+    assert len(computed) == 2
+    for event in computed:
+        launched = [e for e in handed[:handed.index(event)] if isinstance(e, Launched) and event.item in e.items]
+        assert launched and 0 < launched[-1].at <= event.at

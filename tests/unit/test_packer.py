@@ -141,3 +141,14 @@ def test_behind_a_large_pack_only_a_small_one_is_launched_while_the_high_lane_is
     packer.high_seen = time.monotonic() - 10  # high work ten seconds ago: the lane is in use
     assert sum(one.tokens for one in packer.next(behind=2048)) == 512
     assert sum(one.tokens for one in packer.next(behind=512)) == 2048
+
+
+def test_behind_a_running_pack_none_is_launched_that_would_be_mostly_padding():
+    """Two 9000-token prompts queue 18000 tokens but make a 9000-token pack, 55% of its 16384 bucket: it waits, and
+    the queue is left as it was."""
+    packer = fill(Packer(16384, max_wait=0.0, sizes=(512, 1024, 2048, 4096, 8192, 16384)),
+                  item(NORMAL, 9000, "a"), item(NORMAL, 9000, "b"))
+    assert packer.next(behind=16000) == []
+    assert names(packer.next()) == ["a"] and packer.tokens[NORMAL] == 9000  # on an idle GPU, as before
+    one = fill(Packer(2048, max_wait=0.0, sizes=(512, 1024, 2048)), item(NORMAL, 600, "long"))
+    assert one.next(behind=2048) == [] and names(one.next()) == ["long"]  # 600 tokens would pad 1024

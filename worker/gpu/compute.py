@@ -131,9 +131,11 @@ class Compute:
             self.sink.hand_over(Failed(pack[0].task, f"{type(error).__name__}: {error}"))
             return
         for half in (pack[: len(pack) // 2], pack[len(pack) // 2:]):
+            began = time.time()
             try:
                 pending = self.engine.launch([item.prompt for item in half])
             except Exception as again:  # noqa: BLE001
                 self._isolate(half, again)
                 continue
+            self.sink.hand_over(Launched(tuple(half), began))
             self._finish(half, pending)

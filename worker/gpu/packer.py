@@ -93,13 +93,25 @@ class Packer:
                 self.budget = self._budget_now()
                 in_use = time.monotonic() - self.high_seen < HIGH_IN_USE_S
                 size = self._filled_size(self.high_budget if in_use and behind > self.high_budget else self.budget)
-                return self._fill(size) if size else []
+                return self._full(size) if size else []
             if not (self.ready.wait_for(self._queued, timeout) if wait else self._queued()):
                 return []
             if wait:  # the latency bound runs from the first prompt: a partly filled pack waits at most max_wait
                 self.ready.wait_for(lambda: sum(self.tokens.values()) >= self._budget_now(), self.max_wait)
             self.budget = self._budget_now()
             return self._fill(self.budget)
+
+    def _full(self, size: int) -> list[Item]:
+        """A pack filled to ``size`` that fills its static size (``FULL``), else none and the queue as it was: what
+        is queued may not pack that well (prompts that do not fit together, a long one in front)."""
+        lanes, tokens, owed = {lane: deque(queue) for lane, queue in self.lanes.items()}, dict(self.tokens), self.owed
+        pack = self._fill(size)
+        got = self._tokens(pack)
+        static = next((each for each in self.sizes if each >= got), None) if self.sizes else size
+        if static is None or got >= FULL * static:  # a prompt over every size runs alone, eagerly, whatever its fill
+            return pack
+        self.lanes, self.tokens, self.owed = lanes, tokens, owed
+        return []
 
     def _filled_size(self, budget: int) -> int:
         """The largest static size up to ``budget`` that what is queued fills (``FULL``), else 0."""
