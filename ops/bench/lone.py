@@ -34,11 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from served import serve_worker, worker_flags, worker_process  # noqa: E402
-from traffic import gc_collections, make_requests, percentile, scrape  # noqa: E402
+from traffic import STATES, gc_collections, make_requests, percentile, scrape  # noqa: E402
 
 STATE_TOKENS = 300
 TARGETS = {"p50_ms": 15, "p99_ms": 25}  # issue 40, the client's view
-STATES = ("planning", "queued", "computing", "settling")
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 import urllib.request
 
+from worker.metrics import STATES  # a computed entry's states, as dq_request_state_seconds names them
+
 QUESTIONS = {
     "spam": {"type": "noul", "instructions": "Is this message spam?"},
     "topic": {"type": "choice", "instructions": "What is it about?",
@@ -103,7 +105,7 @@ def stalls(before: dict[str, float], after: dict[str, float], lane: str) -> dict
     """Where a stall of the phase was: the slowest of the lane's waits for a worker and of its states, the slowest
     pack, and the slowest pass of the garbage collector (each as its histogram bucket, ms)."""
     out = {"read": slowest_ms(before, after, "dq_queue_wait_seconds", lane=lane)}
-    for state in ("planning", "queued", "computing", "settling"):
+    for state in STATES:
         out[state] = slowest_ms(before, after, "dq_request_state_seconds", lane=lane, state=state)
     out["pack"] = slowest_pack_ms(before, after)
     out["gc"] = slowest_ms(before, after, "dq_gc_pause_seconds")

@@ -13,7 +13,7 @@ import redis
 
 from producer.wire import library
 
-from ..metrics import Metrics
+from ..metrics import STATES, Metrics
 from ..outcomes import Outcome
 from ..tasks import Timeline
 from ..traces import Traces
@@ -92,10 +92,8 @@ class Settler:
 
     def _states(self, outcome: Outcome, line: Timeline, now: float) -> None:
         """A computed entry's time in each state after it was taken (dq_request_state_seconds)."""
-        lane = outcome.delivery.lane
-        for state, began, ended in (("planning", outcome.delivery.taken, line.queued),
-                                    ("queued", line.queued, line.launched),
-                                    ("computing", line.launched, line.computed), ("settling", line.computed, now)):
+        lane, steps = outcome.delivery.lane, (outcome.delivery.taken, line.queued, line.launched, line.computed, now)
+        for state, began, ended in zip(STATES, steps, steps[1:]):  # each state from one step to the next
             self.metrics.states.labels(state, lane).observe(max(0.0, ended - began))
 
     def _again(self, outcome: Outcome, error: redis.ResponseError) -> None:
