@@ -70,6 +70,12 @@ def test_submit_wait_writes_one_result_per_line_in_order_and_exits_1_on_errors(s
 def test_stats_watch_draws_the_tables_until_ctrl_c(served):
     """Frame after frame of the streams and the live worker's row (its state and shard from its heartbeat), until
     SIGINT, which ends a watch with 0; once, the same tables."""
+    # The worker's heartbeat says "ready" from its first beat after it became ready (beats come every few seconds).
+    with Client(served.url) as client:
+        deadline = time.monotonic() + 30
+        while [beat["state"] for beat in client.stats()["heartbeats"]] != ["ready"]:
+            assert time.monotonic() < deadline, client.stats()["heartbeats"]
+            time.sleep(0.1)
     # SIGINT as a terminal gives it: a test run started in the background of a script inherits it ignored
     watching = subprocess.Popen([sys.executable, "-m", "producer", "stats", "--watch", "0.2", "--redis-url",
                                  served.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
