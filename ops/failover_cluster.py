@@ -1,5 +1,6 @@
 """The Redis Cluster that ops/failover.py makes fail (``Clustered``): three primaries with a replica each on loopback,
-the primary of shard 0's work streams killed in one of ``KINDS``. ops/failover_deployments.py has Sentinel's.
+the primary of shard 0's work streams killed in one of ``KINDS``, or shard 0's slot moved to another primary and back
+(``migrate``). ops/failover_deployments.py has Sentinel's.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from producer.local.ports import free_port  # noqa: E402
 from producer.local.server import RedisServer  # noqa: E402
 
 SLOTS = 16384
-KINDS = ("kill", "unsynced")
+KINDS = ("kill", "unsynced", "migrate")
 SYNC_DELAY_S = 5  # repl-diskless-sync-delay's default on all three servers: how long "unsynced" has to kill
 UNSYNCED_S = 1.0  # how long the primary takes writes its unsynced replica will never have, before it is killed
+MIGRATE_BATCH = 10  # keys per MIGRATE: redis-cli --cluster reshard's default (--cluster-pipeline)
+MIGRATE_TIMEOUT_MS = 60_000  # redis-cli's default (--cluster-timeout)
 
 
 class Clustered:
@@ -29,7 +32,9 @@ class Clustered:
     ``kill``: its replica in sync (``wait_stable`` waits for every replication link). ``unsynced``: its replica
     killed and restarted first, the primary killed ``UNSYNCED_S`` into the replica's first sync (held open
     ``SYNC_DELAY_S`` by the primary's ``repl-diskless-sync-delay``): the replica is promoted with only its own data,
-    as when a shard fails again during a resync (docs/RELIABILITY.md)."""
+    as when a shard fails again during a resync (docs/RELIABILITY.md). ``migrate``: nothing fails; the slot of shard
+    0's keys is moved to another primary and back while the load goes on, as ``redis-cli --cluster reshard`` moves
+    it (``move_slot``)."""
 
     cluster = True
     KINDS = KINDS
@@ -134,6 +139,8 @@ class Clustered:
         raise LookupError("no primary owns shard 0")
 
     def fail(self, kind: str) -> float:
+        if kind == "migrate":
+            return self.migrate()
         old = self.owner()
         if kind == "unsynced":
             self._unsync(old)
@@ -150,6 +157,33 @@ class Clustered:
         old.start()  # its nodes.conf names the cluster: it rejoins as the promoted node's replica
         self.wait_stable()
         return took
+
+    def migrate(self) -> float:
+        """Shard 0's slot moved to another primary and back under load; the seconds both moves took."""
+        start, slot, home = time.monotonic(), key_slot(b"{s0}"), self.owner()
+        away = next(node for node in self._primaries() if node is not home)
+        self.move_slot(slot, home, away)
+        self.move_slot(slot, away, home)
+        return time.monotonic() - start
+
+    def _primaries(self) -> list[RedisServer]:
+        rows = [row for row in self._view() if "master" in row[2] and "fail" not in row[2]]
+        return [node for row in rows for node in self.nodes if f":{node.port}@" in row[1]]
+
+    def move_slot(self, slot: int, source: RedisServer, target: RedisServer) -> None:
+        """Move ``slot`` as ``redis-cli --cluster reshard`` does: the target IMPORTING and the source MIGRATING it,
+        its keys sent over by MIGRATE in batches of ``MIGRATE_BATCH`` (no REPLACE: a key already on the target is an
+        error, as there), then every primary told the target owns it (the target first, then the source). Meanwhile
+        a key the source no longer has is answered ASK, and a call over several keys of which one has moved TRYAGAIN,
+        until the last SETSLOT."""
+        source_id, target_id = self._ask(source, "CLUSTER", "MYID"), self._ask(target, "CLUSTER", "MYID")
+        self._ask(target, "CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        self._ask(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        with redis.Redis(port=source.port, socket_timeout=MIGRATE_TIMEOUT_MS / 1000 + 5) as client:
+            while keys := client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, MIGRATE_BATCH):
+                client.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, MIGRATE_TIMEOUT_MS, "KEYS", *keys)
+        for node in [target, source, *(n for n in self._primaries() if n not in (target, source))]:
+            self._ask(node, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
 
     def client(self) -> redis.RedisCluster:
         return redis.RedisCluster(host="127.0.0.1", port=self.wait_stable().port)

@@ -47,6 +47,7 @@ class Run:
     read_lost: int = 0
     changed: int = 0
     pending: int = 0
+    answered_error: dict[str, int] = field(default_factory=dict)  # error code -> acknowledged requests answered so
     workers_down: int = 0
     commands: dict[str, float] = field(default_factory=dict)  # Redis calls per request (a run without failures)
     library: int | None = None  # the function library's revision on the final primary (replicated, not reloaded)
@@ -66,7 +67,8 @@ class Run:
         return {"kind": self.kind, "wait_replicas": self.wait_replicas, "failovers": len(self.failovers),
                 "to_new_primary_s": round(max(self.failovers), 2) if self.failovers else None,
                 "acked": len(self.acked), "lost": self.lost, "read": len(self.read), "read_lost": self.read_lost,
-                "changed": self.changed, "pending": self.pending, "workers_down": self.workers_down,
+                "changed": self.changed, "pending": self.pending, "answered_error": self.answered_error,
+                "workers_down": self.workers_down,
                 "not_durable": self.not_durable, "errors": self.errors, "error_kinds": self.error_kinds,
                 "per_s": round(len(self.read) / self.seconds, 1) if self.seconds else 0.0,
                 "enqueue_p50_ms": pick(self.enqueue_s, 0.5), "enqueue_p99_ms": pick(self.enqueue_s, 0.99),
@@ -158,6 +160,9 @@ def check(primary: redis.Redis, run: Run, drain_s: float) -> None:
             for request_id, entries in zip(ids[start: start + 1000], pipe.execute()):
                 final[request_id] = [entry[Field.BODY.encode()].decode() for _, entry in entries]
     run.lost = sum(1 for i in run.acked if not final.get(i))
+    for bodies in final.values():  # every request here is valid: an error result is the queue's failure
+        if bodies and (code := (json.loads(bodies[0]).get("error") or {}).get("code")):
+            run.answered_error[code] = run.answered_error.get(code, 0) + 1
     for request_id, seen in run.read.items():
         now = [Result.model_validate_json(body).model_dump_json() for body in final.get(request_id) or []]
         if now[:1] != [seen]:

@@ -77,6 +77,8 @@ class Cancels:
         if isinstance(found, BaseException):
             raise found
         for reply in replies[1:]:
+            if isinstance(reply, REDIS_ERRORS):  # e.g. TRYAGAIN while the record's slot moves: waited out
+                raise reply
             if isinstance(reply, redis.ResponseError):  # an ACL user older than records: counted, never stalls
                 self.redis_calls.refused("take", reply, stalls=False, detail="cancels are not seen at take")
                 return found, False

@@ -21,6 +21,7 @@ from producer.wire.keys import LANES, Keys, Priority, text
 from producer.wire.schema import ErrorCode
 
 from ..entries import PARTS, REQUESTS, Delivery, Stream
+from .redis_calls import REDIS_ERRORS
 
 
 class Consumer:
@@ -69,9 +70,12 @@ class Consumer:
         return created
 
     async def _restart_point(self, key: str) -> tuple[str, int | None]:
-        """``group_start`` of a stream; 0-0 where there is no stream (any more)."""
+        """``group_start`` of a stream; 0-0 where there is no stream (any more). Not where its slot is moving (ASK,
+        TRYAGAIN: raised, waited out): the stream is on the other node, with its group (MIGRATE keeps both)."""
         try:
             return group_start(await self.redis.xinfo_stream(key))
+        except REDIS_ERRORS:
+            raise
         except redis.ResponseError:
             return "0", None
 

@@ -43,7 +43,7 @@ from .cancels import Cancels
 from .consumer import Consumer
 from .held import HeldEntries, State
 from .publisher import Publisher
-from .redis_calls import RedisCalls
+from .redis_calls import REDIS_ERRORS, RedisCalls
 from .settler import Settler
 
 log = logging.getLogger("worker")
@@ -124,6 +124,10 @@ class Lifecycle:
                 self.traces.planned(delivery, began, time.time())
         try:
             await self._planned(delivery, planned)
+        except REDIS_ERRORS as error:  # retried until a stop past its drain deadline gave up: Redis' fault, not the
+            # entry's (no delivery counted against it): left pending, as the drain leaves what it could not settle
+            log.warning("%s left pending: %s", delivery.entry_id, error, extra=delivery.log_fields)
+            self.held.release(delivery)
         except Unreadable as error:  # the id holds what no worker wrote: no result can go there, nor be compared
             self.metrics.unreadable_results.inc()
             self.held.move(delivery, State.SETTLING)

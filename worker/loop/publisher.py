@@ -35,6 +35,7 @@ from ..entries import REQUESTS, Delivery
 from ..outcomes import Outcome, Share, answered_before, dead_fields
 from ..tasks import Task
 from .library_watch import LibraryWatch
+from .redis_calls import REDIS_ERRORS
 
 PUBLISHED = b"published"
 CLUSTER_CONCURRENCY = 64  # function calls in flight at once on Redis Cluster (connections per node stay bounded)
@@ -218,8 +219,9 @@ class Publisher:
                 replies = await pipe.execute(raise_on_error=False)
             if self.wait_replicas:
                 await self._durable(replies.pop(), "publications", len(calls))
-        for reply in replies:
-            if isinstance(reply, BaseException) and not isinstance(reply, redis.ResponseError):
+        for reply in replies:  # Redis trouble (TRYAGAIN, ASK: a slot moving) is no refusal: the batch goes again
+            if isinstance(reply, REDIS_ERRORS) or (isinstance(reply, BaseException)
+                                                   and not isinstance(reply, redis.ResponseError)):
                 raise reply
         return replies
 
@@ -263,7 +265,7 @@ class Publisher:
             replies = await pipe.execute(raise_on_error=False)
         acks = replies[: 2 * len(deliveries)]
         records = replies[len(acks): len(acks) + 2 * len(answered or [])]
-        for reply in acks + replies[len(acks) + len(records):]:
+        for reply in acks + replies[len(acks) + len(records):] + [r for r in records if isinstance(r, REDIS_ERRORS)]:
             if isinstance(reply, BaseException):
                 raise reply
         if durable and self.wait_replicas and deliveries:

@@ -28,10 +28,17 @@ from ..config import Settings
 from ..metrics import Metrics
 
 log = logging.getLogger("worker")
-# Redis cannot be reached, or, on Redis Cluster, cannot serve the slot for now (CLUSTERDOWN, TRYAGAIN while a
-# primary's replica is promoted): waited out, not refusals. Caught before ResponseError, which the last two are.
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError,
-                redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
+# Redis trouble, waited out everywhere in the worker (never a refusal, never a fault of the entry in hand, never an
+# exit): Redis cannot be reached; or, on Redis Cluster, cannot serve the slot for now. A failover answers CLUSTERDOWN
+# and TRYAGAIN, and leaves a slot map without the slot (SlotNotCoveredError, a RedisClusterException); a slot being
+# migrated (a reshard) answers ASK for a key moved already and TRYAGAIN for a call over several keys of which some
+# moved, and MOVED once it has; the client follows those redirections a few times, then gives up with ClusterError
+# "TTL exhausted" (its ASKING may go out on another pooled connection than the call it allows, which the importing
+# node then answers MOVED). Caught before ResponseError, which CLUSTERDOWN, TRYAGAIN, ASK and MOVED are.
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+CLUSTER_TROUBLE = (redis.exceptions.ClusterError, redis.exceptions.TryAgainError, redis.exceptions.AskError,
+                   redis.exceptions.RedisClusterException)
+REDIS_ERRORS = UNREACHABLE + CLUSTER_TROUBLE
 WARN_EVERY_S = 5.0  # while Redis stays unreachable, one warning this often
 REFUSAL_LOG_S = 30.0  # one log line per kind of refused call this often (each one is counted)
 REFUSED_READY_S = 5.0  # unready until this long after Redis last refused a call the work waits on
@@ -68,8 +75,9 @@ class RedisCalls:
         self._down_since = now if self._down_since is None else self._down_since
         if now - self._warned >= WARN_EVERY_S:
             self._warned = now
-            log.warning("redis unreachable at %s (%s, for %.0f s): %s; retrying", self.where, what,
-                        now - self._down_since, error)
+            state = "cannot serve the slot for now" if isinstance(error, CLUSTER_TROUBLE) else "unreachable"
+            log.warning("redis %s at %s (%s, for %.0f s): %s: %s; retrying", state, self.where, what,
+                        now - self._down_since, type(error).__name__, error)
 
     async def introduce(self) -> Server:
         """The server at first contact (retried until Redis answers); UnsupportedServer if it is too old."""
