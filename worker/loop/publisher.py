@@ -35,7 +35,7 @@ from ..entries import REQUESTS, Delivery
 from ..outcomes import Outcome, Share, answered_before, dead_fields
 from ..tasks import Task
 from .library_watch import LibraryWatch
-from .redis_calls import REDIS_ERRORS
+from .redis_calls import refusal
 
 PUBLISHED = b"published"
 CLUSTER_CONCURRENCY = 64  # function calls in flight at once on Redis Cluster (connections per node stay bounded)
@@ -62,8 +62,7 @@ class Publisher:
                  dead_maxlen: int = 100000, wait_replicas: int = 0, once: Any = None) -> None:
         self.redis = redis_client
         self.once = once  # durable mode on Redis Cluster: a client that never retries a call (cluster_wait.arun)
-        self.keys = keys
-        self.ttl = ttl_seconds
+        self.keys, self.ttl = keys, ttl_seconds
         self.model_name = model_name  # what results say answered them
         self.reply_maxlen, self.dead_maxlen = reply_maxlen, dead_maxlen  # approximate caps: Redis memory bounded
         self.inline_replies = not isinstance(redis_client, RedisCluster)  # in the publish call (library.PUBLISH_AS)
@@ -219,9 +218,8 @@ class Publisher:
                 replies = await pipe.execute(raise_on_error=False)
             if self.wait_replicas:
                 await self._durable(replies.pop(), "publications", len(calls))
-        for reply in replies:  # Redis trouble (TRYAGAIN, ASK: a slot moving) is no refusal: the batch goes again
-            if isinstance(reply, REDIS_ERRORS) or (isinstance(reply, BaseException)
-                                                   and not isinstance(reply, redis.ResponseError)):
+        for reply in replies:  # a slot moving (TRYAGAIN, ASK) is trouble, not a refusal: the batch goes again
+            if isinstance(reply, BaseException) and not refusal(reply):
                 raise reply
         return replies
 
@@ -265,12 +263,12 @@ class Publisher:
             replies = await pipe.execute(raise_on_error=False)
         acks = replies[: 2 * len(deliveries)]
         records = replies[len(acks): len(acks) + 2 * len(answered or [])]
-        for reply in acks + replies[len(acks) + len(records):] + [r for r in records if isinstance(r, REDIS_ERRORS)]:
+        for reply in acks + replies[len(acks) + len(records):] + [r for r in records if not refusal(r)]:
             if isinstance(reply, BaseException):
                 raise reply
         if durable and self.wait_replicas and deliveries:
             await self._durable(replies[-1], "acknowledgements", len(deliveries))
-        return [reply for reply in records if isinstance(reply, redis.ResponseError)]
+        return [reply for reply in records if refusal(reply)]
 
     async def _per_node(self, calls: list[cluster_wait.Routed], what: str, count: int) -> list[Any]:
         """Durable mode on Redis Cluster: ``calls`` in one pipeline and WAIT per primary, once (a doubt raises: the

@@ -39,6 +39,13 @@ UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSErr
 CLUSTER_TROUBLE = (redis.exceptions.ClusterError, redis.exceptions.TryAgainError, redis.exceptions.AskError,
                    redis.exceptions.RedisClusterException)
 REDIS_ERRORS = UNREACHABLE + CLUSTER_TROUBLE
+
+
+def refusal(reply: object) -> bool:
+    """Redis answered, and refused (a ResponseError that is no Redis trouble)."""
+    return isinstance(reply, redis.ResponseError) and not isinstance(reply, REDIS_ERRORS)
+
+
 WARN_EVERY_S = 5.0  # while Redis stays unreachable, one warning this often
 REFUSAL_LOG_S = 30.0  # one log line per kind of refused call this often (each one is counted)
 REFUSED_READY_S = 5.0  # unready until this long after Redis last refused a call the work waits on
