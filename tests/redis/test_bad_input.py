@@ -94,6 +94,9 @@ def test_bad_input_is_answered_at_once_and_harms_nothing(redis_server, inprocess
                                "invalid_request"),
         "too-many-options": ({"state": "x", "questions": {"q": many_options}}, "invalid_request"),
         "huge-state": ({"state": "refund please " * 8000, "questions": NOUL}, "state_too_long"),
+        # printed too, so counted against the model's length before rendering: numbers, keys
+        "huge-array": ({"state": list(range(100_000)), "questions": NOUL}, "state_too_long"),
+        "many-keys": ({"state": {f"k{i}": None for i in range(50_000)}, "questions": NOUL}, "state_too_long"),
         "oversized": ({"state": "x" * 1_100_000, "questions": NOUL}, "too_large"),
         "nested-deep": (_deep(3000, "["), "invalid_json"),
         "nested-200": (_deep(200, "{"), "invalid_request"),

@@ -4,7 +4,7 @@ from PIL import Image
 
 from producer.wire.schema import ErrorCode, Request, RequestError
 from support import png
-from worker.model.encoder import Encoder
+from worker.model.encoder import CHARS_PER_TOKEN, Encoder, fewest_tokens, printed
 
 QUESTIONS = {
     "spam": {"type": "noul", "instructions": "Is this spam?"},
@@ -94,16 +94,54 @@ def test_the_pixel_limit_is_for_all_of_a_requests_images(loaded, monkeypatch):
     assert prompts[0].image_grid_thw.shape[0] == 2
 
 
-def test_a_state_far_too_long_is_refused_before_rendering(loaded, monkeypatch):
-    """A state whose text alone needs more tokens than the model reads (each token covers at most the longest
-    vocabulary entry's characters) is refused without rendering or tokenizing it (which takes seconds)."""
+def test_a_state_over_the_character_bound_is_refused_before_rendering(loaded, monkeypatch):
+    """A state that needs more tokens than the model reads by its characters as printed (CHARS_PER_TOKEN each, the
+    runs of one character at the vocabulary's longest entry) is refused without being rendered or tokenized (which
+    took seconds for megabytes); one character less, and it is rendered, and counted exactly."""
     encoder = Encoder(loaded("repo"))
     rendered = []
-    monkeypatch.setattr(encoder, "_render", lambda body: rendered.append(body))
-    limit = encoder.max_length * encoder.max_token_chars
-    with pytest.raises(RequestError, match=f"the state has {limit + 1} characters of text") as error:
-        encoder.prompts(request(state={"text": ["a" * limit, "b"]}))
+    monkeypatch.setattr(encoder, "_render", lambda body: rendered.append(body) or [])
+    rate = min(CHARS_PER_TOKEN, encoder.max_token_chars)
+    over = (encoder.max_length + 1) * rate  # characters: the fewest tokens is one over the model's maximum
+    text = ("abcd efgh " * over)[:over]  # no run of one character
+    with pytest.raises(RequestError, match=f"the state has {over} characters as printed, at least "
+                                           f"{encoder.max_length + 1} tokens") as error:
+        encoder.prompts(request(state=text))
     assert error.value.code == ErrorCode.STATE_TOO_LONG and rendered == []
+    encoder.prompts(request(state=text[:-1]))
+    assert len(rendered) == 1
+    # Not only the strings of a state are printed: its keys and numbers too (a 2 MB array of numbers, or a state of
+    # many keys, once took 25 s to be refused after rendering).
+    numbers = list(range(over // 5))
+    assert len(printed(numbers)) > over
+    with pytest.raises(RequestError, match="characters as printed"):
+        encoder.prompts(request(state=numbers))
+    with pytest.raises(RequestError, match="characters as printed"):
+        encoder.prompts(request(state={f"key {i}": None for i in range(over // 10)}))
+    assert len(rendered) == 1
+
+
+def test_runs_of_one_character_count_at_the_longest_token():
+    """Padding and rules (runs of one character) may be one token as long as the vocabulary's longest entry (128
+    spaces in Qwen3.5's): counted so, a state padded that way that fits is not refused."""
+    assert fewest_tokens("word" + " " * 1000 + "x" * 20 + "y" * 12, 128) == (4 + 12) // 16 + 1020 // 128
+    assert fewest_tokens("ab" * 100, 128) == 200 // CHARS_PER_TOKEN
+    assert fewest_tokens("ab" * 100, 4) == 200 // 4  # never more characters a token than the longest entry
+    assert printed("a string as it is") == "a string as it is" and printed({"k": [1, True, None]}) == \
+        '{"k": [1, true, null]}'
+
+
+def test_a_long_state_that_fits_is_not_refused_by_the_character_bound(loaded):
+    """A state near the token limit (ordinary words, numbers, a padded table) is rendered and answered whole."""
+    model = loaded("repo", max_prompt_tokens=1024)
+    encoder = Encoder(model)
+    one = {"q": {"type": "noul", "instructions": "Urgent?"}}
+    frame = encoder.prompts(request(state="", questions=one))[0].length
+    row = "Order 1234 was paid twice on the card.\n"
+    per_row = (encoder.prompts(request(state=row * 8, questions=one))[0].length - frame) / 8
+    state = row * int((encoder.max_length - frame) / per_row * 0.95)
+    [prompt] = encoder.prompts(request(state=state, questions=one))
+    assert encoder.max_length * 0.9 < prompt.length <= encoder.max_length
 
 
 def test_model_specific_limits_are_invalid_requests(loaded):

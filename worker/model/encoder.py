@@ -16,6 +16,8 @@ import binascii
 import copy
 import dataclasses
 import io
+import json
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -74,18 +76,26 @@ def decode_images(assets: dict[str, str], max_pixels: int) -> dict[str, Image.Im
     return decoded
 
 
-def text_length(value: Any) -> int:
-    """Characters in the strings of a JSON value (iterative: the schema bounds the depth, not the stack)."""
-    total, stack = 0, [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            total += len(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return total
+# The bound on a state checked before it is rendered and tokenized (seconds for megabytes: a 4.7 MB state took 26 s
+# of a worker's CPU, its other callers waiting). Text averages far fewer characters per token than CHARS_PER_TOKEN
+# with any vocabulary served here (English about 4 with Qwen's, code and JSON 2 to 4, CJK under 2, numbers 1: Qwen
+# splits them into digits), except in runs of one character (padding, a rule of '='), which a vocabulary may hold
+# as one token as long as its longest entry: runs are counted at that rate. A state that needs more tokens than the
+# model reads by this count is refused (state_too_long); what passes is rendered, and counted exactly.
+CHARS_PER_TOKEN = 16
+RUN = re.compile(r"(.)\1{15,}", re.DOTALL)  # one character 16 times or more
+
+
+def printed(state: Any) -> str:
+    """The state as templates print it, give or take punctuation: a string as it is, anything else as its JSON
+    (keys, numbers, true and false are printed too)."""
+    return state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)
+
+
+def fewest_tokens(text: str, longest_token: int) -> int:
+    """The fewest tokens ``text`` may take (CHARS_PER_TOKEN); ``longest_token``: the vocabulary's longest entry."""
+    in_runs = sum(match.end() - match.start() for match in RUN.finditer(text))
+    return (len(text) - in_runs) // min(CHARS_PER_TOKEN, longest_token) + in_runs // longest_token
 
 
 class Encoder:
@@ -103,14 +113,14 @@ class Encoder:
         self.one_prompt_for_all = "questions" in _get_template_variables(template)
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.control_tokens = sorted({*tokenizer.added_tokens_encoder, "<|mark|>", "<|split|>"}, key=len, reverse=True)
-        # A token covers at most this many characters of text, so a state's text of L characters is at least
-        # L / this many tokens: a state far too long is refused before it is rendered and tokenized (seconds).
+        # A state far too long is refused before it is rendered and tokenized (CHARS_PER_TOKEN).
         self.renders_state = "state" in _get_template_variables(template)
         self.max_token_chars = max(len(token) for token in tokenizer.get_vocab()) or 1
 
     def prompts(self, request: Request, names: Sequence[str] | None = None) -> list[Prompt]:
         """The prompts of ``request`` (or of its questions ``names``), each at most ``max_length`` tokens."""
         body = request.template_input()
+        self._bound_state(body["state"])
         hostile = _control_token_in_keys(body, self.control_tokens)
         if hostile:
             raise RequestError(ErrorCode.INVALID_REQUEST, hostile)
@@ -122,11 +132,6 @@ class Encoder:
             body["questions"] = {n: body["questions"][n] for n in names}
         else:
             subset = False
-        state_chars = text_length(body["state"]) if self.renders_state else 0
-        if state_chars > self.max_length * self.max_token_chars:
-            raise RequestError(ErrorCode.STATE_TOO_LONG, (
-                f"the state has {state_chars} characters of text, at least {state_chars // self.max_token_chars} "
-                f"tokens; this model reads at most {self.max_length} per prompt"))
         if request.assets:
             if not self.multimodal:
                 raise RequestError(ErrorCode.INVALID_REQUEST, "assets: this model reads text only")
@@ -141,6 +146,17 @@ class Encoder:
                 f"the prompt of question {longest.questions[0].name!r} has {longest.length} tokens; this model "
                 f"reads at most {self.max_length} per prompt"))
         return [dataclasses.replace(prompt, split=True) for prompt in self._split(body)]
+
+    def _bound_state(self, state: Any) -> None:
+        """Refuse a state that needs more tokens than the model reads by its characters (CHARS_PER_TOKEN), before
+        anything else reads it (seconds for megabytes); the runs in one are looked for only where they matter."""
+        text = printed(state) if self.renders_state else ""
+        if len(text) // min(CHARS_PER_TOKEN, self.max_token_chars) <= self.max_length:
+            return
+        if (fewest := fewest_tokens(text, self.max_token_chars)) > self.max_length:
+            raise RequestError(ErrorCode.STATE_TOO_LONG, (
+                f"the state has {len(text)} characters as printed, at least {fewest} tokens; this model reads at most "
+                f"{self.max_length} per prompt"))
 
     def _render(self, body: dict[str, Any]) -> list[Prompt]:
         try:
