@@ -20,7 +20,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "ops/bench")]
 
 import redis  # noqa: E402
 
-from end_to_end import wait_ready  # noqa: E402
+from served import wait_ready  # noqa: E402
 from producer.local.ports import free_port  # noqa: E402
 from producer.local.server import RedisServer  # noqa: E402
 from producer.wire.keys import Keys  # noqa: E402

@@ -15,9 +15,12 @@ replica is promoted and the old primary comes back as its replica. Then a checke
     python ops/failover.py --failovers 20 --wait-replicas 0 1 --out failover.md    # every kind, both modes
     python ops/failover.py --cluster --failovers 20 --wait-replicas 0 1             # Redis Cluster, kill -9
     python ops/failover.py --cluster --kinds unsynced --failovers 5                 # killed during a resync
+    python ops/failover.py --cluster --kinds migrate --failovers 10                 # shard 0's slot moved and back
 
 ``--cluster``: a Redis Cluster of three primaries with a replica each instead, the primary of shard 0's work
-streams killed (-9) with its replica in sync (``kill``), or during the replica's first sync (``unsynced``). With
+streams killed (-9) with its replica in sync (``kill``), or during the replica's first sync (``unsynced``); or
+nothing killed, shard 0's slot moved to another primary and back as ``redis-cli --cluster reshard`` moves it
+(``migrate``; the checker also counts valid requests answered with an error, ``answered_error``). With
 ``--kinds none`` (and in every full run) a run without failures measures what durability costs: throughput,
 enqueue and end-to-end p50/p99 with N = 0 against N = 1, and the Redis commands per request (INFO commandstats,
 summed over a cluster's primaries); ``--cost`` measures only that, N = 0 and N = 1 in turn on one server set.
@@ -159,7 +162,7 @@ def session(checkpoint: Path, plans: list[tuple[str, int, int]], binary: Binary 
 
 def table(runs: list[Run], server: str) -> str:
     columns = ["kind", "wait_replicas", "failovers", "acked", "lost", "read", "read_lost", "changed", "pending",
-               "workers_down", "not_durable", "per_s", "enqueue_p50_ms", "enqueue_p99_ms", "e2e_p50_ms",
+               "answered_error", "workers_down", "not_durable", "per_s", "enqueue_p50_ms", "enqueue_p99_ms", "e2e_p50_ms",
                "e2e_p99_ms"]
     lines = [f"{server}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for run in runs:
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--failovers", type=int, default=20, help="failures of each kind per run [20]")
     parser.add_argument("--kinds", nargs="+", choices=["none", "mixed", *KINDS, *Clustered.KINDS],
                         help="failures (Sentinel: none kill stop planned, the default; Cluster: kill, the default, "
-                             "and unsynced)")
+                             "unsynced and migrate)")
     parser.add_argument("--wait-replicas", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of the run without failures [30]")
     parser.add_argument("--out", help="append the table (Markdown) to this file")
@@ -205,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "a", encoding="utf-8") as out:
             out.write(text + "\n")
     durable = [r for r in runs if r.wait_replicas > 0]
-    return 1 if any(r.lost or r.read_lost or r.changed or r.pending or r.workers_down for r in durable) else 0
+    return 1 if any(r.lost or r.read_lost or r.changed or r.pending or r.workers_down or r.answered_error
+                    for r in durable) else 0
 
 
 if __name__ == "__main__":
