@@ -20,8 +20,8 @@ from typing import Any
 
 import redis
 
-from ..exits import OK
-from ..wire.endpoints import NOT_FOUND, Answer, serve_paths
+from ..plumbing.endpoints import NOT_FOUND, Answer, serve_paths
+from ..plumbing.exits import OK
 from ..wire.errors import DecisionQueueError
 
 log = logging.getLogger("producer.exporter")

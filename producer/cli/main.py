@@ -32,15 +32,16 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import __version__, control, table
-from .admin import dead_letters, exporter
-from .client import (Client, LibraryUnavailable, ModelNotServed, NotDurable, QueueFull, ResultTimeout,
-                     UnsupportedServer)
-from .exits import FAILED, INTERRUPTED, OK, UNREACHABLE, USAGE
+from .. import __version__
+from ..admin import dead_letters, exporter
+from ..client import (Client, LibraryUnavailable, ModelNotServed, NotDurable, QueueFull, ResultTimeout,
+                      UnsupportedServer)
+from ..plumbing.connection import Deployment, check_reachable
+from ..plumbing.exits import FAILED, INTERRUPTED, OK, UNREACHABLE, USAGE
+from ..wire.keys import GONE_S, LANES, PROTOCOL
+from ..wire.schema import ErrorCode
+from . import control, table
 from .submission import Line, Report, read_lines
-from .wire.connection import Deployment, check_reachable
-from .wire.keys import GONE_S, LANES, PROTOCOL
-from .wire.schema import ErrorCode
 
 
 
@@ -291,6 +292,3 @@ def main(argv: list[str] | None = None) -> int:
         print("dq-producer: interrupted", file=sys.stderr)
         return INTERRUPTED
 
-
-if __name__ == "__main__":
-    sys.exit(main())

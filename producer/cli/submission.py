@@ -13,11 +13,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TextIO
 
-from .exits import FAILED, INTERRUPTED, OK, QUEUE_FULL
-from .plans import InvalidRequest, Prepared, prepare
-from .wire.keys import valid_id
-from .wire.result import Result
-from .wire.schema import ErrorCode
+from ..client.plans import InvalidRequest, Prepared, prepare
+from ..plumbing.exits import FAILED, INTERRUPTED, OK, QUEUE_FULL
+from ..wire.keys import valid_id
+from ..wire.result import Result
+from ..wire.schema import ErrorCode
 
 FINAL = ("refused", "answered", "timed_out", "not_sent")
 

@@ -14,8 +14,8 @@ from typing import Any, TextIO
 
 import redis
 
-from .wire.errors import DecisionQueueError
-from .wire.keys import GONE_S
+from ..wire.errors import DecisionQueueError
+from ..wire.keys import GONE_S
 
 # (header, stream, field) of the stream table: the request stream's figures, then the part stream's.
 STREAM_COLUMNS = (("REQUESTS", "requests", "length"), ("PENDING", "requests", "pending"), ("LAG", "requests", "lag"),

@@ -1,5 +1,5 @@
 """Results as they land, for callers that hand each on at once (the gateway's streamed batches, its decide):
-``wait_any``, a plan of the core (producer/plans.py) that both client faces run (``Client.wait_any``,
+``wait_any``, a plan of the core (producer/client/plans.py) that both client faces run (``Client.wait_any``,
 ``AsyncClient.wait_any``).
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from ..wire.result import Result
 from .plans import BLOCK_MS, WINDOW, Call, NotDurable, Plan, Producer, parse_result
-from .wire.result import Result
 
 
 def wait_any(core: Producer, request_ids: Iterable[str], timeout: float) -> Plan[dict[str, Result]]:

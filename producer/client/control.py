@@ -1,6 +1,6 @@
 """Cancel requests and ask where they are (docs/PROTOCOL.md, "Cancelling" and "Status"): plans of the core
-(producer/plans.py) that both client faces run (``Client.cancel``, ``Client.status``), and ``dq-producer cancel``
-and ``status``.
+(producer/client/plans.py) that both client faces run (``Client.cancel``, ``Client.status``), and ``dq-producer cancel``
+and ``status`` (producer/cli/control.py).
 
 A cancel is one call of the cancel function per shard and batch of up to 1000 ids (producer/wire/records.py says
 what it does). A status is two pipelined round trips for any number of ids: each request's record and whether its
@@ -10,20 +10,17 @@ group, and a fan-out's finished parts. It reads no payload, so the monitor role 
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import redis
 
-from .exits import FAILED, OK, USAGE
+from ..wire import library
+from ..wire.errors import LibraryUnavailable
+from ..wire.keys import GROUP, ID_PATTERN, Keys, Record, RecordState, shard_of, text
+from ..wire.records import Cancel, Status, cancel_of, status_of
 from .plans import Call, Function, InvalidRequest, Load, NotDurable, Pipeline, Plan, Producer, parse_result
-from .wire import library
-from .wire.errors import LibraryUnavailable
-from .wire.keys import GROUP, ID_PATTERN, Keys, Record, RecordState, shard_of, text
-from .wire.records import Cancel, Status, cancel_of, status_of
 
 
 def _ids(request_ids: Iterable[str] | str) -> list[str]:
@@ -125,52 +122,3 @@ def status(core: Producer, request_ids: Iterable[str] | str) -> Plan[dict[str, S
             parts_done = second[parts_at[r]]
         out[r] = status_of(r, record, results[r], pending, group, parts_done)
     return out
-
-
-# ---- dq-producer cancel | status
-
-
-def _read_ids(args: argparse.Namespace) -> list[str]:
-    ids = list(args.ids)
-    if args.file:
-        with sys.stdin if args.file == "-" else open(args.file, encoding="utf-8") as handle:
-            ids += [line.strip() for line in handle if line.strip()]
-    if not ids:
-        raise InvalidRequest("no ids: give them as arguments or with --file")
-    return ids
-
-
-def _run(args: argparse.Namespace, ask: Any, failed: str) -> int:
-    """One JSON line per id; exit 0, 1 when one says ``failed``, 2 for a bad id or file."""
-    try:
-        found = ask(_read_ids(args))
-    except (InvalidRequest, OSError) as error:
-        print(f"dq-producer {args.command}: {error}", file=sys.stderr)
-        return USAGE
-    for answer in found.values():
-        print(answer.model_dump_json(exclude_none=True))
-    return FAILED if any(answer.state == failed for answer in found.values()) else OK
-
-
-def run_cancel(args: argparse.Namespace, client: Any) -> int:
-    return _run(args, client.cancel, "too_late")
-
-
-def run_status(args: argparse.Namespace, client: Any) -> int:
-    return _run(args, client.status, "unknown")
-
-
-def add_parsers(commands: Any, common: argparse.ArgumentParser) -> None:
-    for name, run, text_ in (
-            ("cancel", run_cancel, "Cancel requests: a queued one is never computed and is answered `cancelled`; "
-             "one a worker holds is answered `cancelled` unless a prompt of it is already packed (then normally). "
-             "One JSON line per id: cancelled, cancelling (its worker decides), too_late (already answered: exit "
-             "1) or unknown."),
-            ("status", run_status, "Where requests are: queued (lane, how many ahead), in_progress (worker, since, "
-             "deliveries), answered, cancelled, dead_lettered or unknown (exit 1). One JSON line per id; reads no "
-             "payload (the monitor user may run it).")):
-        sub = commands.add_parser(name, parents=[common], help=text_.split(":")[0].split(".")[0].lower(),
-                                  description=text_)
-        sub.add_argument("ids", nargs="*", metavar="ID", help="request ids")
-        sub.add_argument("--file", metavar="FILE", help="more ids, one per line (- for stdin) [default: none]")
-        sub.set_defaults(run=run)

@@ -1,8 +1,8 @@
-"""The Python producer: submit requests, wait for their results, cancel them, ask where they are, read queue
+"""The client's two faces: submit requests, wait for their results, cancel them, ask where they are, read queue
 stats; blocking (``Client``) or asyncio (``AsyncClient``), with the same methods.
 
-Both faces run the plans of one core (``producer.plans.Producer``) against their connection: the logic is written
-once, only the I/O differs (runner.py, where ``Face`` says what the constructor takes).
+Both faces run the plans of one core (``plans.Producer``) against their connection: the logic is written once, only
+the I/O differs (runner.py, where ``Face`` says what the constructor takes).
 """
 
 from __future__ import annotations
@@ -10,19 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from ..wire.result import Result
 from . import arrivals, stats
-from .plans import InvalidRequest, Prepared, QueueFull, ResultTimeout, Submittable, WrongResult, prepare
+from .plans import Submittable
 from .runner import Asynchronous, Blocking
-from .wire.connection import aconnect, connect
-from .wire.errors import DecisionQueueError, ModelNotServed, NotDurable, RedisUnreachable
-from .wire.library import LibraryUnavailable
-from .wire.records import Cancel, Status
-from .wire.result import Result, ResultError
-from .wire.supported import UnsupportedServer
-
-__all__ = ["AsyncClient", "Cancel", "Client", "DecisionQueueError", "InvalidRequest", "LibraryUnavailable",
-           "ModelNotServed", "NotDurable", "Prepared", "QueueFull", "RedisUnreachable", "ResultError", "ResultTimeout",
-           "Status", "UnsupportedServer", "WrongResult", "aconnect", "connect", "prepare"]
 
 
 class Client(Blocking):

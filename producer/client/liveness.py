@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from .wire.keys import GONE_S
+from ..wire.keys import GONE_S
 
 NO_WORKER_S, LOOK_S = 15.0, 5.0
 

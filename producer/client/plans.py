@@ -25,15 +25,16 @@ from typing import Any, NamedTuple
 import redis
 from pydantic import ValidationError
 
+from ..plumbing import cluster_wait
+from ..plumbing.connection import WAIT_MS
+from ..wire import library
+from ..wire.digest import body_digest, digest
+from ..wire.errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here
+from ..wire.keys import GONE_S, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
+from ..wire.result import Result, Unreadable, read_stored, unreadable
+from ..wire.schema import Request, describe
 from .liveness import NO_WORKER_S, Liveness
 from .steps import Call, Function, Load, PerNode, Pipeline, Plan, Step  # noqa: F401 - the faces' names for them
-from .wire import cluster_wait, library
-from .wire.connection import WAIT_MS
-from .wire.digest import body_digest, digest
-from .wire.errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here
-from .wire.keys import GONE_S, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
-from .wire.result import Result, Unreadable, read_stored, unreadable
-from .wire.schema import Request, describe
 
 BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the time Redis spends in one call
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection

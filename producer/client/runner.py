@@ -1,4 +1,4 @@
-"""How the client's two faces run a plan (producer/plans.py) on their connection: each step sent, its reply or its
+"""How the client's two faces run a plan (producer/client/plans.py) on their connection: each step sent, its reply or its
 error handed back to the plan, the plan routed to its model's namespace first (served.py); the first call asks the
 server what it is. The plans are the logic, written once; this is the I/O, written for each face (``Blocking``,
 ``Asynchronous``), and the constructor both share (``Face``).
@@ -15,13 +15,14 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from ..plumbing import cluster_wait, sentinel
+from ..plumbing.connection import WAIT_MS, Deployment, aconnect, connect
+from ..plumbing.supported import Server, acheck, check
+from ..wire import library
+from ..wire.errors import NotDurable, RedisUnreachable
+from ..wire.keys import Keys
 from . import control, served
 from .plans import NO_WORKER_S, Function, Load, PerNode, Pipeline, Plan, Producer, Step
-from .wire import cluster_wait, library, sentinel
-from .wire.connection import WAIT_MS, Deployment, aconnect, connect
-from .wire.errors import NotDurable, RedisUnreachable
-from .wire.keys import Keys
-from .wire.supported import Server, acheck, check
 
 T = TypeVar("T")
 # What a first contact that never reached a server raises (RedisClusterException: no node of a cluster answered).
@@ -56,14 +57,14 @@ class Face:
     ``no_worker_s``: a wait (``wait``, ``wait_many``, ``decide``) during which no worker of the namespace is alive
     ends after this many seconds, not its whole timeout, with a ResultTimeout that says "no live worker in namespace
     X" (``no_worker``); None: the whole timeout. ``model``: the first of ``model_namespaces`` whose live workers
-    serve it, or ModelNotServed (producer/served.py). ``options``: redis-py connection options (``ssl_ca_certs``).
+    serve it, or ModelNotServed (producer/client/served.py). ``options``: redis-py connection options (``ssl_ca_certs``).
 
     The first call asks the server what it is, once and without retries: a Redis that is down raises
     ``RedisUnreachable`` within the socket timeout (5 s), not after the retries that ride out a restart.
     """
 
     _connect: Any  # connect or aconnect
-    server: Server | None = None  # what the server said at first contact (producer/wire/supported.py)
+    server: Server | None = None  # what the server said at first contact (producer/plumbing/supported.py)
     routed: served.ServedModel | None = None  # where ``model`` is served, once found
 
     def __init__(self, url: str | None = None, namespace: str | None = None, max_unfinished: int = 100_000,
@@ -85,7 +86,7 @@ class Face:
                              no_worker_s)
         self.shards, self.max_unfinished = self.core.shards, self.core.max_unfinished  # as the core has them
 
-    # Both faces' (``AsyncClient``: awaited), each the plan of producer/control.py run on the face's connection.
+    # Both faces' (``AsyncClient``: awaited), each the plan of producer/client/control.py run on the face's connection.
     def cancel(self, request_ids: Iterable[str] | str) -> Any:
         """Cancel requests (docs/PROTOCOL.md, "Cancelling"): by id, what each cancel did (``Cancel``)."""
         return self._run(control.cancel(self.core, request_ids))  # type: ignore[attr-defined]

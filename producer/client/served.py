@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..wire.errors import ModelNotServed
+from ..wire.keys import GONE_S, Keys, beat_age, beat_models
 from .plans import Call, Plan
-from .wire.errors import ModelNotServed
-from .wire.keys import GONE_S, Keys, beat_age, beat_models
 
 T = TypeVar("T")
 
@@ -81,7 +81,7 @@ def route(model: str, namespaces: list[str]) -> Plan[ServedModel]:
 
 
 def routing(face: Any, plan: Plan[T]) -> Plan[T]:
-    """``plan`` of a client (producer/client.py) made for a model, run once the model's namespace is found: at its
+    """``plan`` of a client (producer/client/faces.py) made for a model, run once the model's namespace is found: at its
     first call, or at the next one after a ModelNotServed. Plans read their core's keys when they run (not when they
     are made), so ``plan`` goes to that namespace too."""
     if face.model is not None and face.routed is None:

@@ -1,4 +1,4 @@
-"""Queue stats, a plan of the core (producer/plans.py) that both client faces run (``Client.stats``,
+"""Queue stats, a plan of the core (producer/client/plans.py) that both client faces run (``Client.stats``,
 ``AsyncClient.stats``)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Any
 
 import redis
 
+from ..plumbing.supported import lag_of
+from ..wire.keys import GONE_S, GROUP, LANES, Keys, beat_age, text
+from ..wire.records import FOUND
 from .plans import Call, Plan, Producer
 from .served import catalog
-from .wire.keys import GONE_S, GROUP, LANES, Keys, beat_age, text
-from .wire.records import FOUND
-from .wire.supported import lag_of
 
 
 def stats(core: Producer) -> Plan[dict[str, Any]]:

@@ -8,8 +8,8 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .wire.cluster_wait import Routed
-from .wire.keys import Keys
+from ..plumbing.cluster_wait import Routed
+from ..wire.keys import Keys
 
 T = TypeVar("T")
 
@@ -45,7 +45,7 @@ class Function:
 @dataclass(frozen=True)
 class PerNode:
     """Durable mode on Redis Cluster: commands sent in one pipeline per primary, each ending with a WAIT for ``wait``
-    replicas (producer/wire/cluster_wait.py); ``marks``: reads, each node's confirmed by a replicated write after
+    replicas (producer/plumbing/cluster_wait.py); ``marks``: reads, each node's confirmed by a replicated write after
     them. The reply is a ``cluster_wait.Confirmed``: each command's reply and the replicas that confirmed it."""
 
     calls: list[Routed]

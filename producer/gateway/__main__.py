@@ -18,11 +18,11 @@ import signal
 import sys
 
 from .. import __version__
-from ..exits import FAILED, OK, UNREACHABLE, USAGE
-from ..wire.connection import Deployment, check_reachable
+from ..plumbing.connection import Deployment, check_reachable
+from ..plumbing.exits import FAILED, OK, UNREACHABLE, USAGE
 from ..wire.keys import PROTOCOL
-from . import logs
 from .config import ConfigError, GatewayConfig, add_arguments, load
+from .front import logs
 
 log = logging.getLogger("producer.gateway")
 SHUTDOWN_GRACE_S = 5  # past --max-wait-s, a call still running at a stop is cut
@@ -66,7 +66,7 @@ def serve(config: GatewayConfig) -> int:
     a little), then exit 0."""
     import uvicorn
 
-    from ..wire import traces
+    from ..plumbing import traces
     from .routes import create_app
 
     config = fit_file_limit(config)

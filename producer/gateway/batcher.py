@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Sequence
 
 from ..client import AsyncClient
-from ..plans import BATCH, Prepared, QueueFull
+from ..client.plans import BATCH, Prepared, QueueFull
 
 
 class Batcher:

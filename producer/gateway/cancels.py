@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from ..wire.keys import ID_PATTERN
 from ..wire.records import Cancel
 from ..wire.schema import ErrorCode
-from .replies import Refused
+from .front.replies import Refused
 
 log = logging.getLogger("dq.gateway")
 KEEP, CANCEL = "keep", "cancel"  # what a hang-up does: the key's "hang_up", or the call's ?hang_up=

@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..plans import BATCH
-from ..wire.connection import Deployment
+from ..client.plans import BATCH
+from ..plumbing.connection import Deployment
 from ..wire.keys import LANES, MAX_BODY_BYTES, MODEL_NAME, NAMESPACE_PATTERN, Priority
 from ..wire.schema import describe
 

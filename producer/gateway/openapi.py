@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..wire.records import Cancel, Status
 from ..wire.result import Result
-from .translate import Call
+from .systemone.translate import Call
 
 
 class RefusalError(BaseModel):

@@ -13,19 +13,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
-from ..plans import Prepared
+from ..client.plans import Prepared
 from ..wire.keys import GONE_S, ID_PATTERN, PROTOCOL
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request
-from . import cancels, replies, systemone
-from .access import Access
+from . import cancels
 from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
-from .disconnects import CallerGone, unless_gone
-from .front import Front
+from .front import replies
+from .front.access import Access
+from .front.disconnects import CallerGone, unless_gone
+from .front.layer import Front
+from .front.replies import READ, WAIT, Refused, Unsettled
 from .openapi import complete
-from .replies import READ, WAIT, Refused, Unsettled
 from .service import Gateway
+from .systemone import routes as systemone
 
 NDJSON = "application/x-ndjson"
 DIGEST = "^[0-9a-f]{32}$"
@@ -155,9 +157,9 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
             complete(app.openapi_schema)
         return app.openapi_schema
 
-    cancels.install(app, gateway)
-    systemone.install(app, gateway, config, waited)
     app.openapi = openapi  # type: ignore[method-assign]
     front = Front(app, gateway.keyring, gateway.admission, gateway.metrics, gateway.tracer)
     front.gateway = gateway
+    cancels.install(app, gateway)
+    systemone.install(app, front, gateway, config, waited)
     return front

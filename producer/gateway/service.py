@@ -21,20 +21,20 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 
 from ..client import AsyncClient
-from ..plans import NotDurable, Prepared, QueueFull, prepare
-from ..wire import traces
-from ..wire.connection import aconnect
+from ..client.plans import NotDurable, Prepared, QueueFull, prepare
+from ..plumbing import traces
+from ..plumbing.connection import aconnect
 from ..wire.keys import NORMAL, Priority
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request, valid_traceparent
-from . import replies
-from .access import Access, Inflight, Keyring
-from .admission import Admission
 from .batcher import Batcher
 from .config import GatewayConfig
-from .connections import Connections, Limits
-from .front import Metrics
-from .replies import SUBMIT, Refused, Unsettled
+from .front import replies
+from .front.access import Access, Inflight, Keyring
+from .front.admission import Admission
+from .front.connections import Connections, Limits
+from .front.replies import SUBMIT, Refused, Unsettled
+from .metrics import Metrics
 
 # A request with a deadline is answered deadline_exceeded by the worker that finds it late: wait that long past it.
 DEADLINE_GRACE_S = 2.0
@@ -95,7 +95,7 @@ class Gateway:
         if len(requests) > self.config.max_batch:
             raise Refused(413, "batch_too_large", f"{len(requests)} requests, over the limit of "
                                                   f"{self.config.max_batch} per call", "requests")
-        # with tracing on, the call's span (producer/wire/traces.py); else the caller's own traceparent, passed on
+        # with tracing on, the call's span (producer/plumbing/traces.py); else the caller's own traceparent, passed on
         header = traces.current() or valid_traceparent(http.headers.get("traceparent"))
         lanes, seen, out = set(), set(), []
         for index, request in enumerate(requests):

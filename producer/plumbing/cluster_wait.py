@@ -30,8 +30,8 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import AskError, ClusterDownError, MovedError, RedisClusterException, TryAgainError
 
+from ..wire.keys import Keys
 from .connection import RETRIES, RETRY_BASE, RETRY_CAP, WAIT_MS, aconnect
-from .keys import Keys
 
 # What leaves a call in doubt: it may not have run on the primary its WAIT asks (RedisClusterException: the slot map
 # has no node for a key, e.g. while a slot has no primary).

@@ -4,7 +4,7 @@ of it.
 
 A client asks the sentinels for the service's primary on every new connection; after a failover the old primary's
 connections fail (or answer READONLY), are dropped, and the next one goes to the promoted replica: workers and
-producers follow a failover without a restart, within the retries of producer/wire/connection.py. The user and password
+producers follow a failover without a restart, within the retries of producer/plumbing/connection.py. The user and password
 are the data nodes' (the queue's ACL users); the sentinels are asked with credentials of their own where they require
 some (``DQ_SENTINEL_USERNAME``, ``DQ_SENTINEL_PASSWORD``: ``credentials``), else without, over TLS with the same files
 when the scheme is ``rediss+sentinel``. A sentinel that refuses them is named as such (redis-py reports it as "no

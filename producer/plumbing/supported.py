@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DecisionQueueError
-from .keys import text
+from ..wire.errors import DecisionQueueError
+from ..wire.keys import text
 
 MINIMUM = {"redis": (7, 0), "valkey": (7, 2)}
 NAMES = {"redis": "Redis", "valkey": "Valkey"}

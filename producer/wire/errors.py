@@ -53,7 +53,7 @@ class ResultTimeout(DecisionQueueError, TimeoutError):
 
 
 class ModelNotServed(DecisionQueueError, LookupError):
-    """No live worker of the namespaces searched serves the model asked for (producer/served.py): ``model``, and
+    """No live worker of the namespaces searched serves the model asked for (producer/client/served.py): ``model``, and
     ``served`` (the names that are served there)."""
 
     def __init__(self, model: str, served: Iterable[str], namespaces: Iterable[str]) -> None:

@@ -186,7 +186,7 @@ class Keys:
     def durable_mark(self, beside: str) -> str:
         """A key in the slot of ``beside`` (a key with a hash tag), set for a few seconds by a durable-mode reader on
         Redis Cluster after its reads there: there PUBLISH is not replicated, a SET is, and its WAIT covers what was
-        read before it (producer/wire/cluster_wait.py)."""
+        read before it (producer/plumbing/cluster_wait.py)."""
         return f"{self.base}:durable:{{{hash_tag(beside)}}}"
 
     def workers(self) -> str:
@@ -198,7 +198,7 @@ class Keys:
 
     def call(self, digest: str) -> str:
         """A System One call's request id (``SET NX`` with a TTL): a client's retries of one call, whichever gateway
-        replica they reach, map to one request (producer/gateway/retries.py). ``digest``: hex of the caller's
+        replica they reach, map to one request (producer/gateway/systemone/retries.py). ``digest``: hex of the caller's
         tenant, the model and the request (or its ``Idempotency-Key``)."""
         return f"{self.base}:call:{{{digest}}}"
 

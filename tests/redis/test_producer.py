@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from producer.client import AsyncClient, Client, InvalidRequest, QueueFull, ResultTimeout
-from producer.plans import prepare
+from producer.client.plans import prepare
 from producer.wire.keys import Keys, shard_of
 from producer.wire.result import Result
 

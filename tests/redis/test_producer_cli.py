@@ -15,7 +15,7 @@ import pytest
 
 from producer.client import Client
 from producer.local.ports import free_port
-from producer.wire.connection import SOCKET_TIMEOUT
+from producer.plumbing.connection import SOCKET_TIMEOUT
 from producer.wire.keys import Keys, shard_of
 
 pytestmark = pytest.mark.redis

@@ -27,8 +27,8 @@ from producer.gateway.config import GatewayConfig
 from producer.gateway.routes import create_app
 from producer.local.binaries import servers_under_test
 from producer.local.ports import free_port
-from producer.wire import traces
-from producer.wire.connection import Deployment
+from producer.plumbing import traces
+from producer.plumbing.connection import Deployment
 
 pytestmark = pytest.mark.redis
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from producer.__main__ import parser
-from producer.submission import read_lines
+from producer.cli.main import parser
+from producer.cli.submission import read_lines
 
 
 def test_a_deeply_nested_line_is_refused_alone():

@@ -5,7 +5,7 @@ import io
 
 import redis
 
-from producer import table
+from producer.cli import table
 
 
 def lane(length, pending=None, lag=None, consumers=None, parts=0):

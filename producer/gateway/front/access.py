@@ -13,8 +13,8 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from ..wire.keys import LANES, Priority
-from .config import ApiKey, GatewayConfig
+from ...wire.keys import LANES, Priority
+from ..config import ApiKey, GatewayConfig
 
 OPEN = "open"  # the caller's name when the gateway has no keys
 

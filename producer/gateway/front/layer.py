@@ -11,97 +11,83 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .. import __version__
-from ..wire import traces
-from ..wire.schema import valid_traceparent
+from ...plumbing import traces
+from ...wire.schema import valid_traceparent
 from . import logs
 from .access import Keyring
 from .admission import CLOSE, Admission
 from .disconnects import CLIENT_GONE
 from .replies import JSON, Refused, error_body
-from .translate import ID_HEADER as TYPESAFE_ID
-from .translate import fresh_id, reshaped
+
+if TYPE_CHECKING:
+    from ..metrics import Metrics
 
 PUBLIC = {"health", "ready", "info", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
-SYSTEM_ONE = {"systemone", "models"}  # routes whose every answer is shaped for the System One clients
-ID_HEADER = TYPESAFE_ID.encode()
-# No ``_created`` series beside each counter and histogram (process-wide): no alert or panel reads them, and they
-# doubled the counters' series (worker/metrics.py does the same).
-disable_created_metrics()
-BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
-CLOSED_REASONS = ("header_timeout", "header_too_large", "over_limit", "idle_evicted", "slow_evicted",  # connections
-                  "invalid_request")
+# Each path's route name, a bounded label whatever the path (a dialect adds its own: ``Front.speak``).
+ROUTES = {"/v1/decide": "decide", "/v1/decide/batch": "decide_batch", "/v1/requests": "requests", "/health": "health",
+          "/ready": "ready", "/info": "info", "/metrics": "metrics", "/docs": "docs", "/redoc": "docs",
+          "/openapi.json": "docs"}
 
 
-def route_of(path: str) -> str:
-    """The route's name, a bounded label whatever the path."""
-    if path.startswith("/v1/results/"):
-        return "results"
-    if path.startswith("/v1/requests/"):
-        return "request"  # one request's status or cancel
-    return {"/v1/decide": "decide", "/v1/decide/batch": "decide_batch", "/v1/requests": "requests",
-            "/v1/systemone": "systemone", "/v1/models": "models", "/health": "health", "/ready": "ready",
-            "/info": "info", "/metrics": "metrics", "/docs": "docs", "/redoc": "docs",
-            "/openapi.json": "docs"}.get(path, "other")
+@dataclass(frozen=True)
+class Dialect:
+    """Another API served on some routes, whose callers read answers in a shape of their own: a refusal the front
+    layer makes on those routes is ``reshape``d (status, the gateway's error body -> the API's body), and every
+    answer there carries the id ``header`` (``fresh_id()`` where the route set none). System One registers one
+    (producer/gateway/systemone/routes.py), so the front layer names no API of its own accord."""
 
-
-class Metrics:
-    """The gateway's own registry (a process may hold others)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.calls = Counter("dq_gateway_requests", "HTTP calls answered, by route, lane and status",
-                             ["route", "lane", "status"], registry=self.registry)
-        self.seconds = Histogram("dq_gateway_request_seconds", "time from a call's arrival to its last byte, by "
-                                 "route and lane", ["route", "lane"], buckets=BUCKETS, registry=self.registry)
-        self.in_flight = Gauge("dq_gateway_in_flight", "HTTP calls being answered, by route", ["route"],
-                               registry=self.registry)
-        self.queued = Counter("dq_gateway_queued_requests", "requests the gateway put on the queue, by lane",
-                              ["lane"], registry=self.registry)
-        self.connections = Gauge("dq_gateway_connections", "HTTP connections open", registry=self.registry)
-        self.closed = Counter("dq_gateway_connections_closed", "HTTP connections the gateway closed at a limit, by "
-                              "reason (connections.py)", ["reason"], registry=self.registry)
-        for reason in CLOSED_REASONS:  # from zero: an alert's increase() sees the first one
-            self.closed.labels(reason)
-        self.attached = Counter("dq_gateway_calls_attached", "System One calls answered by a request an earlier "
-                                "call enqueued: a client's retry, or an identical call within the retry window",
-                                ["how"], registry=self.registry)
-        self.build = Gauge("dq_gateway_build_info", "always 1: the version this gateway runs", ["version"],
-                           registry=self.registry)
-        self.build.labels(__version__).set(1)
-        self.cancels = Counter("dq_gateway_cancels", "requests the gateway cancelled, by why (hang_up: the caller "
-                               "went away; delete: DELETE /v1/requests) and what the cancel found (keep: a hang-up "
-                               "whose key or call keeps its requests)", ["reason", "state"], registry=self.registry)
-        for reason, state in (("hang_up", "cancelled"), ("hang_up", "cancelling"), ("hang_up", "keep"),
-                              ("delete", "cancelled"), ("delete", "cancelling"), ("delete", "too_late")):
-            self.cancels.labels(reason, state)  # from zero: a panel shows a flat line, not no data
+    routes: dict[str, str]  # path -> route name
+    header: str
+    fresh_id: Callable[[], str]
+    reshape: Callable[[int, bytes], bytes]
 
 
 class Front:
+    """The ASGI layer in front of the routes: keys, admission, metrics, the call's span and access line."""
+
     def __init__(self, app: ASGIApp, keyring: Keyring, admission: Admission, metrics: Metrics,
                  tracer: Any = None) -> None:
         self.app, self.keyring, self.admission, self.metrics = app, keyring, admission, metrics
-        self.tracer = tracer  # None: tracing off (producer/wire/traces.py)
+        self.tracer = tracer  # None: tracing off (producer/plumbing/traces.py)
         self.gateway: Any = None  # the service behind (routes.create_app sets it: the server reads its connections)
+        self.routes = dict(ROUTES)
+        self.dialects: dict[str, Dialect] = {}  # route name -> the dialect its answers speak
+
+    def speak(self, dialect: Dialect) -> None:
+        """Answer on ``dialect``'s routes in its shape."""
+        self.routes.update(dialect.routes)
+        self.dialects.update((route, dialect) for route in dialect.routes.values())
+
+    def route_of(self, path: str) -> str:
+        """The route's name, a bounded label whatever the path."""
+        if path.startswith("/v1/results/"):
+            return "results"
+        if path.startswith("/v1/requests/"):
+            return "request"  # one request's status or cancel
+        return self.routes.get(path, "other")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started, route = time.perf_counter(), route_of(scope["path"])
+        started, route = time.perf_counter(), self.route_of(scope["path"])
+        dialect = self.dialects.get(route)
         state: dict[str, Any] = scope.setdefault("state", {})
         status, ended = [500], [False]  # until the response starts: a call cut short counts as failed
 
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-                if route in SYSTEM_ONE and not any(name == ID_HEADER for name, _ in message.get("headers", ())):
-                    message["headers"] = [*message.get("headers", ()), (ID_HEADER, fresh_id().encode())]
+                if dialect is not None:
+                    header = dialect.header.encode()
+                    if not any(name == header for name, _ in message.get("headers", ())):
+                        message["headers"] = [*message.get("headers", ()), (header, dialect.fresh_id().encode())]
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 ended[0] = True
                 self.admission.leave(state)  # before the caller sees the end: its next call may come at once
@@ -114,7 +100,7 @@ class Front:
             try:
                 self._admit(scope, route, state)
             except Refused as refused:
-                await _answer(sending, refused, route in SYSTEM_ONE)
+                await _answer(sending, refused, dialect)
                 return
             await self.app(scope, self.admission.receiving(receive, state), sending)
         finally:
@@ -195,10 +181,10 @@ def _json(values: list[bytes] | None) -> bool:
     return bool(values) and values[0].split(b";")[0].strip().lower() == b"application/json"
 
 
-async def _answer(send: Send, refused: Refused, system_one: bool = False) -> None:
+async def _answer(send: Send, refused: Refused, dialect: Dialect | None) -> None:
     body = error_body(refused.code, refused.message, field=refused.field, **refused.extra)
-    if system_one:  # the System One clients' shape (translate.py)
-        body = reshaped(refused.status, body)
+    if dialect is not None:  # its callers' shape
+        body = dialect.reshape(refused.status, body)
     raw = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
     raw += [(name.lower().encode(), value.encode()) for name, value in refused.headers.items()]
     await send({"type": "http.response.start", "status": refused.status, "headers": raw})

@@ -1,4 +1,4 @@
-"""The gateway's lines, in one format (``--log-format text`` or ``json``, producer/wire/logs.py: the worker's too),
+"""The gateway's lines, in one format (``--log-format text`` or ``json``, producer/plumbing/logs.py: the worker's too),
 its own and uvicorn's alike, and one access line per call (``--access-log``): method, path, status, duration, the
 key's name, the lane and the client's address; the public routes (probes, scrapes, docs) at DEBUG only. CORS for
 browsers on other origins (``--cors-allow-origin``), answered before the API key is asked for (a preflight carries
@@ -13,8 +13,8 @@ from typing import Any
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
-from ..wire.logs import formatter
-from .config import GatewayConfig
+from ...plumbing.logs import formatter
+from ..config import GatewayConfig
 
 access = logging.getLogger("producer.gateway.access")
 

@@ -22,11 +22,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from ..plans import InvalidRequest, NotDurable, QueueFull
-from ..wire.library import LibraryUnavailable
-from ..wire.result import Result
-from ..wire.schema import ErrorCode
-from ..wire.supported import UnsupportedServer
+from ...plumbing.supported import UnsupportedServer
+from ...wire.errors import InvalidRequest, LibraryUnavailable, NotDurable, QueueFull
+from ...wire.result import Result
+from ...wire.schema import ErrorCode
 from .disconnects import CallerGone, gone
 
 log = logging.getLogger("producer.gateway")

@@ -20,7 +20,7 @@ from fastapi import Request as HttpRequest
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from .replies import Refused
+from ..front.replies import Refused
 
 if sys.version_info >= (3, 14):
     from compression import zstd

@@ -1,6 +1,6 @@
 """Routing by model: the name a System One call sends (or one of the gateway's aliases for it,
 ``--model-alias jev-latest=my-decider``) to the namespace whose live workers serve it, among those the caller's key
-may use (producer/served.py: a namespace is one model's queue), and ``GET /v1/models`` from the same.
+may use (producer/client/served.py: a namespace is one model's queue), and ``GET /v1/models`` from the same.
 
 Each namespace's heartbeats are read at most once a second (``FRESH_S``) whatever the load, with one read at a time
 per namespace; a name not found is looked for again in heartbeats at most ``MISS_S`` old before the call is refused
@@ -17,10 +17,10 @@ from typing import Any
 
 import redis
 
-from ..served import ServedModel, catalog
-from ..wire.keys import Keys
-from .access import Access
-from .replies import RETRY_AFTER_S, Refused
+from ...client.served import ServedModel, catalog
+from ...wire.keys import Keys
+from ..front.access import Access
+from ..front.replies import RETRY_AFTER_S, Refused
 
 FRESH_S = 1.0  # a namespace's catalog is read again once it is older than this
 MISS_S = 0.2  # ... or this, for a name it does not hold

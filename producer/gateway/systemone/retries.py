@@ -35,7 +35,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire.keys import Keys, text
+from ...wire.keys import Keys, text
 
 BUDGET_S = 30.0  # the official clients' time for a call and all its retries (typesafe-sdk's RetryPolicy timeout)
 CLAIMS = 3  # a mapping read as it expires: claimed again, a few times at most

@@ -17,24 +17,30 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 
-from ..plans import Prepared, QueueFull, prepare
-from ..wire.result import Result
-from ..wire.schema import MAX_ASSETS, ErrorCode, Request
-from . import decoding, replies, translate
-from .config import GatewayConfig
-from .disconnects import CallerGone
+from ...client.plans import Prepared, QueueFull, prepare
+from ...wire.result import Result
+from ...wire.schema import MAX_ASSETS, ErrorCode, Request
+from ..config import GatewayConfig
+from ..front import replies
+from ..front.disconnects import CallerGone
+from ..front.layer import Dialect, Front
+from ..front.replies import JSON, WAIT, Refused
+from ..service import Gateway
+from . import decoding, translate
 from .models import Models
-from .replies import JSON, WAIT, Refused
 from .retries import BUDGET_S, Retries, after, call_of
-from .service import Gateway
 
 CANCELLED = "cancelled"  # a result's error code for a request cancelled before it was computed (docs/PROTOCOL.md)
 RETRY_COUNT = "x-typesafe-retry-count"  # the clients' attempt number after the first: counted, never a key
 Watch = Callable[[HttpRequest, Awaitable[dict[str, Result]], list[str], str], Awaitable[dict[str, Result]]]
 
 
-def install(app: FastAPI, gateway: Gateway, config: GatewayConfig, watched: Watch) -> None:
-    """Add the two routes; ``watched``: how a route waits on results, CallerGone once its caller hangs up."""
+def install(app: FastAPI, front: Front, gateway: Gateway, config: GatewayConfig, watched: Watch) -> None:
+    """Add the two routes, and their answers' shape to the front layer (``Dialect``: a refusal it makes there reads
+    as the clients expect, every answer carries ``x-typesafe-request-id``); ``watched``: how a route waits on
+    results, CallerGone once its caller hangs up."""
+    front.speak(Dialect({"/v1/systemone": "systemone", "/v1/models": "models"}, translate.ID_HEADER,
+                        translate.fresh_id, translate.reshaped))
     models = Models(lambda: gateway.connection, config.aliases)
     retries = Retries(lambda: gateway.connection, config.retry_window_s or BUDGET_S + config.wait_s)
 

@@ -23,11 +23,11 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
-from ..wire.keys import MAX_BODY_BYTES
-from ..wire.result import Result
-from ..wire.schema import IMAGE_FORMATS, MAX_ASSETS, Request
+from ...wire.keys import MAX_BODY_BYTES
+from ...wire.result import Result
+from ...wire.schema import IMAGE_FORMATS, MAX_ASSETS, Request
+from ..front.replies import Refused
 from .decoding import Part
-from .replies import Refused
 
 ID_HEADER = "x-typesafe-request-id"  # every answer's: the queue's request id (a refusal before there is one: its own)
 TAGS = ("noul", "choice", "score", "box")  # a question's type in pydantic's locations: not a field the caller wrote
