@@ -53,13 +53,13 @@ class Prepared(NamedTuple):
     lane: Priority = NORMAL
     digest: str = ""  # digest.digest of the request ("": computed from the body when asked)
 
-    def asked(self) -> str:
+    def request_digest(self) -> str:
         """The request's digest: the one ``prepare`` took, else from the body."""
         return self.digest or digest(Request.model_validate_json(self.body))
 
     def digests(self) -> tuple[str, str]:
         """A result of this request carries the request's digest, or its body's where a worker did not validate it."""
-        return self.asked(), body_digest(self.body)
+        return self.request_digest(), body_digest(self.body)
 
     def answered_by(self, result: Result) -> Result:
         """``result`` if it answers this request, else ``id_conflict``: another request's under the id, or none's (no

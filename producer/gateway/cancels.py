@@ -29,7 +29,7 @@ from ..wire.records import Cancel
 from ..wire.schema import ErrorCode
 from .front.replies import Refused
 
-log = logging.getLogger("dq.gateway")
+log = logging.getLogger("producer.gateway")
 KEEP, CANCEL = "keep", "cancel"  # what a hang-up does: the key's "hang_up", or the call's ?hang_up=
 CANCEL_STATUS = {"cancelled": 200, "cancelling": 202, "too_late": 409, "unknown": 404}
 LINE_ID = re.compile(rb'\A\{"id":"([A-Za-z0-9._:\-]{1,128})"')  # a result line's id (written first)

@@ -87,6 +87,8 @@ def _opt(default: Any, help: str, low: float | None = None, high: float | None =
 
 @dataclass(frozen=True)
 class GatewayConfig:
+    """The gateway's settings, each a flag and a ``DQ_GATEWAY_*`` variable, checked when made (``load``)."""
+
     deployment: Deployment = field(default_factory=Deployment, metadata={"help": ""})
     host: str = _opt("127.0.0.1", "address to listen on (without API keys, a loopback address only)")
     port: int = _opt(8080, "port to listen on", low=1, high=65535)

@@ -20,6 +20,8 @@ from .systemone.translate import Call
 
 
 class RefusalError(BaseModel):
+    """A refusal's ``error``: a code, a message, the field at fault."""
+
     code: str = Field(description="what went wrong, a word: unauthorized, invalid_request, queue_full, timeout, ...")
     message: str
     field: str | None = Field(None, description="the field at fault (invalid input)")
@@ -41,34 +43,48 @@ class Refusal(BaseModel):
 
 
 class Enqueued(BaseModel):
+    """POST /v1/requests's 202: the ids and digests, in the order sent."""
+
     ids: list[str] = Field(description="each request's id, in order (the given one, else the one generated)")
     digests: list[str] = Field(description="each request's digest, in order: GET /v1/results/{id}?digest= answers "
                                            "that request's result only")
 
 
 class Health(BaseModel):
+    """GET /health: the process answers."""
+
     status: Literal["ok"]
 
 
 class Info(BaseModel):
+    """GET /info: the gateway's release and wire protocol."""
+
     version: str = Field(description="the gateway's release")
     protocol: str = Field(description="the wire protocol it speaks (docs/PROTOCOL.md)")
 
 
 class Readiness(BaseModel):
+    """GET /ready: whether the gateway can serve, and why not."""
+
     model_config = ConfigDict(extra="allow")
     ready: bool
 
 
 class Cancels(BaseModel):
+    """DELETE /v1/requests?id=...: what each cancel did."""
+
     requests: list[Cancel] = Field(description="what each cancel did, in the order asked")
 
 
 class Statuses(BaseModel):
+    """GET /v1/requests?id=...: where each request is."""
+
     requests: list[Status] = Field(description="where each request is, in the order asked")
 
 
 class SystemOneUsage(BaseModel):
+    """A System One answer's token counts."""
+
     input_tokens: int = Field(description="the prompt tokens the model read")
     output_tokens: int = Field(description="one per question: one readout each")
 
@@ -84,16 +100,22 @@ class SystemOneAnswer(BaseModel):
 
 
 class SystemOneModel(BaseModel):
+    """A model a System One call may name (GET /v1/models)."""
+
     name: str = Field(description="a name a call's model may be: a served name or an alias")
     description: str
     release_date: str = Field(description="empty: the queue does not know a checkpoint's release date")
 
 
 class SystemOneModels(BaseModel):
+    """GET /v1/models: every name a caller may send."""
+
     models: list[SystemOneModel]
 
 
 class SystemOneDetail(BaseModel):
+    """A System One refusal's detail: the gateway's code and message."""
+
     error_type: str = Field(description="the gateway's code: unauthorized, model_not_found, queue_full, timeout, ...")
     message: str
 
@@ -105,6 +127,8 @@ class SystemOneRefusal(BaseModel):
 
 
 class SystemOneProblem(BaseModel):
+    """One problem of a System One 422, as FastAPI lists it."""
+
     loc: list[str | int] = Field(description="where: body, then the field's path")
     msg: str
     type: str

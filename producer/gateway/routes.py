@@ -46,11 +46,11 @@ async def waited(http: HttpRequest, work: Any, ids: list[str], phase: str,
 def no_result(prepared: Prepared, wait: float, no_worker: str | None) -> Refused:
     """504: no result within the wait, and why when no worker of the namespace is alive; the request stays queued,
     read later by id and digest."""
-    where = f"/v1/results/{prepared.id}?digest={prepared.asked()}"
+    where = f"/v1/results/{prepared.id}?digest={prepared.request_digest()}"
     why = f"no live worker in namespace {no_worker!r} (no heartbeat in the last {GONE_S} s: none started, or all " \
           "gone); the request stays queued until one starts" if no_worker else "the request stays queued"
     return Refused(504, ErrorCode.TIMEOUT.value, f"no result in time ({wait:g} s); {why}: GET {where}",
-                   headers={"Location": where}, request_id=prepared.id, digest=prepared.asked())
+                   headers={"Location": where}, request_id=prepared.id, digest=prepared.request_digest())
 
 
 def create_app(config: GatewayConfig, connection: Any = None) -> Front:
@@ -73,7 +73,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         request_id, wait = prepared[0].id, gateway.wait_for(asked, body.deadline_ms)
         try:
             landed = await waited(http, client.wait_any([request_id], wait), [request_id], WAIT,
-                                  [prepared[0].asked()])
+                                  [prepared[0].request_digest()])
         except CallerGone:  # answered 499; what it waited for is cancelled unless its key or call keeps it
             cancels.hung_up(gateway, http, [request_id])
             raise
@@ -100,7 +100,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         access, prepared = gateway.admit(http, body.requests if batch else [body], batch)
         await gateway.submit(access.namespace, prepared)
         # Each id's digest: GET /v1/results/{id}?digest= then answers this request's result only.
-        return JSONResponse({"ids": [p.id for p in prepared], "digests": [p.asked() for p in prepared]}, 202)
+        return JSONResponse({"ids": [p.id for p in prepared], "digests": [p.request_digest() for p in prepared]}, 202)
 
     posts = [("/v1/decide", "Decide one request and wait for its result", "200", ("Request",), True, decide),
              ("/v1/decide/batch", "Decide many; results as they land (NDJSON)", "200", ("Batch",), True,

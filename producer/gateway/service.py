@@ -143,7 +143,7 @@ class Gateway:
                 raise
             refused = full.refused
         except redis.RedisError as error:
-            raise Unsettled(error, [p.id for p in prepared], SUBMIT, [p.asked() for p in prepared]) from error
+            raise Unsettled(error, [p.id for p in prepared], SUBMIT, [p.request_digest() for p in prepared]) from error
         self._count(prepared, [p.id for p in prepared if p.id not in set(refused)])
         return refused
 
@@ -162,7 +162,7 @@ class Gateway:
         started = time.monotonic()
         for request_id in refused:
             yield _line(Result.failure(request_id, ErrorCode.NOT_SENT, "the queue was full: not sent",
-                                       digest=asked[request_id].asked()))
+                                       digest=asked[request_id].request_digest()))
         pending = [r for r in asked if r not in set(refused)]
         try:
             while pending:
@@ -170,7 +170,7 @@ class Gateway:
                 for request_id in [r for r in pending if started + waits[r] <= now]:
                     yield _line(Result.failure(request_id, ErrorCode.TIMEOUT, f"no result within {waits[request_id]:g}"
                                                f" s; the request stays queued: {_fetch(asked[request_id])}",
-                                               digest=asked[request_id].asked()))
+                                               digest=asked[request_id].request_digest()))
                 pending = [r for r in pending if started + waits[r] > now]
                 if not pending:
                     return
@@ -184,7 +184,7 @@ class Gateway:
             for request_id in pending:
                 yield _line(Result.failure(request_id, code, "the queue could not be read; the request is queued "
                                            f"and will be answered: {_fetch(asked[request_id])}",
-                                           digest=asked[request_id].asked()))
+                                           digest=asked[request_id].request_digest()))
 
     async def no_worker(self, client: AsyncClient) -> bool:
         """No worker of the client's namespace is alive (False when unknown: Redis failing, heartbeats unreadable)."""
@@ -232,7 +232,7 @@ def pool_size(config: GatewayConfig) -> int:
 
 def _fetch(prepared: Prepared) -> str:
     """Where a request's result is read later: its id, and its digest, so that only its own is answered."""
-    return f"GET /v1/results/{prepared.id}?digest={prepared.asked()}"
+    return f"GET /v1/results/{prepared.id}?digest={prepared.request_digest()}"
 
 
 def _line(result: Result) -> bytes:

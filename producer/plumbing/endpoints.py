@@ -30,6 +30,8 @@ def http_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> 
     IPv4 together where the machine has IPv6, else IPv4 only. At most ``CONNECTIONS`` at once."""
 
     class Server(ThreadingHTTPServer):
+        """Threads that do not hold the process at exit; at most ``CONNECTIONS`` served at once."""
+
         daemon_threads = True
         request_queue_size = 64  # the listen backlog (the stdlib's 5 dropped connects in a burst)
         serving, refused, logged = 0, 0, float("-inf")
@@ -85,6 +87,8 @@ def serve_paths(host: str, port: int, answer: Callable[[str], Answer], name: str
     """GET endpoints in a thread, ``answer(path)`` giving each reply: the exporter's, a worker's and a launcher's."""
 
     class Handler(BaseHTTPRequestHandler):
+        """One GET, answered by ``answer(path)``; a request's head and body bounded."""
+
         timeout = REQUEST_S  # a socket that sends nothing for this long is closed
 
         def setup(self) -> None:

@@ -16,6 +16,8 @@ FIELDS = REQUEST_FIELDS + CALL_FIELDS
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and the request's or call's fields."""
+
     def format(self, record: logging.LogRecord) -> str:
         line = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
                 "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}

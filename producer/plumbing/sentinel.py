@@ -146,6 +146,8 @@ def _pools() -> tuple[type, type]:
     import redis.sentinel as sync
 
     class Following(sync.SentinelConnectionPool):
+        """The blocking pool that follows a failover."""
+
         asked = float("-inf")
 
         def get_master_address(self) -> Any:
@@ -164,6 +166,8 @@ def _pools() -> tuple[type, type]:
             return connection
 
     class AsyncFollowing(aio.SentinelConnectionPool):
+        """The asyncio pool that follows a failover."""
+
         asked = float("-inf")
 
         async def get_master_address(self) -> Any:

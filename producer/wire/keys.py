@@ -95,6 +95,8 @@ class Record:
 
 
 class RecordState(enum.StrEnum):
+    """Where a request is, as its record says (``Record.STATE``)."""
+
     QUEUED = "queued"  # enqueued by the submit function (where its entry is, the stream's group says)
     FANNED_OUT = "fanned_out"  # its parts are in the part stream
     ANSWERED = "answered"  # its result is published (kept a while after the result expires)

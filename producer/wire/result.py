@@ -24,12 +24,16 @@ class _Open(BaseModel):
 
 
 class ErrorInfo(_Open):
+    """An error result's ``error``: its code and message."""
+
     # A code this version does not know (a newer worker's) stays a plain string.
     code: Annotated[ErrorCode | str, Field(union_mode="left_to_right")]
     message: str
 
 
 class Usage(_Open):
+    """What a request cost: tokens, prompts, parts."""
+
     tokens: int = 0  # prompt tokens the model read, over all prompts
     prompts: int = 0  # sequences (prompts) the request was rendered into
     parts: int = 1  # parts it was fanned out into across workers
@@ -39,6 +43,8 @@ class Usage(_Open):
 
 
 class Timings(_Open):
+    """When a request was enqueued, started and finished, and its compute time."""
+
     enqueued_ms: int | None = None  # from the stream entry id
     started_ms: int | None = None  # first worker picked it up
     finished_ms: int | None = None  # result published

@@ -28,6 +28,8 @@ CLOSE = {"Connection": "close"}  # a refusal before its body was read: the rest 
 
 
 class Admission:
+    """What the calls in flight hold (in-flight slots, the body budget), taken before a body is read."""
+
     def __init__(self, inflight: Inflight, max_body_bytes: int, budget: int, body_timeout_s: float) -> None:
         self.inflight, self.max_body_bytes, self.budget, self.body_timeout_s = inflight, max_body_bytes, budget, \
             body_timeout_s

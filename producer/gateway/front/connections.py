@@ -52,6 +52,8 @@ INVALID = "Invalid HTTP request received."  # uvicorn's warning, once per bad re
 
 @dataclass(frozen=True)
 class Limits:
+    """The connection limits: how many at once, a request head's size and time."""
+
     max_connections: int
     max_header_bytes: int
     header_timeout_s: float

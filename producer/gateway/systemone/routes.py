@@ -70,14 +70,14 @@ def install(app: FastAPI, front: Front, gateway: Gateway, config: GatewayConfig,
         served = await models.route(access, call.model)
         request = translate.to_request(call, parts, served.name)
         _, [prepared] = gateway.admit(http, [request], batch=False)
-        name = call_of(access.namespace, served.name, prepared.asked(), http.headers.get("idempotency-key"))
+        name = call_of(access.namespace, served.name, prepared.request_digest(), http.headers.get("idempotency-key"))
         client = gateway.clients[served.namespace]
         for turn in range(3):  # a request cancelled under the call: the call's next name, a new id (retries.py)
             if turn:
                 prepared = prepare(Request.model_validate_json(prepared.body).model_copy(update={"id": uuid4().hex}))
-            claim = await retries.claim(served.namespace, name, prepared.id, prepared.asked())
+            claim = await retries.claim(served.namespace, name, prepared.id, prepared.request_digest())
             http.state.typesafe_id = claim.request_id
-            if claim.digest != prepared.asked():
+            if claim.digest != prepared.request_digest():
                 raise Refused(422, "idempotency_key_reused", "this Idempotency-Key was sent with another request",
                               "body")
             if claim.fresh:

@@ -62,29 +62,39 @@ class _Closed(BaseModel):
 
 
 class NoulCriteria(_Closed):
+    """A noul question's two criteria (either may be left out)."""
+
     true: Content = None
     false: Content = None
 
 
 class Noul(_Closed):
+    """A yes-or-no question."""
+
     type: Literal["noul"]
     instructions: Content = None
     criteria: NoulCriteria | None = None
 
 
 class Choice(_Closed):
+    """A question with named options, one of which is the answer."""
+
     type: Literal["choice"]
     instructions: Content = None
     criteria: dict[str, Content] = Field(min_length=1)
 
 
 class Score(_Closed):
+    """A question answered by a level of an ordered scale."""
+
     type: Literal["score"]
     instructions: Content = None
     criteria: list[Annotated[JsonValue, AfterValidator(_level)]] = Field(min_length=1)
 
 
 class Box(_Closed):
+    """A bounding-box question: refused, no served model has a box head."""
+
     type: Literal["box"]
     instructions: Content = None
 
@@ -99,6 +109,8 @@ class Asset(_Closed):
 
 
 class Call(_Closed):
+    """The body of a POST /v1/systemone call."""
+
     model: str = Field(min_length=1)
     state: Annotated[JsonValue, AfterValidator(_state)]
     questions: dict[str, Annotated[Union[Noul, Choice, Score, Box], Field(discriminator="type")]] = Field(min_length=1)
