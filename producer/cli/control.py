@@ -1,5 +1,5 @@
-"""``dq-producer cancel`` and ``dq-producer status``: ids from the arguments or a file, one JSON line per id, the
-exit code from what the answers say (the plans they run: producer/client/control.py)."""
+"""``dq-producer cancel`` and ``dq-producer status``: ids from the arguments or a file, one JSON line per id,
+the exit code from what the answers say (the plans they run: producer/client/control.py)."""
 
 from __future__ import annotations
 
@@ -41,17 +41,20 @@ def run_status(args: argparse.Namespace, client: Any) -> int:
     return _run(args, client.status, "unknown")
 
 
+CANCEL = ("Cancel requests: a queued one is never computed and is answered `cancelled`; one a worker holds "
+          "is answered `cancelled` unless a prompt of it is already packed (then normally). One JSON line "
+          "per id: cancelled, cancelling (its worker decides), too_late (already answered: exit 1) or "
+          "unknown.")
+STATUS = ("Where requests are: queued (lane, how many ahead), in_progress (worker, since, deliveries), "
+          "answered, cancelled, dead_lettered or unknown (exit 1). One JSON line per id; reads no payload "
+          "(the monitor user may run it).")
+
+
 def add_parsers(commands: Any, common: argparse.ArgumentParser) -> None:
-    for name, run, text_ in (
-            ("cancel", run_cancel, "Cancel requests: a queued one is never computed and is answered `cancelled`; "
-             "one a worker holds is answered `cancelled` unless a prompt of it is already packed (then normally). "
-             "One JSON line per id: cancelled, cancelling (its worker decides), too_late (already answered: exit "
-             "1) or unknown."),
-            ("status", run_status, "Where requests are: queued (lane, how many ahead), in_progress (worker, since, "
-             "deliveries), answered, cancelled, dead_lettered or unknown (exit 1). One JSON line per id; reads no "
-             "payload (the monitor user may run it).")):
+    for name, run, text_ in (("cancel", run_cancel, CANCEL), ("status", run_status, STATUS)):
         sub = commands.add_parser(name, parents=[common], help=text_.split(":")[0].split(".")[0].lower(),
                                   description=text_)
         sub.add_argument("ids", nargs="*", metavar="ID", help="request ids")
-        sub.add_argument("--file", metavar="FILE", help="more ids, one per line (- for stdin) [default: none]")
+        sub.add_argument("--file", metavar="FILE",
+                         help="more ids, one per line (- for stdin) [default: none]")
         sub.set_defaults(run=run)

@@ -12,10 +12,10 @@ result, cancel requests or say where they are, or show queue stats.
   dq-producer dead list | requeue ID... | purge --all    dead letters (the admin user)
   dq-producer exporter --port 9401                       queue depth as Prometheus metrics (the monitor user)
 
-Exit codes: 0 every request queued (or, with --wait, answered ok); 1 some refused, answered with an error or timed
-out (cancel: one too late; status: one unknown); 2 usage (bad flag, file, URL or id; a --model no live worker
-serves) or an unsupported server (older than Redis 7.0 or Valkey 7.2); 3 queue full, some requests not sent; 4
-Redis unreachable or refusing; 130 interrupted (Ctrl-C: every line still gets its record).
+Exit codes: 0 every request queued (or, with --wait, answered ok); 1 some refused, answered with an error or
+timed out (cancel: one too late; status: one unknown); 2 usage (bad flag, file, URL or id; a --model no live
+worker serves) or an unsupported server (older than Redis 7.0 or Valkey 7.2); 3 queue full, some requests not
+sent; 4 Redis unreachable or refusing; 130 interrupted (Ctrl-C: every line still gets its record).
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def _send(client: Client, lines: list[Line], report: Report, args: argparse.Name
             if getattr(full, "accepted", None):
                 stalled_since = time.monotonic()
             elif time.monotonic() - stalled_since >= args.queue_timeout:
-                why = f"{'queue full' if isinstance(full, QueueFull) else 'replicas not confirming'} for " \
-                      f"{args.queue_timeout:g} s ({getattr(full, 'detail', full)})"
+                what = "queue full" if isinstance(full, QueueFull) else "replicas not confirming"
+                why = f"{what} for {args.queue_timeout:g} s ({getattr(full, 'detail', full)})"
                 for line in window + todo[start + args.batch:]:
                     line.fail("not_sent", ErrorCode.NOT_SENT, why)
                 report.note(f"{why}: {report.count('not_sent')} requests not sent")
@@ -101,7 +101,8 @@ def _send(client: Client, lines: list[Line], report: Report, args: argparse.Name
 
 
 def _wait(client: Client, lines: list[Line], report: Report, args: argparse.Namespace) -> None:
-    """Collect results until all are there or ``--timeout`` passes; the missing ones get a ``timeout`` result."""
+    """Collect results until all are there or ``--timeout`` passes; the missing ones get a ``timeout``
+    result."""
     for line in lines:
         if line.state in ("refused", "not_sent"):
             report.write(line, args.ordered)
@@ -119,15 +120,16 @@ def _wait(client: Client, lines: list[Line], report: Report, args: argparse.Name
         except ResultTimeout as partial:
             landed = partial.results
         for line in window:
-            if line.id in landed:  # another request's result under a reused id (or a line's twin) is a conflict
+            # Another request's result under a reused id (or a line's twin) is a conflict.
+            if line.id in landed:
                 line.state, line.result = "answered", line.prepared.answered_by(landed[line.id])
                 report.write(line, args.ordered)
         waiting = [line for line in waiting if line.state == "queued"]
         report.progress()
         if waiting and time.monotonic() >= deadline:
             for line in waiting:
-                line.fail("timed_out", ErrorCode.TIMEOUT, f"no result within {args.timeout:g} s; the request stays "
-                                                          f"queued (dq-producer result {line.id})")
+                line.fail("timed_out", ErrorCode.TIMEOUT, f"no result within {args.timeout:g} s; the request "
+                                                          f"stays queued (dq-producer result {line.id})")
                 report.write(line, args.ordered)
             report.note(f"{len(waiting)} results missing after {args.timeout:g} s; they can be read later "
                         f"(dq-producer result ID)")
@@ -145,8 +147,9 @@ def _no_worker_warning(client: Client, timeout: float, say: Any) -> None:
 def stats(args: argparse.Namespace, client: Client) -> int:
     def shown() -> str:
         found = client.stats()
-        return json.dumps(found, indent=2, default=str) + "\n" if args.json else \
-            table.render(found, client.deployment.namespace)
+        if args.json:
+            return json.dumps(found, indent=2, default=str) + "\n"
+        return table.render(found, client.deployment.namespace)
 
     if args.watch is None:
         sys.stdout.write(shown())
@@ -188,57 +191,66 @@ def parser() -> argparse.ArgumentParser:
                                 else {"type": int, "metavar": metavar} if isinstance(default, int)
                                 else {"metavar": metavar})
         shown = ("on" if default else "off") if isinstance(default, bool) else repr(default)
-        common.add_argument(*flags, dest=name, default=None, help=f"{text} [env {env}, default {shown}]", **kind)
+        common.add_argument(*flags, dest=name, default=None, help=f"{text} [env {env}, default {shown}]",
+                            **kind)
     routed = argparse.ArgumentParser(add_help=False, parents=[common])  # where requests go: by model
-    routed.add_argument("--model", default=None, metavar="NAME", help="the model to use: the first of "
-                        "--model-namespaces whose live workers serve it (exit 2 if none does) [default: the namespace's]")
-    routed.add_argument("--model-namespaces", default=None, metavar="NS,NS", help="the namespaces where --model is "
-                        "looked for, in order [default: --namespace]")
+    routed.add_argument("--model", default=None, metavar="NAME",
+                        help="the model to use: the first of --model-namespaces whose live workers serve it "
+                             "(exit 2 if none does) [default: the namespace's]")
+    routed.add_argument("--model-namespaces", default=None, metavar="NS,NS",
+                        help="the namespaces where --model is looked for, in order [default: --namespace]")
 
     sub = commands.add_parser("submit", parents=[routed], help="submit a JSONL file, one request per line",
-                              description="Submit a JSONL file, one request per line (blank lines are skipped).")
+                              description="Submit a JSONL file, one request per line (blank lines are "
+                                          "skipped).")
     sub.add_argument("file", help="JSONL file, or - for stdin")
     sub.add_argument("--wait", action="store_true",
-                     help="wait and write one result per request line (else one {line, id} record) [default off]")
+                     help="wait and write one result per request line (else one {line, id} record) "
+                          "[default off]")
     sub.add_argument("--ordered", action="store_true",
                      help="with --wait, write results in input order instead of as they land [default off]")
-    sub.add_argument("--out", default="-", metavar="FILE", help="where the records or results go [default '-': stdout]")
+    sub.add_argument("--out", default="-", metavar="FILE",
+                     help="where the records or results go [default '-': stdout]")
     sub.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
-                     help="seconds to wait for the results; the missing ones get a timeout result [default 600]")
+                     help="seconds to wait for the results; the missing ones get a timeout result "
+                          "[default 600]")
     sub.add_argument("--queue-timeout", type=float, default=60.0, metavar="SECONDS",
-                     help="seconds to keep retrying while the queue is full and nothing gets in; then the rest is "
-                          "not sent and the exit code is 3 (0: give up at once) [default 60]")
-    sub.add_argument("--batch", type=_positive, default=500, metavar="N", help="requests per submit call [default 500]")
+                     help="seconds to keep retrying while the queue is full and nothing gets in; then the rest "
+                          "is not sent and the exit code is 3 (0: give up at once) [default 60]")
+    sub.add_argument("--batch", type=_positive, default=500, metavar="N",
+                     help="requests per submit call [default 500]")
     sub.add_argument("--max-unfinished", type=_at_least_zero, default=100_000, metavar="N",
                      help="backpressure: the most entries a shard's request stream may hold (0: no limit) "
                           "[default 100000]")
     sub.add_argument("--priority", choices=[str(lane) for lane in LANES], default=None,
-                     help="the lane of requests whose line has no \"priority\": high requests are served ahead of "
-                          "the normal backlog [default: normal]")
-    sub.add_argument("--quiet", action="store_true", help="no progress line (the summary stays) [default off]")
+                     help="the lane of requests whose line has no \"priority\": high requests are served "
+                          "ahead of the normal backlog [default: normal]")
+    sub.add_argument("--quiet", action="store_true",
+                     help="no progress line (the summary stays) [default off]")
     sub.set_defaults(run=submit)
 
-    stat = commands.add_parser("stats", parents=[common], help="the queue's streams and workers, as tables",
-                               description="Stream lengths, the worker group's pending, lag and consumers, for each "
-                                           "shard and lane (high, normal) and every shard together; dead letters; "
-                                           "and each worker's heartbeat (name, shard, model, engine, state, entries "
-                                           "held, last beat).")
-    stat.add_argument("--json", action="store_true", help="the figures as JSON (per lane and both lanes together, "
-                                                          "per shard and in total) [default off: tables]")
+    stat = commands.add_parser(
+        "stats", parents=[common], help="the queue's streams and workers, as tables",
+        description="Stream lengths, the worker group's pending, lag and consumers, for each shard and lane "
+                    "(high, normal) and every shard together; dead letters; and each worker's heartbeat (name, "
+                    "shard, model, engine, state, entries held, last beat).")
+    stat.add_argument("--json", action="store_true",
+                      help="the figures as JSON (per lane and both lanes together, per shard and in total) "
+                           "[default off: tables]")
     stat.add_argument("--watch", type=table.interval, default=None, metavar="SECONDS",
                       help="draw the tables again every SECONDS until Ctrl-C [default off: once]")
     stat.set_defaults(run=stats)
 
-    res = commands.add_parser("result", parents=[routed], help="print one result (exit 1 for an error or none)",
-                              description="Print one request's result; exit 0 if it is ok, 1 if it is an error "
-                                          "result or there is none.")
+    res = commands.add_parser(
+        "result", parents=[routed], help="print one result (exit 1 for an error or none)",
+        description="Print one request's result; exit 0 if it is ok, 1 if it is an error result or there is "
+                    "none.")
     res.add_argument("id", help="the request id")
     res.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                      help="seconds to wait for it (0: look once) [default 0]")
     res.set_defaults(run=result)
     control.add_parsers(commands, common)
     dead_letters.add_parser(commands, common)
-
     exporter.add_parser(commands, common)
     return top
 
@@ -268,15 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         print(f"dq-producer: {error}", file=sys.stderr)
         return USAGE
-    # The exporter starts whatever Redis does (it reports it), reading without retries: a scrape never waits them.
+    # The exporter starts whatever Redis does (it reports it), reading without retries: a scrape never waits
+    # them.
     options = {"retry": Retry(NoBackoff(), 0)} if args.command == "exporter" else {}
     try:
         if args.command != "exporter":
             check_reachable(deployment)
-        with Client(deployment.url, deployment.namespace, cluster=deployment.cluster, shards=deployment.shards,
-                    wait_replicas=deployment.wait_replicas, max_unfinished=getattr(args, "max_unfinished", 0),
-                    model=getattr(args, "model", None),
-                    model_namespaces=[n for n in (getattr(args, "model_namespaces", None) or "").split(",") if n],
+        namespaces = [n for n in (getattr(args, "model_namespaces", None) or "").split(",") if n]
+        with Client(deployment.url, deployment.namespace, cluster=deployment.cluster,
+                    shards=deployment.shards, wait_replicas=deployment.wait_replicas,
+                    max_unfinished=getattr(args, "max_unfinished", 0),
+                    model=getattr(args, "model", None), model_namespaces=namespaces,
                     **deployment.options(), **options) as client:
             return args.run(args, client)
     except redis.RedisError as error:

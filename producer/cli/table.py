@@ -1,7 +1,7 @@
 """``dq-producer stats`` as a person reads it: one table of the streams (each shard's lanes, and every shard's
-together), then one of the workers (each heartbeat: name, shard, model, engine, state, entries held, last beat).
-``--json`` prints ``Client.stats()`` as it is; ``--watch SECONDS`` draws the tables again every SECONDS, as
-``watch`` would, until Ctrl-C.
+together), then one of the workers (each heartbeat: name, shard, model, engine, state, entries held, last
+beat). ``--json`` prints ``Client.stats()`` as it is; ``--watch SECONDS`` draws the tables again every
+SECONDS, as ``watch`` would, until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -18,34 +18,37 @@ from ..wire.errors import DecisionQueueError
 from ..wire.keys import GONE_S
 
 # (header, stream, field) of the stream table: the request stream's figures, then the part stream's.
-STREAM_COLUMNS = (("REQUESTS", "requests", "length"), ("PENDING", "requests", "pending"), ("LAG", "requests", "lag"),
-                  ("PARTS", "chunks", "length"), ("PARTS PENDING", "chunks", "pending"),
+STREAM_COLUMNS = (("REQUESTS", "requests", "length"), ("PENDING", "requests", "pending"),
+                  ("LAG", "requests", "lag"), ("PARTS", "chunks", "length"), ("PARTS PENDING", "chunks", "pending"),
                   ("PARTS LAG", "chunks", "lag"), ("CONSUMERS", "requests", "consumers"))
 WORKER_COLUMNS = ("WORKER", "SHARD", "MODEL", "ENGINE", "STATE", "HELD", "LAST BEAT")
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen: what watch(1) does between frames
 
 
 def render(stats: dict[str, Any], namespace: str) -> str:
-    """The two tables of one ``Client.stats()`` reading (no clock in it: the same reading renders the same)."""
+    """The two tables of one ``Client.stats()`` reading (no clock in it: the same reading renders the
+    same)."""
     shards = stats["shards"]
     dead = ", ".join(f"shard {s['shard']}: {s['dead_letters']}" for s in shards) if len(shards) > 1 else ""
     lines = [f"namespace {namespace}: {len(shards)} shard{'s' if len(shards) != 1 else ''}, "
              f"{stats['workers']} worker{'s' if stats['workers'] != 1 else ''} live, "
              f"{stats['dead_letters']} dead letters" + (f" ({dead})" if dead else ""), ""]
-    rows = [[str(shard["shard"]), lane] + [_figure(streams[stream].get(field)) for _, stream, field in STREAM_COLUMNS]
-            for shard in shards for lane, streams in shard["lanes"].items()]
+    def figures(streams: dict[str, Any]) -> list[str]:
+        return [_figure(streams[stream].get(field)) for _, stream, field in STREAM_COLUMNS]
+
+    rows = [[str(shard["shard"]), lane, *figures(streams)] for shard in shards
+            for lane, streams in shard["lanes"].items()]
     if len(shards) > 1:
-        rows += [["all", lane] + [_figure(streams[stream].get(field)) for _, stream, field in STREAM_COLUMNS]
-                 for lane, streams in stats["lanes"].items()]
+        rows += [["all", lane, *figures(streams)] for lane, streams in stats["lanes"].items()]
     lines += _table(["SHARD", "LANE", *(header for header, _, _ in STREAM_COLUMNS)], rows, numeric_from=2)
     lines.append("")
     beats = stats.get("heartbeats", [])
     if not beats:
-        lines.append(f"no worker has a heartbeat in namespace {namespace!r}: nothing will answer until one starts "
-                     "(is the namespace right?)")
+        lines.append(f"no worker has a heartbeat in namespace {namespace!r}: nothing will answer until one "
+                     "starts (is the namespace right?)")
     else:
         lines += _table(list(WORKER_COLUMNS), [
-            [b["name"], _text(b["shard"]), _text(b["model"]), _text(b["engine"]), _text(b["state"]), _text(b["held"]),
+            [b["name"], *map(_text, (b["shard"], b["model"], b["engine"], b["state"], b["held"])),
              "-" if b["beat_age_s"] is None else f"{b['beat_age_s']:.1f} s ago"] for b in beats], numeric_from=5)
         if any(b["state"] == "gone" for b in beats):
             lines.append(f"gone: no heartbeat for {GONE_S} s or more (a live worker deletes such beats)")
@@ -60,9 +63,11 @@ def interval(text: str) -> float:
     return value
 
 
-def watch(shown: Callable[[], str], every: float, out: TextIO = sys.stdout, frames: int | None = None) -> None:
-    """Draw what ``shown`` reads every ``every`` seconds until interrupted (or ``frames`` drawn): the screen cleared
-    first on a terminal, frames one after another otherwise. A failed read is said in its frame; the watch goes on."""
+def watch(shown: Callable[[], str], every: float, out: TextIO = sys.stdout,
+          frames: int | None = None) -> None:
+    """Draw what ``shown`` reads every ``every`` seconds until interrupted (or ``frames`` drawn): the screen
+    cleared first on a terminal, frames one after another otherwise. A failed read is said in its frame; the
+    watch goes on."""
     drawn = 0
     while frames is None or drawn < frames:
         started = time.monotonic()

@@ -13,17 +13,18 @@ from .plans import BLOCK_MS, WINDOW, Call, NotDurable, Plan, Producer, parse_res
 
 
 def wait_any(core: Producer, request_ids: Iterable[str], timeout: float) -> Plan[dict[str, Result]]:
-    """The results of ``request_ids`` that are there now or, when none is, the first to land within ``timeout``
-    seconds (empty: none did). Call again with the ids still missing.
+    """The results of ``request_ids`` that are there now or, when none is, the first to land within
+    ``timeout`` seconds (empty: none did). Call again with the ids still missing.
 
-    Durable mode (``wait_replicas``): a result is returned only once the replicas asked for have it, as ``fetch``
-    and ``wait_many`` do: what the blocking read finds is looked at again with an empty PUBLISH and a WAIT
-    (``Producer.present``). One they have not confirmed is not there yet (the wait goes on, each look taking up to
-    the WAIT's own 2 s); if none was confirmed by the deadline, the last NotDurable is raised, naming them."""
+    Durable mode (``wait_replicas``): a result is returned only once the replicas asked for have it, as
+    ``fetch`` and ``wait_many`` do: what the blocking read finds is looked at again with an empty PUBLISH and
+    a WAIT (``Producer.present``). One they have not confirmed is not there yet (the wait goes on, each look
+    taking up to the WAIT's own 2 s); if none was confirmed by the deadline, the last NotDurable is raised,
+    naming them."""
     deadline = time.monotonic() + timeout
     waiting = list(dict.fromkeys(request_ids))
-    # One blocking read over every id answers at once with those already there: no look first (a round trip less
-    # per call), unless the read cannot cover them all (a cluster, more than a window) or must not block.
+    # One blocking read over every id answers at once with those already there: no look first (a round trip
+    # less per call), unless the read cannot cover them all (a cluster, more than a window) or must not block.
     covered = not core.cluster and len(waiting) <= WINDOW and timeout > 0
     done: dict[str, Result] = {}
     shortfall: NotDurable | None = None

@@ -1,11 +1,12 @@
 """Cancel requests and ask where they are (docs/PROTOCOL.md, "Cancelling" and "Status"): plans of the core
-(producer/client/plans.py) that both client faces run (``Client.cancel``, ``Client.status``), and ``dq-producer cancel``
-and ``status`` (producer/cli/control.py).
+(producer/client/plans.py) that both client faces run (``Client.cancel``, ``Client.status``), and
+``dq-producer cancel`` and ``status`` (producer/cli/control.py).
 
-A cancel is one call of the cancel function per shard and batch of up to 1000 ids (producer/wire/records.py says
-what it does). A status is two pipelined round trips for any number of ids: each request's record and whether its
-result stream exists; then, for those still in a stream, their entry's place in the pending list and the stream's
-group, and a fan-out's finished parts. It reads no payload, so the monitor role may ask it too.
+A cancel is one call of the cancel function per shard and batch of up to 1000 ids (producer/wire/records.py
+says what it does). A status is two pipelined round trips for any number of ids: each request's record and
+whether its result stream exists; then, for those still in a stream, their entry's place in the pending list
+and the stream's group, and a fan-out's finished parts. It reads no payload, so the monitor role may ask it
+too.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def _ids(request_ids: Iterable[str] | str) -> list[str]:
 
 
 def cancel(core: Producer, request_ids: Iterable[str] | str) -> Plan[dict[str, Cancel]]:
-    """Cancel each request (docs/PROTOCOL.md, "Cancelling"): what each cancel did, by id, in order. Durable mode:
-    NotDurable names the ids whose cancel the replicas did not confirm (cancel them again: it is idempotent)."""
+    """Cancel each request (docs/PROTOCOL.md, "Cancelling"): what each cancel did, by id, in order. Durable
+    mode: NotDurable names the ids whose cancel the replicas did not confirm (cancel them again: it is
+    idempotent)."""
     ids, found = _ids(request_ids), {}
     by_shard: dict[int, list[str]] = {}
     for request_id in ids:
@@ -48,15 +50,17 @@ def cancel(core: Producer, request_ids: Iterable[str] | str) -> Plan[dict[str, C
                             [int(time.time() * 1000), *batch], core.wait_replicas)
             reply = yield from _call(call)
             if core.wait_replicas and reply[1] < core.wait_replicas:
-                raise NotDurable(f"{len(batch)} cancels made on the primary, but {reply[1]} of {core.wait_replicas} "
-                                 "replicas confirmed them: cancel them again", batch, reply[1], core.wait_replicas)
+                raise NotDurable(f"{len(batch)} cancels made on the primary, but {reply[1]} of "
+                                 f"{core.wait_replicas} replicas confirmed them: cancel them again", batch,
+                                 reply[1], core.wait_replicas)
             found.update((request_id, cancel_of(request_id, answer))
                          for request_id, answer in zip(batch, reply[0] if core.wait_replicas else reply))
-    # A worker publishes a result before its record says so: one published meanwhile makes the cancel too late.
+    # A worker publishes a result before its record says so: one published meanwhile makes the cancel too
+    # late.
     held = [request_id for request_id in ids if found[request_id].state == "cancelling"]
     if held:
-        for request_id, entries in zip(held, (yield Pipeline([Call("xrange", (core.keys.result(r),), {"count": 1})
-                                                               for r in held]))):
+        reads = yield Pipeline([Call("xrange", (core.keys.result(r),), {"count": 1}) for r in held])
+        for request_id, entries in zip(held, reads):
             if entries:
                 result = parse_result(entries[0][1], request_id)
                 found[request_id] = cancel_of(request_id, ["answered", result.status, getattr(
@@ -65,8 +69,8 @@ def cancel(core: Producer, request_ids: Iterable[str] | str) -> Plan[dict[str, C
 
 
 def _call(call: Function) -> Plan[Any]:
-    """A function call, the library loaded first where the server has none; a server with an older revision (no
-    cancel function) is said plainly."""
+    """A function call, the library loaded first where the server has none; a server with an older revision
+    (no cancel function) is said plainly."""
     for attempt in range(2):
         try:
             return (yield call)
@@ -83,12 +87,14 @@ def _call(call: Function) -> Plan[Any]:
 
 
 def status(core: Producer, request_ids: Iterable[str] | str) -> Plan[dict[str, Status]]:
-    """Where each request is (docs/PROTOCOL.md, "Status"), by id, in order; two round trips, no payload read."""
+    """Where each request is (docs/PROTOCOL.md, "Status"), by id, in order; two round trips, no payload
+    read."""
     ids = _ids(request_ids)
     records = {r: Keys(core.keys.namespace, shard_of(r, core.shards)).record(r) for r in ids}
     first = yield Pipeline([call for r in ids for call in (Call("hgetall", (records[r],)),
                                                            Call("exists", (core.keys.result(r),)))])
-    found = {r: {text(name): text(value) for name, value in (first[2 * i] or {}).items()} for i, r in enumerate(ids)}
+    found = {r: {text(name): text(value) for name, value in (first[2 * i] or {}).items()}
+             for i, r in enumerate(ids)}
     results = {r: bool(first[2 * i + 1]) for i, r in enumerate(ids)}
     # Second: each entry's place in the pending list and its stream's group, a fan-out's finished parts.
     calls: list[Call] = []

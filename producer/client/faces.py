@@ -1,8 +1,8 @@
-"""The client's two faces: submit requests, wait for their results, cancel them, ask where they are, read queue
-stats; blocking (``Client``) or asyncio (``AsyncClient``), with the same methods.
+"""The client's two faces: submit requests, wait for their results, cancel them, ask where they are, read
+queue stats; blocking (``Client``) or asyncio (``AsyncClient``), with the same methods.
 
-Both faces run the plans of one core (``plans.Producer``) against their connection: the logic is written once, only
-the I/O differs (runner.py, where ``Face`` says what the constructor takes).
+Both faces run the plans of one core (``plans.Producer``) against their connection: the logic is written once,
+only the I/O differs (runner.py, where ``Face`` says what the constructor takes).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ class Client(Blocking):
         return self.submit_many([request])[0]
 
     def submit_many(self, requests: Iterable[Submittable]) -> list[str]:
-        """Enqueue requests in batches, each all or nothing; returns their ids in order. On backpressure raises
-        QueueFull, whose ``accepted`` and ``refused`` say which went in."""
+        """Enqueue requests in batches, each all or nothing; returns their ids in order. On backpressure
+        raises QueueFull, whose ``accepted`` and ``refused`` say which went in."""
         return self._run(self.core.submit_many(requests))
 
     def fetch(self, request_id: str) -> Result | None:
@@ -38,14 +38,15 @@ class Client(Blocking):
 
     def wait_many(self, request_ids: Iterable[str], timeout: float | None = 60.0, *, check: bool = True
                   ) -> dict[str, Result]:
-        """Results of all ``request_ids`` by id, in their order; raises ResultTimeout naming how many are missing.
-        A result of another request under an id this client submitted is returned as ``id_conflict``; ``check``
-        False: every result as stored (for a reader that compares each with its own request's digest)."""
+        """Results of all ``request_ids`` by id, in their order; raises ResultTimeout naming how many are
+        missing. A result of another request under an id this client submitted is returned as ``id_conflict``;
+        ``check`` False: every result as stored (for a reader that compares each with its own request's
+        digest)."""
         return self._run(self.core.wait_many(request_ids, timeout, check))
 
     def wait_any(self, request_ids: Iterable[str], timeout: float = 1.0) -> dict[str, Result]:
-        """Those of the results that are there; when none is, the first to land within ``timeout`` seconds (empty:
-        none did). Results as they land: call again with the ids still missing."""
+        """Those of the results that are there; when none is, the first to land within ``timeout`` seconds
+        (empty: none did). Results as they land: call again with the ids still missing."""
         return self._run(arrivals.wait_any(self.core, request_ids, timeout))
 
     def decide(self, request: Submittable, timeout: float | None = 60.0) -> Result:

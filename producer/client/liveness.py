@@ -1,9 +1,10 @@
-"""Whether anyone will answer: a wait (``Producer.wait_many``) during which no worker of the namespace is alive (none
-started, all gone, a mistyped namespace) ends after ``no_worker_s``, not after its whole timeout, saying so.
+"""Whether anyone will answer: a wait (``Producer.wait_many``) during which no worker of the namespace is
+alive (none started, all gone, a mistyped namespace) ends after ``no_worker_s``, not after its whole timeout,
+saying so.
 
-Liveness is a heartbeat younger than ``GONE_S`` (producer/wire/keys.py). It is looked at a second into a wait that
-has not got its results, then every ``LOOK_S``: a wait answered at once pays nothing for it. Once a worker is seen
-alive (or this user may not read the heartbeats), a wait runs its whole timeout.
+Liveness is a heartbeat younger than ``GONE_S`` (producer/wire/keys.py). It is looked at a second into a wait
+that has not got its results, then every ``LOOK_S``: a wait answered at once pays nothing for it. Once a
+worker is seen alive (or this user may not read the heartbeats), a wait runs its whole timeout.
 """
 
 from __future__ import annotations
@@ -37,5 +38,5 @@ class Liveness:
         return not self.seen and (late or time.monotonic() - self.started >= self.no_worker_s)  # type: ignore
 
     def why(self) -> str:
-        return f"; no live worker in namespace {self.namespace!r} (no heartbeat in the last {GONE_S} s: none " \
-               "started, or the namespace is wrong): they stay queued until one starts"
+        return (f"; no live worker in namespace {self.namespace!r} (no heartbeat in the last {GONE_S} s: "
+                "none started, or the namespace is wrong): they stay queued until one starts")

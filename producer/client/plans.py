@@ -1,17 +1,17 @@
 """The producer's core: all of its logic and no socket, shared by ``Client`` and ``AsyncClient`` (client.py).
 
-``Producer`` plans every Redis exchange: each operation is a generator that yields what to send
-(a ``Call``, a ``Pipeline``, a ``Function`` call or a ``Load`` of the function library) and is sent the reply, or
-has the error thrown in. The two faces only run those plans against their connection: ``Client`` blocks,
-``AsyncClient`` awaits. So batching, backpressure, the windowed wait, result parsing and stats are written once,
-and the faces have the same methods. ``Producer.send`` is the one place that writes to a request stream.
+``Producer`` plans every Redis exchange: each operation is a generator that yields what to send (a ``Call``, a
+``Pipeline``, a ``Function`` call or a ``Load`` of the function library) and is sent the reply, or has the
+error thrown in. The two faces only run those plans against their connection: ``Client`` blocks,
+``AsyncClient`` awaits. So batching, backpressure, the windowed wait, result parsing and stats are written
+once, and the faces have the same methods. ``Producer.send`` is the one place that writes to a request stream.
 
-Submitting is one call of the submit function (producer/wire/library.py) per batch: it checks each id and body size
-and refuses the batch when the request stream holds more than ``max_unfinished`` entries (its length is the
-unfinished work). A request goes to its lane's stream, so the limit holds per lane.
-Waiting is a blocking ``XREAD`` on the result streams of up to 256 awaited requests at once (a result keeps its
-one entry until its TTL); on Redis Cluster, where one read cannot span slots, on the oldest one, then a pipelined
-look at the others.
+Submitting is one call of the submit function (producer/wire/library.py) per batch: it checks each id and body
+size and refuses the batch when the request stream holds more than ``max_unfinished`` entries (its length is
+the unfinished work). A request goes to its lane's stream, so the limit holds per lane. Waiting is a blocking
+``XREAD`` on the result streams of up to 256 awaited requests at once (a result keeps its one entry until its
+TTL); on Redis Cluster, where one read cannot span slots, on the oldest one, then a pipelined look at the
+others.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the 
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
 WINDOW = 256  # result streams one blocking read waits on (any of them landing wakes it)
 REMEMBERED = 100_000  # ids whose digests a producer keeps (for id conflicts): about 300 bytes each
-# A "function not found" reply means nothing ran: load the library and call again. The server may lose it again
-# in between (restarts, failovers, FUNCTION FLUSH in a row): a few tries, then the error goes to the caller.
+# A "function not found" reply means nothing ran: load the library and call again. The server may lose it
+# again in between (restarts, failovers, FUNCTION FLUSH in a row): a few tries, then the error goes to the
+# caller.
 LOAD_TRIES = 5
 
 
@@ -62,8 +63,8 @@ class Prepared(NamedTuple):
         return self.request_digest(), body_digest(self.body)
 
     def answered_by(self, result: Result) -> Result:
-        """``result`` if it answers this request, else ``id_conflict``: another request's under the id, or none's (no
-        digest) (docs/PROTOCOL.md, "Reusing an id"). Every reader that submitted checks this."""
+        """``result`` if it answers this request, else ``id_conflict``: another request's under the id, or
+        none's (no digest) (docs/PROTOCOL.md, "Reusing an id"). Every reader that submitted checks this."""
         return result.answering(self.digests())
 
 
@@ -87,8 +88,9 @@ def prepare(request: Submittable, max_bytes: int = MAX_BODY_BYTES) -> Prepared:
 
 
 def parse_result(fields: Mapping[bytes, bytes], request_id: str) -> Result:
-    """The result entry read from ``request_id``'s result stream; one that is not that request's result (garbage,
-    another id's) is answered ``id_conflict`` for that id alone, never handed out, never raised for a whole read."""
+    """The result entry read from ``request_id``'s result stream; one that is not that request's result
+    (garbage, another id's) is answered ``id_conflict`` for that id alone, never handed out, never raised for
+    a whole read."""
     try:
         return read_stored(fields.get(Field.BODY.encode()), request_id)
     except Unreadable as error:
@@ -124,8 +126,8 @@ class Producer:
         return min(BATCH, self.max_unfinished) if self.max_unfinished > 0 else BATCH
 
     def submit_many(self, requests: Iterable[Submittable]) -> Plan[list[str]]:
-        """Validate every request first (InvalidRequest: nothing sent), then send each shard's in batches, to each
-        lane's stream, the high lane's first."""
+        """Validate every request first (InvalidRequest: nothing sent), then send each shard's in batches, to
+        each lane's stream, the high lane's first."""
         prepared, given = [], list(requests)
         for index, request in enumerate(given):
             try:
@@ -151,8 +153,8 @@ class Producer:
         return ids
 
     def send(self, batch: Sequence[Prepared], shard: int = 0, lane: Priority = NORMAL) -> Plan[None]:
-        """Enqueue prepared requests on one shard's lane, all or none; raises QueueFull. Every request goes through
-        here: the lane's request stream is the submit function's key."""
+        """Enqueue prepared requests on one shard's lane, all or none; raises QueueFull. Every request goes
+        through here: the lane's request stream is the submit function's key."""
         stream = Keys(self.keys.namespace, shard).requests_in(lane)
         args = [self.max_unfinished, *(value for item in batch for value in (item.id, item.body))]
         for attempt in range(LOAD_TRIES):
@@ -175,8 +177,8 @@ class Producer:
                 raise
 
     def _write(self, name: str, keys: list[str], args: list[Any]) -> Plan[int]:
-        """A function call that writes; in durable mode, how many replicas confirmed it: a WAIT after it in one
-        pipeline on one Redis, on the primary of its keys' slot on Redis Cluster. A refusal is raised."""
+        """A function call that writes; in durable mode, how many replicas confirmed it: a WAIT after it in
+        one pipeline on one Redis, on the primary of its keys' slot on Redis Cluster. A refusal is raised."""
         if self.cluster and self.wait_replicas:
             sent = yield PerNode([cluster_wait.fcall(name, keys, args)], self.wait_replicas)
             if isinstance(sent.replies[0], BaseException):
@@ -195,9 +197,9 @@ class Producer:
 
     def wait_many(self, request_ids: Iterable[str], timeout: float | None, check: bool = True
                   ) -> Plan[dict[str, Result]]:
-        """Results of all ``request_ids`` in their order; raises ResultTimeout naming how many are missing (early,
-        after ``no_worker_s``, when no worker is alive). ``check``: each against what this producer last submitted
-        under its id (else as stored)."""
+        """Results of all ``request_ids`` in their order; raises ResultTimeout naming how many are missing
+        (early, after ``no_worker_s``, when no worker is alive). ``check``: each against what this producer
+        last submitted under its id (else as stored)."""
         checked = self._checked if check else (lambda result: result)
         deadline = None if timeout is None else time.monotonic() + timeout
         waiting = list(dict.fromkeys(request_ids))
@@ -238,8 +240,8 @@ class Producer:
         return {r: checked(done[r]) for r in waiting}
 
     def live_workers(self) -> Plan[int | None]:
-        """Workers of this namespace whose heartbeat is younger than ``GONE_S`` (any shard); None when this user
-        may not read the heartbeat hash (an aclfile older than the producer's read of it)."""
+        """Workers of this namespace whose heartbeat is younger than ``GONE_S`` (any shard); None when this
+        user may not read the heartbeat hash (an aclfile older than the producer's read of it)."""
         try:
             beats = yield Call("hgetall", (self.keys.workers(),))
         except redis.exceptions.NoPermissionError:
@@ -248,11 +250,11 @@ class Producer:
         return sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
 
     def present(self, request_ids: list[str]) -> Plan[dict[str, Result]]:
-        """The results already there, in one round trip (one key per command: fine on Redis Cluster too). Durable
-        mode: with, on the same connection, an empty PUBLISH (replicated after what was read) and a WAIT for it, so
-        that a result is returned only once the replicas asked for have it; NotDurable names those they lack. On
-        Redis Cluster each primary's reads are confirmed apart (``PerNode``), and only the ids on a primary whose
-        replicas fell short are named."""
+        """The results already there, in one round trip (one key per command: fine on Redis Cluster too).
+        Durable mode: with, on the same connection, an empty PUBLISH (replicated after what was read) and a
+        WAIT for it, so that a result is returned only once the replicas asked for have it; NotDurable names
+        those they lack. On Redis Cluster each primary's reads are confirmed apart (``PerNode``), and only the
+        ids on a primary whose replicas fell short are named."""
         if not request_ids:
             return {}
         keys = [self.keys.result(r) for r in request_ids]
@@ -282,7 +284,7 @@ class Producer:
         """Submit, wait; a stored result of another request under the same id is answered ``id_conflict``."""
         prepared = prepare(request)
         [request_id] = yield from self.submit_many([prepared])
-        # Checked against this call's own request, not the client's memory of the id: callers sharing a client can
-        # submit under one id at once, and the memory holds the last of them.
+        # Checked against this call's own request, not the client's memory of the id: callers sharing a client
+        # can submit under one id at once, and the memory holds the last of them.
         result = (yield from self.wait_many([request_id], timeout, check=False))[request_id]
         return prepared.answered_by(result)

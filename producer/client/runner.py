@@ -1,7 +1,7 @@
-"""How the client's two faces run a plan (producer/client/plans.py) on their connection: each step sent, its reply or its
-error handed back to the plan, the plan routed to its model's namespace first (served.py); the first call asks the
-server what it is. The plans are the logic, written once; this is the I/O, written for each face (``Blocking``,
-``Asynchronous``), and the constructor both share (``Face``).
+"""How the client's two faces run a plan (producer/client/plans.py) on their connection: each step sent, its
+reply or its error handed back to the plan, the plan routed to its model's namespace first (served.py); the
+first call asks the server what it is. The plans are the logic, written once; this is the I/O, written for
+each face (``Blocking``, ``Asynchronous``), and the constructor both share (``Face``).
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from . import control, served
 from .plans import NO_WORKER_S, Function, Load, PerNode, Pipeline, Plan, Producer, Step
 
 T = TypeVar("T")
-# What a first contact that never reached a server raises (RedisClusterException: no node of a cluster answered).
+# What a first contact that never reached a server raises (RedisClusterException: no node of a cluster
+# answered).
 UNREACHED = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException)
 
 
 def _demoted(step: Step, error: redis.ResponseError) -> NotDurable | None:
-    """A durable step's "WAIT cannot be used with replica instances": the node was a primary, demoted since (each face
-    then asks the sentinels for the promoted one)."""
+    """A durable step's "WAIT cannot be used with replica instances": the node was a primary, demoted since
+    (each face then asks the sentinels for the promoted one)."""
     if isinstance(step, Pipeline) and step.wait and "replica" in str(error):
         return NotDurable(f"the node that answered is a replica now: {error}", [], 0, step.wait)
     return None
@@ -52,12 +53,13 @@ class Face:
 
     Arguments left out come from the worker's ``DQ_*`` variables (``DQ_REDIS_URL``, ``DQ_NAMESPACE``,
     ``DQ_REDIS_CLUSTER``, ``DQ_REDIS_TLS_*``) and ``DQ_SHARDS``, then the defaults. ``max_unfinished``: the
-    backpressure limit per shard (0: none). ``wait_replicas`` (``DQ_WAIT_REPLICAS``): durable mode, an enqueue is
-    acknowledged and a result returned only once that many replicas have it, else NotDurable names the ids.
-    ``no_worker_s``: a wait (``wait``, ``wait_many``, ``decide``) during which no worker of the namespace is alive
-    ends after this many seconds, not its whole timeout, with a ResultTimeout that says "no live worker in namespace
-    X" (``no_worker``); None: the whole timeout. ``model``: the first of ``model_namespaces`` whose live workers
-    serve it, or ModelNotServed (producer/client/served.py). ``options``: redis-py connection options (``ssl_ca_certs``).
+    backpressure limit per shard (0: none). ``wait_replicas`` (``DQ_WAIT_REPLICAS``): durable mode, an enqueue
+    is acknowledged and a result returned only once that many replicas have it, else NotDurable names the ids.
+    ``no_worker_s``: a wait (``wait``, ``wait_many``, ``decide``) during which no worker of the namespace is
+    alive ends after this many seconds, not its whole timeout, with a ResultTimeout that says "no live worker
+    in namespace X" (``no_worker``); None: the whole timeout. ``model``: the first of ``model_namespaces``
+    whose live workers serve it, or ModelNotServed (producer/client/served.py). ``options``: redis-py
+    connection options (``ssl_ca_certs``).
 
     The first call asks the server what it is, once and without retries: a Redis that is down raises
     ``RedisUnreachable`` within the socket timeout (5 s), not after the retries that ride out a restart.
@@ -69,24 +71,24 @@ class Face:
 
     def __init__(self, url: str | None = None, namespace: str | None = None, max_unfinished: int = 100_000,
                  cluster: bool | None = None, connection: Any = None, shards: int | None = None,
-                 wait_replicas: int | None = None, no_worker_s: float | None = NO_WORKER_S, model: str | None = None,
-                 model_namespaces: Iterable[str] | None = None, **options: Any) -> None:
-        self.deployment = Deployment.resolve(url=url, namespace=namespace, cluster=cluster, shards=shards,
-                                             wait_replicas=wait_replicas)
-        self.model, self.model_namespaces = model, list(model_namespaces or [self.deployment.namespace])
-        self._options = {**self.deployment.options(), **options}
+                 wait_replicas: int | None = None, no_worker_s: float | None = NO_WORKER_S,
+                 model: str | None = None, model_namespaces: Iterable[str] | None = None, **options: Any) -> None:
+        deployment = self.deployment = Deployment.resolve(url=url, namespace=namespace, cluster=cluster,
+                                                          shards=shards, wait_replicas=wait_replicas)
+        self.model, self.model_namespaces = model, list(model_namespaces or [deployment.namespace])
+        self._options = {**deployment.options(), **options}
         self._given = connection is not None
         try:  # a cluster client connects here already
-            self.redis = connection or self._connect(self.deployment.url, self.deployment.cluster, **self._options)
+            self.redis = connection or self._connect(deployment.url, deployment.cluster, **self._options)
         except UNREACHED as error:
-            raise _unreachable(self.deployment.safe_url, error) from None
-        cluster = self.deployment.cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
-        self.keys = Keys(self.deployment.namespace)
-        self.core = Producer(self.keys, self.deployment.shards, max_unfinished, cluster, self.deployment.wait_replicas,
+            raise _unreachable(deployment.safe_url, error) from None
+        cluster = deployment.cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
+        self.keys = Keys(deployment.namespace)
+        self.core = Producer(self.keys, deployment.shards, max_unfinished, cluster, deployment.wait_replicas,
                              no_worker_s)
         self.shards, self.max_unfinished = self.core.shards, self.core.max_unfinished  # as the core has them
 
-    # Both faces' (``AsyncClient``: awaited), each the plan of producer/client/control.py run on the face's connection.
+    # Both faces' (``AsyncClient``: awaited), each the plan of control.py run on the face's connection.
     def cancel(self, request_ids: Iterable[str] | str) -> Any:
         """Cancel requests (docs/PROTOCOL.md, "Cancelling"): by id, what each cancel did (``Cancel``)."""
         return self._run(control.cancel(self.core, request_ids))  # type: ignore[attr-defined]

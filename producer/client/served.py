@@ -1,11 +1,12 @@
 """Which models are served, and where: read from the live workers' heartbeats, one namespace after another.
 
-A namespace is one model's queue: its workers load one checkpoint and serve it under its names (``dq-worker serve
---served-model-name``, default the checkpoint's own name; the first is the one results say, the others are
-aliases). Several models on one Redis are several namespaces, each with its own workers, lanes and scaling. A
-caller that names a model (``Client(model=...)``, ``dq-producer --model``, the gateway's ``POST /v1/systemone``) is
-routed to the first of the namespaces it may use whose live workers serve that name; a name nobody serves is refused
-at once (``ModelNotServed``, naming the served ones), never queued to wait for a worker that will not come.
+A namespace is one model's queue: its workers load one checkpoint and serve it under its names (``dq-worker
+serve --served-model-name``, default the checkpoint's own name; the first is the one results say, the others
+are aliases). Several models on one Redis are several namespaces, each with its own workers, lanes and
+scaling. A caller that names a model (``Client(model=...)``, ``dq-producer --model``, the gateway's ``POST
+/v1/systemone``) is routed to the first of the namespaces it may use whose live workers serve that name; a
+name nobody serves is refused at once (``ModelNotServed``, naming the served ones), never queued to wait for a
+worker that will not come.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ServedModel:
-    """A model live workers serve: ``name`` (what its results say), the ``namespace`` its requests go to, every name
-    it answers to (``names``, ``name`` first) and how many live workers serve it."""
+    """A model live workers serve: ``name`` (what its results say), the ``namespace`` its requests go to,
+    every name it answers to (``names``, ``name`` first) and how many live workers serve it."""
 
     name: str
     namespace: str
@@ -35,9 +36,9 @@ class ServedModel:
 
 
 def catalog(beats: Mapping[bytes | str, bytes | str], namespace: str, now: float) -> dict[str, ServedModel]:
-    """One namespace's served models by each of their names, from its heartbeat hash (``HGETALL Keys.workers``): the
-    live workers', those warming up included, a draining one's not (it reads no more). A name that is one worker's
-    first and another's alias belongs to the first (the name its results say)."""
+    """One namespace's served models by each of their names, from its heartbeat hash (``HGETALL
+    Keys.workers``): the live workers', those warming up included, a draining one's not (it reads no more). A
+    name that is one worker's first and another's alias belongs to the first (the name its results say)."""
     counts: dict[str, int] = {}
     names: dict[str, tuple[str, ...]] = {}
     for raw in beats.values():
@@ -81,9 +82,9 @@ def route(model: str, namespaces: list[str]) -> Plan[ServedModel]:
 
 
 def routing(face: Any, plan: Plan[T]) -> Plan[T]:
-    """``plan`` of a client (producer/client/faces.py) made for a model, run once the model's namespace is found: at its
-    first call, or at the next one after a ModelNotServed. Plans read their core's keys when they run (not when they
-    are made), so ``plan`` goes to that namespace too."""
+    """``plan`` of a client (producer/client/faces.py) made for a model, run once the model's namespace is
+    found: at its first call, or at the next one after a ModelNotServed. Plans read their core's keys when
+    they run (not when they are made), so ``plan`` goes to that namespace too."""
     if face.model is not None and face.routed is None:
         face.routed = yield from route(face.model, face.model_namespaces)
         face.keys = face.core.keys = Keys(face.routed.namespace)

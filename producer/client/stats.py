@@ -18,14 +18,14 @@ from .served import catalog
 
 def stats(core: Producer) -> Plan[dict[str, Any]]:
     """Totals over every shard, then each shard: for each lane (``lanes``: high, normal) the request and part
-    streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``prompts``: both
-    lanes together; dead letters; cancels asked, by what each found; the live workers (``workers``: how many) and
-    every heartbeat (``heartbeats``: each worker's name, shard, model, engine, state, entries held and the age of its
-    last beat; state ``gone`` when that is ``GONE_S`` or older); ``models``: the models the live workers serve, by
-    the name their results say, with every name each answers to and its workers. Live: a consumer seen in the last
-    ``GONE_S`` seconds or holding entries, a worker whose heartbeat is younger than that (workers delete the gone:
-    presence.py). The lag is the server's, or the length less pending when the server cannot count it
-    (``servers.lag_of``)."""
+    streams' lengths and the worker group's pending, lag and live consumers; ``requests`` and ``prompts``:
+    both lanes together; dead letters; cancels asked, by what each found; the live workers (``workers``: how
+    many) and every heartbeat (``heartbeats``: each worker's name, shard, model, engine, state, entries held
+    and the age of its last beat; state ``gone`` when that is ``GONE_S`` or older); ``models``: the models the
+    live workers serve, by the name their results say, with every name each answers to and its workers. Live:
+    a consumer seen in the last ``GONE_S`` seconds or holding entries, a worker whose heartbeat is younger
+    than that (workers delete the gone: presence.py). The lag is the server's, or the length less pending when
+    the server cannot count it (``servers.lag_of``)."""
     shards = []
     for shard in range(core.shards):
         keys, entry = Keys(core.keys.namespace, shard), {"shard": shard}
@@ -56,8 +56,8 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
 
 
 def _heartbeat(name: Any, raw: Any, now: float) -> dict[str, Any]:
-    """One worker's heartbeat, as stats show it: any field the worker did not write (an older worker, or a beat
-    that is not JSON) is None."""
+    """One worker's heartbeat, as stats show it: any field the worker did not write (an older worker, or a
+    beat that is not JSON) is None."""
     try:
         beat = json.loads(raw)
         beat = beat if isinstance(beat, dict) else {}
@@ -70,8 +70,8 @@ def _heartbeat(name: Any, raw: Any, now: float) -> dict[str, Any]:
 
 
 def _cancel_counts(keys: Keys) -> Plan[dict[str, int]]:
-    """Cancels asked of a shard, by what each found (records.FOUND); none where this user may not read them (an
-    aclfile older than cancels)."""
+    """Cancels asked of a shard, by what each found (records.FOUND); none where this user may not read them
+    (an aclfile older than cancels)."""
     try:
         counts = yield Call("hgetall", (keys.cancel_counts,))
     except redis.exceptions.NoPermissionError:

@@ -1,5 +1,5 @@
-"""What a plan of the producer's core (plans.py) yields for a face to send (client.py): one Redis exchange each, a
-plain object with no socket. The face sends it and hands the reply back, or throws the error in.
+"""What a plan of the producer's core (plans.py) yields for a face to send (client.py): one Redis exchange
+each, a plain object with no socket. The face sends it and hands the reply back, or throws the error in.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ class Function:
 
 @dataclass(frozen=True)
 class PerNode:
-    """Durable mode on Redis Cluster: commands sent in one pipeline per primary, each ending with a WAIT for ``wait``
-    replicas (producer/plumbing/cluster_wait.py); ``marks``: reads, each node's confirmed by a replicated write after
-    them. The reply is a ``cluster_wait.Confirmed``: each command's reply and the replicas that confirmed it."""
+    """Durable mode on Redis Cluster: commands sent in one pipeline per primary, each ending with a WAIT for
+    ``wait`` replicas (producer/plumbing/cluster_wait.py); ``marks``: reads, each node's confirmed by a
+    replicated write after them. The reply is a ``cluster_wait.Confirmed``: each command's reply and the
+    replicas that confirmed it."""
 
     calls: list[Routed]
     wait: int
@@ -55,8 +56,8 @@ class PerNode:
 
 @dataclass(frozen=True)
 class Load:
-    """Load the function library if the server has none (``library.ensure``): the reply is a ``library.Loaded``,
-    or ``library.LibraryUnavailable`` is thrown in."""
+    """Load the function library if the server has none (``library.ensure``): the reply is a
+    ``library.Loaded``, or ``library.LibraryUnavailable`` is thrown in."""
 
 
 Step = Call | Pipeline | Function | PerNode | Load

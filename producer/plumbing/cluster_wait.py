@@ -1,20 +1,21 @@
-"""Durable mode on Redis Cluster: each write confirmed by a WAIT on the primary that took it, on the connection that
-sent it (docs/RELIABILITY.md, "Durable mode on Redis Cluster").
+"""Durable mode on Redis Cluster: each write confirmed by a WAIT on the primary that took it, on the
+connection that sent it (docs/RELIABILITY.md, "Durable mode on Redis Cluster").
 
-WAIT counts the writes of its own connection on the node it runs on, and a cluster client routes a keyless WAIT to
-every primary and sums their answers, so a plain ``WAIT`` through one "confirms" at once. Here the calls are grouped
-by the primary that serves their key's slot, and each primary's calls go in one pipeline of their own, on one
-connection of that node, ending with its WAIT. Nothing is redirected or re-sent inside a pipeline: a write sent
-again elsewhere after MOVED, or alone on a new connection after a broken one, would not be covered by the WAIT sent
-here (on Valkey and Redis 8 a WAIT on a connection that wrote nothing answers at once with every replica). A call
-answered MOVED, ASK, TRYAGAIN, CLUSTERDOWN or a connection error is a doubt: the slot map is refreshed and the whole
-batch sent again (every write of the queue is idempotent by id), ``attempts`` times at most, then the doubt is
-raised (a redirect as TRYAGAIN: nothing was written, the slot is moving).
+WAIT counts the writes of its own connection on the node it runs on, and a cluster client routes a keyless
+WAIT to every primary and sums their answers, so a plain ``WAIT`` through one "confirms" at once. Here the
+calls are grouped by the primary that serves their key's slot, and each primary's calls go in one pipeline of
+their own, on one connection of that node, ending with its WAIT. Nothing is redirected or re-sent inside a
+pipeline: a write sent again elsewhere after MOVED, or alone on a new connection after a broken one, would not
+be covered by the WAIT sent here (on Valkey and Redis 8 a WAIT on a connection that wrote nothing answers at
+once with every replica). A call answered MOVED, ASK, TRYAGAIN, CLUSTERDOWN or a connection error is a doubt:
+the slot map is refreshed and the whole batch sent again (every write of the queue is idempotent by id),
+``attempts`` times at most, then the doubt is raised (a redirect as TRYAGAIN: nothing was written, the slot is
+moving).
 
 A read is confirmed by a replicated write after it on the same connection. On a cluster PUBLISH goes over the
-cluster bus, not the replication stream (measured: XRANGE, PUBLISH, WAIT 1 answered 1 at once with the only replica
-frozen on Valkey 9.1 and Redis 8.2), so ``marks`` asks for a SET of a short-lived key in the read keys' slot
-(``Keys.durable_mark``) before each node's WAIT.
+cluster bus, not the replication stream (measured: XRANGE, PUBLISH, WAIT 1 answered 1 at once with the only
+replica frozen on Valkey 9.1 and Redis 8.2), so ``marks`` asks for a SET of a short-lived key in the read
+keys' slot (``Keys.durable_mark``) before each node's WAIT.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from redis.exceptions import AskError, ClusterDownError, MovedError, RedisCluste
 from ..wire.keys import Keys
 from .connection import RETRIES, RETRY_BASE, RETRY_CAP, WAIT_MS, aconnect
 
-# What leaves a call in doubt: it may not have run on the primary its WAIT asks (RedisClusterException: the slot map
-# has no node for a key, e.g. while a slot has no primary).
+# What leaves a call in doubt: it may not have run on the primary its WAIT asks (RedisClusterException: the
+# slot map has no node for a key, e.g. while a slot has no primary).
 DOUBTS = (MovedError, AskError, TryAgainError, ClusterDownError, redis.ConnectionError, redis.TimeoutError,
           RedisClusterException)
 MARK_TTL_MS = 10_000  # a read mark's life: long enough to be replicated, short enough to leave nothing behind
@@ -55,8 +56,8 @@ def fcall(name: str, keys: list[str], args: list[Any]) -> Routed:
 
 @dataclass(frozen=True)
 class Confirmed:
-    """Each call's reply (a refusal as its ResponseError, never raised here) and the replicas its primary confirmed
-    for it (0 where its reply is an error)."""
+    """Each call's reply (a refusal as its ResponseError, never raised here) and the replicas its primary
+    confirmed for it (0 where its reply is an error)."""
 
     replies: list[Any]
     replicas: list[int]
@@ -77,8 +78,8 @@ class Batch(NamedTuple):
 
 def plan(cluster: Any, calls: Sequence[Routed], wait: int, wait_ms: int = WAIT_MS, marks: Keys | None = None
          ) -> list[Batch]:
-    """The calls grouped by the primary of their key's slot (the client's slot map), each group's pipeline ending
-    with a read mark (``marks``) and ``WAIT wait wait_ms``."""
+    """The calls grouped by the primary of their key's slot (the client's slot map), each group's pipeline
+    ending with a read mark (``marks``) and ``WAIT wait wait_ms``."""
     nodes: dict[str, tuple[Any, list[int]]] = {}
     for index, call in enumerate(calls):
         node = cluster.get_node_from_key(call.key)
@@ -116,9 +117,9 @@ def settle(size: int, batches: list[Batch], outputs: list[list[Any]], marked: bo
 
 
 def _raised(doubt: BaseException) -> BaseException:
-    """The doubt as what callers wait out (workers: as an unreachable Redis): a redirect as TRYAGAIN (the slot is
-    moving, nothing was written there; a MOVED would be a refusal to them), a slot map without the slot or without a
-    node that answers as CLUSTERDOWN."""
+    """The doubt as what callers wait out (workers: as an unreachable Redis): a redirect as TRYAGAIN (the slot
+    is moving, nothing was written there; a MOVED would be a refusal to them), a slot map without the slot or
+    without a node that answers as CLUSTERDOWN."""
     if isinstance(doubt, (MovedError, AskError)):
         return TryAgainError(f"the slot moved ({doubt}); sent again once the slot map is refreshed")
     if not isinstance(doubt, redis.RedisError):
@@ -132,8 +133,8 @@ def _pause(failures: int) -> float:
 
 def run(cluster: redis.RedisCluster, calls: Sequence[Routed], wait: int, wait_ms: int = WAIT_MS,
         marks: Keys | None = None, attempts: int = ATTEMPTS) -> Confirmed:
-    """Send ``calls`` through a synchronous cluster client: each primary's share in one pipeline on that node's own
-    client (which neither retries nor follows redirects), ending with its WAIT."""
+    """Send ``calls`` through a synchronous cluster client: each primary's share in one pipeline on that
+    node's own client (which neither retries nor follows redirects), ending with its WAIT."""
     for attempt in range(attempts):
         try:
             batches = plan(cluster, calls, wait, wait_ms, marks)
@@ -169,9 +170,9 @@ def once(url: str, options: dict[str, Any]) -> Any:
 
 async def arun(cluster: Any, calls: Sequence[Routed], wait: int, wait_ms: int = WAIT_MS, marks: Keys | None = None,
                attempts: int = ATTEMPTS) -> Confirmed:
-    """``run`` for an asyncio cluster client, which must not retry by itself (a ``retry`` of 0 retries): its pipeline
-    sends each node's commands on one connection, but a retry would send again only the commands not answered,
-    maybe the WAIT alone."""
+    """``run`` for an asyncio cluster client, which must not retry by itself (a ``retry`` of 0 retries): its
+    pipeline sends each node's commands on one connection, but a retry would send again only the commands not
+    answered, maybe the WAIT alone."""
     for attempt in range(attempts):
         try:
             await cluster.initialize()  # the first time (later: at once, unless a refresh was asked for)

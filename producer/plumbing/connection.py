@@ -1,5 +1,5 @@
-"""Reaching Redis: the deployment a producer talks to, read from the same ``DQ_*`` variables the worker reads, and
-the connection options both client faces (and the worker) use.
+"""Reaching Redis: the deployment a producer talks to, read from the same ``DQ_*`` variables the worker reads,
+and the connection options both client faces (and the worker) use.
 
 Arguments win over the environment, the environment over the defaults, as for the worker's settings.
 """
@@ -35,7 +35,7 @@ TLS_OPTIONS = {"tls_ca": "ssl_ca_certs", "tls_cert": "ssl_certfile", "tls_key": 
 
 @dataclass(frozen=True)
 class Deployment:
-    """Where requests go: the Redis URL, the namespace, Redis Cluster or not, the stream shard count, TLS files."""
+    """Where requests go: the Redis URL, the namespace, Redis Cluster or not, the stream shards, TLS files."""
 
     url: str = DEFAULT_URL
     namespace: str = "dq"
@@ -44,8 +44,10 @@ class Deployment:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
-    wait_replicas: int = 0  # durable mode: a write counts once this many replicas have it (docs/RELIABILITY.md)
-    sentinel_username: str = ""  # the sentinels' own user and password, when they require one (requirepass, ACL)
+    # Durable mode: a write counts once this many replicas have it (docs/RELIABILITY.md).
+    wait_replicas: int = 0
+    # The sentinels' own user and password, when they require one (requirepass, ACL).
+    sentinel_username: str = ""
     sentinel_password: str = dataclasses.field(default="", repr=False)
 
     # The worker's variable names (worker/config.py), and DQ_SHARDS: how many shards producers spread over.
@@ -53,28 +55,36 @@ class Deployment:
            "shards": "DQ_SHARDS", "tls_ca": "DQ_REDIS_TLS_CA", "tls_cert": "DQ_REDIS_TLS_CERT",
            "tls_key": "DQ_REDIS_TLS_KEY", "wait_replicas": "DQ_WAIT_REPLICAS",
            "sentinel_username": "DQ_SENTINEL_USERNAME", "sentinel_password": "DQ_SENTINEL_PASSWORD"}
-    # Each field's flags (the first one shown), metavar and help: the worker's names (worker/config.py), so that
-    # dq-producer, dq-gateway and dq-worker load-functions spell the connection alike.
+    # Each field's flags (the first one shown), metavar and help: the worker's names (worker/config.py), so
+    # that dq-producer, dq-gateway and dq-worker load-functions spell the connection alike.
     FLAGS = {
-        "url": (["--redis-url", "--redis"], "URL", "Redis URL (rediss:// for TLS; redis://user:password@host for an "
-                "ACL user; redis+sentinel://host:port,host:port/SERVICE[/db] through Sentinel)"),
+        "url": (["--redis-url", "--redis"], "URL",
+                "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user; "
+                "redis+sentinel://host:port,host:port/SERVICE[/db] through Sentinel)"),
         "namespace": (["--namespace"], "NAME", "prefix of every Redis name of the deployment"),
         "cluster": (["--redis-cluster", "--cluster"], None, "the URL is a node of a Redis Cluster"),
-        "shards": (["--shards"], "N", "stream shards of the deployment: submit spreads over them, stats shows each"),
-        "tls_ca": (["--redis-tls-ca"], "FILE", "CA certificate file that verifies the Redis server (rediss://)"),
-        "tls_cert": (["--redis-tls-cert"], "FILE", "client certificate file, when Redis requires one (rediss://)"),
+        "shards": (["--shards"], "N",
+                   "stream shards of the deployment: submit spreads over them, stats shows each"),
+        "tls_ca": (["--redis-tls-ca"], "FILE",
+                   "CA certificate file that verifies the Redis server (rediss://)"),
+        "tls_cert": (["--redis-tls-cert"], "FILE",
+                     "client certificate file, when Redis requires one (rediss://)"),
         "tls_key": (["--redis-tls-key"], "FILE", "the client certificate's private key file (rediss://)"),
-        "wait_replicas": (["--wait-replicas"], "N", "durable mode: an enqueue is acknowledged, a result read, once N "
-                          "replicas have it (0: off)"),
-        "sentinel_username": (["--sentinel-username"], "USER", "the sentinels' user, when they require one (the "
-                              "URL's user is the data nodes')"),
-        "sentinel_password": (["--sentinel-password"], "PASSWORD", "the sentinels' password, when they require one "
-                              "(prefer the variable: a flag shows in the process list)"),
+        "wait_replicas": (["--wait-replicas"], "N",
+                          "durable mode: an enqueue is acknowledged, a result read, once N replicas have it "
+                          "(0: off)"),
+        "sentinel_username": (["--sentinel-username"], "USER",
+                              "the sentinels' user, when they require one (the URL's user is the data "
+                              "nodes')"),
+        "sentinel_password": (["--sentinel-password"], "PASSWORD",
+                              "the sentinels' password, when they require one (prefer the variable: a flag "
+                              "shows in the process list)"),
     }
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str] | None = None, **given: Any) -> Deployment:
-        """Each field from ``given`` unless None, else from its ``DQ_*`` variable, else the default; checked."""
+        """Each field from ``given`` unless None, else from its ``DQ_*`` variable, else the default;
+        checked."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for field in fields(cls):
@@ -94,7 +104,8 @@ class Deployment:
             raise ValueError(f"shards must be at least 1, got {deployment.shards}")
         if deployment.tls_files() and not tls_url(deployment.url):
             raise ValueError("TLS files (DQ_REDIS_TLS_*) need a rediss:// or rediss+sentinel:// URL")
-        if (deployment.sentinel_username or deployment.sentinel_password) and not sentinel.is_sentinel(deployment.url):
+        credentials = deployment.sentinel_username or deployment.sentinel_password
+        if credentials and not sentinel.is_sentinel(deployment.url):
             raise ValueError("the sentinels' credentials (DQ_SENTINEL_USERNAME, DQ_SENTINEL_PASSWORD) need a "
                              "redis+sentinel:// or rediss+sentinel:// URL")
         if problem := mode_problem(deployment.url, deployment.cluster, deployment.wait_replicas):
@@ -106,7 +117,7 @@ class Deployment:
         return {option: getattr(self, name) for name, option in TLS_OPTIONS.items() if getattr(self, name)}
 
     def options(self) -> dict[str, str]:
-        """The connection options beyond the URL: the TLS files, and the sentinels' credentials (``connect``)."""
+        """The connection options beyond the URL (``connect``): the TLS files, the sentinels' credentials."""
         return {**self.tls_files(), **sentinel.credentials(self.sentinel_username, self.sentinel_password)}
 
     @property
@@ -147,8 +158,9 @@ def mode_problem(url: str, cluster: bool, wait_replicas: int) -> str | None:
 
 
 def url_problem(url: str) -> str | None:
-    """Why ``url`` is not a Redis URL this client would use as written, or None. Never quotes the URL: a password
-    with an unencoded ``/``, ``?`` or ``#`` ends the host part early, and what follows it would be echoed."""
+    """Why ``url`` is not a Redis URL this client would use as written, or None. Never quotes the URL: a
+    password with an unencoded ``/``, ``?`` or ``#`` ends the host part early, and what follows it would be
+    echoed."""
     if sentinel.is_sentinel(url):
         try:
             sentinel.parse(url)
@@ -168,7 +180,7 @@ def url_problem(url: str) -> str | None:
         return "it names no host"
     if parts.scheme in ("redis", "rediss") and parts.path not in ("", "/") and "db" not in parsed:
         return "its path is not a database number (/0)"
-    if not 0 <= parsed.get("db", 0) <= sentinel.MAX_DATABASE:  # twenty digits were taken, then refused by Redis
+    if not 0 <= parsed.get("db", 0) <= sentinel.MAX_DATABASE:  # twenty digits were taken, then Redis refused
         return f"its database number is not 0 to {sentinel.MAX_DATABASE}"
     return None
 
@@ -177,9 +189,9 @@ QUERY_PASSWORD = re.compile(r"([?&][^=&#]*pass(?:word|wd)?[^=&#]*=)[^&#]*", re.I
 
 
 def redact(url: str) -> str:
-    """The URL without its password, the one form every message and log line prints: ``redis://user:***@host/0``
-    for ``redis://user:secret@host/0``, and ``?password=***`` for a password given as a query parameter (redis-py
-    takes any of its options there: ``ssl_password`` too)."""
+    """The URL without its password, the one form every message and log line prints:
+    ``redis://user:***@host/0`` for ``redis://user:secret@host/0``, and ``?password=***`` for a password given
+    as a query parameter (redis-py takes any of its options there: ``ssl_password`` too)."""
     if sentinel.is_sentinel(url):
         return sentinel.redact(url)
     try:
@@ -196,8 +208,8 @@ def redact(url: str) -> str:
 
 def _options(retry: Any, options: dict[str, Any]) -> dict[str, Any]:
     """Timeouts that suit blocking reads and a retry that rides out a Redis restart; the caller's options win.
-    No CLIENT SETINFO on connect: the ACL roles do not grant it (Redis 7.0 lacks it, so an aclfile naming it would
-    not load there), and on 7.2+ and Valkey each refusal would fill the ACL log."""
+    No CLIENT SETINFO on connect: the ACL roles do not grant it (Redis 7.0 lacks it, so an aclfile naming it
+    would not load there), and on 7.2+ and Valkey each refusal would fill the ACL log."""
     return {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT, "health_check_interval": 30,
             "retry": retry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES), "lib_name": None,
             "lib_version": None, **options}
@@ -218,8 +230,9 @@ def aconnect(url: str, cluster: bool = False, **options: Any) -> Any:
 
 
 def check_reachable(deployment: Deployment, **options: Any) -> None:
-    """One PING without retries, so that a wrong URL fails within the socket timeout instead of after the ~12 s
-    of retries meant for a restarting Redis. Raises a ``redis.RedisError`` (or ValueError for a malformed URL)."""
+    """One PING without retries, so that a wrong URL fails within the socket timeout instead of after the ~12
+    s of retries meant for a restarting Redis. Raises a ``redis.RedisError`` (or ValueError for a malformed
+    URL)."""
     client = connect(deployment.url, deployment.cluster, **{**deployment.options(), **options,
                                                              "retry": Retry(NoBackoff(), 0)})
     try:

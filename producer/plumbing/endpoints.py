@@ -1,11 +1,11 @@
-"""GET endpoints in a thread of their own, ``answer(path)`` giving each reply: the small HTTP server that a worker's
-``/metrics`` and health, the launcher's and the queue exporter's endpoints share (stdlib only).
+"""GET endpoints in a thread of their own, ``answer(path)`` giving each reply: the small HTTP server that a
+worker's ``/metrics`` and health, the launcher's and the queue exporter's endpoints share (stdlib only).
 
-The stdlib's threaded server gives each connection a thread for as long as it stays open, and bounds neither time
-nor connections: idle or half-sent connections held a thread each, for ever. Here a connection's request must come
-whole within ``REQUEST_S`` and ``REQUEST_BYTES`` (a scrape or a probe sends a few hundred bytes at once), it is
-closed after one answer (HTTP/1.0), and at most ``CONNECTIONS`` are served at once: one more is closed unanswered,
-counted, and logged once a minute."""
+The stdlib's threaded server gives each connection a thread for as long as it stays open, and bounds neither
+time nor connections: idle or half-sent connections held a thread each, for ever. Here a connection's request
+must come whole within ``REQUEST_S`` and ``REQUEST_BYTES`` (a scrape or a probe sends a few hundred bytes at
+once), it is closed after one answer (HTTP/1.0), and at most ``CONNECTIONS`` are served at once: one more is
+closed unanswered, counted, and logged once a minute."""
 
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ def serve_paths(host: str, port: int, answer: Callable[[str], Answer], name: str
         def setup(self) -> None:
             super().setup()
             self.rfile = _Bounded(self.rfile)  # type: ignore[assignment]
-            # A trickle of a byte a second keeps the socket's own timeout from firing: past its time the request's
-            # socket is shut, which ends the read in progress.
+            # A trickle of a byte a second keeps the socket's own timeout from firing: past its time the
+            # request's socket is shut, which ends the read in progress.
             self.late = threading.Timer(REQUEST_S, self._late)
             self.late.start()
 

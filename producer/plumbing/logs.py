@@ -1,7 +1,8 @@
-"""One log format for every process of the project, the worker's and the gateway's (and the libraries' lines they
-pass on): text, ``2026-01-01 12:00:00,000 INFO worker: ready ...``, or one JSON object per line (``ts`` in UTC with
-milliseconds, ``level``, ``logger``, ``msg``, ``exc`` with a traceback, and the known fields a line carries: a
-request's id and ``traceparent``, a call's method, path, status, duration, key, lane and client).
+"""One log format for every process of the project, the worker's and the gateway's (and the libraries' lines
+they pass on): text, ``2026-01-01 12:00:00,000 INFO worker: ready ...``, or one JSON object per line (``ts``
+in UTC with milliseconds, ``level``, ``logger``, ``msg``, ``exc`` with a traceback, and the known fields a
+line carries: a request's id and ``traceparent``, a call's method, path, status, duration, key, lane and
+client).
 """
 
 from __future__ import annotations

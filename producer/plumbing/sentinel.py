@@ -1,14 +1,14 @@
-"""Redis behind Sentinel: the URL form ``redis+sentinel://[user:password@]host1:port1,host2:port2/SERVICE[/db]``
-(``rediss+sentinel://`` for TLS), parsed and checked once, and the clients redis-py's own Sentinel support makes
-of it.
+"""Redis behind Sentinel: the URL form
+``redis+sentinel://[user:password@]host1:port1,host2:port2/SERVICE[/db]`` (``rediss+sentinel://`` for TLS),
+parsed and checked once, and the clients redis-py's own Sentinel support makes of it.
 
-A client asks the sentinels for the service's primary on every new connection; after a failover the old primary's
-connections fail (or answer READONLY), are dropped, and the next one goes to the promoted replica: workers and
-producers follow a failover without a restart, within the retries of producer/plumbing/connection.py. The user and password
-are the data nodes' (the queue's ACL users); the sentinels are asked with credentials of their own where they require
-some (``DQ_SENTINEL_USERNAME``, ``DQ_SENTINEL_PASSWORD``: ``credentials``), else without, over TLS with the same files
-when the scheme is ``rediss+sentinel``. A sentinel that refuses them is named as such (redis-py reports it as "no
-master found").
+A client asks the sentinels for the service's primary on every new connection; after a failover the old
+primary's connections fail (or answer READONLY), are dropped, and the next one goes to the promoted replica:
+workers and producers follow a failover without a restart, within the retries of
+producer/plumbing/connection.py. The user and password are the data nodes' (the queue's ACL users); the
+sentinels are asked with credentials of their own where they require some (``DQ_SENTINEL_USERNAME``,
+``DQ_SENTINEL_PASSWORD``: ``credentials``), else without, over TLS with the same files when the scheme is
+``rediss+sentinel``. A sentinel that refuses them is named as such (redis-py reports it as "no master found").
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def parse(url: str) -> SentinelUrl:
 
 
 def _sentinel(host: str) -> tuple[str, int]:
-    """``host:port`` (a name, an IPv4 address, or an IPv6 one in brackets; a bare IPv6 address takes no port), or
-    the name alone and the default port. ``h:-1`` was taken for a host named ``h:-1``."""
+    """``host:port`` (a name, an IPv4 address, or an IPv6 one in brackets; a bare IPv6 address takes no port),
+    or the name alone and the default port. ``h:-1`` was taken for a host named ``h:-1``."""
     bracketed = host.startswith("[")
     name, colon, port = host.rpartition(":")
     if bracketed:
@@ -114,8 +114,8 @@ def credentials(username: str, password: str) -> dict[str, str]:
 
 
 def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The data nodes' options, and the sentinels' (timeouts, TLS files and their credentials; no retry policy: a
-    sentinel that does not answer is skipped for the next)."""
+    """The data nodes' options, and the sentinels' (timeouts, TLS files and their credentials; no retry
+    policy: a sentinel that does not answer is skipped for the next)."""
     shared = ("socket_timeout", "socket_connect_timeout", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
     asked = {name: options[name] for name in shared if name in options}
     asked.update({name.removeprefix("sentinel_"): options[name] for name in CREDENTIALS if name in options})
@@ -123,8 +123,8 @@ def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _named(error: Exception) -> Exception:
-    """redis-py folds the sentinels' authentication refusals into "No master found" (with every sentinel client's
-    description): say it, with their reasons (never the secret)."""
+    """redis-py folds the sentinels' authentication refusals into "No master found" (with every sentinel
+    client's description): say it, with their reasons (never the secret)."""
     reasons = dict.fromkeys(re.findall(r"\w*Authentication\w*: [^,]*", str(error)))
     if reasons:
         return redis.AuthenticationError(f"the sentinels refused authentication ({'; '.join(reasons)}): set their "
@@ -138,10 +138,11 @@ ASK_EVERY_S = 1.0  # how often a pool asks the sentinels where the primary is, a
 def _pools() -> tuple[type, type]:
     """Sentinel connection pools (synchronous, asyncio) that follow a failover at once.
 
-    redis-py's pool asks the sentinels only when it opens a connection, and keeps the ones it has; a primary the
-    sentinels replaced keeps answering until they make it a replica (about 10 s after a planned or a frozen
-    primary's failover: measured, docs/RELIABILITY.md), and writes it takes then are lost. These ask again at most
-    once a second when handing out a connection, and drop one that leads elsewhere than the primary named now."""
+    redis-py's pool asks the sentinels only when it opens a connection, and keeps the ones it has; a primary
+    the sentinels replaced keeps answering until they make it a replica (about 10 s after a planned or a
+    frozen primary's failover: measured, docs/RELIABILITY.md), and writes it takes then are lost. These ask
+    again at most once a second when handing out a connection, and drop one that leads elsewhere than the
+    primary named now."""
     import redis.asyncio.sentinel as aio
     import redis.sentinel as sync
 
@@ -204,10 +205,10 @@ def master(url: str, options: dict[str, Any], asyncio: bool = False) -> Any:
 
 
 def follow(client: Any) -> None:
-    """After replicas did not confirm: drop the idle connections, so that the next call asks the sentinels again.
-    A primary they replaced keeps answering until they make it a replica (frozen and let go, or handed over:
-    seconds), and redis-py's pool keeps its connections to it beside new ones to the promoted node. Nothing for a
-    client of any other kind."""
+    """After replicas did not confirm: drop the idle connections, so that the next call asks the sentinels
+    again. A primary they replaced keeps answering until they make it a replica (frozen and let go, or handed
+    over: seconds), and redis-py's pool keeps its connections to it beside new ones to the promoted node.
+    Nothing for a client of any other kind."""
     from redis.sentinel import SentinelConnectionPool
 
     if isinstance(getattr(client, "connection_pool", None), SentinelConnectionPool):

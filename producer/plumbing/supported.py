@@ -3,8 +3,8 @@
 Redis >= 7.0 and Valkey >= 7.2 (every Valkey release). The guarantees rest on what Redis 7.0 added to streams:
 ``XAUTOCLAIM`` drops pending entries whose payload was deleted and names them (a trimmed entry is reported and
 acknowledged, not pending forever), ``XINFO GROUPS`` reports the group's lag (``dq_stream_lag``, ``stats`` and
-KEDA's scaling signal), and ACL selectors (``ops/redis_acl.py``). On 6.2 these fail silently, so older servers are
-refused at connect with the version found and the minimum, never served half-working.
+KEDA's scaling signal), and ACL selectors (``ops/redis_acl.py``). On 6.2 these fail silently, so older servers
+are refused at connect with the version found and the minimum, never served half-working.
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ def _refused(error: Exception, where: str) -> UnsupportedServer:
 
 
 def lag_of(length: int, pending: int, lag: int | None) -> int:
-    """The group's lag (entries not yet delivered): ``XINFO GROUPS``' own figure, or, when the server reports NULL,
-    the stream's length less its pending entries. Redis and Valkey cannot count the lag once an entry after the
-    oldest one left was deleted (workers delete answered entries in any order), and a NULL read as 0 would tell an
-    autoscaler there is nothing to do; the length less pending is exact here because answered entries are deleted."""
+    """The group's lag (entries not yet delivered): ``XINFO GROUPS``' own figure, or, when the server reports
+    NULL, the stream's length less its pending entries. Redis and Valkey cannot count the lag once an entry
+    after the oldest one left was deleted (workers delete answered entries in any order), and a NULL read as 0
+    would tell an autoscaler there is nothing to do; the length less pending is exact here because answered
+    entries are deleted."""
     return int(lag) if lag is not None else max(0, int(length) - int(pending))
 
 

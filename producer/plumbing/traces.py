@@ -1,16 +1,16 @@
 """Traces (OpenTelemetry), shared by the gateway and the worker: off, and free, unless configured.
 
 On when the standard OpenTelemetry variables name an OTLP endpoint (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or
-``OTEL_EXPORTER_OTLP_ENDPOINT``; ``OTEL_SERVICE_NAME``, ``OTEL_EXPORTER_OTLP_HEADERS`` and the rest as the SDK reads
-them; ``OTEL_SDK_DISABLED=true`` keeps it off) and the ``otel`` extra is installed (the SDK and its OTLP/HTTP
-exporter); ``use`` installs a provider of the caller's (tests: the SDK's in-memory exporter). Off, ``tracer`` is
-None: no stage makes a span or notes a time, and nothing here imports OpenTelemetry.
+``OTEL_EXPORTER_OTLP_ENDPOINT``; ``OTEL_SERVICE_NAME``, ``OTEL_EXPORTER_OTLP_HEADERS`` and the rest as the SDK
+reads them; ``OTEL_SDK_DISABLED=true`` keeps it off) and the ``otel`` extra is installed (the SDK and its
+OTLP/HTTP exporter); ``use`` installs a provider of the caller's (tests: the SDK's in-memory exporter). Off,
+``tracer`` is None: no stage makes a span or notes a time, and nothing here imports OpenTelemetry.
 
-One trace per request, joined by the W3C ``traceparent`` the request carries (docs/PROTOCOL.md): the gateway's span
-for the call (its parent: the call's ``traceparent`` header) is what the requests it enqueues carry; its child
-``dq.enqueue`` is the submission to Redis. A worker continues the trace of each request it answers with
-``dq.process`` (enqueue to settled), whose children are ``dq.queue_wait``, ``dq.plan``, ``dq.compute`` (the pack:
-its id, bucket and tokens) and ``dq.publish``: worker/traces.py.
+One trace per request, joined by the W3C ``traceparent`` the request carries (docs/PROTOCOL.md): the gateway's
+span for the call (its parent: the call's ``traceparent`` header) is what the requests it enqueues carry; its
+child ``dq.enqueue`` is the submission to Redis. A worker continues the trace of each request it answers with
+``dq.process`` (enqueue to settled), whose children are ``dq.queue_wait``, ``dq.plan``, ``dq.compute`` (the
+pack: its id, bucket and tokens) and ``dq.publish``: worker/traces.py.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def configure(service: str) -> bool:
     global _provider
     if _provider is not None:
         return True
-    if not any(os.environ.get(name) for name in ENDPOINTS) or \
-            os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+    if (not any(os.environ.get(name) for name in ENDPOINTS)
+            or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true"):
         return False
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -1,10 +1,10 @@
-"""Who may do what: the caller an ``Authorization: Bearer`` header names, and how many of its requests are being
-answered at once.
+"""Who may do what: the caller an ``Authorization: Bearer`` header names, and how many of its requests are
+being answered at once.
 
 A token is compared with every key's, each comparison in constant time over SHA-256 digests (equal lengths, so
-the time says nothing about the token's length or its first differing byte), and no comparison is skipped once one
-matched. The caller's namespace comes from its key alone: nothing in a request (path, header or field) names
-another, so no call reaches another tenant's streams or results.
+the time says nothing about the token's length or its first differing byte), and no comparison is skipped once
+one matched. The caller's namespace comes from its key alone: nothing in a request (path, header or field)
+names another, so no call reaches another tenant's streams or results.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ OPEN = "open"  # the caller's name when the gateway has no keys
 
 @dataclass(frozen=True)
 class Access:
-    """An authenticated caller: its key's name, namespace (its tenant), lanes and in-flight limit, what its hang-up
-    does to the requests it waits for (cancels.py), and the namespaces whose models it may name, in the order they
-    are looked in."""
+    """An authenticated caller: its key's name, namespace (its tenant), lanes and in-flight limit, what its
+    hang-up does to the requests it waits for (cancels.py), and the namespaces whose models it may name, in
+    the order they are looked in."""
 
     name: str
     namespace: str

@@ -1,13 +1,16 @@
-"""Admission: what a keyed call gets before a byte of its body is read, and its body, read within limits. The front
-layer (front.py) admits every keyed call, whatever its route, so a route added later is bounded the same way:
+"""Admission: what a keyed call gets before a byte of its body is read, and its body, read within limits. The
+front layer (front.py) admits every keyed call, whatever its route, so a route added later is bounded the same
+way:
 
-- one of its key's in-flight slots (429 beyond the key's ``max_inflight``); a call of several requests takes the
-  rest once its body is parsed (``more``: 413 for more than the key ever allows, 429 while too many are in flight);
-- its share of the bodies read or parsed at once over every caller (``--max-body-bytes-in-flight``): its declared
-  length, else the whole ``--max-body-bytes``; beyond, 503 ``busy`` with ``Retry-After``, the body unread. One key
-  sending forty 7 MB bodies took the gateway to 800 MB, though 24 of the calls were then refused 429;
-- its body within ``--max-body-bytes`` (413 on the declared length, or as soon as the bytes read pass it), with no
-  pause over ``--body-timeout-s`` between its parts (408, the connection closed).
+- one of its key's in-flight slots (429 beyond the key's ``max_inflight``); a call of several requests takes
+  the rest once its body is parsed (``more``: 413 for more than the key ever allows, 429 while too many are in
+  flight);
+- its share of the bodies read or parsed at once over every caller (``--max-body-bytes-in-flight``): its
+  declared length, else the whole ``--max-body-bytes``; beyond, 503 ``busy`` with ``Retry-After``, the body
+  unread. One key sending forty 7 MB bodies took the gateway to 800 MB, though 24 of the calls were then
+  refused 429;
+- its body within ``--max-body-bytes`` (413 on the declared length, or as soon as the bytes read pass it),
+  with no pause over ``--body-timeout-s`` between its parts (408, the connection closed).
 
 What a call holds comes back when it ends, however it ends (``leave``: the front layer calls it).
 """
@@ -31,8 +34,8 @@ class Admission:
     """What the calls in flight hold (in-flight slots, the body budget), taken before a body is read."""
 
     def __init__(self, inflight: Inflight, max_body_bytes: int, budget: int, body_timeout_s: float) -> None:
-        self.inflight, self.max_body_bytes, self.budget, self.body_timeout_s = inflight, max_body_bytes, budget, \
-            body_timeout_s
+        self.inflight, self.max_body_bytes = inflight, max_body_bytes
+        self.budget, self.body_timeout_s = budget, body_timeout_s
         self.reading = 0  # body bytes the calls in flight were given (declared, or the limit for a streamed one)
 
     @property
@@ -57,8 +60,8 @@ class Admission:
         state["share"] = share
 
     def more(self, http: HttpRequest, count: int) -> None:
-        """``count`` slots in all for the call (it holds one): 413 for more than its key ever allows (waiting would
-        not help), 429 while too many are in flight."""
+        """``count`` slots in all for the call (it holds one): 413 for more than its key ever allows (waiting
+        would not help), 429 while too many are in flight."""
         access: Access = http.state.access
         if count > access.max_inflight:
             raise Refused(413, "batch_too_large", f"{count} requests, over this API key's limit of "
@@ -76,8 +79,9 @@ class Admission:
         self.reading -= state.pop("share", 0)
 
     def receiving(self, receive: Receive, state: dict[str, Any]) -> Receive:
-        """``receive`` that refuses a body once it passes the limit (413) or pauses too long (408); afterwards, as
-        it is (a wait for the caller's disconnect has no time limit). A disconnect is noted in ``state["gone"]``."""
+        """``receive`` that refuses a body once it passes the limit (413) or pauses too long (408);
+        afterwards, as it is (a wait for the caller's disconnect has no time limit). A disconnect is noted in
+        ``state["gone"]``."""
         seen, done = [0], [False]
 
         async def received() -> Message:

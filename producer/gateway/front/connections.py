@@ -1,23 +1,25 @@
-"""The gateway's HTTP connections, before a request reaches the application: uvicorn's HTTP/1.1 protocol (httptools)
-with the limits it lacks, so that nobody, with or without a key, can hold the process's memory or file descriptors.
+"""The gateway's HTTP connections, before a request reaches the application: uvicorn's HTTP/1.1 protocol
+(httptools) with the limits it lacks, so that nobody, with or without a key, can hold the process's memory or
+file descriptors.
 
-uvicorn closes a keep-alive connection idle after a response (``timeout_keep_alive``, used here: ``--keep-alive-s``),
-and nothing before a request's head (request line and headers) is complete: with httptools no size limit on it (h11
-has one, 16 KiB, at about half the calls per core) and with either no time limit (uvicorn's issue 157 lists both as
-open). Four connections sending megabytes of headers took the gateway from 58 MB to 1 GB; thousands of half-sent ones
-held file descriptors until it refused everyone. Here each connection's head must be:
+uvicorn closes a keep-alive connection idle after a response (``timeout_keep_alive``, used here:
+``--keep-alive-s``), and nothing before a request's head (request line and headers) is complete: with
+httptools no size limit on it (h11 has one, 16 KiB, at about half the calls per core) and with either no time
+limit (uvicorn's issue 157 lists both as open). Four connections sending megabytes of headers took the gateway
+from 58 MB to 1 GB; thousands of half-sent ones held file descriptors until it refused everyone. Here each
+connection's head must be:
 
 - within ``--max-header-bytes``, else 431 and the connection closed (before the parser holds more than a read);
-- complete within ``--header-timeout-s`` of the connection's start, or of the first byte after its previous request,
-  else 408 and closed (an idle connection between requests is the keep-alive timer's, which is longer: clients keep
-  idle connections in their pools, the System One SDK 30 s);
+- complete within ``--header-timeout-s`` of the connection's start, or of the first byte after its previous
+  request, else 408 and closed (an idle connection between requests is the keep-alive timer's, which is
+  longer: clients keep idle connections in their pools, the System One SDK 30 s);
 
-and at most ``--max-connections`` are open at once: one more closes the longest-idle keep-alive connection, else the
-one that has been sending its head longest, if for over ``SLOW_HEAD_S`` (or half the header timeout, if that is
-less: a caller's head comes in one packet; a
-slowloris connection is at once the slowest and the first to go, so a flood of them never shuts newcomers out for
-the whole header timeout), else is answered 503 and closed. A call in progress is never closed for another. Each
-closing is counted (``dq_gateway_connections_closed_total{reason}``) and logged at most once a minute per reason.
+and at most ``--max-connections`` are open at once: one more closes the longest-idle keep-alive connection,
+else the one that has been sending its head longest, if for over ``SLOW_HEAD_S`` (or half the header timeout,
+if that is less: a caller's head comes in one packet; a slowloris connection is at once the slowest and the
+first to go, so a flood of them never shuts newcomers out for the whole header timeout), else is answered 503
+and closed. A call in progress is never closed for another. Each closing is counted
+(``dq_gateway_connections_closed_total{reason}``) and logged at most once a minute per reason.
 """
 
 from __future__ import annotations
@@ -101,8 +103,8 @@ class Connections:
         self.metrics.connections.set(len(self.open))
 
     def count(self, reason: str, peer: Any) -> None:
-        """A connection closed by a limit: counted; logged at most once per LOG_EVERY_S per reason, saying how many
-        since the last line (those in between are in the metric at once, and in the next line)."""
+        """A connection closed by a limit: counted; logged at most once per LOG_EVERY_S per reason, saying how
+        many since the last line (those in between are in the metric at once, and in the next line)."""
         self.metrics.closed.labels(reason).inc()
         self.closed_since_log[reason] = self.closed_since_log.get(reason, 0) + 1
         now = time.monotonic()

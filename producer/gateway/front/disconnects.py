@@ -1,9 +1,9 @@
-"""A caller that hangs up: how a route notices, and what it is counted as. Once a call's body is read, the next
-ASGI message is the disconnect, so a route that waits (a decide, a long-poll, a cancel on hang-up) awaits its work
-with ``unless_gone``: the work is cancelled when the caller goes, its in-flight slots and its Redis connection come
-back then, not when the wait would have ended, and the call is answered (and counted) 499, nginx's status for a
-caller that closed the connection: nobody reads it. A streamed answer cut short by its caller counts 499 too
-(front.py).
+"""A caller that hangs up: how a route notices, and what it is counted as. Once a call's body is read, the
+next ASGI message is the disconnect, so a route that waits (a decide, a long-poll, a cancel on hang-up) awaits
+its work with ``unless_gone``: the work is cancelled when the caller goes, its in-flight slots and its Redis
+connection come back then, not when the wait would have ended, and the call is answered (and counted) 499,
+nginx's status for a caller that closed the connection: nobody reads it. A streamed answer cut short by its
+caller counts 499 too (front.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ class CallerGone(Exception):
 
 
 async def unless_gone(http: HttpRequest, work: Awaitable[T]) -> T:
-    """``work``'s outcome (its exception as it is), unless the caller goes first: then ``work`` is cancelled and
-    CallerGone raised."""
+    """``work``'s outcome (its exception as it is), unless the caller goes first: then ``work`` is cancelled
+    and CallerGone raised."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(http))
     try:

@@ -1,10 +1,10 @@
-"""The layer every call passes before its route, as plain ASGI: who is calling (one ``Authorization: Bearer`` header
-naming a key: 401 before a byte of the body is read), what a keyless gateway accepts (a loopback ``Host`` only, and
-JSON bodies only: a web page on the same machine can neither submit nor read through it, by a form or by a DNS name
-pointed at 127.0.0.1), admission (admission.py: an in-flight slot and a share of the body budget before the body is
-read, the body read within limits), and the metrics (calls by route, lane and status; latency; calls in flight),
-counted after the response's last byte. What a call holds is given back when it ends, however it ends (a streamed
-batch whose caller went away included: counted 499).
+"""The layer every call passes before its route, as plain ASGI: who is calling (one ``Authorization: Bearer``
+header naming a key: 401 before a byte of the body is read), what a keyless gateway accepts (a loopback
+``Host`` only, and JSON bodies only: a web page on the same machine can neither submit nor read through it, by
+a form or by a DNS name pointed at 127.0.0.1), admission (admission.py: an in-flight slot and a share of the
+body budget before the body is read, the body read within limits), and the metrics (calls by route, lane and
+status; latency; calls in flight), counted after the response's last byte. What a call holds is given back
+when it ends, however it ends (a streamed batch whose caller went away included: counted 499).
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ ROUTES = {"/v1/decide": "decide", "/v1/decide/batch": "decide_batch", "/v1/reque
 
 @dataclass(frozen=True)
 class Dialect:
-    """Another API served on some routes, whose callers read answers in a shape of their own: a refusal the front
-    layer makes on those routes is ``reshape``d (status, the gateway's error body -> the API's body), and every
-    answer there carries the id ``header`` (``fresh_id()`` where the route set none). System One registers one
-    (producer/gateway/systemone/routes.py), so the front layer names no API of its own accord."""
+    """Another API served on some routes, whose callers read answers in a shape of their own: a refusal the
+    front layer makes on those routes is ``reshape``d (status, the gateway's error body -> the API's body),
+    and every answer there carries the id ``header`` (``fresh_id()`` where the route set none). System One
+    registers one (producer/gateway/systemone/routes.py), so the front layer names no API of its own
+    accord."""
 
     routes: dict[str, str]  # path -> route name
     header: str
@@ -116,8 +117,8 @@ class Front:
             logs.called(scope, status[0], seconds, route in PUBLIC, state)
 
     def _span(self, scope: Scope, route: str) -> Any:
-        """Start the call's span, current while it runs (its parent: the call's ``traceparent`` header; the requests
-        it enqueues carry it, service.py); what ends it with the call's status."""
+        """Start the call's span, current while it runs (its parent: the call's ``traceparent`` header; the
+        requests it enqueues carry it, service.py); what ends it with the call's status."""
         from opentelemetry import context
         from opentelemetry.trace import SpanKind, set_span_in_context
 
@@ -136,7 +137,8 @@ class Front:
 
     def _admit(self, scope: Scope, route: str, state: dict[str, Any]) -> None:
         """Raises Refused: 400 a keyless gateway's Host not a loopback name, 401 without one valid key, 415 a
-        keyless body that is not JSON, 413 a declared length over the limit, 429/503 no room (admission.py)."""
+        keyless body that is not JSON, 413 a declared length over the limit, 429/503 no room
+        (admission.py)."""
         headers: dict[bytes, list[bytes]] = {}
         for name, value in scope["headers"]:
             headers.setdefault(name, []).append(value)

@@ -1,8 +1,8 @@
-"""The gateway's lines, in one format (``--log-format text`` or ``json``, producer/plumbing/logs.py: the worker's too),
-its own and uvicorn's alike, and one access line per call (``--access-log``): method, path, status, duration, the
-key's name, the lane and the client's address; the public routes (probes, scrapes, docs) at DEBUG only. CORS for
-browsers on other origins (``--cors-allow-origin``), answered before the API key is asked for (a preflight carries
-none).
+"""The gateway's lines, in one format (``--log-format text`` or ``json``, producer/plumbing/logs.py: the
+worker's too), its own and uvicorn's alike, and one access line per call (``--access-log``): method, path,
+status, duration, the key's name, the lane and the client's address; the public routes (probes, scrapes, docs)
+at DEBUG only. CORS for browsers on other origins (``--cors-allow-origin``), answered before the API key is
+asked for (a preflight carries none).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""What the gateway answers, and with which HTTP status: a result as it came, or a refusal shaped like an error
-result (``{"id", "status": "error", "error": {"code", "message", "field"?}}``), so that a caller reads one shape.
+"""What the gateway answers, and with which HTTP status: a result as it came, or a refusal shaped like an
+error result (``{"id", "status": "error", "error": {"code", "message", "field"?}}``), so that a caller reads
+one shape.
 
-The status is the error class: 422 invalid input (the code and the field), 413 too large (a batch over the key's
-in-flight limit included: it can never be admitted), 409 the id has another request's result (``id_conflict``),
-429 the queue or the caller's in-flight limit is full (``Retry-After``), 504 no result in time (the id: fetch it
-later), 503 Redis unreachable or refusing the gateway, or replicas that did not confirm (``not_durable``), 401/403
-the key. Once the gateway knows a request's id (the caller's, or the one it gave), every answer names it: a Redis
-error after that point says whether the request may be queued (``Unsettled``).
+The status is the error class: 422 invalid input (the code and the field), 413 too large (a batch over the
+key's in-flight limit included: it can never be admitted), 409 the id has another request's result
+(``id_conflict``), 429 the queue or the caller's in-flight limit is full (``Retry-After``), 504 no result in
+time (the id: fetch it later), 503 Redis unreachable or refusing the gateway, or replicas that did not confirm
+(``not_durable``), 401/403 the key. Once the gateway knows a request's id (the caller's, or the one it gave),
+every answer names it: a Redis error after that point says whether the request may be queued (``Unsettled``).
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ from .disconnects import CallerGone, gone
 log = logging.getLogger("producer.gateway")
 RETRY_AFTER_S = 1  # a full queue drains at the workers' pace; callers back off from here
 JSON = "application/json"
-# A worker's error result, as an HTTP status: the request's fault (422, 413), time (504), else the service's (500).
+# A worker's error result as an HTTP status: the request's fault (422, 413), time (504), else the service's
+# (500).
 RESULT_STATUS = {ErrorCode.INVALID_JSON: 422, ErrorCode.INVALID_REQUEST: 422, ErrorCode.INVALID_IMAGE: 422,
                  ErrorCode.STATE_TOO_LONG: 422, ErrorCode.TOO_LARGE: 413, ErrorCode.DEADLINE_EXCEEDED: 504,
                  ErrorCode.ID_CONFLICT: 409, ErrorCode.CANCELLED: 410}
 NOT_DURABLE = "not_durable"
 # What an Unsettled answer says, by where the call was when Redis failed it.
 SUBMIT, WAIT, READ = "submit", "wait", "read"
-# The question types are a discriminator, not a field the caller wrote; "one" and "batch" are the body's shapes.
+# The question types are a discriminator, not a field the caller wrote; "one" and "batch" are the body's
+# shapes.
 NOT_FIELDS = ("body", "query", "path", "noul", "choice", "score", "one", "batch")
 
 
@@ -53,12 +56,13 @@ class Refused(Exception):
 
 
 class Unsettled(Exception):
-    """A Redis error once the gateway knew the ids: ``phase`` says where. ``submit``: the
-    requests may have been queued (a command that timed out may have run); ``wait``: they are queued, their results
-    are to be fetched later; ``read``: a result could not be read (GET again). ``digests``: the requests' (ids: the
-    same order), to read each one's own result with."""
+    """A Redis error once the gateway knew the ids: ``phase`` says where. ``submit``: the requests may have
+    been queued (a command that timed out may have run); ``wait``: they are queued, their results are to be
+    fetched later; ``read``: a result could not be read (GET again). ``digests``: the requests' (ids: the same
+    order), to read each one's own result with."""
 
-    def __init__(self, error: Exception, ids: list[str], phase: str, digests: list[str] | None = None) -> None:
+    def __init__(self, error: Exception, ids: list[str], phase: str,
+                 digests: list[str] | None = None) -> None:
         super().__init__(str(error))
         self.error, self.ids, self.phase, self.digests = error, ids, phase, digests or []
 
@@ -96,8 +100,8 @@ def problems(errors: list[dict[str, Any]]) -> tuple[str, str, str]:
     """(code, field, message) of validation errors: invalid_json when the body is not JSON at all."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid", "type": ""}
     if first.get("type") == "json_invalid":
-        return ErrorCode.INVALID_JSON.value, "body", f"the body is not valid JSON: " \
-            f"{str((first.get('ctx') or {}).get('error', first.get('msg', '')))[:200]}"
+        why = str((first.get("ctx") or {}).get("error", first.get("msg", "")))[:200]
+        return ErrorCode.INVALID_JSON.value, "body", f"the body is not valid JSON: {why}"
     if field_of(first.get("loc", ())) == "body" and first.get("type") in ("model_attributes_type", "dict_type",
                                                                           "model_type"):
         return ErrorCode.INVALID_JSON.value, "body", "the body must be a JSON object, sent as application/json"
@@ -168,17 +172,20 @@ def install(app: FastAPI) -> None:
         app.add_exception_handler(kind, handler)
 
 
-# Refusals that say what state Redis is in (full, a failed save, a replica, loading, a script running, no quorum):
-# they pass as an operator or a failover acts, so they are 503 with Retry-After, not the gateway's own 500.
-# redis-py turns some into classes (their prefix gone from the message); the others keep their prefix.
-REDIS_STATES = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.exceptions.BusyLoadingError,
-                redis.exceptions.MasterDownError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
+# Refusals that say what state Redis is in (full, a failed save, a replica, loading, a script running, no
+# quorum): they pass as an operator or a failover acts, so they are 503 with Retry-After, not the gateway's
+# own 500. redis-py turns some into classes (their prefix gone from the message); the others keep their
+# prefix.
+REDIS_STATES = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
+                redis.exceptions.BusyLoadingError, redis.exceptions.MasterDownError,
+                redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
 REDIS_STATE_PREFIXES = {"MISCONF", "BUSY", "NOREPLICAS", "OOM"}
 
 
 def _redis_refusal(error: Exception, phase: str = SUBMIT) -> Refused:
     """A Redis error's status: 503 unreachable or refusing the gateway (its user's rights, its password), 503
-    ``not_durable`` when fewer replicas than asked confirmed, 500 another refused command (a bug: see the log)."""
+    ``not_durable`` when fewer replicas than asked confirmed, 500 another refused command (a bug: see the
+    log)."""
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     log.warning("Redis: %s: %s", type(error).__name__, error)
     if isinstance(error, NotDurable):

@@ -1,11 +1,11 @@
-"""Routing by model: the name a System One call sends (or one of the gateway's aliases for it,
-``--model-alias jev-latest=my-decider``) to the namespace whose live workers serve it, among those the caller's key
-may use (producer/client/served.py: a namespace is one model's queue), and ``GET /v1/models`` from the same.
+"""Routing by model: the name a System One call sends (or one of the gateway's aliases for it, ``--model-alias
+jev-latest=my-decider``) to the namespace whose live workers serve it, among those the caller's key may use
+(producer/client/served.py: a namespace is one model's queue), and ``GET /v1/models`` from the same.
 
-Each namespace's heartbeats are read at most once a second (``FRESH_S``) whatever the load, with one read at a time
-per namespace; a name not found is looked for again in heartbeats at most ``MISS_S`` old before the call is refused
-404 naming the models served, so a model whose first worker has just come up is found, and a model nobody serves is
-refused at once, never queued to wait for a worker.
+Each namespace's heartbeats are read at most once a second (``FRESH_S``) whatever the load, with one read at a
+time per namespace; a name not found is looked for again in heartbeats at most ``MISS_S`` old before the call
+is refused 404 naming the models served, so a model whose first worker has just come up is found, and a model
+nobody serves is refused at once, never queued to wait for a worker.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class Models:
         at, found = self.seen.get(namespace, (-1e9, {}))
         if time.monotonic() - at <= fresh_s:
             return found
-        async with self.locks.setdefault(namespace, asyncio.Lock()):  # those that found it stale wait for one read
+        # Those that found it stale wait for one read.
+        async with self.locks.setdefault(namespace, asyncio.Lock()):
             at, found = self.seen.get(namespace, (-1e9, {}))
             if time.monotonic() - at <= fresh_s:
                 return found
@@ -54,8 +55,8 @@ class Models:
             return found
 
     async def served(self, access: Access, fresh_s: float = FRESH_S) -> dict[str, ServedModel]:
-        """The models served where ``access`` may send, by each of their names: a name served in several of its
-        namespaces is the first one's."""
+        """The models served where ``access`` may send, by each of their names: a name served in several of
+        its namespaces is the first one's."""
         if len(access.model_namespaces) == 1:  # the usual case: the catalog itself (read only)
             return await self._catalog(access.model_namespaces[0], fresh_s)
         out: dict[str, ServedModel] = {}
@@ -79,7 +80,8 @@ class Models:
 
     def _names(self, found: dict[str, ServedModel]) -> dict[str, ServedModel]:
         """Every name a caller may send: the served ones and the aliases whose model is served."""
-        return {**{alias: found[target] for alias, target in self.aliases.items() if target in found}, **found}
+        aliases = {alias: found[target] for alias, target in self.aliases.items() if target in found}
+        return {**aliases, **found}
 
     async def listing(self, access: Access) -> dict[str, Any]:
         """``GET /v1/models``'s body: each name a caller may send, with what it is."""

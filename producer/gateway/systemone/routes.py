@@ -1,11 +1,12 @@
-"""``POST /v1/systemone`` and ``GET /v1/models``: the System One API over the queue, for callers written against it
-(the official SDKs with ``TYPESAFE_BASE_URL`` pointed here; docs/GATEWAY.md, "System One").
+"""``POST /v1/systemone`` and ``GET /v1/models``: the System One API over the queue, for callers written
+against it (the official SDKs with ``TYPESAFE_BASE_URL`` pointed here; docs/GATEWAY.md, "System One").
 
 A call passes what every route does (the front layer: the key, the body's size, metrics; admission: lanes, the
 key's in-flight slots), then: its body decoded (decoding.py), checked and turned into the queue's request
-(translate.py), routed to the namespace whose live workers serve its model (models.py), mapped with its retries to
-one request (retries.py), enqueued there unless an earlier attempt did, and answered with the result as the clients
-read it. Every answer carries ``x-typesafe-request-id``: the queue's request id once there is one.
+(translate.py), routed to the namespace whose live workers serve its model (models.py), mapped with its
+retries to one request (retries.py), enqueued there unless an earlier attempt did, and answered with the
+result as the clients read it. Every answer carries ``x-typesafe-request-id``: the queue's request id once
+there is one.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ Watch = Callable[[HttpRequest, Awaitable[dict[str, Result]], list[str], str], Aw
 
 
 def install(app: FastAPI, front: Front, gateway: Gateway, config: GatewayConfig, watched: Watch) -> None:
-    """Add the two routes, and their answers' shape to the front layer (``Dialect``: a refusal it makes there reads
-    as the clients expect, every answer carries ``x-typesafe-request-id``); ``watched``: how a route waits on
-    results, CallerGone once its caller hangs up."""
+    """Add the two routes, and their answers' shape to the front layer (``Dialect``: a refusal it makes there
+    reads as the clients expect, every answer carries ``x-typesafe-request-id``); ``watched``: how a route
+    waits on results, CallerGone once its caller hangs up."""
     front.speak(Dialect({"/v1/systemone": "systemone", "/v1/models": "models"}, translate.ID_HEADER,
                         translate.fresh_id, translate.reshaped))
     models = Models(lambda: gateway.connection, config.aliases)
@@ -84,8 +85,8 @@ def install(app: FastAPI, front: Front, gateway: Gateway, config: GatewayConfig,
                 await _submit(served.namespace, name, prepared)
             else:
                 gateway.metrics.attached.labels("retry" if RETRY_COUNT in http.headers else "identical").inc()
-            # A hang-up (CallerGone) leaves the request queued and mapped, never cancelled: the SDK's read timeout
-            # is one, and the same call follows. A result `cancelled` found below is never an answer.
+            # A hang-up (CallerGone) leaves the request queued and mapped, never cancelled: the SDK's read
+            # timeout is one, and the same call follows. A result `cancelled` found below is never an answer.
             wait = gateway.wait_for(None)
             landed = await watched(http, client.wait_any([claim.request_id], wait), [claim.request_id], WAIT)
             result = landed.get(claim.request_id)
@@ -124,8 +125,8 @@ def _answer(result: Result, model: str, request_id: str) -> Response:
 
 
 async def _refusal(app: FastAPI, http: HttpRequest, error: Exception) -> Response:
-    """``error`` answered with the status the gateway's other routes give it (replies.py), in the System One shape:
-    a 422 of this route's own checks lists each problem; any other, the gateway's answer reshaped."""
+    """``error`` answered with the status the gateway's other routes give it (replies.py), in the System One
+    shape: a 422 of this route's own checks lists each problem; any other, the gateway's answer reshaped."""
     if isinstance(error, Refused) and "detail" in error.extra:
         status, headers = error.status, dict(error.headers)
         body = translate.error_body(status, error.code, error.message, detail=error.extra["detail"])

@@ -1,17 +1,17 @@
-"""The System One wire (what the official clients send and read: typesafe-sdk 0.7.5, the hosted API's schema) and
-the queue's: a call's JSON checked and turned into the queue's request, a result into the call's answer, and a
-refusal into the body and status the clients map to their exception classes.
+"""The System One wire (what the official clients send and read: typesafe-sdk 0.7.5, the hosted API's schema)
+and the queue's: a call's JSON checked and turned into the queue's request, a result into the call's answer,
+and a refusal into the body and status the clients map to their exception classes.
 
 - A call is ``{"model", "state", "questions", "assets"?}``: ``state`` text, an object or an array; questions
-  ``noul``, ``choice``, ``score`` (``box``: refused 422, no served model has a box head); ``assets`` images, inline
-  (``data_base64``) or a multipart part (``part``). Unknown fields are refused 422, naming them, as the queue's own
-  requests are. Score levels must be text, objects or arrays: the answer echoes them in ``legend``, where the
-  clients refuse anything else.
-- The answer is ``{"model", "answers", "usage": {"input_tokens", "output_tokens"}}``: each answer exactly the fields
-  its type has (transformers' ``Question.answer``, which the worker computed), ``model`` the name the result says
-  answered it (never an alias), one output token per question (one readout each).
-- Refusals: 422 as FastAPI's ``{"detail": [{"loc", "msg", "type"}]}`` (``loc`` from ``"body"``), every other status
-  as ``{"detail": {"error_type", "message"}}``; the clients read either as the message.
+  ``noul``, ``choice``, ``score`` (``box``: refused 422, no served model has a box head); ``assets`` images,
+  inline (``data_base64``) or a multipart part (``part``). Unknown fields are refused 422, naming them, as the
+  queue's own requests are. Score levels must be text, objects or arrays: the answer echoes them in
+  ``legend``, where the clients refuse anything else.
+- The answer is ``{"model", "answers", "usage": {"input_tokens", "output_tokens"}}``: each answer exactly the
+  fields its type has (transformers' ``Question.answer``, which the worker computed), ``model`` the name the
+  result says answered it (never an alias), one output token per question (one readout each).
+- Refusals: 422 as FastAPI's ``{"detail": [{"loc", "msg", "type"}]}`` (``loc`` from ``"body"``), every other
+  status as ``{"detail": {"error_type", "message"}}``; the clients read either as the message.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ from ...wire.schema import IMAGE_FORMATS, MAX_ASSETS, Request
 from ..front.replies import Refused
 from .decoding import Part
 
-ID_HEADER = "x-typesafe-request-id"  # every answer's: the queue's request id (a refusal before there is one: its own)
-TAGS = ("noul", "choice", "score", "box")  # a question's type in pydantic's locations: not a field the caller wrote
+# Every answer's: the queue's request id (a refusal before there is one: its own).
+ID_HEADER = "x-typesafe-request-id"
+# A question's type in pydantic's locations: not a field the caller wrote.
+TAGS = ("noul", "choice", "score", "box")
 ANSWERED = {"noul": ("type", "noul"), "choice": ("type", "choice", "confidence", "probabilities"),
             "score": ("type", "score", "confidence", "legend", "probabilities")}
 SERVED_TYPES = tuple(ANSWERED)
@@ -113,12 +115,14 @@ class Call(_Closed):
 
     model: str = Field(min_length=1)
     state: Annotated[JsonValue, AfterValidator(_state)]
-    questions: dict[str, Annotated[Union[Noul, Choice, Score, Box], Field(discriminator="type")]] = Field(min_length=1)
+    questions: dict[str, Annotated[Union[Noul, Choice, Score, Box], Field(discriminator="type")]] = Field(
+        min_length=1)
     assets: dict[str, Asset] | None = Field(default=None, min_length=1, max_length=MAX_ASSETS)
 
 
 def _field(loc: tuple[Any, ...]) -> tuple[Any, ...]:
-    """pydantic's location without a question's type tag (``questions.q.choice.criteria``: ``questions.q.criteria``)."""
+    """pydantic's location without a question's type tag: ``questions.q.choice.criteria`` is
+    ``questions.q.criteria``."""
     if len(loc) > 2 and loc[0] == "questions" and loc[2] in TAGS:
         return loc[:2] + loc[3:]
     return loc
@@ -141,9 +145,9 @@ def parse(text: bytes) -> Call:
 
 
 def to_request(call: Call, parts: dict[str, Part], model: str) -> Request:
-    """The queue's request for ``call``, its images inline; ``parts``: the multipart body's image parts by name
-    (each must be claimed by exactly one asset). 422 for a box question, a missing or unclaimed part, or what the
-    queue's own limits refuse; 413 when its images make it larger than a queue request may be."""
+    """The queue's request for ``call``, its images inline; ``parts``: the multipart body's image parts by
+    name (each must be claimed by exactly one asset). 422 for a box question, a missing or unclaimed part, or
+    what the queue's own limits refuse; 413 when its images make it larger than a queue request may be."""
     for name, question in call.questions.items():
         if question.type not in SERVED_TYPES:
             raise invalid([{"loc": ("questions", name, "type"), "type": "unsupported_question",
@@ -174,7 +178,8 @@ def to_request(call: Call, parts: dict[str, Part], model: str) -> Request:
                         "msg": f"parts claimed by no asset: {', '.join(p[:40] for p in unclaimed[:5])}"}])
     size = sum(len(a["data_base64"]) for a in assets.values())
     if size > MAX_BODY_BYTES:
-        raise Refused(413, "too_large", f"the images are {size} bytes in base64, over a request's {MAX_BODY_BYTES}")
+        raise Refused(413, "too_large",
+                      f"the images are {size} bytes in base64, over a request's {MAX_BODY_BYTES}")
     body = {"state": call.state, "questions": {n: q.model_dump(exclude_unset=True) for n, q in call.questions.items()},
             **({"assets": assets} if assets else {})}
     try:
@@ -194,7 +199,7 @@ def response(result: Result, model: str) -> bytes:
 
 def error_body(status: int, code: str, message: str, field: str | None = None,
                detail: list[dict[str, Any]] | None = None) -> bytes:
-    """A refusal as the System One clients read it: FastAPI's ``detail`` list for 422, else one detail object."""
+    """A refusal as the System One clients read it: FastAPI's ``detail`` list for 422, else one detail."""
     if status == 422:
         loc = ["body", *(field.split(".") if field and field != "body" else [])]
         body: Any = {"detail": detail or [{"loc": loc, "msg": message, "type": code}]}
@@ -209,8 +214,8 @@ def fresh_id() -> str:
 
 
 def reshaped(status: int, raw: bytes) -> bytes:
-    """The gateway's own error body (``{"id", "status", "error": {"code", "message", "field"?}}``, replies.py) in
-    the System One shape."""
+    """The gateway's own error body (``{"id", "status", "error": {"code", "message", "field"?}}``, replies.py)
+    in the System One shape."""
     try:
         error = json.loads(raw).get("error") or {}
     except (ValueError, AttributeError):
