@@ -1,4 +1,5 @@
-"""The producer against a real redis-server: submit, backpressure, wait without polling, fetch again."""
+"""The Python client (producer/client/) against a real redis-server: submit, backpressure, wait without polling, fetch
+again."""
 
 import asyncio
 import json
