@@ -1,10 +1,10 @@
 """The Python client: submit requests, wait for their results, cancel them, ask where they are, read queue
 stats; blocking (``Client``) or asyncio (``AsyncClient``), with the same methods (docs/CLIENT.md).
 
-plans.py (every Redis exchange planned, no socket: ``Producer``, ``prepare``)  steps.py (what a plan yields)
-runner.py (a plan run on a connection)  faces.py (``Client``, ``AsyncClient``)  arrivals.py (results as they
-land) control.py (cancel, status)  stats.py  liveness.py (a wait with no live worker)  served.py (which models
-live workers serve, where). Every error the client raises is here too.
+plans.py (every Redis exchange planned, no socket: ``Producer``, ``prepare``; a wait with no live worker)
+steps.py (what a plan yields)  runner.py (a plan run on a connection)  faces.py (``Client``, ``AsyncClient``)
+arrivals.py (results as they land)  control.py (cancel, status)  stats.py  served.py (which models live
+workers serve, where). Every error the client raises is here too.
 """
 
 from ..plumbing.connection import aconnect, connect

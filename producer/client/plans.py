@@ -1,4 +1,4 @@
-"""The producer's core: all of its logic and no socket, shared by ``Client`` and ``AsyncClient`` (client.py).
+"""The producer's core: all of its logic and no socket, shared by ``Client`` and ``AsyncClient`` (faces.py).
 
 ``Producer`` plans every Redis exchange: each operation is a generator that yields what to send (a ``Call``, a
 ``Pipeline``, a ``Function`` call or a ``Load`` of the function library) and is sent the reply, or has the
@@ -12,6 +12,12 @@ the unfinished work). A request goes to its lane's stream, so the limit holds pe
 ``XREAD`` on the result streams of up to 256 awaited requests at once (a result keeps its one entry until its
 TTL); on Redis Cluster, where one read cannot span slots, on the oldest one, then a pipelined look at the
 others.
+
+Whether anyone will answer (``Liveness``): a wait during which no worker of the namespace is alive (none
+started, all gone, a mistyped namespace) ends after ``no_worker_s``, not after its whole timeout, saying so.
+Liveness is a heartbeat younger than ``GONE_S`` (producer/wire/keys.py). It is looked at a second into a wait
+that has not got its results, then every ``LOOK_S``: a wait answered at once pays nothing for it. Once a
+worker is seen alive (or this user may not read the heartbeats), a wait runs its whole timeout.
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ from ..wire.errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, 
 from ..wire.keys import GONE_S, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
 from ..wire.result import Result, Unreadable, read_stored, unreadable
 from ..wire.schema import Request, describe
-from .liveness import NO_WORKER_S, Liveness
 from .steps import Call, Function, Load, PerNode, Pipeline, Plan, Step  # noqa: F401 - the faces' names for them
 
 BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the time Redis spends in one call
@@ -44,6 +49,7 @@ REMEMBERED = 100_000  # ids whose digests a producer keeps (for id conflicts): a
 # again in between (restarts, failovers, FUNCTION FLUSH in a row): a few tries, then the error goes to the
 # caller.
 LOAD_TRIES = 5
+NO_WORKER_S, LOOK_S = 15.0, 5.0  # a wait with no live worker ends after NO_WORKER_S; looks every LOOK_S
 
 
 class Prepared(NamedTuple):
@@ -85,6 +91,32 @@ def prepare(request: Submittable, max_bytes: int = MAX_BODY_BYTES) -> Prepared:
     if len(body.encode()) > max_bytes:
         raise InvalidRequest(f"request is {len(body.encode())} bytes, over the {max_bytes}-byte limit")
     return Prepared(parsed.id, body, Priority(parsed.priority or NORMAL), digest(parsed))
+
+
+class Liveness:
+    """One wait's looks at the workers' heartbeats."""
+
+    def __init__(self, namespace: str, no_worker_s: float | None, forever: bool) -> None:
+        self.namespace, self.no_worker_s = namespace, no_worker_s
+        self.started = time.monotonic()
+        self.seen = no_worker_s is None or forever  # a worker seen alive, or nothing to watch for
+        self.next_look = self.started + min(1.0, no_worker_s or 0.0)
+
+    def due(self, late: bool) -> bool:
+        """Whether to look now (at the deadline, always, so that a timeout can say why)."""
+        return not self.seen and (late or time.monotonic() >= self.next_look)
+
+    def looked(self, live: int | None) -> None:
+        """What a look found: how many live workers (None: this user may not read the heartbeats)."""
+        self.seen, self.next_look = live != 0, time.monotonic() + LOOK_S
+
+    def gone(self, late: bool) -> bool:
+        """No worker alive for the whole wait, and the wait is over (late) or has gone ``no_worker_s``."""
+        return not self.seen and (late or time.monotonic() - self.started >= self.no_worker_s)  # type: ignore
+
+    def why(self) -> str:
+        return (f"; no live worker in namespace {self.namespace!r} (no heartbeat in the last {GONE_S} s: "
+                "none started, or the namespace is wrong): they stay queued until one starts")
 
 
 def parse_result(fields: Mapping[bytes, bytes], request_id: str) -> Result:
