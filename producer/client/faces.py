@@ -54,7 +54,7 @@ class Client(Blocking):
         return self._run(self.core.decide(request, timeout))
 
     def stats(self) -> dict[str, Any]:
-        """Queue totals and per-shard figures (see ``Producer.stats``)."""
+        """Queue totals and per-shard figures (``stats.stats`` says what each is)."""
         return self._run(stats.stats(self.core))
 
     def live_workers(self) -> int | None:
