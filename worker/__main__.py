@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from producer import __version__
-from producer.wire.connection import WAIT_MS, Deployment
+from producer.plumbing.connection import WAIT_MS, Deployment
+from producer.plumbing.supported import UnsupportedServer
 from producer.wire.keys import PROTOCOL
-from producer.wire.supported import UnsupportedServer
 
 from .config import Settings
 
@@ -35,8 +35,8 @@ def _load_functions(args: argparse.Namespace) -> int:
     import redis
 
     from producer.wire import library
-    from producer.wire.connection import Deployment, connect
-    from producer.wire.supported import UnsupportedServer, check
+    from producer.plumbing.connection import Deployment, connect
+    from producer.plumbing.supported import UnsupportedServer, check
 
     try:
         deployment = Deployment.resolve(**{name: getattr(args, name) for name in Deployment.FLAGS})
@@ -72,7 +72,7 @@ def _short_of_replicas(client: Any, deployment: Deployment) -> list[str]:
     each with its count; a refusal is raised."""
     import redis
 
-    from producer.wire import cluster_wait
+    from producer.plumbing import cluster_wait
     from producer.wire.keys import Keys
 
     keys, wanted = Keys(deployment.namespace), deployment.wait_replicas

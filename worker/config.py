@@ -15,10 +15,10 @@ import socket
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from producer.wire.connection import (MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT, mode_problem, redact, tls_url,
-                                      url_problem)
+from producer.plumbing.connection import (MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT, mode_problem, redact,
+                                          tls_url, url_problem)
+from producer.plumbing.sentinel import credentials, is_sentinel
 from producer.wire.keys import MODEL_NAME
-from producer.wire.sentinel import credentials, is_sentinel
 
 DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
 GPUS = re.compile(r"|all|cpu:[1-9][0-9]{0,2}|[0-9]{1,3}(,[0-9]{1,3})*")  # --gpus; worker/launch/launcher.py reads it

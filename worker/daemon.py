@@ -19,9 +19,9 @@ import time
 from typing import Any
 
 from producer import __version__
-from producer.wire import traces
+from producer.plumbing import traces
+from producer.plumbing.supported import UnsupportedServer
 from producer.wire.keys import Keys
-from producer.wire.supported import UnsupportedServer
 
 from .config import Settings
 from .gpu.compute import Compute
@@ -102,7 +102,7 @@ class Daemon:
                                fatal=lambda code: self.exit(code))
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
                              settings.high_pack_tokens, self.engine.pack_sizes)
-        self.traces = Traces.configured()  # None unless an OTLP endpoint is set (producer/wire/traces.py)
+        self.traces = Traces.configured()  # None unless an OTLP endpoint is set (producer/plumbing/traces.py)
         self.lifecycle = Lifecycle(self.keys, settings, self.metrics, self.redis_calls, consumer, self.planner,
                                    self.packer, self.publisher, self.loop, self.traces)
         self.intake = Intake(consumer, self.lifecycle, self.redis_calls, settings, self.metrics, self.stopping,

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from producer.wire.endpoints import NOT_FOUND, Answer, serve_paths
+from producer.plumbing.endpoints import NOT_FOUND, Answer, serve_paths
 
 from .metrics import Metrics
 

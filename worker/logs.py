@@ -1,5 +1,5 @@
 """Logging: one line per state change (never one per request at INFO), as text or JSON (the formats:
-producer/wire/logs.py, the gateway's too).
+producer/plumbing/logs.py, the gateway's too).
 
 With ``json``, every line the process writes to stderr is a JSON object: progress bars are off, and third-party
 handlers, warnings and uncaught exceptions go through the one handler.
@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any
 
-from producer.wire.logs import formatter
+from producer.plumbing.logs import formatter
 
 
 def setup_logging(fmt: str = "text", level: str = "INFO") -> None:

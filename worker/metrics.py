@@ -20,9 +20,9 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from producer.plumbing.supported import lag_of
 from producer.wire.keys import LANES
 from producer.wire.schema import ErrorCode
-from producer.wire.supported import lag_of
 
 from .entries import Stream
 

@@ -1,4 +1,4 @@
-"""The worker's spans of each request it answers (producer/wire/traces.py says when tracing is on, and the trace):
+"""The worker's spans of each request it answers (producer/plumbing/traces.py says when tracing is on, and the trace):
 ``dq.process`` from enqueue to settled, parented by the ``traceparent`` the request (or part) carries, and under it
 ``dq.queue_wait`` (enqueue to taken), ``dq.plan``, one ``dq.compute`` per pack its prompts ran in (the pack's id,
 bucket and tokens) and ``dq.publish``.
@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.wire import traces
+from producer.plumbing import traces
 
 from .entries import Delivery
 
@@ -38,7 +38,7 @@ class Traces:
 
     @classmethod
     def configured(cls) -> Traces | None:
-        """Traces when tracing is on (producer/wire/traces.py), else None: the stages then note nothing."""
+        """Traces when tracing is on (producer/plumbing/traces.py), else None: the stages then note nothing."""
         tracer = traces.tracer("dq-worker") if traces.configure("dq-worker") else None
         return cls(tracer) if tracer is not None else None
 

@@ -179,6 +179,11 @@ def test_function_flush_mid_run(redis_server, start_worker, tiny_dir):
             flushes += 1
             time.sleep(0.02)
 
+    loaded = f"{library.LIBRARY} revision {library.REVISION} loaded"
+
+    def refused() -> int:  # function calls the flushes hit
+        return client.redis.info("errorstats").get("errorstat_ERR", {}).get("count", 0)
+
     thread = threading.Thread(target=flush)
     thread.start()
     try:
@@ -187,15 +192,19 @@ def test_function_flush_mid_run(redis_server, start_worker, tiny_dir):
             ids += client.submit_many(batch(3, f"flush{k}") + ([long_request(f"flush-long-{k // 4}")] if k % 4 == 0
                                                                 else []))
             time.sleep(0.05)
-        time.sleep(2.0)  # the worker publishing through flushes too (not all of settle: a 50 Hz storm on a busy
-    finally:            # machine could starve a fan-out's two rounds of calls for as long as it lasts)
+        # The worker working through flushes too: until it met one and loaded the library again, however long a
+        # loaded machine takes to its first publication (a fixed 2 s can end the storm before it), but not all
+        # of settle (a 50 Hz storm could starve a fan-out's two rounds of calls for as long as it lasts).
+        wait_for(lambda: worker.log.read_text().count(loaded) > 1 and refused() > 0, timeout=120,
+                 what="the worker loading the library again, and a function call refused by a flush")
+    finally:
         done.set()
         thread.join()
     report = wait_and_check(client.redis, client.keys, ids, timeout=120).assert_ok()
     assert all(r.ok for r in report.results.values()) and flushes > 20
-    assert client.redis.info("errorstats")["errorstat_ERR"]["count"] > 0  # the flushes did hit function calls
+    assert refused() > 0  # the flushes did hit function calls
     log = worker.log.read_text()
-    assert log.count(f"{library.LIBRARY} revision {library.REVISION} loaded") > 1  # the worker loaded it again
+    assert log.count(loaded) > 1  # the worker loaded it again
     # Routine after a restart: no error, no 1 s back-off (the messages of the two back-off paths: a refused
     # publication, a batch that failed to settle; the old "failed; retrying" no longer exists, and matched nothing).
     assert "redis refused publish" not in log and "failed; trying again" not in log, log[-3000:]

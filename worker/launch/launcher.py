@@ -35,7 +35,7 @@ from typing import Any
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, disable_created_metrics,
                                generate_latest)
 
-from producer.wire.endpoints import NOT_FOUND, Answer, serve_paths
+from producer.plumbing.endpoints import NOT_FOUND, Answer, serve_paths
 from producer.wire.keys import LANES, Keys, text
 
 from ..config import Settings
@@ -182,7 +182,7 @@ class Launcher:
         """Entries pending for this host's consumers on the shard's work streams; None when Redis cannot say."""
         import redis
 
-        from producer.wire.connection import connect
+        from producer.plumbing.connection import connect
 
         names, keys, total = {w.consumer for w in self.workers}, Keys(self.settings.namespace, self.settings.shard), 0
         try:
