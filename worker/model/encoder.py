@@ -77,11 +77,12 @@ def decode_images(assets: dict[str, str], max_pixels: int) -> dict[str, Image.Im
 
 
 # The bound on a state checked before it is rendered and tokenized (seconds for megabytes: a 4.7 MB state took 26 s
-# of a worker's CPU, its other callers waiting). Text averages far fewer characters per token than CHARS_PER_TOKEN
-# with any vocabulary served here (English about 4 with Qwen's, code and JSON 2 to 4, CJK under 2, numbers 1: Qwen
-# splits them into digits), except in runs of one character (padding, a rule of '='), which a vocabulary may hold
-# as one token as long as its longest entry: runs are counted at that rate. A state that needs more tokens than the
-# model reads by this count is refused (state_too_long); what passes is rendered, and counted exactly.
+# of a worker's CPU, its other callers waiting). Text takes far fewer characters a token than CHARS_PER_TOKEN (with
+# Qwen3.5's vocabulary, measured: English docs 3.4, Python 4.0, JSON 1.7, numbers 1.0 as it splits them into digits,
+# Chinese 2.2, a table padded with spaces 6.9), except in runs of one character (padding, a rule of '='), which a
+# vocabulary may hold as one token as long as its longest entry (128 spaces in Qwen3.5's): runs are counted at that
+# rate. A state that needs more tokens than the model reads by this count is refused (state_too_long); what passes
+# is rendered, and counted exactly.
 CHARS_PER_TOKEN = 16
 RUN = re.compile(r"(.)\1{15,}", re.DOTALL)  # one character 16 times or more
 
