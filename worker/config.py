@@ -76,10 +76,9 @@ class Settings:
                                    "(0: at once; under load the running pack gathers the next)", low=0)
     normal_share: float = _opt(0.1, "share of each pack's tokens kept for normal-priority work while some waits "
                                     "(high work never starves it)", low=0.01, high=0.9)
-    high_pack_tokens: int = _opt(4096, "token budget of packs while high-priority work flows (queued in the last "
-                                       "second): a high request waits behind less work on the GPU (0: pack_tokens)",
-                                 low=0, more="what 4096 costs and buys at the 2B shape: docs/BENCHMARKS.md, "
-                                             "\"Priority lanes\"")
+    high_target_ms: float = _opt(100.0, "latency a high-priority request should see in this worker (taken to "
+                                        "answers read out): the pack it rides in is sized for its oldest one", low=1,
+                                 more="the pack policy, worker/gpu/policy.py: docs/BENCHMARKS.md, \"The pack policy\"")
     buckets: str = _opt("512,1024,2048,4096,8192,16384", "static pack sizes captured as CUDA graphs (fast path), "
                         "those below --pack-tokens kept, --pack-tokens always one; a pack pays for its bucket")
     cuda_graphs: bool = _opt(True, "replay packs through CUDA graphs (fast path)")

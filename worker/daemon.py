@@ -101,7 +101,7 @@ class Daemon:
         self.planner = Planner(self.model, settings, on_crash=self.metrics.planner_crashes.inc,
                                fatal=lambda code: self.exit(code))
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
-                             settings.high_pack_tokens, self.engine.pack_sizes)
+                             self.engine.pack_sizes, settings.high_target_ms / 1000)
         self.traces = Traces.configured()  # None unless an OTLP endpoint is set (producer/wire/traces.py)
         self.lifecycle = Lifecycle(self.keys, settings, self.metrics, self.redis_calls, consumer, self.planner,
                                    self.packer, self.publisher, self.loop, self.traces)

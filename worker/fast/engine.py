@@ -179,7 +179,8 @@ class FastEngine(WarmUp):
             return PackRun(per_prompt, layout.tokens, layout.capacity, layout.bucket, graph,
                            time.perf_counter() - start, gpu, idle)
 
-        pending = Pending(scores_ready)
+        # On a GPU the pack's end event says whether it is done; elsewhere the launch computed it.
+        pending = Pending(scores_ready, finished=done.query if done is not None else lambda: True)
         if slot is not None:
             slot.pending = pending
         return pending

@@ -59,7 +59,7 @@ class Planners(Protocol):
 class Packs(Protocol):
     """Where a task's prompts wait for the GPU (gpu/packer.py; any thread may put)."""
 
-    def put(self, items: list[Item]) -> None: ...
+    def put(self, items: list[Item], waited: float = 0.0) -> None: ...
 
     def withdraw(self, task: Task) -> bool: ...
 
@@ -159,7 +159,8 @@ class Lifecycle:
     def _queue(self, task: Task) -> None:
         self.held.move(task.delivery, State.QUEUED, task)
         task.timeline.queued = time.time()
-        self.packer.put([Item(task, index, prompt) for index, prompt in enumerate(task.prompts)])
+        self.packer.put([Item(task, index, prompt) for index, prompt in enumerate(task.prompts)],
+                        waited=max(0.0, task.timeline.queued - task.delivery.taken))
 
     async def _stored_body(self, delivery: Delivery) -> bytes | None:  # a part's request body (None: gone)
         if delivery.stream != PARTS or not delivery.answerable:

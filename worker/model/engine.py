@@ -53,11 +53,16 @@ class PackRun:
 
 
 class Pending:
-    """A launched pack; ``wait`` blocks until its scores are on the host."""
+    """A launched pack; ``wait`` blocks until its scores are on the host; ``done`` says, without blocking, whether
+    the device has finished it (False when the engine cannot tell)."""
 
-    def __init__(self, finish: Callable[[], PackRun]) -> None:
+    def __init__(self, finish: Callable[[], PackRun], finished: Callable[[], bool] | None = None) -> None:
         self._finish = finish
+        self._finished = finished
         self._run: PackRun | None = None
+
+    def done(self) -> bool:
+        return self._run is not None or (self._finished is not None and self._finished())
 
     def wait(self) -> PackRun:
         if self._run is None:
