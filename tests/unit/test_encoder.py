@@ -1,6 +1,9 @@
+import copy
+
 import pytest
 import torch
 from PIL import Image
+from transformers.decision import prepare_inputs
 
 from producer.wire.schema import ErrorCode, Request, RequestError
 from support import png
@@ -145,3 +148,19 @@ def test_state_too_long_states_the_counts(loaded):
     with pytest.raises(RequestError, match="at most 160") as error:
         Encoder(loaded("readout", max_prompt_tokens=160)).prompts(request(state="word " * 400))
     assert error.value.code == ErrorCode.STATE_TOO_LONG
+
+
+@pytest.mark.parametrize("name", ["repo", "repo-text", "judge"])
+def test_the_vocabulary_is_read_once_and_the_prompts_are_transformers_own(loaded, name):
+    """prepare_inputs asks for the whole vocabulary on every request (a fresh dict each time: about 0.1 s at
+    Qwen3.5's 248k tokens); the encoder's own tokenizer answers with one copy, and renders exactly as before."""
+    model = loaded(name)
+    encoder = Encoder(model)
+    tokenizer = getattr(encoder.processor, "tokenizer", encoder.processor)
+    assert tokenizer.get_vocab() is tokenizer.get_vocab() and "<|mark|>" in tokenizer.get_vocab()
+    fresh = copy.deepcopy(model.processor)  # marks added by prepare_inputs itself, on first use
+    for state in ["hello", "I was charged twice. " * 40, 'a <|mark|> and a <|split|> in {"json": [1, 2]}', ""]:
+        mine = encoder.prompts(request(state=state))
+        theirs = prepare_inputs(model.decision_config, request(state=state).template_input(), fresh)
+        assert [p.input_ids.tolist() for p in mine] == [inputs["input_ids"][0].tolist() for inputs, _ in theirs]
+        assert [(p.rows + 1).tolist() for p in mine] == [inputs["marks"].tolist() for inputs, _ in theirs]
