@@ -30,11 +30,12 @@ class Planner:
     """Plans each entry into a one-prompt task (or a refusal), when the test says so."""
 
     def __init__(self, refuse: bool = False) -> None:
-        self.refuse, self.waiting = refuse, []
+        self.refuse, self.waiting, self.alone = refuse, [], []
 
     def submit(self, delivery: Delivery, stored_body: bytes | None = None, alone: bool = False) -> Future:
         out: Future = Future()
         self.waiting.append((delivery, out))
+        self.alone.append(alone)
         return out
 
     async def finish(self) -> None:
@@ -266,5 +267,23 @@ def test_a_cancel_notice_older_than_the_entry_leaves_it_alone():
         assert state() == State.QUEUED
         lifecycle.cancels._learn("r", 0)
         assert state() == State.QUEUED and cancels(lifecycle.metrics) == {"honoured": 0, "too_late": 0}
+
+    scenario(steps)
+
+
+def test_an_entry_is_planned_as_alone_while_the_others_held_are_only_being_settled():
+    """A lone caller's next request is often taken while its last one, answered, is still being acknowledged: no
+    pack runs beside it, so it is planned in the worker's own thread (no hop to a planner process)."""
+    async def steps(lifecycle, planner, packer, redis, delivery, state):
+        lifecycle.take(delivery, "read")
+        await turn()
+        lifecycle.held.move(delivery, State.SETTLING)  # answered, its acknowledgement under way
+        second = Delivery.parse(REQUESTS, "k", "2-0", {b"body": json.dumps({"id": "s"}).encode()}, 1)
+        lifecycle.take(second, "read")
+        await turn()
+        third = Delivery.parse(REQUESTS, "k", "3-0", {b"body": json.dumps({"id": "t"}).encode()}, 1)
+        lifecycle.take(third, "read")  # beside the second, being planned: not alone
+        await turn()
+        assert planner.alone == [True, True, False]
 
     scenario(steps)

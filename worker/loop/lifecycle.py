@@ -47,6 +47,7 @@ from .redis_calls import RedisCalls
 from .settler import Settler
 
 log = logging.getLogger("worker")
+ALONE_LOOKED_AT = 8  # entries held at most for one to be planned as alone (the look is a scan)
 
 
 class Planners(Protocol):
@@ -113,7 +114,7 @@ class Lifecycle:
             await self._cancelled(delivery, body)
             return
         try:
-            planned = await asyncio.wrap_future(self.planner.submit(delivery, body, alone=len(self.held) == 1))
+            planned = await asyncio.wrap_future(self.planner.submit(delivery, body, alone=self._alone(delivery)))
         except Exception as error:  # noqa: BLE001 - a planner bug must not take the daemon down
             log.exception("planning %s failed", delivery.entry_id, extra=delivery.log_fields)
             self._failed(delivery, f"{type(error).__name__}: {error}")
@@ -131,6 +132,14 @@ class Lifecycle:
         except Exception as error:  # noqa: BLE001 - a bug past planning must not leave the entry held for ever
             log.exception("handling planned %s failed", delivery.entry_id, extra=delivery.log_fields)
             self._failed(delivery, f"{type(error).__name__}: {error}")
+
+    def _alone(self, delivery: Delivery) -> bool:
+        """Nothing else held but entries being settled: no pack runs or is about to (a lone caller's next request
+        is often taken while its last one, answered already, is still being acknowledged)."""
+        held = self.held
+        return len(held) <= ALONE_LOOKED_AT and all(
+            other.delivery is delivery or other.state == State.SETTLING
+            for other in (held.get(entry) for entry in held) if other is not None)
 
     async def _planned(self, delivery: Delivery, planned: Task | Refusal) -> None:
         """A planned entry's way on: answered at once, a replay or a conflict, fanned out, or queued."""
