@@ -232,3 +232,12 @@ def test_the_moment_follows_what_the_packs_run_took():
     assert abs(packer.running[-1].starts_at - 100.07) < 1e-9
     assert abs(packer.running[-1].ends_at - (100.07 + packer.policy.costs.seconds(2048))) < 1e-9
     assert packer.policy.costs.seconds(2048) > 0.05  # learned
+
+
+def test_a_large_pack_of_short_high_prompts_is_filled_with_high_work_and_normal_gets_its_share():
+    """First fit passes over at most HOLD prompts that do not fit: it once looked at HOLD prompts in all, so a
+    16k pack took 128 short high prompts (12k tokens) and normal work filled the rest, far beyond its share."""
+    packer = fill(Packer(16384, max_wait=0.0, normal_share=0.1),
+                  *[item(HIGH, 50, f"h{i}") for i in range(600)], *[item(NORMAL, 50, f"n{i}") for i in range(100)])
+    pack = packer.next(wait=False)
+    assert lane_tokens(pack, NORMAL) <= 1650 and lane_tokens(pack, HIGH) + lane_tokens(pack, NORMAL) == 16350

@@ -33,7 +33,7 @@ from ..model.engine import Pending
 from ..tasks import Item, Task
 from .policy import Clock, Policy, Waiting
 
-HOLD = 64  # prompts of a lane looked at per step (first fit), oldest first
+HOLD = 64  # prompts of a lane passed over per step (first fit), oldest first
 HIGH_RECENT_S = 1.0  # high work flows while some was queued this recently: packs behind a running one go just in time
 FULL = 0.9  # a pack this full of its static size counts as full
 
@@ -203,13 +203,12 @@ class Packer:
         return pack
 
     def _first_fit(self, lane: Priority, pack: list[Item], limit: int) -> None:
-        """Move the lane's prompts that fit under ``limit`` tokens into ``pack``, oldest first; the rest keep their
-        place."""
+        """Move the lane's prompts that fit under ``limit`` tokens into ``pack``, oldest first, passing over at most
+        ``HOLD`` that do not; those keep their place. (A window of HOLD prompts in all left a large pack of short
+        high prompts half full of high work, and normal work filled the rest far beyond its share.)"""
         queue, passed = self.lanes[lane], []
         used = self._tokens(pack)
-        for _ in range(min(HOLD, len(queue))):
-            if used >= limit:
-                break
+        while queue and used < limit and len(passed) < HOLD:
             item = queue.popleft()
             if used + item.tokens <= limit:
                 self._move(lane, item, pack)
