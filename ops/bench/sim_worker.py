@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import importlib.util
 import math
+import random
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,7 @@ class Costs:
     fixed: float = 3.8 * MS
     per_token: float = 4.9e-3 * MS
     launch: float = 4.5 * MS  # the GPU thread's host time in a launch (the GPU waits for it on a small pack)
+    launch_spread: float = 0.0  # each launch's host time times e^N(0, this): a host that pauses (the GIL, ...)
     prelude: float = 0.5 * MS  # launch to the pack's first kernel (layout, the copy in)
     read_out: float = 0.4 * MS  # a pack's scores waited for and copied out
     read_out_prompt: float = 0.05 * MS  # each prompt's answers
@@ -223,6 +225,7 @@ class Engine:
 
     def __init__(self, sim: Sim, budget: int, sizes: tuple[int, ...]) -> None:
         self.sim, self.max_pack_tokens, self.pack_sizes = sim, budget, sizes
+        self.random = random.Random(7)
         self.free_at = sim.t  # the GPU's end of work
         self.busy = 0.0  # seconds the GPU ran packs
 
@@ -234,11 +237,13 @@ class Engine:
         tokens = sum(prompt.length for prompt in prompts)
         size = next((each for each in self.pack_sizes if each >= tokens), tokens)
         began = sim.t
+        host = costs.launch * math.exp(self.random.gauss(0.0, costs.launch_spread)) if costs.launch_spread \
+            else costs.launch
         start = max(began + costs.prelude, self.free_at)
-        end = max(start + costs.gpu(size), began + costs.launch)
+        end = max(start + costs.gpu(size), began + host)  # the GPU runs what the host has launched so far
         idle, self.free_at = max(0.0, start - self.free_at), end
         self.busy += end - start
-        sim.run_until(began + costs.launch)  # the launch's host work: the other threads go on meanwhile
+        sim.run_until(began + host)  # the launch's host work: the other threads go on meanwhile
 
         def finish() -> PackRun:
             sim.run_until(end + costs.read_out)

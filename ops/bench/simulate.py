@@ -139,7 +139,8 @@ def lone(worker: Worker, count: int = 1000, tokens: int = 464) -> dict:
 
 def scenarios(commit: str | None, args: argparse.Namespace, seed: int) -> dict:
     settings = json.loads(args.settings) if args.settings and commit is None else {}
-    make = lambda: Worker(Costs(), commit, settings=settings)  # noqa: E731 - a fresh worker per scenario
+    costs = Costs(launch_spread=args.launch_spread)
+    make = lambda: Worker(costs, commit, settings=settings)  # noqa: E731 - a fresh worker per scenario
     rng = random.Random(seed)
     worker = make()
     top = peak(worker, rng, args.requests)
@@ -191,11 +192,14 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="each load's phase (run_all.sh: 10)")
     parser.add_argument("--settings", default="", help="this tree's worker settings as JSON, e.g. "
                                                        "'{\"high_target_ms\": 120}'")
+    parser.add_argument("--launch-spread", type=float, default=0.0,
+                        help="each launch's host time times e^N(0, this): a host that pauses (0: never)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args()
     stages = ([(f"{args.before} (before)", args.before)] if args.before else []) + [("this tree", None)]
     results = {name: [scenarios(commit, args, seed) for seed in range(args.seeds)] for name, commit in stages}
-    print(f"SIMULATED ({args.arrivals} arrivals, {args.seeds} seeds, medians), not measured:")
+    print(f"SIMULATED ({args.arrivals} arrivals, launch spread {args.launch_spread}, {args.seeds} seeds, medians), "
+          "not measured:")
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

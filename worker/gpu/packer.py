@@ -4,14 +4,14 @@ launched while the GPU is idle at once and behind a running pack just before it 
 Idle (``next()``): a pack of what is queued, at once (``max_wait`` lets a partly filled one wait for company). Busy
 (``next(behind=True)``, while a pack runs): the next pack is formed just before the running one is expected to end
 (its launch's host time and a margin ahead: ``Policy.lead``), from everything that arrived by then, so that the GPU
-runs back to back and a request arriving meanwhile rides in the next pack rather than the one after; a pack that is
-full already goes at once while no high work flows (waiting could add nothing to it, and a saturated worker keeps
-full packs back to back). If nothing is queued by then, or the running pack is done already, none: the GPU thread
-reads the running pack out first.
+runs back to back and a request arriving meanwhile rides in the next pack rather than the one after; a full pack of
+the largest size goes at once while no high work flows (waiting could add nothing to it, and a saturated worker
+keeps full packs back to back). If nothing is queued by then, or the running pack is done already, none: the GPU
+thread reads the running pack out first.
 
-Each lane's prompts wait in arrival order. A pack takes the high lane's first, then the normal lane's, first fit over a
-short window of each: a prompt that does not fit is passed over for smaller later ones, and waits at the front of its
-lane for a later pack.
+Each lane's prompts wait in arrival order. A pack takes the high lane's first, then the normal lane's, first fit: a
+prompt that does not fit is passed over (up to ``HOLD`` of them) for smaller later ones, and waits at the front of
+its lane for a later pack.
 
 Normal work is never starved. While some waits, every pack owes it ``normal_share`` of the pack's size, and high
 work leaves that much room (the oldest high prompt still opens the pack whatever its size). What normal work was owed
