@@ -29,12 +29,13 @@ from .replies import JSON, Refused, error_body
 if TYPE_CHECKING:
     from ..metrics import Metrics
 
-# A keyless gateway's other bodies need a header no web page can send cross-site without a CORS preflight, which
-# the gateway answers only for --cors-allow-origin: JSON's content type, or an Authorization header (any value;
-# every System One SDK sends one, and a multipart body with its images).
-UNSENDABLE_BY_A_FORM = ("a gateway without API keys takes a body that is not Content-Type: application/json only "
-                        "from a call with an Authorization header (any value: the System One SDKs send one), which "
-                        "a web page's form cannot send; send JSON, or add 'Authorization: Bearer anything'")
+# A keyless gateway's other bodies need a header no web page can send cross-site without a CORS
+# preflight, which the gateway answers only for --cors-allow-origin: JSON's content type, or an
+# Authorization header (any value; every System One SDK sends one, and a multipart body with images).
+UNSENDABLE_BY_A_FORM = ("a gateway without API keys takes a body that is not Content-Type: "
+                        "application/json only from a call with an Authorization header (any value: the "
+                        "System One SDKs send one), which a web page's form cannot send; send JSON, or add "
+                        "'Authorization: Bearer anything'")
 PUBLIC = {"health", "ready", "info", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
 # Each path's route name, a bounded label whatever the path (a dialect adds its own: ``Front.speak``).
 ROUTES = {"/v1/decide": "decide", "/v1/decide/batch": "decide_batch", "/v1/requests": "requests", "/health": "health",
