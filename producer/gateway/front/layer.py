@@ -79,6 +79,8 @@ class Front:
             return "results"
         if path.startswith("/v1/requests/"):
             return "request"  # one request's status or cancel
+        if path.startswith("/docs/"):
+            return "docs"  # the pages' assets (producer/gateway/pages.py)
         return self.routes.get(path, "other")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
