@@ -217,7 +217,7 @@ def test_every_route_declares_the_statuses_it_returns_with_their_bodies(redis_se
                 for method, op in ops.items()}
     routes = {(method.lower(), route.path) for route in app.app.routes for method in getattr(route, "methods", ())
               if method != "HEAD" and route.path not in ("/openapi.json", "/docs", "/docs/oauth2-redirect",
-                                                          "/redoc")}
+                                                          "/redoc", "/v1/v1/{rest:path}")}  # a hint, no API
     assert routes == set(declared), "a route the document does not describe, or the other way round"
     resolver = jsonschema.RefResolver.from_schema(document)
     for route, responses in declared.items():
