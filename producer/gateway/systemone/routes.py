@@ -121,10 +121,10 @@ async def _doubled(http: HttpRequest) -> Response:
     clients' shape, where it was a bare "Not Found". Public, as any unknown path: it reads no body, names no
     tenant."""
     rest = http.path_params["rest"][:60]
-    message = (f"no route /v1/v1/{rest}: the base URL ends in /v1, and the System One clients append /v1/{rest} "
-               "themselves; drop the /v1 from it (TYPESAFE_BASE_URL=http://host:8080)")
-    return Response(translate.error_body(404, "not_found", message), 404, {translate.ID_HEADER: translate.fresh_id()},
-                    media_type=JSON)
+    message = (f"no route /v1/v1/{rest}: the base URL ends in /v1, and the System One clients append "
+               f"/v1/{rest} themselves; drop the /v1 from it (TYPESAFE_BASE_URL=http://host:8080)")
+    body = translate.error_body(404, "not_found", message)
+    return Response(body, 404, {translate.ID_HEADER: translate.fresh_id()}, media_type=JSON)
 
 
 def _answer(result: Result, model: str, request_id: str) -> Response:
