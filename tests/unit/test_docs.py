@@ -1,6 +1,7 @@
 """The docs say what the code says: every path a document names exists (``tests/....py::test_name`` a test in its
 file, a name ending in ``_`` standing for the tests it begins), docs/CONFIGURATION.md is what the settings write
-(ops/configuration.py), each contents list names its document's headings, and each picture is rendered from its source."""
+(ops/configuration.py), each contents list names its document's headings, and each picture is rendered from its
+source."""
 
 import re
 import runpy
