@@ -211,7 +211,8 @@ def banner(args: argparse.Namespace, redis_url: str, gateway: str, metrics: int,
     same = default_redis and args.gateway_port == 8080
     keyed = bool(args.api_keys_file)
     model, *others = names
-    known = f", also as {', '.join(others)}" + (" (the System One SDKs' default)" if DEFAULT_MODEL in others else "")
+    known = ", also as " + ", ".join(f"{name} (the System One SDKs' default)" if name == DEFAULT_MODEL else name
+                                     for name in others)
     text = f"""
 {UP}
   Redis    {redis_url}{"" if default_redis else f"   (export DQ_REDIS_URL={redis_url} for the Python client)"}

@@ -211,6 +211,9 @@ def test_the_stack_says_where_everything_is_runs_what_it_prints_and_keeps_its_po
                            capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and f"port {up.redis_port} is taken" in again.stderr and "--redis-port" in \
         again.stderr
+    keyless = subprocess.run([sys.executable, "ops/stack.py", "--api-keys-file", "/no/such/keys.json"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert keyless.returncode == 2 and "no API keys file at /no/such/keys.json" in keyless.stderr
 
 
 def test_ctrl_c_stops_every_part_and_removes_what_it_made(up):
