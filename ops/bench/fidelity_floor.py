@@ -255,6 +255,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.child is not None:
         return run_child(args)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stage's limit: unwind, which kills the child too
     Path(args.out).mkdir(parents=True, exist_ok=True)
     report = measure(args)
     (Path(args.out) / "report.json").write_text(json.dumps(report, indent=2) + "\n")

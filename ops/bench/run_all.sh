@@ -34,7 +34,8 @@
 # FLOOR_TIMEOUT, INVARIANCE_TIMEOUT, TEST_TIMEOUT, MIX_TIMEOUT. A cold machine needs about 4 minutes before the
 # first end-to-end worker is ready (static-shape compilation, FlashQLA's kernels); where one command may run only 10
 # minutes, run the stages in separate commands on the same machine with the same OUTDIR. BENCH_PROBE=0: no
-# machine.txt (the probe imports torch: ops/bench/gate.sh writes it once per part).
+# machine.txt (the probe imports torch: ops/bench/gate.sh writes it once per part). A stage still running 30 s after
+# its limit is killed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: run_all.sh OUTDIR [STAGE...]}
@@ -57,14 +58,14 @@ stage() { echo "== $1 at $((SECONDS - start)) s"; }
   cat "$out/machine.txt"
 
 want delta-rule && { stage "delta rule per pack"
-timeout "${DELTA_TIMEOUT:-120}" $PY ops/bench/delta_rule.py --out "$out" >"$out/delta_rule.log" 2>&1
+timeout -k 30 "${DELTA_TIMEOUT:-120}" $PY ops/bench/delta_rule.py --out "$out" >"$out/delta_rule.log" 2>&1
 echo "exit $?"; tail -n 12 "$out/delta_rule.log"; }
 
 cache=${COMPILE_CACHE:-$out/compile-cache}
 want lone && { stage "lone requests $shape bf16"
 # shellcheck disable=SC2086  # LONE_FLAGS: several flags
 lone=$out/lone-$shape-bf16${LONE_SUFFIX:-}  # LONE_SUFFIX: another run beside the first (e.g. -before)
-timeout "${LONE_TIMEOUT:-420}" $PY ops/bench/lone.py --shape "$shape" --requests "${LONE_REQUESTS:-1000}" \
+timeout -k 30 "${LONE_TIMEOUT:-420}" $PY ops/bench/lone.py --shape "$shape" --requests "${LONE_REQUESTS:-1000}" \
   --compile-cache "$cache" --out "$lone" ${LONE_FLAGS:-} $more >"$lone.log" 2>&1
 echo "exit $?"; grep -E "^(worker ready|SUMMARY)" "$lone.log" || tail -n 30 "$lone.log"
 pkill -f "lone.py --worker" 2>/dev/null; sleep 1; }
@@ -76,7 +77,7 @@ for run in bf16 fp8 fp8-late bf16-warm bf16-2 bf16-3 bf16-det; do
   case $run in fp8) flag=--fp8 ;; fp8-late) flag="--fp8 --fp8-layers late --no-reference" ;;
     bf16-det) flag="--deterministic --no-reference" ;; *) flag=--no-reference ;; esac
   [ "$run" = bf16-det ] && loads=${E2E_DET_LOADS:-${E2E_LOADS:-0.5}} || loads=${E2E_LOADS:-0.5}
-  timeout "${E2E_TIMEOUT:-420}" $PY ops/bench/end_to_end.py --shape "$shape" $flag \
+  timeout -k 30 "${E2E_TIMEOUT:-420}" $PY ops/bench/end_to_end.py --shape "$shape" $flag \
     --requests "${E2E_REQUESTS:-3000}" --loads "$loads" --latency-seconds "${E2E_LATENCY_SECONDS:-10}" \
     --compile-cache "$cache" --out "$out/e2e-$shape-$run" ${E2E_EPILOGUES:+--epilogues "$E2E_EPILOGUES"} $more \
     >"$out/e2e-$shape-$run.log" 2>&1
@@ -87,14 +88,14 @@ done
 want scaling && { stage "scaling over the GPUs, 2b bf16"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l); counts=1
 for k in 2 4 8; do [ "$k" -le "$gpus" ] && counts="$counts,$k"; done
-timeout "${SCALING_TIMEOUT:-1800}" $PY ops/bench/scaling.py --gpus "$counts" --shape 2b --compile-cache "$cache" \
+timeout -k 30 "${SCALING_TIMEOUT:-1800}" $PY ops/bench/scaling.py --gpus "$counts" --shape 2b --compile-cache "$cache" \
   --out "$out/scaling" >"$out/scaling.log" 2>&1
 echo "exit $?"; grep -E "^(SUMMARY|[|])" "$out/scaling.log" || tail -n 30 "$out/scaling.log"; }
 
 want priority && for number in $(seq "${PRIORITY_WORKERS:-3}"); do
   name=priority-$shape-bf16$([ "$number" = 1 ] || echo "-$number")
   stage "priority lanes $shape bf16, fresh worker $number"
-  timeout "${PRIORITY_TIMEOUT:-420}" $PY ops/bench/priority.py --shape "$shape" \
+  timeout -k 30 "${PRIORITY_TIMEOUT:-420}" $PY ops/bench/priority.py --shape "$shape" \
     --requests "${PRIORITY_REQUESTS:-6000}" --repeats "${PRIORITY_REPEATS:-1}" --compile-cache "$cache" \
     --out "$out/$name" $more >"$out/$name.log" 2>&1
   echo "exit $?"; grep -E "^(worker ready|SUMMARY)" "$out/$name.log" || tail -n 30 "$out/$name.log"
@@ -102,21 +103,22 @@ want priority && for number in $(seq "${PRIORITY_WORKERS:-3}"); do
 done
 
 want fidelity && { stage "fidelity at the 2b shape"
-timeout "${FIDELITY_TIMEOUT:-240}" $PY ops/bench/fidelity.py --shape 2b --out "$out/fidelity" \
+timeout -k 30 "${FIDELITY_TIMEOUT:-240}" $PY ops/bench/fidelity.py --shape 2b --out "$out/fidelity" \
   >"$out/fidelity.log" 2>&1
 echo "exit $?"; tail -n 12 "$out/fidelity.log"; }
 
 want fidelity-floor && { stage "the defaults against the bf16 floor, fidelity set, $shape"
 # shellcheck disable=SC2086  # FLOOR_FLAGS: several flags
-timeout "${FLOOR_TIMEOUT:-420}" $PY ops/bench/fidelity_floor.py --shape "$shape" --requests "${FLOOR_REQUESTS:-320}" \
+timeout -k 30 "${FLOOR_TIMEOUT:-420}" $PY ops/bench/fidelity_floor.py --shape "$shape" --requests "${FLOOR_REQUESTS:-320}" \
   --compile-cache "$cache" --out "$out/fidelity-floor" ${FLOOR_FLAGS:-} >"$out/fidelity-floor.log" 2>&1
-echo "exit $?"; grep -E "^(child|reference|SUMMARY)" "$out/fidelity-floor.log" || tail -n 30 "$out/fidelity-floor.log"; }
+echo "exit $?"; grep -E "^(child|reference|SUMMARY)" "$out/fidelity-floor.log" || tail -n 30 "$out/fidelity-floor.log"
+pkill -f "fidelity_floor.py .*--child" 2>/dev/null; sleep 1; }
 
 for run in invariance invariance-det; do
   want $run || continue
   stage "$run: alone against mixed, $shape bf16"
   flag=; [ $run = invariance-det ] && flag=--deterministic
-  timeout "${INVARIANCE_TIMEOUT:-420}" $PY ops/bench/invariance.py --shape "$shape" $flag \
+  timeout -k 30 "${INVARIANCE_TIMEOUT:-420}" $PY ops/bench/invariance.py --shape "$shape" $flag \
     --requests "${INVARIANCE_REQUESTS:-3000}" --compile-cache "$cache" --out "$out/$run-$shape-bf16" \
     ${E2E_EPILOGUES:+--epilogues "$E2E_EPILOGUES"} $more >"$out/$run-$shape-bf16.log" 2>&1
   echo "exit $?"; grep -E "^SUMMARY" "$out/$run-$shape-bf16.log" || tail -n 30 "$out/$run-$shape-bf16.log"
@@ -124,7 +126,7 @@ for run in invariance invariance-det; do
 done
 
 want tests && { stage "gpu tests"
-timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -s -p no:cacheprovider tests/gpu >"$out/gpu-tests.log" 2>&1
+timeout -k 30 "${TEST_TIMEOUT:-300}" $PY -m pytest -q -s -p no:cacheprovider tests/gpu >"$out/gpu-tests.log" 2>&1
 echo "exit $?"; grep -E "passed|failed|RESULT" "$out/gpu-tests.log" | tail -n 30; }
 
 # tests/gpu in two parts of one device command each, balanced from the logs of earlier runs (docs/TESTING.md): the
@@ -139,13 +141,13 @@ for part in tests-1 tests-2; do
   if [ $part = tests-1 ]; then chosen=$GPU_TESTS_1; else chosen="tests/gpu $(printf -- '--ignore=%s ' $GPU_TESTS_1)"; fi
   # shellcheck disable=SC2086
   ( export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton TILELANG_CACHE_DIR=$cache/tilelang
-    timeout "${TEST_TIMEOUT:-540}" $PY -m pytest -q -s -rs -p no:cacheprovider --durations=0 \
+    timeout -k 30 "${TEST_TIMEOUT:-540}" $PY -m pytest -q -s -rs -p no:cacheprovider --durations=0 \
       --junitxml="$out/$part.xml" $chosen ) >"$out/$part.log" 2>&1
   echo "exit $?"; grep -E "passed|failed|error|SKIPPED|RESULT" "$out/$part.log" | tail -n 40
 done
 
 want mixes && { stage "other shapes and mixes, in process"
-timeout "${MIX_TIMEOUT:-240}" $PY ops/bench/fast_path.py \
+timeout -k 30 "${MIX_TIMEOUT:-240}" $PY ops/bench/fast_path.py \
   --runs 0.8b:standard:bf16,4b:standard:bf16,2b:long-tail:bf16,2b:vision:bf16 --deadline-s $(( ${MIX_TIMEOUT:-240} - 30 )) \
   --out "$out/mixes" >"$out/mixes.log" 2>&1
 echo "exit $?"; tail -n 20 "$out/mixes.log"; }
