@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -90,6 +91,15 @@ def load_model(args: argparse.Namespace):
     # A checkpoint reads what it reads (at most LONGEST); random weights read LONGEST.
     model.max_length = min(fidelity_set.LONGEST, model.max_length) if args.checkpoint else fidelity_set.LONGEST
     return model
+
+
+def weights_digest(model) -> float:
+    """A sum over the ends of every parameter: two children that built the same model agree on it exactly."""
+    total = 0.0
+    for parameter in model.model.parameters():
+        flat = parameter.detach().reshape(-1)
+        total += float(flat[:4096].double().sum()) + float(flat[-4096:].double().sum())
+    return total
 
 
 def the_set(model, args: argparse.Namespace) -> list:
@@ -159,7 +169,7 @@ def run_child(args: argparse.Namespace) -> int:
 
     model = load_model(args)
     prompt_list = the_set(model, args)
-    saved: dict = {"answers": {}, "seconds": {}, "engine": {}}
+    saved: dict = {"answers": {}, "seconds": {}, "engine": {}, "errors": {}, "weights": weights_digest(model)}
     with torch.inference_mode():
         if args.references:
             for label, fp32 in (("fp32", True), ("bf16", False)):
@@ -170,11 +180,17 @@ def run_child(args: argparse.Namespace) -> int:
                 print(f"reference {label}: {saved['seconds'][label]} s", flush=True)
             saved["set"] = {"prompts": len(prompt_list), "tokens": sum(p.length for p in prompt_list),
                             "buckets": fidelity_set.buckets_reached(prompt_list)}
-        for name, settings in chosen.items():
-            cpu = model.device.type != "cuda"
-            scores, saved["engine"][name] = fast_scores(model, prompt_list, settings, cpu)
-            saved["answers"][name] = fidelity_set.answers(model, prompt_list, scores)
-            print(f"{name}: {saved['engine'][name]}", flush=True)
+        for name, settings in chosen.items():  # one configuration failing leaves the others' figures
+            try:
+                cpu = model.device.type != "cuda"
+                scores, saved["engine"][name] = fast_scores(model, prompt_list, settings, cpu)
+                saved["answers"][name] = fidelity_set.answers(model, prompt_list, scores)
+                print(f"{name}: {saved['engine'][name]}", flush=True)
+            except Exception as error:  # noqa: BLE001 - reported as the configuration's failure
+                traceback.print_exc()
+                saved["errors"][name] = f"{type(error).__name__}: {error}"[:300]
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
     torch.save(saved, args.save)
     return 0
 
@@ -207,8 +223,12 @@ def measure(args: argparse.Namespace, log=print) -> dict:
         import torch
 
         got = torch.load(path)
+        if saved.setdefault("weights", got["weights"]) != got["weights"]:  # compared with the references' model
+            failed.update(dict.fromkeys(group, "this child's random weights differ from the references'"))
+            continue
         for key in ("answers", "seconds", "engine"):
             saved[key].update(got[key])
+        failed.update(got["errors"])
         saved.setdefault("set", got.get("set"))
     report = {"shape": args.shape, "model": (f"checkpoint {args.checkpoint}" if args.checkpoint else
                                             f"random weights at the {args.shape} shape, seed {args.seed}"),
