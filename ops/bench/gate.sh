@@ -41,9 +41,9 @@ if [ "${GATE_SMOKE:-0}" = 1 ]; then  # the harness on the CPU: every stage, smal
     LONE_REQUESTS=${LONE_REQUESTS:-20} PRIORITY_REQUESTS=${PRIORITY_REQUESTS:-120} \
     INVARIANCE_REQUESTS=${INVARIANCE_REQUESTS:-60} FLOOR_REQUESTS=${FLOOR_REQUESTS:-24} \
     FLOOR_FLAGS=${FLOOR_FLAGS:---set pack_tokens=2048 --set buckets=512,2048}
-  budget=${GATE_PART_SECONDS:-3600}
+  budget=${GATE_PART_SECONDS:-3600} scale=3  # two shared cores: each stage's limit three times the GPU's
 else
-  budget=${GATE_PART_SECONDS:-510}
+  budget=${GATE_PART_SECONDS:-510} scale=1
 fi
 shape=$BENCH_SHAPE
 log=$out/gate-stages.jsonl
@@ -79,6 +79,7 @@ run_stage() {  # run_stage STAGE EXPECTED LIMIT LIMIT_VARIABLE: one run_all.sh s
     echo "== $name: skipped, $left s left in $part, $expected s expected"
     record "$name" "$expected" 0 0 0 "$left s left in $part, $expected s expected"; return 0
   fi
+  limit=$((limit * scale))
   [ "$limit" -gt "$left" ] && limit=$left
   if [ "$name" = priority ]; then export "$variable=$((limit / 3))"; else export "$variable=$limit"; fi  # per worker
   began=$SECONDS

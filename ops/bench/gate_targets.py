@@ -112,6 +112,8 @@ def _priority(field: str, worst) -> Figure:
         raw = {"per_worker": per_worker, "workers": len(workers),
                "peaks": [w["peak"]["tokens_per_s"] for w in workers]}
         wanted = len(STAGES["priority"])
+        if not workers:
+            return None, {}  # the stage's own word says why
         if len(workers) < wanted or not runs:
             return None, {**raw, "note": f"measured in {len(workers)} of {wanted} fresh workers"}
         return worst(run[field] for run in runs), raw
