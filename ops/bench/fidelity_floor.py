@@ -165,6 +165,10 @@ def run_child(args: argparse.Namespace) -> int:
         from worker.fast import deterministic
 
         deterministic.prepare_process()  # before the process's first GPU matmul, the model's making included
+    if args.compile_cache:  # before the references: fla's dispatch may load TileLang, which reads it once
+        from worker.fast.warmup import use_compile_cache
+
+        use_compile_cache(args.compile_cache)
     import torch
 
     model = load_model(args)
