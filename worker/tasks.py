@@ -1,6 +1,6 @@
 """The plain objects handed between the queue stages: the task an entry becomes, the prompts of work it holds, and
 what the GPU thread hands the Redis loop about them (``GpuEvent``: one typed event per fact, handed over by
-``Lifecycle.hand_over``).
+``LoopThread.hand_over``).
 
 Torch-free at run time: prompts and answers are only named here, for their types.
 """
@@ -77,7 +77,7 @@ class Item:
         return self.task.delivery.lane
 
 
-# ---- what the GPU thread hands the Redis loop (compute.py -> Lifecycle.hand_over)
+# ---- what the GPU thread hands the Redis loop (compute.py -> LoopThread.hand_over)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """An entry's life, on the Redis loop thread, which owns every held entry and task (held.py); the GPU thread only
-hands its events over (``hand_over``: a pack launched, a prompt computed, a task failed or expired), onto the loop.
-Each step sets the held entry's state (``State``, in capitals below).
+hands its events over (``LoopThread.hand_over``: a pack launched, a prompt computed, a task failed or expired), to be
+handled here on the loop (``handle``). Each step sets the held entry's state (``State``, in capitals below).
 
     take     TAKEN: held once, however it arrived (read, recovered, reclaimed, retried), then routed: payload trimmed
              away -> acknowledged, counted lost; a part naming no request -> dead-lettered, unanswered; delivered
@@ -65,17 +65,16 @@ class Packs(Protocol):
 
 
 class Lifecycle:
+    """Every step of a held entry's life, from taken to let go (the loop thread builds it: thread.py)."""
+
     def __init__(self, keys: Keys, settings: Settings, metrics: Metrics, redis_calls: RedisCalls, consumer: Consumer,
-                 planner: Planners, packer: Packs, publisher: Publisher, loop: asyncio.AbstractEventLoop,
-                 traces: Traces | None = None) -> None:
-        self.keys, self.settings, self.metrics, self.redis_calls, self.loop = keys, settings, metrics, redis_calls, \
-            loop
+                 planner: Planners, packer: Packs, publisher: Publisher, held: HeldEntries, settler: Settler,
+                 cancels: Cancels, traces: Traces | None = None) -> None:
+        self.keys, self.settings, self.metrics, self.redis_calls = keys, settings, metrics, redis_calls
         self.consumer, self.planner, self.packer, self.publisher = consumer, planner, packer, publisher
+        self.held, self.settler, self.cancels = held, settler, cancels
         self.model_name = publisher.model_name
-        self.held = HeldEntries(settings.max_inflight, metrics)
         self.traces = traces  # None: tracing off (worker/traces.py)
-        self.settler = Settler(publisher, redis_calls, metrics, self.held, loop, traces)
-        self.cancels = Cancels(redis_calls, keys, settings.consumer_name, settings.block_ms, self.cancel)
 
     def take(self, delivery: Delivery, how: str, since: float | None = None) -> None:
         """Hold an entry and route it, once however it arrived; not one let go ``since`` the call that found it."""
@@ -249,17 +248,9 @@ class Lifecycle:
         await self.redis_calls.until(lambda: self.publisher.ack([delivery]), "ack")
         self.held.release(delivery)
 
-    # ---- the GPU thread's events: handed over there, handled on this thread
+    # ---- the GPU thread's events: handed over there (LoopThread.hand_over), handled on this thread
 
-    def hand_over(self, event: GpuEvent) -> None:
-        """Onto the loop thread; dropped once a stop past its deadline closed it (the entries stay pending)."""
-        try:
-            self.loop.call_soon_threadsafe(self._handle, event)
-        except RuntimeError:
-            if not self.loop.is_closed():
-                raise
-
-    def _handle(self, event: GpuEvent) -> None:
+    def handle(self, event: GpuEvent) -> None:
         match event:
             case Launched(items, at):
                 for task in {id(item.task): item.task for item in items}.values():
