@@ -1,9 +1,9 @@
 """The worker's one settings object: every field is a CLI flag (``--claim-idle-ms``) and an environment variable
 (``DQ_CLAIM_IDLE_MS``); flags win over the environment, the environment over the defaults written here.
 
-Every field is checked when the object is made (ranges, choices, the engine name): a bad value is a SettingsError
-naming the flag, the variable and what is allowed, and ``python -m worker serve`` exits 2 on it before the model
-loads."""
+Every field is checked when the object is made (ranges, choices, the fast path's words): a bad value is a
+SettingsError naming the flag, the variable and what is allowed, and ``python -m worker serve`` exits 2 on it before
+the model loads."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from producer.wire.connection import (MAX_WAIT_REPLICAS, SCHEMES, SOCKET_TIMEOUT
                                       url_problem)
 from producer.wire.keys import MODEL_NAME
 from producer.wire.sentinel import credentials, is_sentinel
+
+from .fast_options import CHECKED, COMPILE_MODES, DEFAULT_EPILOGUES
 
 DEVICE = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
 GPUS = re.compile(r"|all|cpu:[1-9][0-9]{0,2}|[0-9]{1,3}(,[0-9]{1,3})*")  # --gpus; worker/launch/launcher.py reads it
@@ -46,6 +48,8 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] = (), low: float | No
 
 @dataclass(frozen=True)
 class Settings:
+    """The worker's settings, each a flag and a variable, every one checked when the object is made."""
+
     # Model
     checkpoint: str = _opt("", "decision checkpoint directory (any format transformers.decision loads)")
     served_model_name: str = _opt("", "a name the model is served under; repeat the flag (or separate by commas) for "
@@ -83,7 +87,7 @@ class Settings:
     buckets: str = _opt("512,1024,2048,4096,8192,16384", "static pack sizes captured as CUDA graphs (fast path), "
                         "those below --pack-tokens kept, --pack-tokens always one; a pack pays for its bucket")
     cuda_graphs: bool = _opt(True, "replay packs through CUDA graphs (fast path)")
-    compile: str = _opt("layer", "torch.compile mode (fast path): none, sub or layer", choices=("none", "sub", "layer"))
+    compile: str = _opt("layer", "torch.compile mode (fast path): none, sub or layer", choices=COMPILE_MODES)
     prune_last: bool = _opt(True, "last layer computes only the marker rows (fast path)")
     fp8: bool = _opt(False, "FP8 rowwise matmuls (fast path, Hopper)")
     fp8_layers: str = _opt("all", "layers fp8 converts: all, full (full-attention), linear, late (the second half: "
@@ -92,7 +96,7 @@ class Settings:
     fp8_matrices: str = _opt("all", "matrices fp8 converts in those layers: all, or some of mlp, attention "
                                     "(full-attention projections), linear (linear-attention projections)")
     fused_kernels: bool = _opt(True, "the fast path's own Triton kernels (convolution, SwiGLU and norm + FP8)")
-    epilogues: str = _opt("residual,swiglu", "kernels with the fused ones, bf16 (fast path): some of swiglu (in the "
+    epilogues: str = _opt(DEFAULT_EPILOGUES, "kernels with the fused ones, bf16 (fast path): some of swiglu (in the "
                           "gate/up GEMM), residual (in the GEMMs before it), gated_norm; all; or none. The default "
                           "measured faster end to end (docs/BENCHMARKS.md)")
     compile_cache: str = _opt("", "directory for compiled kernels (Inductor, Triton, TileLang); empty: their defaults")
@@ -164,6 +168,11 @@ class Settings:
                 problems.append((f.name, f"at least {meta['low']:g}", value))
             elif meta["high"] is not None and value > meta["high"]:
                 problems.append((f.name, f"at most {meta['high']:g}", value))
+        for name, (parse, allowed) in CHECKED.items():  # the fast path's words (worker/fast_options.py)
+            try:
+                parse(getattr(self, name))
+            except ValueError:
+                problems.append((name, allowed, getattr(self, name)))
         if not DEVICE.fullmatch(self.device):
             problems.append(("device", "auto, cpu, cuda or cuda:N", self.device))
         gpus = self.gpus.replace(" ", "")

@@ -14,6 +14,7 @@ from worker.config import Settings
 from worker.fast import FastEngine, FastPathUnavailable, fp8, ops
 from worker.fast.layout import GDN_CHUNK, Layout, Regions, choose_bucket, gdn_chunk_indices, lay_out, prompt_positions
 from worker.fast.mixers import TorchMixers
+from worker.fast_options import chosen_families
 from worker.model.encoder import Encoder
 from worker.model.engine import Prompt
 from worker.model.readout import head
@@ -202,15 +203,12 @@ def test_fp8_matrices_picks_the_families(loaded):
     model = loaded("repo")
     full = layers.full_layer(next(x for x in model.language_model.layers if x.block_type == "full_attention"))[0]
     linear = layers.linear_layer(next(x for x in model.language_model.layers if x.block_type != "full_attention"))[0]
-    mlp = fp8.chosen_families("mlp")
+    mlp = chosen_families("mlp")
     assert fp8.count(fp8.convert(full, mlp)) == 2 and isinstance(fp8.convert(full, mlp).qkv, ops.Dense)
     converted = fp8.convert(linear, mlp)
     assert fp8.count(converted) == 2 and converted.in_proj is linear.in_proj and converted.gates is None
-    attention = fp8.convert(full, fp8.chosen_families("attention,linear"))
+    attention = fp8.convert(full, chosen_families("attention,linear"))
     assert isinstance(attention.o_proj, ops.Fp8) and isinstance(attention.mlp.down, ops.Dense)
-    assert fp8.chosen_families("all") == frozenset(fp8.FAMILIES)
-    with pytest.raises(ValueError, match="fp8_matrices"):
-        fp8.chosen_families("mlp,gates")
 
 
 # ---- the packed forward against the reference engine ----

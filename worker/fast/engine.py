@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 from ..config import Settings
+from ..fast_options import COMPILE_MODES
 from ..model.checkpoint import DecisionModel
 from ..model.engine import Prompt, PackRun, Pending
 from . import deterministic
 from .errors import ALTERNATIVE, FastPathUnavailable
-from .forward import COMPILE_MODES, PackedForward
+from .forward import PackedForward
 from .graphs import Capture, GraphedForward
 from .layers import LINEAR
 from .layout import Boundaries, Layout, Regions, lay_out, prompt_positions, row_capacity

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from typing import NamedTuple
 
@@ -33,9 +34,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .ops import Dense, Fp8, Linear, Ops, Quantized
 
 HALF = (torch.bfloat16, torch.float16)
+log = logging.getLogger(__name__)
 
 
 class GemmConfig(NamedTuple):
+    """One tiling of the gate/up GEMM with SwiGLU: block sizes, grouping, pipeline stages and warps."""
+
     block_m: int
     block_n: int  # of each half: the tile computes 2 x block_n columns of the product
     block_k: int
@@ -206,6 +210,8 @@ def epilogue_ops(base: Ops, device: torch.device, *, swiglu: bool = False, resid
     ``device`` with TMA); elsewhere, and for FP8 weights, ``base``'s functions. ``deterministic``: deterministic mode."""
     changes = {}
     tma = _tma(device)
+    if swiglu and not tma:  # said once, at start-up: the other kernels still apply
+        log.info("--epilogues swiglu not applied on %s: its GEMM needs TMA (Hopper or newer)", device)
 
     def gate_up(normed: torch.Tensor, gate_up: Linear, target: Linear | None = None) -> torch.Tensor | None:
         # An FP8 down projection (``target``) takes SwiGLU's output quantised: base's path does that.

@@ -7,11 +7,13 @@ the pack has them. The graphed path (worker/fast/graphs.py) replays the same pie
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..fast_options import COMPILE_MODES, chosen_epilogues, chosen_families
 from ..model.checkpoint import DecisionModel
 from . import fp8 as fp8_weights
 from . import layers
@@ -21,25 +23,13 @@ from .mixers import Mixers
 from .ops import Ops
 
 ROWS = "rows"  # the pruned last layer: queries, output and MLP at marker rows only
-COMPILE_MODES = ("none", "sub", "layer")
-EPILOGUES = ("swiglu", "residual", "gated_norm")  # the kernels of worker/fast/epilogues.py
-
-
-def chosen_epilogues(spec: str) -> frozenset[str]:
-    """The kernels an ``epilogues`` setting names: none (or empty), "all", or any of ``EPILOGUES`` comma-separated."""
-    names = {part.strip() for part in spec.lower().split(",") if part.strip()}
-    if names == {"none"}:
-        return frozenset()
-    if names == {"all"}:
-        return frozenset(EPILOGUES)
-    if not names <= set(EPILOGUES):
-        raise ValueError(f"epilogues must be none, all, or some of {', '.join(EPILOGUES)} comma-separated; "
-                         f"got {spec!r}")
-    return frozenset(names)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Stage:
+    """One decoder layer as the packed forward runs it: its kind, fused weights and dimensions."""
+
     kind: str  # LINEAR, FULL or ROWS
     weights: Any  # layers.LinearAttn or layers.FullAttn
     dims: Any  # layers.LinearDims or layers.FullDims
@@ -93,12 +83,14 @@ def configure_compile() -> None:
 
 
 class PackedForward:
+    """A loaded checkpoint's forward over packs: per-layer weights, the dense pieces and the eager path."""
+
     def __init__(self, model: DecisionModel, mixers: Mixers, *, prune_last: bool = True, fp8: bool = False,
                  fp8_layers: str = "all", fp8_matrices: str = "all", compile: str = "none",
                  compile_pieces: bool = True, fused: bool = False, image_by_image: bool = False,
                  epilogues: str = "", deterministic: bool = False) -> None:
         """``fp8_layers``, ``fp8_matrices``: which layers and families of matrices ``fp8`` converts
-        (worker/fast/fp8.py: chosen_layers, chosen_families). ``compile_pieces``:
+        (worker/fast/fp8.py: chosen_layers; worker/fast_options.py: chosen_families). ``compile_pieces``:
         with ``compile="layer"``, also compile the eager pieces (off when the pieces run from CUDA graphs, which
         compile their own variants). ``fused``: the project's Triton kernels (worker/fast/fused.py) where they
         apply. ``image_by_image``: the vision tower runs each image alone (deterministic mode). ``epilogues``: the
@@ -113,7 +105,7 @@ class PackedForward:
         assert getattr(config, "hidden_act", "silu") in ("silu", "swish"), "Qwen3.5's MLP is SwiGLU"
         self.stages: list[Stage] = []
         chosen = fp8_weights.chosen_layers(fp8_layers, [layer.block_type for layer in lm.layers]) if fp8 else set()
-        families = fp8_weights.chosen_families(fp8_matrices)
+        families = chosen_families(fp8_matrices)
         for index, layer in enumerate(lm.layers):
             weights, dims = (layers.linear_layer(layer) if layer.block_type == LINEAR else layers.full_layer(layer))
             if index in chosen:
@@ -130,8 +122,11 @@ class PackedForward:
             configure_compile()
         self.ops = Ops().compiled() if compile == "sub" else Ops()
         self.fused = fused
-        chosen = chosen_epilogues(epilogues)  # checked here even where it does not apply
+        chosen = chosen_epilogues(epilogues)
         self.epilogues = chosen if fused else frozenset()
+        if chosen and not fused:  # said once, at start-up, rather than dropped in silence
+            log.info("--epilogues %s not applied: they run with the fused kernels only (--fused-kernels, a bf16 or "
+                     "fp16 model on CUDA)", ",".join(sorted(chosen)))
         if fused:
             from .fused import fused_ops  # Triton: imported only where it runs
 

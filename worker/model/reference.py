@@ -7,17 +7,23 @@ padding that follows a prompt. This is the path the fast engine is checked again
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from ..config import Settings
+from ..fast_options import DEFAULT_EPILOGUES, chosen_epilogues
 from .checkpoint import DecisionModel
 from .engine import Prompt, PackRun, Pending
 from .readout import head
 
+log = logging.getLogger("worker")
+
 
 class ReferenceEngine:
+    """The checkpoint's own backbone over padded batches: the scores every engine is checked against."""
+
     name = "reference"
 
     def __init__(self, model: DecisionModel) -> None:
@@ -63,6 +69,10 @@ class ReferenceAdapter:
         # Padding a prompt to the batch's longest changes its GEMMs' and attention's shapes, and with them the
         # order of its sums: deterministic mode computes each prompt alone, in shapes that are its own.
         self.deterministic = settings.deterministic
+        # The default names the fast engine's kernels; only a choice made for this worker is worth saying dropped.
+        if chosen_epilogues(settings.epilogues) not in (frozenset(), chosen_epilogues(DEFAULT_EPILOGUES)):
+            log.info("--epilogues %s not applied: the reference engine runs the checkpoint's own modules (the "
+                     "epilogues are kernels of the fast engine)", settings.epilogues)
 
     @property
     def max_pack_tokens(self) -> int:
