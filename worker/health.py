@@ -36,6 +36,8 @@ HELD_STALLS = 10  # one entry held this many stall bounds is stuck, however much
 
 @dataclass(frozen=True)
 class Snapshot:
+    """A plain copy of what health decides from, read once from each thread's state."""
+
     beats: dict[str, float]  # loop name -> its last turn (s since the epoch): "reader", and "gpu" once it runs
     reading_since: float | None  # the reader has waited on Redis since then (None: not reading)
     loop_running: bool  # the asyncio (Redis) thread still runs

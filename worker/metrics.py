@@ -25,12 +25,13 @@ from producer.wire.schema import ErrorCode
 from producer.wire.supported import lag_of
 
 from .entries import Stream
+from .tasks import State
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 FORWARD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5, 10, 30)
 STATE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
 PAUSE_BUCKETS = (0.001, 0.005, 0.02, 0.1, 0.5, 2)
-STATES = ("planning", "queued", "computing", "settling")  # a computed entry's states after it is taken (held.py)
+STATES = tuple(state.value for state in State if state is not State.TAKEN)  # a computed entry's, after its take
 FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 STREAMS = ("requests", "chunks")
 TAKEN = ("read", "recovered", "reclaimed", "retried")
@@ -43,6 +44,8 @@ REDIS_OPS = ("create groups", "read", "get body", "look up", "fan out", "claim",
 
 
 class Metrics:
+    """The worker's Prometheus metrics, in a registry of its own."""
+
     def __init__(self, registry: CollectorRegistry | None = None, shard: int = 0) -> None:
         self.registry = registry or CollectorRegistry()
         self.shard = str(shard)

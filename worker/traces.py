@@ -24,12 +24,16 @@ NOTED = 100_000  # entries whose times are kept at most (an entry settled drops 
 
 @dataclass
 class Noted:
+    """The times noted for one entry until its spans are written: its planning and its packs."""
+
     plan: tuple[float, float] | None = None
     packs: list[tuple[float, float, int, int | None, int]] = field(default_factory=list)  # start, end, id, bucket,
     # tokens
 
 
 class Traces:
+    """Each answered request's spans, from times the stages note, written when it is settled."""
+
     def __init__(self, tracer: Any) -> None:
         self.tracer = tracer
         self.noted: OrderedDict[tuple[str, str], Noted] = OrderedDict()

@@ -12,7 +12,7 @@ from worker.gpu.packer import Packer
 from worker.metrics import Metrics
 from worker.model.encoder import Encoder
 from worker.model.engine import Prompt, PackRun, Pending
-from worker.tasks import Computed, Expired, Failed, Item, Launched, Task
+from worker.tasks import Computed, Failed, Item, Launched, Task
 
 BUDGET = 100
 
@@ -88,21 +88,6 @@ def test_a_full_next_pack_is_launched_before_the_previous_is_read_out(loaded):
 def test_a_partial_next_pack_waits_until_the_previous_is_read_out(loaded):
     events = run(loaded("repo-text"), [50, 50, 30])  # a full pack, then a partial one
     assert events == [("launch", 0), ("wait", 0), ("launch", 1), ("wait", 1)]
-
-
-def test_a_pack_finishing_after_a_stop_closed_the_loop_is_dropped_not_raised():
-    """At the drain deadline the asyncio loop closes while a pack may still finish on the GPU thread: its answers
-    are dropped (the entries stay pending, reclaimed elsewhere); it once ended the worker with exit 1 and a traceback."""
-    import asyncio
-
-    from worker.config import Settings
-    from worker.loop.thread import LoopThread
-
-    closed = asyncio.new_event_loop()
-    closed.close()
-    loop = LoopThread(Settings(), Metrics(), planner=None, packer=None, event_loop=closed)
-    for event in (Launched(()), Computed(None, [], 0.0), Failed(None, "x"), Expired(None)):
-        loop.hand_over(event)
 
 
 def test_a_failed_gpu_ends_the_worker_through_the_exit_seam_it_is_given(loaded):

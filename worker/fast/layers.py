@@ -21,12 +21,16 @@ LINEAR, FULL = "linear_attention", "full_attention"
 
 
 class Mlp(NamedTuple):
+    """A layer's SwiGLU MLP: its norm, the fused gate/up projection and the down projection."""
+
     norm: torch.Tensor  # post_attention_layernorm
     gate_up: Linear  # [gate_proj; up_proj]
     down: Linear
 
 
 class LinearAttn(NamedTuple):
+    """A linear-attention (gated delta rule) layer's weights, fused for the packed forward."""
+
     norm: torch.Tensor  # input_layernorm
     in_proj: Linear  # [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a], or without b and a where ``gates`` holds them
     conv: torch.Tensor  # (conv_dim, taps)
@@ -39,6 +43,8 @@ class LinearAttn(NamedTuple):
 
 
 class FullAttn(NamedTuple):
+    """A full-attention layer's weights, fused for the packed forward."""
+
     norm: torch.Tensor
     qkv: Linear  # [q_proj (query and gate, per head); k_proj; v_proj]
     q: Linear  # the q_proj rows of qkv alone (pruned last layer)
@@ -50,6 +56,8 @@ class FullAttn(NamedTuple):
 
 
 class LinearDims(NamedTuple):
+    """A linear-attention layer's sizes: key and value widths, heads, and its norm's epsilon."""
+
     key_dim: int
     value_dim: int
     k_heads: int
@@ -60,6 +68,8 @@ class LinearDims(NamedTuple):
 
 
 class FullDims(NamedTuple):
+    """A full-attention layer's sizes: heads, key/value heads, head width, scale and epsilon."""
+
     heads: int
     kv_heads: int
     head_dim: int
@@ -68,6 +78,8 @@ class FullDims(NamedTuple):
 
 
 class Head(NamedTuple):
+    """The decision head: the backbone's final norm, the verbalizer projection and its softcap."""
+
     norm: torch.Tensor  # the backbone's final norm
     proj: Dense
     softcap: float | None

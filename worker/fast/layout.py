@@ -174,6 +174,8 @@ class Regions:
 
 
 class Boundaries(NamedTuple):
+    """Where each prompt of a pack starts and ends, as the mixers' kernels read it."""
+
     cu: torch.Tensor  # (prompts + 1,) int32 on the device
     cu_long: torch.Tensor  # the same, int64 (fla)
     cu_host: torch.Tensor  # the same on the host (FlashQLA's context is prepared from it; fla's cu_seqlens_cpu)

@@ -24,6 +24,8 @@ from .layout import Boundaries
 from .qla import FlashQLA
 
 class Mixers(Protocol):
+    """The sequence mixers of a pack: the gated delta rule and attention, each within its prompts."""
+
     def gated_delta(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
                     beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:
         """(T, Hk, Dk) x2 (unit length per head), (T, Hv, Dv), (T, Hv) x2 -> (T, Hv, Dv); the state restarts at

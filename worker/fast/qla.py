@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 
 class Variant(NamedTuple):
+    """One FlashQLA kernel variant: split across the card or not, and its tile width."""
+
     split: bool  # long prompts split across the card (kernels of its own)
     tile: int  # the main kernel's tile width (block_DV)
 

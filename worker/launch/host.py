@@ -18,6 +18,8 @@ class LaunchError(ValueError):
 
 @dataclass(frozen=True)
 class Device:
+    """One worker of a host: its number, its --device and its CUDA_VISIBLE_DEVICES."""
+
     index: int  # the worker's number: its consumer name's suffix, its port's offset
     device: str  # the worker's --device
     visible: str  # its CUDA_VISIBLE_DEVICES ("": none)

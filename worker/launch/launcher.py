@@ -52,6 +52,8 @@ STALE_S = 30.0  # the supervision loop not turning for this long: not live
 
 @dataclass
 class Worker:
+    """One supervised worker process: where it runs, its consumer name and port, its restarts."""
+
     where: Device
     consumer: str
     port: int  # 0: no endpoints
@@ -63,6 +65,8 @@ class Worker:
 
 
 class Launcher:
+    """serve --gpus: one worker process per device, started, watched and restarted."""
+
     def __init__(self, settings: Settings, where: list[Device], command: list[str] | None = None,
                  environ: dict[str, str] | None = None, cores: int | None = None) -> None:
         self.settings = settings

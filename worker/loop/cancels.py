@@ -36,6 +36,8 @@ READ_COUNT = 1000  # notices per read
 
 
 class Cancels:
+    """The cancels this worker learns of: at the take, and from the shard's cancel notices."""
+
     def __init__(self, redis_calls: RedisCalls, keys: Keys, consumer: str, block_ms: int,
                  cancel: Callable[[str], None]) -> None:
         self.redis_calls, self.keys, self.consumer, self.block_ms = redis_calls, keys, consumer, block_ms
@@ -47,9 +49,10 @@ class Cancels:
         is another request)."""
         return enqueued_ms <= self.recent.get(request_id, -1)
 
-    async def look_up(self, task: Task) -> tuple[Result | None, bool]:
-        """The result the request's id already has (a reused id), and whether a cancel came; one round trip. The
-        record then says who took it since when (a fan-out: into how many parts)."""
+    async def take_check(self, task: Task) -> tuple[Result | None, bool]:
+        """The whole check at a request's take, in one round trip: the result its id already has (a reused id: a
+        replay or a conflict), whether a cancel came, and the record noted with who took it since when (a fan-out:
+        into how many parts)."""
         delivery, record = task.delivery, self.keys.record(task.request_id)
         took: dict[str, Any] = {Record.STREAM: delivery.key, Record.ENTRY: delivery.entry_id,
                                 Record.CONSUMER: self.consumer, Record.SINCE: int(delivery.taken * 1000)}

@@ -7,7 +7,6 @@ drain).
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,21 +15,11 @@ from producer.wire.keys import LANES, Priority
 
 from ..entries import Delivery
 from ..metrics import Metrics
-from ..tasks import Task
+from ..tasks import State, Task
 
 # Remembered lately: payload-less entries (each counted once), entries let go (a read begun before takes none again)
 LOST_REMEMBERED = RELEASED_REMEMBERED = 10_000
 Entry = tuple[str, str]  # (stream key, entry id): entry ids are unique per stream only
-
-
-class State(enum.StrEnum):
-    """Where a held entry is in its life."""
-
-    TAKEN = "taken"  # held and being routed, or taken again for a retry
-    PLANNING = "planning"  # with the planners: its body parsed, validated, rendered, tokenized
-    QUEUED = "queued"  # its prompts wait in the packer
-    COMPUTING = "computing"  # a pack with one of its prompts went to the GPU
-    SETTLING = "settling"  # its end is being written: a result, a dead letter, its parts (a fan-out), an ack
 
 
 @dataclass(eq=False)

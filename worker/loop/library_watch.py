@@ -20,6 +20,8 @@ log = logging.getLogger("worker")
 
 
 class LibraryWatch:
+    """Whether the server has the function library, loading it where it may."""
+
     def __init__(self, redis_client: Any) -> None:
         self.redis = redis_client
         self.ok = False

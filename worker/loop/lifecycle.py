@@ -37,11 +37,11 @@ from ..config import Settings
 from ..entries import PARTS, REQUESTS, Delivery, Identity, Job, Refusal, identity_with_digest
 from ..metrics import Metrics
 from ..outcomes import answered_before, error_outcome, task_outcome
-from ..tasks import Computed, Expired, Failed, GpuEvent, Item, Launched, Task
+from ..tasks import Computed, Expired, Failed, GpuEvent, Item, Launched, State, Task
 from ..traces import Traces
 from .cancels import Cancels
 from .consumer import Consumer
-from .held import HeldEntries, State
+from .held import HeldEntries
 from .publisher import Publisher
 from .redis_calls import RedisCalls
 from .settler import Settler
@@ -137,7 +137,7 @@ class Lifecycle:
             self.settler.put(error_outcome(delivery, planned.identity, planned.code, planned.message,
                                            self.model_name))
             return
-        stored, cancelled = await self.redis_calls.until(lambda: self.cancels.look_up(planned), "look up") \
+        stored, cancelled = await self.redis_calls.until(lambda: self.cancels.take_check(planned), "look up") \
             if delivery.stream == REQUESTS else (None, False)
         if stored is not None:  # a reused id: no compute
             outcome = answered_before(planned.delivery, planned.identity, stored, self.model_name)

@@ -25,6 +25,8 @@ from producer.wire.keys import GONE_S, Keys, beat_age, text
 
 
 class Presence:
+    """This worker's heartbeat on its shard, and forgetting the workers and consumers gone."""
+
     def __init__(self, redis_client: Any, keys: Keys, name: str, streams: list[str], gone_ms: int,
                  identity: dict[str, Any], state: Callable[[], str] = lambda: "ready") -> None:
         self.redis, self.keys, self.name, self.streams = redis_client, keys, name, streams

@@ -15,9 +15,9 @@ from producer.wire import library
 
 from ..metrics import STATES, Metrics
 from ..outcomes import Outcome
-from ..tasks import Timeline
+from ..tasks import State, Timeline
 from ..traces import Traces
-from .held import HeldEntries, State
+from .held import HeldEntries
 from .publisher import Publisher
 from .redis_calls import RedisCalls
 
@@ -26,6 +26,8 @@ BATCH = 512  # outcomes settled in one go at most
 
 
 class Settler:
+    """The settle loop: outcomes settled in batches, counted, and their entries let go."""
+
     def __init__(self, publisher: Publisher, redis_calls: RedisCalls, metrics: Metrics, held: HeldEntries,
                  loop: asyncio.AbstractEventLoop, traces: Traces | None = None) -> None:
         self.publisher, self.redis_calls, self.metrics, self.held, self.loop = publisher, redis_calls, metrics, \

@@ -66,6 +66,8 @@ class Pending:
 
 
 class Engine(Protocol):
+    """The engine contract: packs of prompts in, head scores out (reference.py, worker/fast)."""
+
     name: str
 
     @property

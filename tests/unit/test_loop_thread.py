@@ -1,7 +1,8 @@
-"""A held entry's state, one field set at each step of its life (worker/loop/held.py ``State``): the lifecycle and
-the settle loop on a real event loop, the GPU thread's events handed over as compute hands them; the planner, the
-consumer and the Redis side stand in (this is about the order of states, not Redis: tests/redis/ has the rest);
-so are cancels: honoured while every prompt of the entry waits in the packer, too late once one is packed."""
+"""The loop thread's parts (worker/loop/thread.py), built by its constructor: a held entry's state, one field set
+at each step of its life (``State``, worker/tasks.py), by the lifecycle and the settle loop on a real event loop,
+the GPU thread's events handed over as compute hands them; the planner, the consumer and the Redis side stand in
+(this is about the order of states, not Redis: tests/redis/ has the rest); so are cancels: honoured while every
+prompt of the entry waits in the packer, too late once one is packed. And the GPU's events once the loop closed."""
 
 import asyncio
 import json
@@ -13,12 +14,11 @@ from producer.wire.schema import ErrorCode, Request
 from worker.config import Settings
 from worker.entries import REQUESTS, Delivery, Refusal
 from worker.gpu.packer import Packer
-from worker.loop.held import State
 from worker.loop.publisher import Settlement
 from worker.loop.thread import LoopThread
 from worker.metrics import Metrics
 from worker.model.engine import Prompt
-from worker.tasks import Computed, Expired, Failed, Launched, Task
+from worker.tasks import Computed, Expired, Failed, Launched, State, Task
 
 REQUEST = Request.model_validate({"state": "x", "questions": {"q": {"type": "noul"}}})
 NOW = 2 ** 50  # a cancel notice's time (ms): after the entries of these tests (entry id 1-0)
@@ -57,7 +57,7 @@ class Redis:
     async def claim_again(self, delivery: Delivery) -> Delivery:
         return delivery.again()
 
-    async def look_up(self, task: Task) -> tuple[None, bool]:  # no stored result; cancelled before the take?
+    async def take_check(self, task: Task) -> tuple[None, bool]:  # no stored result; cancelled before the take?
         return None, self.cancelled
 
     async def settle(self, outcomes):
@@ -78,7 +78,7 @@ def scenario(steps, max_deliveries: int = 5, refuse: bool = False):
                           event_loop=asyncio.get_running_loop())
         loop.consumer.claim_again = redis.claim_again
         loop.publisher.settle, loop.publisher.dead_letter = redis.settle, redis.dead_letter
-        loop.cancels.look_up = redis.look_up
+        loop.cancels.take_check = redis.take_check
         settling = asyncio.ensure_future(loop.settler.run())
         delivery = Delivery.parse(REQUESTS, "k", "1-0", {b"body": json.dumps({"id": "r"}).encode()}, 1)
         entry = ("k", "1-0")
@@ -264,3 +264,13 @@ def test_a_cancel_notice_older_than_the_entry_leaves_it_alone():
         assert state() == State.QUEUED and cancels(loop.lifecycle.metrics) == {"honoured": 0, "too_late": 0}
 
     scenario(steps)
+
+
+def test_a_pack_finishing_after_a_stop_closed_the_loop_is_dropped_not_raised():
+    """At the drain deadline the asyncio loop closes while a pack may still finish on the GPU thread: its answers
+    are dropped (the entries stay pending, reclaimed elsewhere); it once ended the worker with exit 1 and a traceback."""
+    closed = asyncio.new_event_loop()
+    closed.close()
+    loop = LoopThread(Settings(), Metrics(), planner=None, packer=None, event_loop=closed)
+    for event in (Launched(()), Computed(None, [], 0.0), Failed(None, "x"), Expired(None)):
+        loop.hand_over(event)
