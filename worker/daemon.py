@@ -1,10 +1,11 @@
-"""The worker daemon: three owners wired together, each with its threads, and the stop. The words for what passes
-through (entry, request, part, delivery, task, prompt, pack, outcome, ...) are the README's glossary.
+"""The worker daemon: three owners wired together, each with its threads, and the stop. The words for what
+passes through (entry, request, part, delivery, task, prompt, pack, outcome, ...) are the README's glossary.
 
-Threads, one folder each: the Redis loop thread (asyncio, loop/thread.py) owns every held entry and task from taken
-to let go: the readers and maintenance, the lifecycle, the settle loop; the planners' threads or processes (plan/)
-parse, render and tokenize; the main thread runs the GPU stage (gpu/compute.py), which hands its events to the loop
-thread. A stop (SIGTERM, through ``on_signal``) stops reading, finishes and settles what is held, and exits 0.
+Threads, one folder each: the Redis loop thread (asyncio, loop/thread.py) owns every held entry and task from
+taken to let go: the readers and maintenance, the lifecycle, the settle loop; the planners' threads or
+processes (plan/) parse, render and tokenize; the main thread runs the GPU stage (gpu/compute.py), which hands
+its events to the loop thread. A stop (SIGTERM, through ``on_signal``) stops reading, finishes and settles
+what is held, and exits 0.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ def create_engine(model: checkpoint.DecisionModel, settings: Settings) -> Engine
     if kind == "auto":
         kind = "fast" if model.device.type == "cuda" else "reference"
     if settings.deterministic and kind == "reference" and model.device.type != "cpu":
-        # transformers' modules run fla's kernels on a GPU, which pick their configuration by timing, per process.
-        raise ValueError(f"--deterministic (DQ_DETERMINISTIC) runs on the fast engine on a GPU or the reference "
-                         f"engine on the CPU, not the reference engine on {model.device}; run with --engine fast, "
-                         f"or without --deterministic (docs/RELIABILITY.md, \"Deterministic mode\")")
+        # transformers' modules run fla's kernels on a GPU, which pick their configuration by timing, per
+        # process.
+        raise ValueError("--deterministic (DQ_DETERMINISTIC) runs on the fast engine on a GPU or the "
+                         f"reference engine on the CPU, not the reference engine on {model.device}; run with "
+                         "--engine fast, or without --deterministic (docs/RELIABILITY.md, \"Deterministic "
+                         "mode\")")
     if kind == "reference":
         return ReferenceAdapter(model, settings)
     if kind == "fast":
@@ -55,9 +58,11 @@ def create_engine(model: checkpoint.DecisionModel, settings: Settings) -> Engine
 
 
 class Daemon:
-    """One worker process: the Redis loop thread, the planners and the GPU stage, from warm-up to the drained stop."""
+    """One worker process: the Redis loop thread, the planners and the GPU stage, from warm-up to the drained
+    stop."""
 
-    # How a fatal error ends the process (no drain can help): replaced by in-process tests, which must not end too.
+    # How a fatal error ends the process (no drain can help): replaced by in-process tests, which must not end
+    # too.
     exit = staticmethod(os._exit)
 
     def __init__(self, settings: Settings, model: checkpoint.DecisionModel | None = None) -> None:
@@ -78,29 +83,32 @@ class Daemon:
         self.packer = Packer(self.engine.max_pack_tokens, settings.max_wait_ms / 1000, settings.normal_share,
                              settings.high_pack_tokens, self.engine.pack_sizes)
         tracing = Traces.configured()  # None unless an OTLP endpoint is set (producer/wire/traces.py)
-        self.loop = LoopThread(settings, self.metrics, self.planner, self.packer, self.served, self.engine.name,
-                               state=self._state, fatal=lambda code: self.exit(code), traces=tracing)
-        self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.loop, traces=tracing,
-                               fatal=lambda code: self.exit(code))
+        self.loop = LoopThread(settings, self.metrics, self.planner, self.packer, self.served,
+                               self.engine.name, state=self._state, fatal=lambda code: self.exit(code),
+                               traces=tracing)
+        self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.loop,
+                               traces=tracing, fatal=lambda code: self.exit(code))
         self.metrics.built(__version__, self.served[0], self.engine.name, str(self.model.device))
 
     def run(self, after_warmup: Any = None, burst: bool = False) -> int:
-        """Serve until ``stop`` (SIGTERM, from ``serve``). ``after_warmup``: once warm, before ready (benchmarks).
-        ``burst``: stop once nothing is held and every lane's read, begun after the last entry was let go, found
-        nothing new (in-process tests)."""
+        """Serve until ``stop`` (SIGTERM, from ``serve``). ``after_warmup``: once warm, before ready
+        (benchmarks). ``burst``: stop once nothing is held and every lane's read, begun after the last entry
+        was let go, found nothing new (in-process tests)."""
         self.loop.start()
         self.planner.warmup()
         self.engine.warmup()
         if after_warmup is not None:
             after_warmup()
-        # What start-up made (modules, compiled graphs) lives as long as the process: frozen, the collector's full
-        # passes under traffic no longer walk it (a pause that grows with what compilation left behind).
+        # What start-up made (modules, compiled graphs) lives as long as the process: frozen, the collector's
+        # full passes under traffic no longer walk it (a pause that grows with what compilation left behind).
         collect = time.perf_counter()
         gc.collect()
         gc.freeze()
-        log.info("start-up objects frozen: %d (collection %.2fs)", gc.get_freeze_count(), time.perf_counter() - collect)
-        # A full pass walks every live object (the held entries of a backlog) while every thread waits: up to 100 ms
-        # at the 2B shape, a few times a minute by default. Young passes as before; a full one a hundred times rarer.
+        log.info("start-up objects frozen: %d (collection %.2fs)", gc.get_freeze_count(),
+                 time.perf_counter() - collect)
+        # A full pass walks every live object (the held entries of a backlog) while every thread waits: up to
+        # 100 ms at the 2B shape, a few times a minute by default. Young passes as before; a full one a
+        # hundred times rarer.
         gc.set_threshold(700, 10, 1000)
         self.ready.set()
         deadline = time.monotonic() + 2.0  # first contact runs beside the warm-up: normally done by now
@@ -138,8 +146,8 @@ class Daemon:
         return Snapshot(beats={name: beat for name, beat in beats.items() if beat is not None},
                         reading_since=loop.reading_since, loop_running=loop.running, redis_ok=loop.reachable,
                         library_ok=loop.library_ok, ready=self.ready.is_set(), inflight=loop.inflight,
-                        stopping=loop.stopping.is_set(), block_ms=self.settings.block_ms, refusing=loop.refusing,
-                        oldest_taken=loop.oldest_taken, released_at=loop.released_at,
+                        stopping=loop.stopping.is_set(), block_ms=self.settings.block_ms,
+                        refusing=loop.refusing, oldest_taken=loop.oldest_taken, released_at=loop.released_at,
                         stall_s=self.settings.stall_timeout_s)
 
     def on_signal(self, signum: int, _frame: Any = None) -> None:

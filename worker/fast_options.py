@@ -1,14 +1,16 @@
-"""The fast path's choices as words: what ``--epilogues``, ``--fp8-layers``, ``--fp8-matrices`` and ``--compile``
-accept, parsed here alone. Torch-free: worker/config.py refuses a bad value with these when the settings are made,
-before the model loads; the fast engine (worker/fast) applies what they return.
+"""The fast path's choices as words: what ``--epilogues``, ``--fp8-layers``, ``--fp8-matrices`` and
+``--compile`` accept, parsed here alone. Torch-free: worker/config.py refuses a bad value with these when the
+settings are made, before the model loads; the fast engine (worker/fast) applies what they return.
 """
 
 from __future__ import annotations
 
-COMPILE_MODES = ("none", "sub", "layer")  # torch.compile of nothing, of each sub-module, of each layer's pieces
+# torch.compile of nothing, of each sub-module, of each layer's pieces
+COMPILE_MODES = ("none", "sub", "layer")
 EPILOGUES = ("swiglu", "residual", "gated_norm")  # the kernels of worker/fast/epilogues.py
 DEFAULT_EPILOGUES = "residual,swiglu"  # measured faster end to end (docs/BENCHMARKS.md)
-FP8_FAMILIES = ("mlp", "attention", "linear")  # SwiGLU MLPs; full-attention projections; linear-attention ones
+# SwiGLU MLPs; full-attention projections; linear-attention ones
+FP8_FAMILIES = ("mlp", "attention", "linear")
 FP8_LAYER_NAMES = ("all", "full", "linear", "late")  # late: the second half of the layers
 MAX_LAYERS = 10_000  # a layer index past this is a typo: refused before a range that large is built
 
@@ -45,16 +47,17 @@ def chosen_families(spec: str) -> frozenset[str]:
 
 
 def layer_choice(spec: str) -> str | frozenset[int]:
-    """What an ``fp8_layers`` setting names: one of ``FP8_LAYER_NAMES``, or the layer indices its comma-separated
-    indices and ranges list ("0-5,18"). Which layers of a model those are, and whether it has them, is
-    worker/fast/fp8.py's ``chosen_layers``."""
+    """What an ``fp8_layers`` setting names: one of ``FP8_LAYER_NAMES``, or the layer indices its
+    comma-separated indices and ranges list ("0-5,18"). Which layers of a model those are, and whether it has
+    them, is worker/fast/fp8.py's ``chosen_layers``."""
     spec = spec.strip().lower()
     if spec in FP8_LAYER_NAMES:
         return spec
     chosen: set[int] = set()
     for part in filter(None, (p.strip() for p in spec.split(","))):
         first, dash, last = part.partition("-")
-        if not (first.isdigit() and (last.isdigit() or not dash) and MAX_LAYERS > int(last or first) >= int(first)):
+        if not (first.isdigit() and (last.isdigit() or not dash)
+                and MAX_LAYERS > int(last or first) >= int(first)):
             raise ValueError(f"fp8_layers must be {FP8_LAYERS_ARE}; got {spec!r}")
         chosen.update(range(int(first), int(last or first) + 1))
     if not chosen:

@@ -1,8 +1,8 @@
 """The packed forward of a loaded checkpoint: embedding (and image features), the decoder stages, the head.
 
 ``PackedForward`` owns the per-layer weights (read from the checkpoint's modules, fused, optionally FP8), the
-dense pieces (plain, or compiled per sub-module or per piece), and the eager path: one call per piece, shapes as
-the pack has them. The graphed path (worker/fast/graphs.py) replays the same pieces from static buffers.
+dense pieces (plain, or compiled per sub-module or per piece), and the eager path: one call per piece, shapes
+as the pack has them. The graphed path (worker/fast/graphs.py) replays the same pieces from static buffers.
 """
 
 from __future__ import annotations
@@ -55,16 +55,19 @@ PLAIN = Pieces(layers.pre_linear, layers.post_linear, layers.pre_full, layers.pr
 
 
 # The pre piece of a linear-attention layer: its convolution reads a dozen inputs per output and silu uses the
-# result twice, which makes inductor store the convolution in fp32 and read it back; inlining it instead keeps the
-# whole piece at one read of the projections and one write per output (it was a quarter of the 2B model's time).
-INLINE_CONV = {"realize_reads_threshold": 64, "realize_opcount_threshold": 400, "realize_acc_reads_threshold": 64}
+# result twice, which makes inductor store the convolution in fp32 and read it back; inlining it instead keeps
+# the whole piece at one read of the projections and one write per output (it was a quarter of the 2B model's
+# time).
+INLINE_CONV = {"realize_reads_threshold": 64, "realize_opcount_threshold": 400,
+               "realize_acc_reads_threshold": 64}
 
 
-def compile_piece(fn: Callable[..., Any], inline: bool = False, dynamic: bool | None = True) -> Callable[..., Any]:
-    """torch.compile of one piece, shared by every layer of its kind: weights are arguments, so one compiled graph
-    serves all layers. ``dynamic``: True, every dimension symbolic, one graph for every pack length; False, one graph
-    per shape (the buckets), whose kernels know every size and alignment; None, the sizes the caller marks symbolic
-    (worker/fast/graphs.py)."""
+def compile_piece(fn: Callable[..., Any], inline: bool = False,
+                  dynamic: bool | None = True) -> Callable[..., Any]:
+    """torch.compile of one piece, shared by every layer of its kind: weights are arguments, so one compiled
+    graph serves all layers. ``dynamic``: True, every dimension symbolic, one graph for every pack length;
+    False, one graph per shape (the buckets), whose kernels know every size and alignment; None, the sizes the
+    caller marks symbolic (worker/fast/graphs.py)."""
     import torch._inductor.config as inductor_config
 
     options = {k: v for k, v in INLINE_CONV.items() if inline and hasattr(inductor_config, k)}
@@ -72,8 +75,9 @@ def compile_piece(fn: Callable[..., Any], inline: bool = False, dynamic: bool | 
 
 
 def configure_compile() -> None:
-    """Process-wide dynamo settings for the pieces. Without duck shaping, dimensions that happen to be equal in one
-    model (hidden size and key width, say) get separate symbols, so the graphs stay valid for the next model."""
+    """Process-wide dynamo settings for the pieces. Without duck shaping, dimensions that happen to be equal
+    in one model (hidden size and key width, say) get separate symbols, so the graphs stay valid for the next
+    model."""
     import torch.fx.experimental._config as fx_config
 
     fx_config.use_duck_shape = False
@@ -91,11 +95,12 @@ class PackedForward:
                  epilogues: str = "", deterministic: bool = False) -> None:
         """``fp8_layers``, ``fp8_matrices``: which layers and families of matrices ``fp8`` converts
         (worker/fast/fp8.py: chosen_layers; worker/fast_options.py: chosen_families). ``compile_pieces``:
-        with ``compile="layer"``, also compile the eager pieces (off when the pieces run from CUDA graphs, which
-        compile their own variants). ``fused``: the project's Triton kernels (worker/fast/fused.py) where they
-        apply. ``image_by_image``: the vision tower runs each image alone (deterministic mode). ``epilogues``: the
-        opt-in kernels of worker/fast/epilogues.py (``chosen_epilogues``), with ``fused`` only; ``deterministic``:
-        deterministic mode (their GEMM runs one configuration for every token count)."""
+        with ``compile="layer"``, also compile the eager pieces (off when the pieces run from CUDA graphs,
+        which compile their own variants). ``fused``: the project's Triton kernels (worker/fast/fused.py)
+        where they apply. ``image_by_image``: the vision tower runs each image alone (deterministic mode).
+        ``epilogues``: the opt-in kernels of worker/fast/epilogues.py (``chosen_epilogues``), with ``fused``
+        only; ``deterministic``: deterministic mode (their GEMM runs one configuration for every token
+        count)."""
         assert compile in COMPILE_MODES, f"compile must be one of {COMPILE_MODES}, got {compile!r}"
         self.model, self.mixers, self.image_by_image = model, mixers, image_by_image
         lm = model.language_model
@@ -104,10 +109,12 @@ class PackedForward:
         config = model.text_config
         assert getattr(config, "hidden_act", "silu") in ("silu", "swish"), "Qwen3.5's MLP is SwiGLU"
         self.stages: list[Stage] = []
-        chosen = fp8_weights.chosen_layers(fp8_layers, [layer.block_type for layer in lm.layers]) if fp8 else set()
+        chosen = fp8_weights.chosen_layers(fp8_layers, [layer.block_type
+                                                        for layer in lm.layers]) if fp8 else set()
         families = chosen_families(fp8_matrices)
         for index, layer in enumerate(lm.layers):
-            weights, dims = (layers.linear_layer(layer) if layer.block_type == LINEAR else layers.full_layer(layer))
+            weights, dims = (layers.linear_layer(layer) if layer.block_type == LINEAR
+                             else layers.full_layer(layer))
             if index in chosen:
                 weights = fp8_weights.convert(weights, families)
             self.stages.append(Stage(layer.block_type, weights, dims))
@@ -125,8 +132,8 @@ class PackedForward:
         chosen = chosen_epilogues(epilogues)
         self.epilogues = chosen if fused else frozenset()
         if chosen and not fused:  # said once, at start-up, rather than dropped in silence
-            log.info("--epilogues %s not applied: they run with the fused kernels only (--fused-kernels, a bf16 or "
-                     "fp16 model on CUDA)", ",".join(sorted(chosen)))
+            log.info("--epilogues %s not applied: they run with the fused kernels only (--fused-kernels, a "
+                     "bf16 or fp16 model on CUDA)", ",".join(sorted(chosen)))
         if fused:
             from .fused import fused_ops  # Triton: imported only where it runs
 
@@ -149,7 +156,8 @@ class PackedForward:
 
     def embed(self, ids: torch.Tensor, image_rows: torch.Tensor | None = None,
               pixel_values: torch.Tensor | None = None, grid: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings, with the vision tower's features written at the image tokens (rows of the pack)."""
+        """Token embeddings, with the vision tower's features written at the image tokens (rows of the
+        pack)."""
         hidden = self.embed_tokens(ids)
         if pixel_values is not None:
             assert image_rows is not None and grid is not None

@@ -1,11 +1,11 @@
 """The Redis loop thread (asyncio), owner of every held entry: it builds the parts that run on it, runs their
-coroutines on a thread of its own ("redis"), ends them in a drain, and is where the GPU thread hands its events
-(``hand_over``). Other threads read its health fields and ask it to stop; nothing else of it.
+coroutines on a thread of its own ("redis"), ends them in a drain, and is where the GPU thread hands its
+events (``hand_over``). Other threads read its health fields and ask it to stop; nothing else of it.
 
-Its coroutines, all listed in ``_main``: the readers (intake.py), until stopping; the settle loop (settler.py),
-maintenance (intake.py), the function library's watch (library_watch.py) and the cancel notices (cancels.py), until
-the drain ends. A stop stops reading, waits until nothing is held or the drain deadline passes, takes this worker's
-heartbeat out and closes its clients.
+Its coroutines, all listed in ``_main``: the readers (intake.py), until stopping; the settle loop
+(settler.py), maintenance (intake.py), the function library's watch (library_watch.py) and the cancel notices
+(cancels.py), until the drain ends. A stop stops reading, waits until nothing is held or the drain deadline
+passes, takes this worker's heartbeat out and closes its clients.
 """
 
 from __future__ import annotations
@@ -39,26 +39,28 @@ log = logging.getLogger("worker")
 
 
 class LoopThread:
-    """The Redis loop thread: its parts, its coroutines, the drain, and the health fields other threads read."""
+    """The Redis loop thread: its parts, its coroutines, the drain, and the health fields other threads
+    read."""
 
     def __init__(self, settings: Settings, metrics: Metrics, planner: Planners, packer: Packs,
                  served: Sequence[str] = ("",), engine: str = "", state: Callable[[], str] = lambda: "ready",
                  fatal: Callable[[int], None] = os._exit, traces: Traces | None = None,
                  event_loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """``served``: the names the model is served under, the one results say first; ``engine``: the engine's
-        name (the heartbeat says both); ``state``: what the heartbeat says this worker is doing; ``fatal``: how an
-        error no drain can help ends the process (the daemon's exit seam); ``event_loop``: a running one (tests),
-        else one of its own for its thread."""
+        """``served``: the names the model is served under, the one results say first; ``engine``: the
+        engine's name (the heartbeat says both); ``state``: what the heartbeat says this worker is doing;
+        ``fatal``: how an error no drain can help ends the process (the daemon's exit seam); ``event_loop``: a
+        running one (tests), else one of its own for its thread."""
         self.settings, self.fatal = settings, fatal
         self.event_loop = event_loop or asyncio.new_event_loop()
         self.stopping = threading.Event()
         self.stop_deadline = float("inf")
         keys = Keys(settings.namespace, settings.shard)
         client = redis_client(settings)
-        # For the calls the client must not re-send (the consumer closes it): entries handed over, and on Redis
-        # Cluster in durable mode each primary's writes and its WAIT.
+        # For the calls the client must not re-send (the consumer closes it): entries handed over, and on
+        # Redis Cluster in durable mode each primary's writes and its WAIT.
         once = redis_client(settings, retries=0)
-        # A call that cannot reach Redis stops retrying once stopping with nothing left to save, or past the drain.
+        # A call that cannot reach Redis stops retrying once stopping with nothing left to save, or past the
+        # drain.
         self.redis_calls = RedisCalls(client, metrics, where=settings.redis_where,
                                       give_up=lambda: self.stopping.is_set() and self.drained())
         self.held = HeldEntries(settings.max_inflight, metrics)
@@ -74,8 +76,8 @@ class LoopThread:
                                cancel=lambda request_id: self.lifecycle.cancel(request_id))
         self.lifecycle = Lifecycle(keys, settings, metrics, self.redis_calls, self.consumer, planner, packer,
                                    self.publisher, self.held, self.settler, self.cancels, traces)
-        self.intake = Intake(self.consumer, self.lifecycle, self.redis_calls, settings, metrics, self.stopping,
-                             self.presence)
+        self.intake = Intake(self.consumer, self.lifecycle, self.redis_calls, settings, metrics,
+                             self.stopping, self.presence)
         self.thread = threading.Thread(target=self._run, name="redis", daemon=True)
 
     # ---- other threads: start, stop, hand over, and what health reads (each value read once)
@@ -97,14 +99,14 @@ class LoopThread:
         return not self.held or time.monotonic() > self.stop_deadline
 
     def idle(self) -> bool:
-        """Nothing held, and every lane's read, begun after the last entry was let go, found nothing new (a burst
-        run is over)."""
+        """Nothing held, and every lane's read, begun after the last entry was let go, found nothing new (a
+        burst run is over)."""
         empty_since = self.intake.streams_empty_since
         return not self.held and empty_since is not None and empty_since > (self.held.released_at or 0.0)
 
     def hand_over(self, event: GpuEvent) -> None:
-        """The GPU thread's events, onto this thread (``Lifecycle.handle``); dropped once a stop past its deadline
-        closed the loop (the entries stay pending)."""
+        """The GPU thread's events, onto this thread (``Lifecycle.handle``); dropped once a stop past its
+        deadline closed the loop (the entries stay pending)."""
         try:
             self.event_loop.call_soon_threadsafe(self.lifecycle.handle, event)
         except RuntimeError:
@@ -156,15 +158,15 @@ class LoopThread:
         where, consumer, claim = self.where, self.settings.consumer_name, self.settings.claim_idle_ms
         held = len(self.held)
         if not self.redis_calls.reached:
-            log.warning("stopped without ever reaching Redis at %s: this worker took no entry; what an earlier run "
-                        "of consumer %s left pending there stays pending", where, consumer)
+            log.warning("stopped without ever reaching Redis at %s: this worker took no entry; what an "
+                        "earlier run of consumer %s left pending there stays pending", where, consumer)
         elif held and not self.reachable:
-            log.warning("stopped with Redis unreachable at %s: %d entries taken were not acknowledged; they stay "
-                        "pending for consumer %s, and other workers reclaim them after %d ms", where, held, consumer,
-                        claim)
+            log.warning("stopped with Redis unreachable at %s: %d entries taken were not acknowledged; they "
+                        "stay pending for consumer %s, and other workers reclaim them after %d ms", where,
+                        held, consumer, claim)
         elif held:
-            log.warning("stopped at the drain deadline: %d entries left pending for consumer %s; other workers "
-                        "reclaim them after %d ms", held, consumer, claim)
+            log.warning("stopped at the drain deadline: %d entries left pending for consumer %s; other "
+                        "workers reclaim them after %d ms", held, consumer, claim)
         else:
             log.info("stopped: every entry this worker took was answered and acknowledged")
 
@@ -177,7 +179,8 @@ class LoopThread:
         except UnsupportedServer as error:  # the same settings would fail the same way: no restart loop
             log.error("cannot serve: %s", error)
             self.fatal(2)
-        except Exception:  # noqa: BLE001 - e.g. a client bug on a reconnect: the worker would never read again
+        # e.g. a client bug on a reconnect: the worker would never read again
+        except Exception:  # noqa: BLE001
             if not self.stopping.is_set():
                 log.critical("the Redis loop failed: exiting so that the supervisor restarts this worker",
                              exc_info=True)
@@ -197,8 +200,8 @@ class LoopThread:
         reader = asyncio.create_task(self.intake.run_reader())  # until stopping
         while not (self.stopping.is_set() or reader.done()):
             await asyncio.sleep(0.1)
-        # A read in progress ends within its BLOCK time, unless Redis does not answer: then it is abandoned (what it
-        # would have delivered stays pending for this consumer: reclaimed, or re-read on restart).
+        # A read in progress ends within its BLOCK time, unless Redis does not answer: then it is abandoned
+        # (what it would have delivered stays pending for this consumer: reclaimed, or re-read on restart).
         await asyncio.wait({reader}, timeout=self.settings.block_ms / 1000 + 1.0)
         reader.cancel()
         if reader.done() and not reader.cancelled() and reader.exception():
