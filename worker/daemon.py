@@ -58,8 +58,7 @@ def create_engine(model: checkpoint.DecisionModel, settings: Settings) -> Engine
 
 
 class Daemon:
-    """One worker process: the Redis loop thread, the planners and the GPU stage, from warm-up to the drained
-    stop."""
+    """One worker process: the loop thread, the planners and the GPU stage, from warm-up to drained stop."""
 
     # How a fatal error ends the process (no drain can help): replaced by in-process tests, which must not end
     # too.

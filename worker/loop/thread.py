@@ -39,8 +39,7 @@ log = logging.getLogger("worker")
 
 
 class LoopThread:
-    """The Redis loop thread: its parts, its coroutines, the drain, and the health fields other threads
-    read."""
+    """The Redis loop thread: its parts, its coroutines, the drain, and what health reads of it."""
 
     def __init__(self, settings: Settings, metrics: Metrics, planner: Planners, packer: Packs,
                  served: Sequence[str] = ("",), engine: str = "", state: Callable[[], str] = lambda: "ready",
