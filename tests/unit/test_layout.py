@@ -69,6 +69,7 @@ NEVER = {
 for _module in ("entries", "tasks", "outcomes", "config", "metrics", "logs", "health"):
     NEVER[f"worker.{_module}"] = ["worker.loop", "worker.plan", "worker.gpu", "worker.launch", "worker.fast",
                                   "worker.daemon"]
+NEVER["worker.fast_options"] = ["worker", "producer"]  # the fast path's words, which config reads: torch-free, alone
 
 
 def modules() -> dict[str, Path]:
