@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from ..exits import FAILED, OK, USAGE
+from ..plumbing.exits import FAILED, OK, USAGE
 from ..wire import library
 from ..wire.keys import LANES, Field, Keys, Priority, text, valid_id
 from ..wire.schema import ErrorCode

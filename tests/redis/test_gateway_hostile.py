@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from gateways import TOKENS, GatewayProcess, request
-from producer.plans import prepare
+from producer.client.plans import prepare
 from producer.wire.keys import Keys, shard_of
 
 pytestmark = pytest.mark.redis

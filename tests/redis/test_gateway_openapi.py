@@ -21,7 +21,7 @@ from producer.gateway.config import ApiKey, GatewayConfig
 from producer.gateway.routes import create_app
 from producer.local.binaries import servers_under_test
 from producer.local.ports import free_port
-from producer.wire.connection import Deployment
+from producer.plumbing.connection import Deployment
 from producer.wire.keys import GROUP, Keys
 
 pytestmark = pytest.mark.redis

@@ -23,11 +23,11 @@ from backports import zstd
 from typesafe_sdk import AsyncTypeSafeClient, Choice, Image, Noul, RetryPolicy, Score, TypeSafeClient
 
 from producer.client import Client
-from producer.gateway.retries import call_of
+from producer.gateway.systemone.retries import call_of
 from producer.wire import library
+from producer.wire.digest import digest
 from producer.wire.keys import Keys
 from producer.wire.result import Result
-from producer.wire.digest import digest
 from producer.wire.schema import Request
 from systemones import BOTH, MAX_BODY, OPEN_WAIT_S, TOKENS, start, wait_for
 
