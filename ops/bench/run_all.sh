@@ -1,41 +1,46 @@
 #!/usr/bin/env bash
-# Everything the GPU machine measures, most important first, each stage bounded in time so that a slow or failing
-# stage cannot starve the next: end to end through Redis (2B bf16, 2B FP8; each also times its engine in process
-# and the reference engine), the GPU tests, then the other shapes and mixes in process.
-# Usage: ops/bench/run_all.sh OUTDIR [STAGE...]   stages: delta-rule lone e2e-bf16 e2e-fp8 e2e-fp8-late e2e-bf16-warm
-# e2e-bf16-2 e2e-bf16-3 e2e-bf16-det priority fidelity fidelity-floor invariance invariance-det tests tests-1 tests-2
-# mixes (default: all but e2e-bf16-2/3, the -det stages, fidelity-floor and the test parts, in that order); machine:
-# none, only OUTDIR/machine.txt.
-# gate, gate-1, gate-2: the gate (issue 48), every target measured at one commit in parts of one device command each
-# (ops/bench/gate.sh; GATE_SMOKE=1 checks its harness on the CPU). tests-1 and tests-2: tests/gpu in two parts that
-# each fit one device command (tests-1: GPU_TESTS_1; tests-2: every other module), with the compile cache below.
-# lone is one request at a time, through the client and through the gateway, 2B bf16 (ops/bench/lone.py; LONE_FLAGS:
-# more flags for its worker, e.g. the defaults before 1234dca: --buckets 2048,4096,8192,16384 --max-wait-ms 5).
-# delta-rule is the host and GPU time of the gated delta rule per pack, fla's dispatch against FlashQLA called
-# directly; e2e-fp8-late is the shipped FP8 setting, --fp8 --fp8-layers late; e2e-bf16-warm, -2 and -3 start a fresh
-# bf16 worker again on the compile caches the earlier stages left (three fresh workers: the median is the figure);
-# priority is high requests at 10% of the peak rate over a saturating normal backlog, 2B bf16, in PRIORITY_WORKERS
-# fresh workers (default 3; OUTDIR/priority-2b-bf16, -2, -3) PRIORITY_REPEATS times each (default 1); fidelity is
-# FP8 and bf16 against an fp32 reference at the 2B shape; invariance is a held-out set answered alone by one
-# worker, then mixed into a backlog by a second, compared bitwise (2B bf16, ops/bench/invariance.py); e2e-bf16-det and invariance-det are the same with --deterministic (its cost:
-# e2e-bf16-det against e2e-bf16 on the same machine). Named only, never by default: scaling (2B bf16 through one
-# Redis on 1, 2, 4, 8 of the machine's GPUs, each count up to what it has; ops/bench/scaling.py).
-# E2E_LOADS: the end-to-end latency phases, x the peak (default 0.5; 0.1,0.2,...,1.0 for latency against load,
-# which ops/bench/plot.py draws; E2E_DET_LOADS: e2e-bf16-det's, default the same); E2E_LATENCY_SECONDS: each
-# phase's length (default 10); E2E_EPILOGUES: the workers'
-# --epilogues in the end-to-end and invariance stages (worker/fast/epilogues.py; default the worker's own: until
-# e7a3f4a the benchmarks' workers ran without them unless it was set).
-# The workers share one compile cache, COMPILE_CACHE (default OUTDIR/compile-cache): the first end-to-end stage
-# of a fresh OUTDIR starts cold, the later ones find what it compiled.
-# fidelity-floor is the fast engine's defaults and deterministic mode against the bf16 floor on the fidelity set
-# (ops/bench/fidelity_floor.py; FLOOR_REQUESTS, FLOOR_FLAGS). BENCH_SHAPE (default 2b; tiny: the CPU harness) and
-# BENCH_FLAGS (more flags for every benchmark's worker) apply to lone, the end-to-end, priority and invariance stages.
+# Everything the GPU machine measures, most important first, each stage bounded in time so that a slow or
+# failing stage cannot starve the next: end to end through Redis (2B bf16, 2B FP8; each also times its engine
+# in process and the reference engine), the GPU tests, then the other shapes and mixes in process.
+# Usage: ops/bench/run_all.sh OUTDIR [STAGE...]
+#   stages: delta-rule lone e2e-bf16 e2e-fp8 e2e-fp8-late e2e-bf16-warm e2e-bf16-2 e2e-bf16-3 e2e-bf16-det
+#   priority fidelity fidelity-floor invariance invariance-det tests tests-1 tests-2 mixes (default: all but
+#   e2e-bf16-2/3, the -det stages, fidelity-floor and the test parts, in that order); machine: only
+#   OUTDIR/machine.txt. gate, gate-1, gate-2, gate-3: the gate (issue 48), every target measured at one commit
+#   in parts of one device command each (ops/bench/gate.sh; GATE_SMOKE=1 checks its harness on the CPU).
+#
+# lone is one request at a time, through the client and through the gateway, 2B bf16 (ops/bench/lone.py;
+# LONE_FLAGS: more flags for its worker, e.g. the defaults before 1234dca: --buckets 2048,4096,8192,16384
+# --max-wait-ms 5). delta-rule is the host and GPU time of the gated delta rule per pack, fla's dispatch
+# against FlashQLA called directly; e2e-fp8-late is the shipped FP8 setting, --fp8 --fp8-layers late;
+# e2e-bf16-warm, -2 and -3 start a fresh bf16 worker again on the compile caches the earlier stages left (three
+# fresh workers: the median is the figure); priority is high requests at 10% of the peak rate over a
+# saturating normal backlog, 2B bf16, in PRIORITY_WORKERS fresh workers (default 3; OUTDIR/priority-2b-bf16,
+# -2, -3) PRIORITY_REPEATS times each (default 1); fidelity is FP8 and bf16 against an fp32 reference at the
+# 2B shape; fidelity-floor is the fast engine's defaults and deterministic mode against the bf16 floor on the
+# fidelity set (ops/bench/fidelity_floor.py; FLOOR_REQUESTS, FLOOR_FLAGS); invariance is a held-out set
+# answered alone by one worker, then mixed into a backlog by a second, compared bitwise (2B bf16,
+# ops/bench/invariance.py); e2e-bf16-det and invariance-det are the same with --deterministic (its cost:
+# e2e-bf16-det against e2e-bf16 on the same machine); tests-1 and tests-2 are tests/gpu in two parts that each
+# fit one device command (GPU_TESTS_1, then every other module), with the compile cache below. Named only,
+# never by default: scaling (2B bf16 through one Redis on 1, 2, 4, 8 of the machine's GPUs, each count up to
+# what it has; ops/bench/scaling.py).
+#
+# E2E_LOADS: the end-to-end latency phases, x the peak (default 0.5; 0.1,0.2,...,1.0 for latency against
+# load, which ops/bench/plot.py draws; E2E_DET_LOADS: e2e-bf16-det's, default the same);
+# E2E_LATENCY_SECONDS: each phase's length (default 10); E2E_EPILOGUES: the workers' --epilogues in the
+# end-to-end and invariance stages (worker/fast/epilogues.py; default the worker's own: until e7a3f4a the
+# benchmarks' workers ran without them unless it was set). BENCH_SHAPE (default 2b; tiny: the CPU harness)
+# and BENCH_FLAGS (more flags for every benchmark's worker) apply to lone, the end-to-end, priority and
+# invariance stages. BENCH_PROBE=0: no machine.txt (the probe imports torch; ops/bench/gate.sh writes it once
+# per part).
+# The workers share one compile cache, COMPILE_CACHE (default OUTDIR/compile-cache): the first end-to-end
+# stage of a fresh OUTDIR starts cold, the later ones find what it compiled.
 # Stage limits in seconds: LONE_TIMEOUT, E2E_TIMEOUT, SCALING_TIMEOUT, PRIORITY_TIMEOUT, FIDELITY_TIMEOUT,
-# FLOOR_TIMEOUT, INVARIANCE_TIMEOUT, TEST_TIMEOUT, MIX_TIMEOUT. A cold machine needs about 4 minutes before the
-# first end-to-end worker is ready (static-shape compilation, FlashQLA's kernels); where one command may run only 10
-# minutes, run the stages in separate commands on the same machine with the same OUTDIR. BENCH_PROBE=0: no
-# machine.txt (the probe imports torch: ops/bench/gate.sh writes it once per part). A stage still running 30 s after
-# its limit is killed.
+# FLOOR_TIMEOUT, INVARIANCE_TIMEOUT, TEST_TIMEOUT, MIX_TIMEOUT; a stage still running 30 s after its limit is
+# killed. A cold machine needs about 4 minutes before the first end-to-end worker is ready (static-shape
+# compilation, FlashQLA's kernels); where one command may run only 10 minutes, run the stages in separate
+# commands on the same machine with the same OUTDIR.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: run_all.sh OUTDIR [STAGE...]}
@@ -109,8 +114,9 @@ echo "exit $?"; tail -n 12 "$out/fidelity.log"; }
 
 want fidelity-floor && { stage "the defaults against the bf16 floor, fidelity set, $shape"
 # shellcheck disable=SC2086  # FLOOR_FLAGS: several flags
-timeout -k 30 "${FLOOR_TIMEOUT:-420}" $PY ops/bench/fidelity_floor.py --shape "$shape" --requests "${FLOOR_REQUESTS:-320}" \
-  --compile-cache "$cache" --out "$out/fidelity-floor" ${FLOOR_FLAGS:-} >"$out/fidelity-floor.log" 2>&1
+timeout -k 30 "${FLOOR_TIMEOUT:-420}" $PY ops/bench/fidelity_floor.py --shape "$shape" \
+  --requests "${FLOOR_REQUESTS:-320}" --compile-cache "$cache" --out "$out/fidelity-floor" ${FLOOR_FLAGS:-} \
+  >"$out/fidelity-floor.log" 2>&1
 echo "exit $?"; grep -E "^(child|reference|SUMMARY)" "$out/fidelity-floor.log" || tail -n 30 "$out/fidelity-floor.log"
 pkill -f "fidelity_floor.py .*--child" 2>/dev/null; sleep 1; }
 
@@ -129,18 +135,20 @@ want tests && { stage "gpu tests"
 timeout -k 30 "${TEST_TIMEOUT:-300}" $PY -m pytest -q -s -p no:cacheprovider tests/gpu >"$out/gpu-tests.log" 2>&1
 echo "exit $?"; grep -E "passed|failed|RESULT" "$out/gpu-tests.log" | tail -n 30; }
 
-# tests/gpu in two parts of one device command each, balanced from the logs of earlier runs (docs/TESTING.md): the
-# bitwise processes (about 250 s, each compiling cold in a cache of its own by design), the kernels and the fused
-# kernels; then every other module. They share the benchmarks' compile cache (the 2B shape's kernels for the tests at
-# that shape). Per-test seconds land in OUTDIR/tests-N.xml for the next balancing.
+# tests/gpu in two parts of one device command each, balanced from earlier runs' logs (docs/TESTING.md): the
+# bitwise processes (about 250 s, each compiling cold in a cache of its own by design), the kernels and the
+# fused kernels; then every other module. They share the benchmarks' compile cache (the 2B shape's kernels
+# for the tests at that shape). Per-test seconds land in OUTDIR/tests-N.xml for the next balancing.
 GPU_TESTS_1=${GPU_TESTS_1:-tests/gpu/test_bitwise.py tests/gpu/test_kernels.py tests/gpu/test_fused.py}
 for part in tests-1 tests-2; do
   want $part || continue
   stage "gpu tests, $part"
   # shellcheck disable=SC2086  # GPU_TESTS_1: several paths
-  if [ $part = tests-1 ]; then chosen=$GPU_TESTS_1; else chosen="tests/gpu $(printf -- '--ignore=%s ' $GPU_TESTS_1)"; fi
+  chosen=$GPU_TESTS_1
+  [ $part = tests-2 ] && chosen="tests/gpu $(printf -- '--ignore=%s ' $GPU_TESTS_1)"
   # shellcheck disable=SC2086
-  ( export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton TILELANG_CACHE_DIR=$cache/tilelang
+  ( export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton \
+      TILELANG_CACHE_DIR=$cache/tilelang
     timeout -k 30 "${TEST_TIMEOUT:-540}" $PY -m pytest -q -s -rs -p no:cacheprovider --durations=0 \
       --junitxml="$out/$part.xml" $chosen ) >"$out/$part.log" 2>&1
   echo "exit $?"; grep -E "passed|failed|error|SKIPPED|RESULT" "$out/$part.log" | tail -n 40
