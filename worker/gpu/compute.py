@@ -3,9 +3,9 @@
 Runs on the main thread. While pack n is on the GPU, the queue is asked for pack n+1, but only a full one (it fills
 a static size, so the queue is ahead of the GPU; behind a large n, a small one: worker/gpu/packer.py). It is
 launched first, then n is read out (temperatures, softmax, System One answers) and handed over (``Sink``: the
-lifecycle, which hops onto the Redis loop thread that owns every task's state): the GPU never waits for the read-out
-and the launch's host work. Short of a full pack, n is read out first and the next pack formed after it, with what
-arrived meanwhile: a request arriving at a GPU that keeps up waits for the pack on the GPU, then rides in the next.
+Redis loop thread, which owns every task's state): the GPU never waits for the read-out and the launch's host work.
+Short of a full pack, n is read out first and the next pack formed after it, with what arrived meanwhile: a request
+arriving at a GPU that keeps up waits for the pack on the GPU, then rides in the next.
 
 A failing pack is bisected until the failing prompt is alone, so the others in it are still answered.
 """
@@ -31,16 +31,19 @@ log = logging.getLogger("worker")
 
 
 class Sink(Protocol):
-    """Where each fact about the work goes (the lifecycle); called on this (the GPU) thread."""
+    """Where each fact about the work goes (worker/loop/thread.py); called on this (the GPU) thread."""
 
     def hand_over(self, event: GpuEvent) -> None: ...
 
 
 class Compute:
+    """The GPU stage: packs through the engine, their answers handed to the sink."""
+
     def __init__(self, model: DecisionModel, engine: Engine, packer: Packer, metrics: Metrics, sink: Sink,
-                 traces: Traces | None = None) -> None:
+                 traces: Traces | None = None, fatal: Callable[[int], None] = os._exit) -> None:
         self.model, self.engine, self.packer, self.metrics, self.sink = model, engine, packer, metrics, sink
         self.traces = traces  # None: tracing off
+        self.fatal = fatal  # how a failed GPU ends the process (the daemon's exit seam)
         self.turned_at: float | None = None  # the loop's last turn (liveness)
 
     def run(self, done: Callable[[], bool]) -> None:
@@ -124,7 +127,8 @@ class Compute:
         """A failed pack: run halves again until the failing prompt is alone; the others are answered."""
         if isinstance(error, getattr(torch, "AcceleratorError", ())):
             log.critical("the GPU failed (%s): exiting so that the supervisor restarts this worker", error)
-            os._exit(70)
+            self.fatal(70)
+            return  # an exit that returns (a test's) stops the worker: the pack's entries stay held, then pending
         if len(pack) == 1:
             log.warning("prompt of %s failed: %r", pack[0].task.request_id, error,
                         extra=pack[0].task.delivery.log_fields)

@@ -40,6 +40,8 @@ FULL = 0.9  # a pack this full of its static size counts as full
 
 
 class Packer:
+    """The queue of prompts waiting for the GPU, formed into packs by lane and budget."""
+
     def __init__(self, budget: int, max_wait: float, normal_share: float = 0.1, high_budget: int = 0,
                  sizes: tuple[int, ...] = ()) -> None:
         """``sizes``: the static sizes a pack is padded to (the engine's CUDA graph buckets); none: a pack costs

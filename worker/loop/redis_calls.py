@@ -39,6 +39,8 @@ T = TypeVar("T")
 
 
 class RedisCalls:
+    """The loop thread's Redis calls: retried until Redis answers, and whether it does."""
+
     def __init__(self, client: Any, metrics: Metrics, give_up: Callable[[], bool], where: str) -> None:
         self.redis = client
         self.metrics = metrics
