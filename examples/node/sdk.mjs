@@ -4,6 +4,7 @@
 //
 //   TYPESAFE_BASE_URL=http://localhost:8080 TYPESAFE_API_KEY=any-value node sdk.mjs [--model NAME]
 //
+// (Node 20 or newer: the SDK's minimum; the other examples run on 18.)
 // Calls the default model (jev-latest unless TYPESAFE_DEFAULT_MODEL or --model says otherwise) with every question
 // type, sends an image inline (the SDK sends JSON only), makes 20 calls at once, lists the models and names a model
 // nobody serves (the SDK's NotFoundError). Prints one JSON line per step; exits 0 when each went as it should.
