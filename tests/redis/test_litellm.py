@@ -1,7 +1,7 @@
 """LiteLLM's System One API (``litellm.systemone`` and ``asystemone``, its ``typesafe/`` provider), a client nobody
 here wrote, against the gateway as a service using LiteLLM calls it: sync and async, the state as text and as an
 object, an image inline, a model nobody serves as LiteLLM's NotFoundError; each answer equal to the queue's own
-for the same request. On the session's gateway stack (tests/redis/gateways.py), a few calls, on one server (the
+for the same request. On the test run's gateway stack (tests/redis/gateways.py), a few calls, on one server (the
 client's side does not depend on it). Skipped, saying so, where LiteLLM is not installed (the ``test`` extra
 installs it)."""
 
