@@ -1,7 +1,9 @@
-"""decision-queue's torch-free side: the wire contract every role imports (``producer.wire``: keys, schema, result,
-errors, the function library, connections), the Python client (``producer.client``: Client, AsyncClient), dq-producer
-and its admin tools (``producer.admin``), the HTTP gateway (``producer.gateway``) and a local Redis for development
-(``producer.local``). Needs redis and pydantic (the gateway: the ``http`` extra), never torch."""
+"""decision-queue's torch-free side: the wire contract every role imports (``producer.wire``: keys, schema,
+result, errors, the function library, records), the plumbing every role shares (``producer.plumbing``:
+connections, Sentinel, the supported servers, logs, traces), the Python client (``producer.client``: Client,
+AsyncClient), dq-producer (``producer.cli``) and its admin tools (``producer.admin``), the HTTP gateway
+(``producer.gateway``) and a local Redis for development (``producer.local``). Needs redis and pydantic (the
+gateway: the ``http`` extra), never torch."""
 
 from importlib.metadata import PackageNotFoundError, version
 

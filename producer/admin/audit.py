@@ -1,10 +1,11 @@
 """The queue's invariant, checked from outside: every submitted request ends with exactly one result.
 
-Used by the fault, bad-input and soak tests and by ``ops/soak.py`` against a real deployment. Given the ids that
-were submitted, it reads every result stream and checks that each holds exactly one entry, that the entry is a
-well-formed result for that id (``ok`` with answers, or ``error`` with a code and a message), and, when the load
-is over, that nothing is half done: both lanes' request and part streams empty, no pending entries, no parts or
-stored bodies of fanned-out requests left behind. Processing a prompt twice is allowed; publishing twice is not.
+Used by the fault, bad-input and soak tests and by ``ops/soak.py`` against a real deployment. Given the ids
+that were submitted, it reads every result stream and checks that each holds exactly one entry, that the entry
+is a well-formed result for that id (``ok`` with answers, or ``error`` with a code and a message), and, when
+the load is over, that nothing is half done: both lanes' request and part streams empty, no pending entries,
+no parts or stored bodies of fanned-out requests left behind. Processing a prompt twice is allowed; publishing
+twice is not.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ def wait_and_check(connection: Any, keys: Keys, ids: Iterable[str], timeout: flo
     """Wait (up to ``timeout``) until every id has a result and the queue has drained, then check.
 
     Polling is fine here: this is a checker, not a client. Only the ids still unanswered are read again while
-    waiting; the final check reads them all. It returns the report either way, so a caller sees what was lost or
-    duplicated rather than a bare timeout.
+    waiting; the final check reads them all. It returns the report either way, so a caller sees what was lost
+    or duplicated rather than a bare timeout.
     """
     ids = list(dict.fromkeys(ids))
     allowed = set(allow_missing)

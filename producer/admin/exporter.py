@@ -1,10 +1,11 @@
 """The queue exporter (``dq-producer exporter``): the queue's depth as Prometheus metrics, read from Redis by
 itself, so that alerts and dashboards see the backlog when no worker is left to report it.
 
-It runs as the read-only ``monitor`` ACL user (counts only: XLEN, XINFO GROUPS/CONSUMERS, the heartbeat hash) and
-reads on each scrape what ``dq-producer stats`` shows. Its stream gauges have the workers' names and labels
-(``dq_stream_length{shard, stream, lane}``...), so the dashboard's and the alerts' ``max by (shard, stream, lane)``
-takes either source; a stream whose group does not exist yet counts as all lag (nobody took anything).
+It runs as the read-only ``monitor`` ACL user (counts only: XLEN, XINFO GROUPS/CONSUMERS, the heartbeat hash)
+and reads on each scrape what ``dq-producer stats`` shows. Its stream gauges have the workers' names and
+labels (``dq_stream_length{shard, stream, lane}``...), so the dashboard's and the alerts' ``max by (shard,
+stream, lane)`` takes either source; a stream whose group does not exist yet counts as all lag (nobody took
+anything).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 
 import redis
 
-from ..exits import OK
-from ..wire.endpoints import NOT_FOUND, Answer, serve_paths
+from ..plumbing.endpoints import NOT_FOUND, Answer, serve_paths
+from ..plumbing.exits import OK
 from ..wire.errors import DecisionQueueError
 
 log = logging.getLogger("producer.exporter")
@@ -40,9 +41,12 @@ OTHER_GAUGES = {
 }
 CANCELS = ("dq_queue_cancels_total", "Cancels asked of the shard, by what each found: queued (never computed), "
            "held (a worker decides), answered (too late) or unknown")  # a counter, kept in Redis
-# Every series this exporter can write -> its labels (tests check the dashboard's and the alerts' names against it).
-EXPORTED = {**{name: ("shard", "stream", "lane") for name in STREAM_GAUGES}, "dq_dead_letter_entries": ("shard",),
-            **{name: () for name in OTHER_GAUGES if name != "dq_dead_letter_entries"}, CANCELS[0]: ("shard", "found")}
+# Every series this exporter can write -> its labels (tests check the dashboard's and the alerts' names against
+# it).
+EXPORTED = {**{name: ("shard", "stream", "lane") for name in STREAM_GAUGES},
+            "dq_dead_letter_entries": ("shard",),
+            **{name: () for name in OTHER_GAUGES if name != "dq_dead_letter_entries"},
+            CANCELS[0]: ("shard", "found")}
 
 
 def _labels(**labels: Any) -> str:
@@ -113,7 +117,8 @@ def serve(exporter: Exporter, host: str, port: int) -> ThreadingHTTPServer:
 
 
 def run(args: argparse.Namespace, client: Any) -> int:
-    """``dq-producer exporter``: serve until SIGTERM or SIGINT; Redis need not answer at start (it is reported)."""
+    """``dq-producer exporter``: serve until SIGTERM or SIGINT; Redis need not answer at start (it is
+    reported)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = serve(Exporter(client.stats, client.deployment.safe_url), args.host, args.port)
     host, port = server.server_address[:2]
@@ -128,10 +133,11 @@ def run(args: argparse.Namespace, client: Any) -> int:
 
 
 def add_parser(commands: Any, common: argparse.ArgumentParser) -> None:
-    exp = commands.add_parser("exporter", parents=[common], help="serve the queue's depth as Prometheus metrics",
-                              description="Serve /metrics: each shard's and lane's stream lengths, pending, lag and "
-                                          "consumers, dead letters and live workers, read from Redis at each scrape "
-                                          "(the monitor ACL user is enough). docs/OPERATIONS.md lists the metrics.")
+    exp = commands.add_parser(
+        "exporter", parents=[common], help="serve the queue's depth as Prometheus metrics",
+        description="Serve /metrics: each shard's and lane's stream lengths, pending, lag and consumers, dead "
+                    "letters and live workers, read from Redis at each scrape (the monitor ACL user is enough). "
+                    "docs/OPERATIONS.md lists the metrics.")
     exp.add_argument("--port", type=int, default=9401, metavar="PORT", help="port to serve on [default 9401]")
     exp.add_argument("--host", default="", metavar="ADDRESS",
                      help="address to bind (IPv4 or IPv6) [default '': every interface, IPv6 and IPv4]")

@@ -4,9 +4,9 @@
   dq-gateway --host 0.0.0.0 --api-keys-file keys.json                  API keys: any address
   dq-gateway --model-namespaces dq,dq-b --model-alias jev-latest=my-decider     System One calls, routed by model
 
-It takes the producer's connection flags and variables (--redis-url or DQ_REDIS_URL, --namespace, --shards, TLS,
-Redis Cluster) and its own (--host, --port, limits; DQ_GATEWAY_*). Exit codes: 0 stopped, 2 usage (a bad flag,
-variable or keys file: before it listens), 4 Redis unreachable at start.
+It takes the producer's connection flags and variables (--redis-url or DQ_REDIS_URL, --namespace, --shards,
+TLS, Redis Cluster) and its own (--host, --port, limits; DQ_GATEWAY_*). Exit codes: 0 stopped, 2 usage (a bad
+flag, variable or keys file: before it listens; or the http extra not installed), 4 Redis unreachable at start.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import signal
 import sys
 
 from .. import __version__
-from ..exits import FAILED, OK, UNREACHABLE, USAGE
-from ..wire.connection import Deployment, check_reachable
+from ..plumbing.connection import Deployment, check_reachable
+from ..plumbing.exits import FAILED, OK, UNREACHABLE, USAGE
+from ..plumbing.extras import needed
 from ..wire.keys import PROTOCOL
-from . import logs
 from .config import ConfigError, GatewayConfig, add_arguments, load
+from .front import logs
 
 log = logging.getLogger("producer.gateway")
 SHUTDOWN_GRACE_S = 5  # past --max-wait-s, a call still running at a stop is cut
@@ -46,7 +47,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parser().parse_args(argv)  # --help and --version: no extra needed
+    with needed("http", "dq-gateway"):  # else: which extra to install, exit 2
+        import uvicorn  # noqa: F401
+
+        from . import routes  # noqa: F401
     try:
         config = load(vars(args))
     except (ConfigError, ValueError) as error:
@@ -62,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(config: GatewayConfig) -> int:
-    """Serve until SIGTERM or SIGINT: new connections stop, calls in progress finish (at most ``--max-wait-s`` and
-    a little), then exit 0."""
+    """Serve until SIGTERM or SIGINT: new connections stop, calls in progress finish (at most ``--max-wait-s``
+    and a little), then exit 0."""
     import uvicorn
 
-    from ..wire import traces
+    from ..plumbing import traces
     from .routes import create_app
 
     config = fit_file_limit(config)
@@ -83,8 +88,8 @@ def serve(config: GatewayConfig) -> int:
         log_level=config.log_level.lower(), access_log=False, proxy_headers=False, server_header=False,
         http=front.gateway.connections.protocol(), lifespan="on", timeout_keep_alive=config.keep_alive_s,
         timeout_graceful_shutdown=int(config.max_wait_s) + SHUTDOWN_GRACE_S))
-    # uvicorn stops gracefully on SIGTERM and SIGINT, then puts back the handlers it found and signals itself again:
-    # with Python's default ones the process then died by the signal (143), not the documented 0.
+    # uvicorn stops gracefully on SIGTERM and SIGINT, then puts back the handlers it found and signals itself
+    # again: with Python's default ones the process then died by the signal (143), not the documented 0.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: None)
     server.run()
@@ -93,9 +98,9 @@ def serve(config: GatewayConfig) -> int:
 
 
 def fit_file_limit(config: GatewayConfig) -> GatewayConfig:
-    """``--max-connections`` under the process's open-file limit, with room for the Redis pool and the rest: the
-    soft limit is raised to what is needed (up to the hard one); where even that is too low, the cap is lowered and
-    said. At the limit the gateway could accept nobody, and said nothing."""
+    """``--max-connections`` under the process's open-file limit, with room for the Redis pool and the rest:
+    the soft limit is raised to what is needed (up to the hard one); where even that is too low, the cap is
+    lowered and said. At the limit the gateway could accept nobody, and said nothing."""
     import resource
 
     from .service import pool_size

@@ -1,11 +1,12 @@
-"""Submissions of concurrent calls, sent together: every call that submits in the same turn of the event loop joins
-one ``submit_many`` (one submit-function call per shard and lane, up to the client's batch), instead of one round
-trip each. Under load most of a call's cost was its own Redis command; coalesced, a gateway process answers several
-times the calls per second (docs/BENCHMARKS.md), and a lone call waits one turn of the loop (microseconds).
+"""Submissions of concurrent calls, sent together: every call that submits in the same turn of the event loop
+joins one ``submit_many`` (one submit-function call per shard and lane, up to the client's batch), instead of
+one round trip each. Under load most of a call's cost was its own Redis command; coalesced, a gateway process
+answers several times the calls per second (docs/BENCHMARKS.md), and a lone call waits one turn of the loop
+(microseconds).
 
-Each call keeps its own outcome: its requests went in, or ``QueueFull`` naming which of *its* ids went in and which
-did not (a batch is all or nothing, so callers whose requests rode in one refused batch are all refused, as one
-caller's batch would be). Any other error is every joined call's.
+Each call keeps its own outcome: its requests went in, or ``QueueFull`` naming which of *its* ids went in and
+which did not (a batch is all or nothing, so callers whose requests rode in one refused batch are all refused,
+as one caller's batch would be). Any other error is every joined call's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 from collections.abc import Sequence
 
 from ..client import AsyncClient
-from ..plans import BATCH, Prepared, QueueFull
+from ..client.plans import BATCH, Prepared, QueueFull
 
 
 class Batcher:

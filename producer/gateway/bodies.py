@@ -1,10 +1,10 @@
 """What the POST routes read, and how the OpenAPI description tells it.
 
-The POST routes are plain Starlette routes (routes.py), not FastAPI's: FastAPI's request handling (dependencies,
-parameters, a JSON decode before validation) was two fifths of a call's CPU at the gateway's rates
-(docs/BENCHMARKS.md). They parse their body in one pass with pydantic's JSON parser, and their query by hand; a
-problem raises FastAPI's own ``RequestValidationError``, answered 422 like any other. ``describe`` adds them to
-FastAPI's OpenAPI description, with the same pydantic schemas.
+The POST routes are plain Starlette routes (routes.py), not FastAPI's: FastAPI's request handling
+(dependencies, parameters, a JSON decode before validation) was two fifths of a call's CPU at the gateway's
+rates (docs/BENCHMARKS.md). They parse their body in one pass with pydantic's JSON parser, and their query by
+hand; a problem raises FastAPI's own ``RequestValidationError``, answered 422 like any other. ``describe``
+adds them to FastAPI's OpenAPI description, with the same pydantic schemas.
 """
 
 from __future__ import annotations

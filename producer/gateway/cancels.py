@@ -1,15 +1,16 @@
 """Cancel and status over HTTP, and the cancel a caller's hang-up makes (docs/GATEWAY.md, "Cancel and status").
 
-- ``DELETE /v1/requests/{id}`` cancels one request of the caller's namespace (docs/PROTOCOL.md, "Cancelling"): 200
-  ``cancelled``, 202 ``cancelling`` (a worker holds it and decides), 409 ``too_late`` (answered), 404 ``unknown``,
-  the body saying which. ``GET /v1/requests/{id}`` says where it is (200, 404 ``unknown``). ``DELETE`` and ``GET
-  /v1/requests?id=a&id=b`` do the same for up to ``--max-batch`` ids at once: 200, ``{"requests": [...]}``.
-- A caller of ``/v1/decide`` or ``/v1/decide/batch`` that hangs up before its answers cancels the requests it still
-  waited for, unless its key says ``"hang_up": "keep"`` or the call ``?hang_up=keep`` (fire and forget).
+- ``DELETE /v1/requests/{id}`` cancels one request of the caller's namespace (docs/PROTOCOL.md, "Cancelling"):
+  200 ``cancelled``, 202 ``cancelling`` (a worker holds it and decides), 409 ``too_late`` (answered), 404
+  ``unknown``, the body saying which. ``GET /v1/requests/{id}`` says where it is (200, 404 ``unknown``).
+  ``DELETE`` and ``GET /v1/requests?id=a&id=b`` do the same for up to ``--max-batch`` ids at once: 200,
+  ``{"requests": [...]}``.
+- A caller of ``/v1/decide`` or ``/v1/decide/batch`` that hangs up before its answers cancels the requests it
+  still waited for, unless its key says ``"hang_up": "keep"`` or the call ``?hang_up=keep`` (fire and forget).
 
 Every cancel the gateway makes goes through ``cancel``: counted by reason and what it found
-(``dq_gateway_cancels_total``). A System One call's retries map to one request (retries.py): a retry of a cancelled
-one reads its ``cancelled`` result and is sent, and computed, afresh under a new id.
+(``dq_gateway_cancels_total``). A System One call's retries map to one request (retries.py): a retry of a
+cancelled one reads its ``cancelled`` result and is sent, and computed, afresh under a new id.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from fastapi.responses import JSONResponse, Response
 from ..wire.keys import ID_PATTERN
 from ..wire.records import Cancel
 from ..wire.schema import ErrorCode
-from .replies import Refused
+from .front.replies import Refused
 
-log = logging.getLogger("dq.gateway")
+log = logging.getLogger("producer.gateway")
 KEEP, CANCEL = "keep", "cancel"  # what a hang-up does: the key's "hang_up", or the call's ?hang_up=
 CANCEL_STATUS = {"cancelled": 200, "cancelling": 202, "too_late": 409, "unknown": 404}
 LINE_ID = re.compile(rb'\A\{"id":"([A-Za-z0-9._:\-]{1,128})"')  # a result line's id (written first)
@@ -46,8 +47,8 @@ async def cancel(gateway: Any, namespace: str, ids: list[str], reason: str) -> d
 
 
 def keeps(http: HttpRequest) -> bool:
-    """Whether this call's requests stay queued when its caller hangs up (its key's ``hang_up``, else the call's
-    ``?hang_up=``); 422 for any other value than keep or cancel."""
+    """Whether this call's requests stay queued when its caller hangs up (its key's ``hang_up``, else the
+    call's ``?hang_up=``); 422 for any other value than keep or cancel."""
     asked = http.query_params.get("hang_up")
     if asked not in (None, KEEP, CANCEL):
         raise Refused(422, ErrorCode.INVALID_REQUEST.value, f"hang_up is keep or cancel, not {asked[:40]!r}",
@@ -56,8 +57,8 @@ def keeps(http: HttpRequest) -> bool:
 
 
 def hung_up(gateway: Any, http: HttpRequest, ids: list[str]) -> None:
-    """The caller went away before these answers: cancel them (unless kept), in a task of its own (the call's is
-    ending); a failure is logged, never raised at anyone."""
+    """The caller went away before these answers: cancel them (unless kept), in a task of its own (the call's
+    is ending); a failure is logged, never raised at anyone."""
     if not ids:
         return
     access = http.state.access
@@ -78,8 +79,8 @@ def hung_up(gateway: Any, http: HttpRequest, ids: list[str]) -> None:
 
 async def watched_lines(gateway: Any, http: HttpRequest, lines: AsyncIterator[bytes],
                         ids: list[str]) -> AsyncIterator[bytes]:
-    """A streamed batch's lines, as they come; if its caller goes before the last one, the requests without a line
-    yet are cancelled (``hung_up``)."""
+    """A streamed batch's lines, as they come; if its caller goes before the last one, the requests without a
+    line yet are cancelled (``hung_up``)."""
     left = dict.fromkeys(ids)
     try:
         async for line in lines:

@@ -1,11 +1,12 @@
 """The gateway's one settings object: the producer's connection settings (``Deployment``: ``--redis-url``,
-``DQ_REDIS_URL``, ...) plus the gateway's own, each a flag (``--max-batch``) and a variable (``DQ_GATEWAY_MAX_BATCH``);
-flags win over the environment, the environment over the defaults. Checked when made: a bad value is a ConfigError
-naming the flag and the variable, and ``dq-gateway`` exits 2 before it listens.
+``DQ_REDIS_URL``, ...) plus the gateway's own, each a flag (``--max-batch``) and a variable
+(``DQ_GATEWAY_MAX_BATCH``); flags win over the environment, the environment over the defaults. Checked when
+made: a bad value is a ConfigError naming the flag and the variable, and ``dq-gateway`` exits 2 before it
+listens.
 
-API keys come from a JSON file (``--api-keys-file``) or from ``DQ_GATEWAY_API_KEYS`` (the same JSON): a list of
-``{"name", "token", "namespace", "lanes", "max_inflight", "hang_up"}``. Without keys the gateway is open to whoever reaches
-it, so it then listens on a loopback address only.
+API keys come from a JSON file (``--api-keys-file``) or from ``DQ_GATEWAY_API_KEYS`` (the same JSON): a list
+of ``{"name", "token", "namespace", "lanes", "max_inflight", "hang_up"}``. Without keys the gateway is open to
+whoever reaches it, so it then listens on a loopback address only.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..plans import BATCH
-from ..wire.connection import Deployment
+from ..client.plans import BATCH
+from ..plumbing.connection import Deployment
 from ..wire.keys import LANES, MAX_BODY_BYTES, MODEL_NAME, NAMESPACE_PATTERN, Priority
 from ..wire.schema import describe
 
 KEYS_VARIABLE = "DQ_GATEWAY_API_KEYS"
-MIN_TOKEN_CHARS = 16  # a guessable token is no key; 32 random URL-safe bytes (secrets.token_urlsafe) is the advice
+# A guessable token is no key; 32 random URL-safe bytes (secrets.token_urlsafe) is the advice.
+MIN_TOKEN_CHARS = 16
 
 
 class ConfigError(ValueError):
@@ -38,24 +40,28 @@ class ConfigError(ValueError):
 
 class ApiKey(BaseModel):
     """One key of the keys file. ``namespace``: the deployment whose queue it uses (default the gateway's); a
-    tenant is a namespace, so keys of one namespace share its results. ``lanes``: the priorities it may send."""
+    tenant is a namespace, so keys of one namespace share its results. ``lanes``: the priorities it may
+    send."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
     token: str = Field(min_length=MIN_TOKEN_CHARS, max_length=512, repr=False)
     namespace: str | None = None
-    lanes: tuple[Literal["high", "normal"], ...] = Field(default=tuple(str(lane) for lane in LANES), min_length=1)
+    lanes: tuple[Literal["high", "normal"], ...] = Field(default=tuple(str(lane) for lane in LANES),
+                                                         min_length=1)
     max_inflight: int | None = Field(default=None, ge=1)
     hang_up: Literal["cancel", "keep"] = "cancel"  # a caller that hangs up cancels what it waited for, or not
-    # The namespaces whose models it may name (POST /v1/systemone, GET /v1/models), in the order they are looked in;
-    # default: its namespace (or the gateway's --model-namespaces for a key that names no namespace).
+    # The namespaces whose models it may name (POST /v1/systemone, GET /v1/models), in the order they are
+    # looked in; default: its namespace (or the gateway's --model-namespaces for a key that names no
+    # namespace).
     model_namespaces: tuple[str, ...] | None = Field(default=None, min_length=1)
 
     @field_validator("token")
     @classmethod
     def _token_characters(cls, value: str) -> str:
-        if not all("!" <= ch <= "~" for ch in value):  # what a bearer header carries: printable ASCII, no space
+        # What a bearer header carries: printable ASCII, no space.
+        if not all("!" <= ch <= "~" for ch in value):
             raise ValueError("a token is printable ASCII without spaces")
         return value
 
@@ -81,67 +87,82 @@ class ApiKey(BaseModel):
         return frozenset(Priority(lane) for lane in self.lanes)
 
 
-def _opt(default: Any, help: str, low: float | None = None, high: float | None = None, repeat: bool = False) -> Any:
+def _opt(default: Any, help: str, low: float | None = None, high: float | None = None,
+         repeat: bool = False) -> Any:
     return field(default=default, metadata={"help": help, "low": low, "high": high, "repeat": repeat})
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
+    """The gateway's settings, each a flag and a ``DQ_GATEWAY_*`` variable, checked when made (``load``)."""
+
     deployment: Deployment = field(default_factory=Deployment, metadata={"help": ""})
     host: str = _opt("127.0.0.1", "address to listen on (without API keys, a loopback address only)")
     port: int = _opt(8080, "port to listen on", low=1, high=65535)
-    api_keys_file: str = _opt("", f"JSON file of API keys (or their JSON in {KEYS_VARIABLE}); none: open, loopback "
-                                  "only")
-    max_body_bytes: int = _opt(MAX_BODY_BYTES, "largest request body; larger ones are refused with 413", low=1)
-    max_batch: int = _opt(BATCH, f"most requests in one call (at most {BATCH}, the client's batch); more: 413", low=1,
-                          high=BATCH)
-    max_inflight_per_key: int = _opt(256, "requests of one API key being answered at once (a key may say less or "
-                                          "more); beyond: 429", low=1)
-    wait_s: float = _opt(30.0, "how long /v1/decide waits for a result unless the call says (?timeout=); then 504",
-                         low=0.001)
+    api_keys_file: str = _opt(
+        "", f"JSON file of API keys (or their JSON in {KEYS_VARIABLE}); none: open, loopback only")
+    max_body_bytes: int = _opt(MAX_BODY_BYTES, "largest request body; larger ones are refused with 413",
+                               low=1)
+    max_batch: int = _opt(BATCH, f"most requests in one call (at most {BATCH}, the client's batch); more: "
+                                 "413", low=1, high=BATCH)
+    max_inflight_per_key: int = _opt(
+        256, "requests of one API key being answered at once (a key may say less or more); beyond: 429",
+        low=1)
+    wait_s: float = _opt(
+        30.0, "how long /v1/decide waits for a result unless the call says (?timeout=); then 504", low=0.001)
     max_wait_s: float = _opt(300.0, "the longest wait a call may ask for", low=0.001)
-    max_unfinished: int = _opt(100_000, "backpressure: entries a lane's stream may hold before 429 (0: no limit)",
-                               low=0)
+    max_unfinished: int = _opt(
+        100_000, "backpressure: entries a lane's stream may hold before 429 (0: no limit)", low=0)
     # Hostile and careless callers (docs/RELIABILITY.md, "Hostile callers"): connections.py, admission.py
-    max_connections: int = _opt(1024, "HTTP connections open at once; one more closes the longest-idle keep-alive "
-                                      "one, or is answered 503 (kept under the process's file limit)", low=1)
-    max_header_bytes: int = _opt(16384, "a request's head (request line and headers) at most; more: 431, closed",
-                                 low=1024)
-    header_timeout_s: float = _opt(10.0, "a request's head complete within this of the connection's start (or its "
-                                         "first byte); else 408, closed", low=0.1)
+    max_connections: int = _opt(
+        1024, "HTTP connections open at once; one more closes the longest-idle keep-alive one, or is "
+              "answered 503 (kept under the process's file limit)", low=1)
+    max_header_bytes: int = _opt(
+        16384, "a request's head (request line and headers) at most; more: 431, closed", low=1024)
+    header_timeout_s: float = _opt(
+        10.0, "a request's head complete within this of the connection's start (or its first byte); else "
+              "408, closed", low=0.1)
     body_timeout_s: float = _opt(30.0, "the longest pause between parts of a body; then 408, closed", low=0.1)
-    keep_alive_s: float = _opt(65.0, "an idle connection between requests is closed after this (above clients' "
-                                     "pools: the SDK keeps 30 s, load balancers 60 s)", low=1.0)
-    max_body_bytes_in_flight: int = _opt(64 << 20, "bodies read or parsed at once, over every caller (a call "
-                                                   "without a length counts --max-body-bytes); beyond: 503 busy",
-                                         low=1)
-    model_namespaces: str = _opt("", "the namespaces whose models callers may name (POST /v1/systemone), in order, "
-                                     "comma-separated, for keys that name no namespace and without keys; empty: "
-                                     "--namespace")
-    model_alias: str = _opt("", "ALIAS=NAME: a model name callers may send for a served one (e.g. the official "
-                                "clients' default jev-latest); repeat the flag, or separate by commas", repeat=True)
-    retry_window_s: float = _opt(0.0, "how long a System One call's retries map to its request (and identical calls "
-                                      "are computed once); 0: the clients' 30 s retry budget plus --wait-s", low=0)
+    keep_alive_s: float = _opt(
+        65.0, "an idle connection between requests is closed after this (above clients' pools: the SDK keeps "
+              "30 s, load balancers 60 s)", low=1.0)
+    max_body_bytes_in_flight: int = _opt(
+        64 << 20, "bodies read or parsed at once, over every caller (a call without a length counts "
+                  "--max-body-bytes); beyond: 503 busy", low=1)
+    model_namespaces: str = _opt(
+        "", "the namespaces whose models callers may name (POST /v1/systemone), in order, comma-separated, "
+            "for keys that name no namespace and without keys; empty: --namespace")
+    model_alias: str = _opt(
+        "", "ALIAS=NAME: a model name callers may send for a served one (e.g. the official clients' default "
+            "jev-latest); repeat the flag, or separate by commas", repeat=True)
+    retry_window_s: float = _opt(
+        0.0, "how long a System One call's retries map to its request (and identical calls are computed "
+             "once); 0: the clients' 30 s retry budget plus --wait-s", low=0)
     log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR")
-    log_format: str = _opt("text", "text, or json: one JSON object per line, the gateway's lines and uvicorn's alike")
-    access_log: str = _opt("on", "on: one line per call (method, path, status, duration, key, lane, client; probes "
-                                 "and scrapes at DEBUG); off: none")
-    cors_allow_origin: str = _opt("", "origins browsers may call from, comma-separated (https://app.example), or * "
-                                      "for any; empty: no CORS headers")
+    log_format: str = _opt(
+        "text", "text, or json: one JSON object per line, the gateway's lines and uvicorn's alike")
+    access_log: str = _opt(
+        "on", "on: one line per call (method, path, status, duration, key, lane, client; probes and scrapes "
+              "at DEBUG); off: none")
+    cors_allow_origin: str = _opt(
+        "", "origins browsers may call from, comma-separated (https://app.example), or * for any; empty: no "
+            "CORS headers")
     keys: tuple[ApiKey, ...] = field(default=(), metadata={"help": ""})  # read from the file or the variable
 
     def __post_init__(self) -> None:
         problems = []
         for f in fields(self):
             low, high, value = f.metadata.get("low"), f.metadata.get("high"), getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):  # nan passes every comparison, inf any low
+            # nan passes every comparison, inf any low
+            if isinstance(value, float) and not math.isfinite(value):
                 problems.append(f"{_names(f.name)} must be a finite number, got {value!r}")
             elif low is not None and value < low:
                 problems.append(f"{_names(f.name)} must be at least {low:g}, got {value!r}")
             elif high is not None and value > high:
                 problems.append(f"{_names(f.name)} must be at most {high:g}, got {value!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            problems.append(f"{_names('log_level')} must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+            problems.append(f"{_names('log_level')} must be DEBUG, INFO, WARNING or ERROR, got "
+                            f"{self.log_level!r}")
         for name, allowed in (("log_format", ("text", "json")), ("access_log", ("on", "off"))):
             if getattr(self, name) not in allowed:
                 problems.append(f"{_names(name)} must be {' or '.join(allowed)}, got {getattr(self, name)!r}")
@@ -155,7 +176,8 @@ class GatewayConfig:
         if self.wait_s > self.max_wait_s:
             problems.append(f"{_names('wait_s')} must be at most {_names('max_wait_s')}")
         if self.max_body_bytes_in_flight < self.max_body_bytes:  # else a body of the largest size never fits
-            problems.append(f"{_names('max_body_bytes_in_flight')} must be at least {_names('max_body_bytes')}")
+            problems.append(f"{_names('max_body_bytes_in_flight')} must be at least "
+                            f"{_names('max_body_bytes')}")
         if not self.keys and not loopback(self.host):
             problems.append(f"without API keys the gateway listens on a loopback address only, not {self.host!r}: "
                             f"give --api-keys-file (or {KEYS_VARIABLE}), or --host 127.0.0.1")
@@ -178,11 +200,12 @@ class GatewayConfig:
 
     @property
     def model_namespace_list(self) -> tuple[str, ...]:
-        return tuple(n.strip() for n in self.model_namespaces.split(",") if n.strip()) or (self.deployment.namespace,)
+        listed = tuple(n.strip() for n in self.model_namespaces.split(",") if n.strip())
+        return listed or (self.deployment.namespace,)
 
     def model_namespaces_of(self, key: ApiKey | None) -> tuple[str, ...]:
-        """Where a caller's model names are looked for: its key's list, else its namespace (the gateway's list for
-        a key that names none, and without keys)."""
+        """Where a caller's model names are looked for: its key's list, else its namespace (the gateway's list
+        for a key that names none, and without keys)."""
         if key is not None and key.model_namespaces:
             return key.model_namespaces
         return (key.namespace,) if key is not None and key.namespace else self.model_namespace_list
@@ -200,7 +223,8 @@ class GatewayConfig:
 
     def namespaces(self) -> list[str]:
         """Every namespace a caller can reach, its own and those of the models it may name."""
-        reached = {self.namespace_of(k) for k in self.keys} | {n for k in self.keys for n in self.model_namespaces_of(k)}
+        reached = {self.namespace_of(k) for k in self.keys}
+        reached |= {n for k in self.keys for n in self.model_namespaces_of(k)}
         return sorted(reached or {self.deployment.namespace, *self.model_namespace_list})
 
 

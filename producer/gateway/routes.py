@@ -13,19 +13,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
-from ..plans import Prepared
+from ..client.plans import Prepared
 from ..wire.keys import GONE_S, ID_PATTERN, PROTOCOL
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request
-from . import cancels, replies, systemone
-from .access import Access
+from . import cancels, pages
 from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
-from .disconnects import CallerGone, unless_gone
-from .front import Front
+from .front import replies
+from .front.access import Access
+from .front.disconnects import CallerGone, unless_gone
+from .front.layer import Front
+from .front.replies import READ, WAIT, Refused, Unsettled
 from .openapi import complete
-from .replies import READ, WAIT, Refused, Unsettled
 from .service import Gateway
+from .systemone import routes as systemone
 
 NDJSON = "application/x-ndjson"
 DIGEST = "^[0-9a-f]{32}$"
@@ -33,8 +35,8 @@ DIGEST = "^[0-9a-f]{32}$"
 
 async def waited(http: HttpRequest, work: Any, ids: list[str], phase: str,
                  digests: list[str] | None = None) -> dict[str, Result]:
-    """``work``'s outcome (a wait for the results of ``ids``), unless the caller goes away (disconnects.py: 499). A
-    Redis error is Unsettled, naming the ids and their digests (``phase``: where the call was)."""
+    """``work``'s outcome (a wait for the results of ``ids``), unless the caller goes away (disconnects.py:
+    499). A Redis error is Unsettled, naming the ids and their digests (``phase``: where the call was)."""
     try:
         return await unless_gone(http, work)
     except redis.RedisError as error:
@@ -42,22 +44,27 @@ async def waited(http: HttpRequest, work: Any, ids: list[str], phase: str,
 
 
 def no_result(prepared: Prepared, wait: float, no_worker: str | None) -> Refused:
-    """504: no result within the wait, and why when no worker of the namespace is alive; the request stays queued,
-    read later by id and digest."""
-    where = f"/v1/results/{prepared.id}?digest={prepared.asked()}"
-    why = f"no live worker in namespace {no_worker!r} (no heartbeat in the last {GONE_S} s: none started, or all " \
-          "gone); the request stays queued until one starts" if no_worker else "the request stays queued"
+    """504: no result within the wait, and why when no worker of the namespace is alive; the request stays
+    queued, read later by id and digest."""
+    where = f"/v1/results/{prepared.id}?digest={prepared.request_digest()}"
+    why = "the request stays queued"
+    if no_worker:
+        why = (f"no live worker in namespace {no_worker!r} (no heartbeat in the last {GONE_S} s: none "
+               "started, or all gone); the request stays queued until one starts")
     return Refused(504, ErrorCode.TIMEOUT.value, f"no result in time ({wait:g} s); {why}: GET {where}",
-                   headers={"Location": where}, request_id=prepared.id, digest=prepared.asked())
+                   headers={"Location": where}, request_id=prepared.id, digest=prepared.request_digest())
 
 
 def create_app(config: GatewayConfig, connection: Any = None) -> Front:
-    """The ASGI application: the routes behind the front layer (keys, admission, metrics); its ``gateway`` attribute
-    has the connections' limits for the server (__main__.py)."""
+    """The ASGI application: the routes behind the front layer (keys, admission, metrics); its ``gateway``
+    attribute has the connections' limits for the server (__main__.py)."""
     gateway = Gateway(config, connection)
-    app = FastAPI(title="dq-gateway", version=__version__, lifespan=gateway.lifespan, redoc_url="/redoc",
-                  description="The decision queue over HTTP: the queue's request and result JSON (docs/PROTOCOL.md).")
+    app = FastAPI(title="dq-gateway", version=__version__, lifespan=gateway.lifespan, docs_url=None,
+                  redoc_url=None,
+                  description="The decision queue over HTTP: the queue's request and result JSON "
+                              "(docs/PROTOCOL.md).")
     replies.install(app)
+    pages.install(app)  # /docs and /redoc, their assets served here (no CDN)
     app.state.gateway = gateway
 
     # The POST routes: plain Starlette routes, described in the OpenAPI document by bodies.describe.
@@ -71,7 +78,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         request_id, wait = prepared[0].id, gateway.wait_for(asked, body.deadline_ms)
         try:
             landed = await waited(http, client.wait_any([request_id], wait), [request_id], WAIT,
-                                  [prepared[0].asked()])
+                                  [prepared[0].request_digest()])
         except CallerGone:  # answered 499; what it waited for is cancelled unless its key or call keeps it
             cancels.hung_up(gateway, http, [request_id])
             raise
@@ -98,13 +105,14 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
         access, prepared = gateway.admit(http, body.requests if batch else [body], batch)
         await gateway.submit(access.namespace, prepared)
         # Each id's digest: GET /v1/results/{id}?digest= then answers this request's result only.
-        return JSONResponse({"ids": [p.id for p in prepared], "digests": [p.asked() for p in prepared]}, 202)
+        return JSONResponse({"ids": [p.id for p in prepared],
+                             "digests": [p.request_digest() for p in prepared]}, 202)
 
     posts = [("/v1/decide", "Decide one request and wait for its result", "200", ("Request",), True, decide),
              ("/v1/decide/batch", "Decide many; results as they land (NDJSON)", "200", ("Batch",), True,
               decide_batch),
-             ("/v1/requests", "Enqueue; answers the ids and digests at once", "202", ("Request", "Batch"), False,
-              enqueue)]
+             ("/v1/requests", "Enqueue; answers the ids and digests at once", "202", ("Request", "Batch"),
+              False, enqueue)]
     for path, *_, endpoint in posts:
         app.add_route(path, endpoint, methods=["POST"], include_in_schema=False)
 
@@ -114,13 +122,13 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
                      digest: Annotated[str | None, Query(pattern=DIGEST, description="the request's digest (the "
                                                          "202's): a result of another request is 409 id_conflict")]
                      = None) -> Response:
-        access: Access = http.state.access  # its in-flight slot was taken before: a long-poll holds a connection
+        access: Access = http.state.access  # its in-flight slot was taken before: a long-poll holds one
         if not ID_PATTERN.match(request_id):
-            raise Refused(422, ErrorCode.INVALID_REQUEST.value, "an id is 1-128 characters of A-Z a-z 0-9 . _ : -",
-                          "id")
+            raise Refused(422, ErrorCode.INVALID_REQUEST.value,
+                          "an id is 1-128 characters of A-Z a-z 0-9 . _ : -", "id")
         client = gateway.clients[access.namespace]
-        landed = await waited(http, client.wait_any([request_id], min(wait, config.max_wait_s)), [request_id], READ,
-                              [digest] if digest else None)
+        landed = await waited(http, client.wait_any([request_id], min(wait, config.max_wait_s)), [request_id],
+                              READ, [digest] if digest else None)
         found = landed.get(request_id)
         if found is None:
             raise Refused(404, "not_found", "no result for this id: not answered yet, expired, or never sent "
@@ -155,9 +163,9 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
             complete(app.openapi_schema)
         return app.openapi_schema
 
-    cancels.install(app, gateway)
-    systemone.install(app, gateway, config, waited)
     app.openapi = openapi  # type: ignore[method-assign]
     front = Front(app, gateway.keyring, gateway.admission, gateway.metrics, gateway.tracer)
     front.gateway = gateway
+    cancels.install(app, gateway)
+    systemone.install(app, front, gateway, config, waited)
     return front

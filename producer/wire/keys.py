@@ -1,9 +1,9 @@
 """Every Redis name that producers and workers share, in one place (wire protocol v1): keys, and the fields of
 stream entries.
 
-Each shard has two lanes, ``high`` and ``normal``, each with its own request and part streams: a worker reads the
-high lane's streams apart from the normal lane's, so a high request never waits behind normal entries already read.
-The stream an entry is in is its lane (docs/PROTOCOL.md, "Priority lanes").
+Each shard has two lanes, ``high`` and ``normal``, each with its own request and part streams: a worker reads
+the high lane's streams apart from the normal lane's, so a high request never waits behind normal entries
+already read. The stream an entry is in is its lane (docs/PROTOCOL.md, "Priority lanes").
 
 Streams carry a shard hash tag (``{s0}``) so that a worker's blocking read over its shard's request and part
 streams touches one Redis Cluster slot. Per-request keys carry the request id as their hash tag, so the Lua
@@ -20,11 +20,12 @@ from typing import Any
 
 PROTOCOL = "1"
 GROUP = "workers"
-# Request ids become hash tags and key suffixes: no braces, no spaces, no newline, bounded length. Anchored with
-# \A and \Z (``$`` would let a trailing newline through); use ``valid_id``, which also refuses entry-id shapes.
+# Request ids become hash tags and key suffixes: no braces, no spaces, no newline, bounded length. Anchored
+# with \A and \Z (``$`` would let a trailing newline through); use ``valid_id``, which also refuses entry-id
+# shapes.
 ID_PATTERN = re.compile(r"\A[A-Za-z0-9._:\-]{1,128}\Z")
-# A stream entry id: the id of a request sent without one. Reserved: a custom id of this shape could be chosen to
-# match a later request's entry id, and that request would be answered with the first one's result.
+# A stream entry id: the id of a request sent without one. Reserved: a custom id of this shape could be chosen
+# to match a later request's entry id, and that request would be answered with the first one's result.
 ENTRY_ID_SHAPE = re.compile(r"\A[0-9]+-[0-9]+\Z")
 # A reply stream: a namespace's reply prefix, then a suffix of the id alphabet (no braces: no hash tags).
 REPLY_SUFFIX = re.compile(r"\A[A-Za-z0-9._:\-]{1,128}\Z")
@@ -34,12 +35,12 @@ REPLY_STREAM = re.compile(r"\A[A-Za-z0-9._:\-]{1,64}:v" + PROTOCOL + r":reply:[A
 NAMESPACE_PATTERN = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
 ANY = "*"  # as a shard or a request id, makes a Keys name a glob pattern (ACL rules); never a valid id
 MAX_BODY_BYTES = 8 << 20  # a request body's largest size: the submit function's cap, the worker's default one
-# A served model's name (``dq-worker serve --served-model-name``; the ``model`` of a System One call): what a result
-# says answered it, what a heartbeat lists and what the gateway routes by. Hub-style names (``org/name``) and versions
-# (``jev-1.14.0``) fit; spaces, quotes and braces do not.
+# A served model's name (``dq-worker serve --served-model-name``; the ``model`` of a System One call): what a
+# result says answered it, what a heartbeat lists and what the gateway routes by. Hub-style names
+# (``org/name``) and versions (``jev-1.14.0``) fit; spaces, quotes and braces do not.
 MODEL_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}\Z")
-# A worker whose heartbeat (Keys.workers) is this old, or a group consumer idle this long with nothing pending, is
-# gone: stats do not count it. Workers beat every 5 s; clocks are assumed in sync (NTP).
+# A worker whose heartbeat (Keys.workers) is this old, or a group consumer idle this long with nothing
+# pending, is gone: stats do not count it. Workers beat every 5 s; clocks are assumed in sync (NTP).
 GONE_S = 30
 
 
@@ -77,8 +78,8 @@ class Field:
 
 
 class Record:
-    """Fields of a request's record (``Keys.record``, a hash): what the queue knows of a request besides its payload,
-    for status and cancel (producer/wire/records.py)."""
+    """Fields of a request's record (``Keys.record``, a hash): what the queue knows of a request besides its
+    payload, for status and cancel (producer/wire/records.py)."""
 
     STATE = "state"  # RecordState
     LANE = "lane"  # high or normal
@@ -95,6 +96,8 @@ class Record:
 
 
 class RecordState(enum.StrEnum):
+    """Where a request is, as its record says (``Record.STATE``)."""
+
     QUEUED = "queued"  # enqueued by the submit function (where its entry is, the stream's group says)
     FANNED_OUT = "fanned_out"  # its parts are in the part stream
     ANSWERED = "answered"  # its result is published (kept a while after the result expires)
@@ -102,8 +105,9 @@ class RecordState(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Keys:
-    """The names of one deployment (``namespace``) and one stream shard. With ``ANY`` for the shard or a request id,
-    the same names are glob patterns (``Keys(ns, ANY).requests``: every shard's request stream)."""
+    """The names of one deployment (``namespace``) and one stream shard. With ``ANY`` for the shard or a
+    request id, the same names are glob patterns (``Keys(ns, ANY).requests``: every shard's request
+    stream)."""
 
     namespace: str = "dq"
     shard: int | str = 0
@@ -164,13 +168,14 @@ class Keys:
 
     def record(self, request_id: str) -> str:
         """Hash of what the queue knows of a request (``Record``), in its shard's slot: written by the submit
-        function, the workers and cancels, each in a call on the shard's streams (producer/wire/records.py)."""
+        function, the workers and cancels, each in a call on the shard's streams
+        (producer/wire/records.py)."""
         return f"{self.base}:{{s{self.shard}}}:record:{request_id}"
 
     @property
     def cancels(self) -> str:
-        """Stream of cancel notices (request id, its entry) that every worker of the shard reads: a worker holding a
-        cancelled request drops it if none of its prompts is packed yet."""
+        """Stream of cancel notices (request id, its entry) that every worker of the shard reads: a worker
+        holding a cancelled request drops it if none of its prompts is packed yet."""
         return f"{self.base}:{{s{self.shard}}}:cancels"
 
     @property
@@ -179,27 +184,28 @@ class Keys:
         return f"{self.base}:{{s{self.shard}}}:cancels:counts"
 
     def durable(self) -> str:
-        """A Pub/Sub channel nobody reads: a durable-mode reader publishes an empty message to it so that its WAIT
-        covers what it read (WAIT counts a connection's own writes, and the replication stream is one order)."""
+        """A Pub/Sub channel nobody reads: a durable-mode reader publishes an empty message to it so that its
+        WAIT covers what it read (WAIT counts a connection's own writes, and the replication stream is one
+        order)."""
         return f"{self.base}:durable"
 
     def durable_mark(self, beside: str) -> str:
-        """A key in the slot of ``beside`` (a key with a hash tag), set for a few seconds by a durable-mode reader on
-        Redis Cluster after its reads there: there PUBLISH is not replicated, a SET is, and its WAIT covers what was
-        read before it (producer/wire/cluster_wait.py)."""
+        """A key in the slot of ``beside`` (a key with a hash tag), set for a few seconds by a durable-mode
+        reader on Redis Cluster after its reads there: there PUBLISH is not replicated, a SET is, and its WAIT
+        covers what was read before it (producer/plumbing/cluster_wait.py)."""
         return f"{self.base}:durable:{{{hash_tag(beside)}}}"
 
     def workers(self) -> str:
-        """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, models, engine, shard, state}``,
-        written every 5 s (worker/loop/presence.py); beats older than GONE_S are gone and deleted by the live
-        workers. ``model``: the name its results say; ``models``: every name it serves under, that one first
-        (``beat_models``)."""
+        """Hash of workers: consumer name -> JSON heartbeat ``{ts, inflight, model, models, engine, shard,
+        state}``, written every 5 s (worker/loop/presence.py); beats older than GONE_S are gone and deleted by
+        the live workers. ``model``: the name its results say; ``models``: every name it serves under, that
+        one first (``beat_models``)."""
         return f"{self.base}:workers"
 
     def call(self, digest: str) -> str:
-        """A System One call's request id (``SET NX`` with a TTL): a client's retries of one call, whichever gateway
-        replica they reach, map to one request (producer/gateway/retries.py). ``digest``: hex of the caller's
-        tenant, the model and the request (or its ``Idempotency-Key``)."""
+        """A System One call's request id (``SET NX`` with a TTL): a client's retries of one call, whichever
+        gateway replica they reach, map to one request (producer/gateway/systemone/retries.py). ``digest``:
+        hex of the caller's tenant, the model and the request (or its ``Idempotency-Key``)."""
         return f"{self.base}:call:{{{digest}}}"
 
     @property
@@ -214,8 +220,8 @@ def valid_id(value: object) -> bool:
 
 
 def hash_tag(key: str) -> str:
-    """What Redis Cluster hashes of ``key``: the text between its first ``{`` and the next ``}`` when not empty,
-    else the whole key."""
+    """What Redis Cluster hashes of ``key``: the text between its first ``{`` and the next ``}`` when not
+    empty, else the whole key."""
     start = key.find("{")
     end = key.find("}", start + 1) if start >= 0 else -1
     return key[start + 1: end] if end > start + 1 else key
@@ -232,14 +238,15 @@ def shard_of(request_id: str, shards: int) -> int:
 
 
 def text(value: Any) -> str:
-    """A name or value as Redis answers it (bytes, unless the client decodes) as text; bytes that are not UTF-8 are
-    replaced, never raised on: stream names and consumer names come from anyone who can write."""
+    """A name or value as Redis answers it (bytes, unless the client decodes) as text; bytes that are not
+    UTF-8 are replaced, never raised on: stream names and consumer names come from anyone who can write."""
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def beat_models(raw: Any) -> tuple[str, ...]:
-    """The names a worker's heartbeat says it serves, the one its results say first (a heartbeat of a worker older
-    than served names has ``model`` alone); names that are not MODEL_NAME are left out, an unreadable beat has none."""
+    """The names a worker's heartbeat says it serves, the one its results say first (a heartbeat of a worker
+    older than served names has ``model`` alone); names that are not MODEL_NAME are left out, an unreadable
+    beat has none."""
     try:
         beat = json.loads(raw)
         names = beat.get("models") or [beat.get("model")]

@@ -1,18 +1,18 @@
 """A request's record, and what status and cancel say from it (docs/PROTOCOL.md, "Status" and "Cancelling").
 
-The record (``Keys.record``, a hash of ``Record`` fields) is what the queue knows of a request besides its payload:
-its lane and entry (written by the submit function), the worker that took it and since when (written by that worker
-at its take: once the entry is planned, in the round trip that looks up the id's stored result), that it fanned
-out, that a cancel came, and at last how it was answered (written by the worker that acknowledges it; kept
-``AFTER_RESULT_S`` past the result, so that a result that expired is told apart from an id never sent). It lives in
-its shard's slot, so the functions that write it run on the node of the shard's streams, and it holds no payload:
-the monitor role may read it.
+The record (``Keys.record``, a hash of ``Record`` fields) is what the queue knows of a request besides its
+payload: its lane and entry (written by the submit function), the worker that took it and since when (written
+by that worker at its take: once the entry is planned, in the round trip that looks up the id's stored
+result), that it fanned out, that a cancel came, and at last how it was answered (written by the worker that
+acknowledges it; kept ``AFTER_RESULT_S`` past the result, so that a result that expired is told apart from an
+id never sent). It lives in its shard's slot, so the functions that write it run on the node of the shard's
+streams, and it holds no payload: the monitor role may read it.
 
-Every check for a cancel rides a call a worker makes anyway: its take reads the cancel mark in the round trip that
-looks up the id's stored result (a part's, in the one that reads its stored body), and each worker reads its
-shard's cancel notices (``Keys.cancels``) as they come, to drop what it holds and has not packed yet. The cancel
-function decides by where the entry is, atomically with deliveries: not delivered yet, it is never computed (whoever
-reads it finds the mark at its take); delivered, its worker decides (against its packer).
+Every check for a cancel rides a call a worker makes anyway: its take reads the cancel mark in the round trip
+that looks up the id's stored result (a part's, in the one that reads its stored body), and each worker reads
+its shard's cancel notices (``Keys.cancels``) as they come, to drop what it holds and has not packed yet. The
+cancel function decides by where the entry is, atomically with deliveries: not delivered yet, it is never
+computed (whoever reads it finds the mark at its take); delivered, its worker decides (against its packer).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ CANCELS_CAP = 100_000  # notices a shard's cancel stream keeps (approximately): 
 FOUND = ("queued", "held", "answered", "unknown")  # what a cancel found, counted per shard (Keys.cancel_counts)
 ID_CHARS = "^[A-Za-z0-9._:%-]+$"  # a request id's characters, as a Lua pattern (keys.ID_PATTERN)
 
-# The Lua of the record's functions, part of the library (producer/wire/library.py puts it after STREAMS and before
-# ``submit``, which writes records); {{ and }} are Lua's braces.
+# The Lua of the record's functions, part of the library (producer/wire/library.py puts it after STREAMS and
+# before ``submit``, which writes records); {{ and }} are Lua's braces.
 LUA = f"""
 local RECORD_TTL = {RECORD_TTL_S}
 local CANCELS_CAP = {CANCELS_CAP}
@@ -148,11 +148,11 @@ class _Answer(BaseModel):
 
 class Cancel(_Answer):
     """What a cancel did for one id. ``state``: ``cancelled`` (not delivered to a worker yet: never computed,
-    answered `cancelled` when a worker reads it; or it is answered `cancelled` already), ``cancelling`` (a worker holds
-    it, ``worker``: answered `cancelled` unless a prompt of it is already packed, then answered normally; read its
-    result to know), ``too_late`` (already answered: ``status`` and ``code`` say how) or ``unknown`` (no record:
-    never sent through the submit function, or answered long ago). Cancelling again answers the same; nothing is
-    undone."""
+    answered `cancelled` when a worker reads it; or it is answered `cancelled` already), ``cancelling`` (a
+    worker holds it, ``worker``: answered `cancelled` unless a prompt of it is already packed, then answered
+    normally; read its result to know), ``too_late`` (already answered: ``status`` and ``code`` say how) or
+    ``unknown`` (no record: never sent through the submit function, or answered long ago). Cancelling again
+    answers the same; nothing is undone."""
 
     id: str
     state: Literal["cancelled", "cancelling", "too_late", "unknown"]
@@ -176,13 +176,13 @@ class Status(_Answer):
     """Where a request is. ``state``:
 
     - ``queued``: in its ``lane``'s stream, no worker has it; ``ahead``: entries before it not yet read (when known)
-    - ``in_progress``: ``worker`` holds it since ``since_ms`` (once planned), delivered ``deliveries`` times; or,
-      fanned out, ``parts_done`` of its ``parts`` are answered
-    - ``answered`` (``status`` ok or error, ``code``, ``answered_ms``), ``cancelled``, ``dead_lettered``: its result
-      was published (``expired``: and has expired since); ``cancelled`` also for a queued request whose cancel came
-      (answered when a worker reaches it)
-    - ``unknown``: ``detail`` says what can be told: never sent (through the submit function) or answered and long
-      expired, which look alike; or sent and its entry gone unanswered (deleted or trimmed).
+    - ``in_progress``: ``worker`` holds it since ``since_ms`` (once planned), delivered ``deliveries`` times;
+      or, fanned out, ``parts_done`` of its ``parts`` are answered
+    - ``answered`` (``status`` ok or error, ``code``, ``answered_ms``), ``cancelled``, ``dead_lettered``: its
+      result was published (``expired``: and has expired since); ``cancelled`` also for a queued request whose
+      cancel came (answered when a worker reaches it)
+    - ``unknown``: ``detail`` says what can be told: never sent (through the submit function) or answered and
+      long expired, which look alike; or sent and its entry gone unanswered (deleted or trimmed).
 
     ``cancel_requested_ms``: when a cancel came, whatever the state (an answered request's cancel came too late)."""
 
@@ -218,9 +218,10 @@ def entry_order(entry_id: str) -> tuple[int, int]:
 
 def status_of(request_id: str, record: dict[str, str], result: bool, pending: dict[str, Any] | None = None,
               group: dict[str, Any] | None = None, parts_done: int | None = None) -> Status:
-    """A request's status from its record (decoded, empty: none), whether its result stream exists, its entry's
-    pending-list entry (XPENDING: consumer, deliveries; None: not pending), its stream's worker group (XINFO GROUPS:
-    last-delivered-id, entries-read; None: no group) and, fanned out, how many parts are answered."""
+    """A request's status from its record (decoded, empty: none), whether its result stream exists, its
+    entry's pending-list entry (XPENDING: consumer, deliveries; None: not pending), its stream's worker group
+    (XINFO GROUPS: last-delivered-id, entries-read; None: no group) and, fanned out, how many parts are
+    answered."""
     cancel = {"cancel_requested_ms": _int(record.get(Record.CANCELLED))}
     state, lane = record.get(Record.STATE), record.get(Record.LANE)
     if state == RecordState.ANSWERED or (not record and result):

@@ -3,8 +3,8 @@
 
 A request is ``{"state": ..., "questions": {name: question}, "assets": {...}}`` plus queue fields (``id``,
 ``reply_to``, ``deadline_ms``, ``priority``) and caller context echoed in its result (``metadata``,
-``traceparent``). Validation errors name the field and the problem, so a producer can fix its input from the error
-result alone.
+``traceparent``). Validation errors name the field and the problem, so a producer can fix its input from the
+error result alone.
 
 Requests are strict (an unknown field is a mistake worth refusing); results are open (result.py).
 """
@@ -112,8 +112,8 @@ class Request(_Strict):
     reply_to: str | None = None
     # Strict: true is not a deadline (it was read as 1 ms after 1970), nor is 1.5e12.
     deadline_ms: int | None = Field(default=None, ge=0, le=MAX_DEADLINE_MS, strict=True)
-    # The lane: producers send it to that lane's stream (absent: normal); a worker refuses one that names the lane
-    # of another stream than the one it came from.
+    # The lane: producers send it to that lane's stream (absent: normal); a worker refuses one that names the
+    # lane of another stream than the one it came from.
     priority: Literal["high", "normal"] | None = None
     metadata: dict[str, JsonValue] | None = None  # opaque to workers, echoed in the result
     traceparent: str | None = None  # W3C trace context: echoed, and in the worker's log lines for the request
@@ -128,9 +128,9 @@ class Request(_Strict):
 
     @model_validator(mode="after")
     def _finite_numbers(self) -> Request:
-        """NaN and the infinities are not JSON: Python's and pydantic's parsers take them (and 1e400 as infinity),
-        and the body written out again said null, so the model read something else than what was sent. Anywhere:
-        the state, the questions' instructions and criteria, the metadata."""
+        """NaN and the infinities are not JSON: Python's and pydantic's parsers take them (and 1e400 as
+        infinity), and the body written out again said null, so the model read something else than what was
+        sent. Anywhere: the state, the questions' instructions and criteria, the metadata."""
         stack: list[Any] = [self]
         while stack:
             item = stack.pop()
@@ -185,8 +185,9 @@ class Request(_Strict):
 
     @model_serializer(mode="wrap")
     def _null_state_kept(self, write: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
-        """``state`` is required, null included: written out with ``exclude_none`` (how bodies are written), a null
-        state was dropped and the worker answered "state: Field required". Kept after ``id``, which stays first."""
+        """``state`` is required, null included: written out with ``exclude_none`` (how bodies are written), a
+        null state was dropped and the worker answered "state: Field required". Kept after ``id``, which stays
+        first."""
         data = write(self)
         if info.exclude_none and self.state is None and "state" not in data:
             data = {**({"id": data["id"]} if "id" in data else {}), "state": None, **data}
@@ -213,8 +214,8 @@ def valid_traceparent(value: Any) -> str | None:
 
 
 def valid_metadata(value: Any) -> dict[str, Any] | None:
-    """``value`` if it is request metadata (a JSON object within the cap), else None. For parsed JSON: the worker
-    echoes a request's valid metadata even in the error result of an otherwise bad request."""
+    """``value`` if it is request metadata (a JSON object within the cap), else None. For parsed JSON: the
+    worker echoes a request's valid metadata even in the error result of an otherwise bad request."""
     try:
         return value if isinstance(value, dict) and _metadata_bytes(value) <= MAX_METADATA_BYTES else None
     except (TypeError, ValueError, RecursionError):  # lone surrogates, values JSON cannot hold

@@ -197,11 +197,11 @@ def gateway_stacks():
 
 
 @pytest.fixture
-def stack(server_binary, gateway_stacks, tiny_dir, tmp_path_factory):
-    """This run's binary's gateway stack (tests/redis/gateways.py), started on first use. The tests keep to ids of
-    their own."""
+def stack(server_binary, gateway_stacks, tiny_dir, tmp_path_factory, request):
+    """This run's binary's gateway stack (tests/redis/gateways.py), started on first use, and as each module finds
+    it whatever ran before (``Stack.fresh``). The tests keep to ids of their own."""
     from gateways import start_stack
 
     if server_binary.label not in gateway_stacks:
         gateway_stacks[server_binary.label] = start_stack(tiny_dir, tmp_path_factory.mktemp("gateway"), WorkerProcess)
-    return gateway_stacks[server_binary.label]
+    return gateway_stacks[server_binary.label].fresh(request.module.__name__)

@@ -1,5 +1,6 @@
 """The gateway as the tests run it: a real ``python -m producer.gateway`` process in front of a real server and a real
-CPU worker (tiny checkpoint), one stack per server binary, shared by every gateway test module of the session.
+CPU worker (tiny checkpoint), one stack per server binary, shared by every gateway test module of the session; each
+module finds it as the first one did (``Stack.fresh``), so no order of modules changes a result.
 
 The keyed gateway's keys, one per case the tests need: ``acme`` (namespace dq, both lanes), ``acme-normal`` (dq,
 normal lane only, 2 requests in flight), ``globex`` (namespace globex: no worker, so its requests stay queued),
@@ -19,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import redis
 
 from producer.local.ports import free_port
-
 from producer.local.server import RedisServer
+from producer.wire.keys import LANES, Keys
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = {name: f"test-token-{name}-0123456789abcdef" for name in ("acme", "acme-normal", "globex", "initech",
@@ -114,6 +116,33 @@ class Stack:
     gateway: GatewayProcess
     open: GatewayProcess
     extra: list = field(default_factory=list)  # processes a test started and the stack stops at the end
+    module: str = ""  # the test module that used it last
+
+    def fresh(self, module: str, timeout: float = 90.0) -> Stack:
+        """The stack as ``module`` finds it, whatever ran before: every namespace but the worker's emptied (what a
+        module queued where no worker reads stays queued, and a later module's requests met the 30-request cap
+        there: 429 where 202 was asked), the worker's own drained, no call in flight at either gateway. Once per
+        module (again if another module ran in between)."""
+        if module == self.module:
+            return self
+        server = redis.Redis.from_url(self.server.url)
+        for key in server.scan_iter(count=1000):  # globex, kill, and those of a module's own gateways
+            if not key.startswith(b"dq:") or b":call:" in key:  # System One's call mappings too
+                server.delete(key)
+        dq = [stream for lane in LANES for stream in (Keys("dq").requests_in(lane), Keys("dq").parts_in(lane))]
+        deadline = time.monotonic() + timeout
+        while sum(server.xlen(stream) for stream in dq) or self._in_flight():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway stack did not drain before {module}")
+            time.sleep(0.1)
+        server.close()
+        self.module = module
+        return self
+
+    def _in_flight(self) -> float:
+        """Calls being answered at either gateway, the /metrics call that asks aside."""
+        return sum(g.metric("dq_gateway_in_flight") - g.metric("dq_gateway_in_flight", route="metrics")
+                   for g in (self.gateway, self.open))
 
     def stop(self) -> None:
         for process in [self.gateway, self.open, self.worker, *self.extra]:

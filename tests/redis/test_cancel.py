@@ -42,7 +42,7 @@ def computed(worker, request_id: str) -> bool:
 
 
 def held_states(worker) -> dict[str, str]:
-    return {held.request_id: held.state for held in list(worker.daemon.lifecycle.held.entries.values())}
+    return {held.request_id: held.state for held in list(worker.daemon.loop.held.entries.values())}
 
 
 def gated(inprocess, url: str, **settings):
@@ -151,7 +151,7 @@ def test_a_fanned_out_request_drops_its_unpacked_parts_and_is_answered_cancelled
     worker.faults.gate.set()
     result = client.wait("long", timeout=60)
     assert result.error.code == ErrorCode.CANCELLED
-    until(lambda: not worker.daemon.lifecycle.held and client.redis.xlen(KEYS.parts) == 0, what="every part settled")
+    until(lambda: not worker.daemon.loop.held and client.redis.xlen(KEYS.parts) == 0, what="every part settled")
     assert client.redis.xlen(KEYS.result("long")) == 1 and client.wait("long", timeout=1) == result
     assert worker.faults.prompts < status.parts  # the parts not packed when the cancel came were never computed
     until(lambda: client.status("long")["long"].state == "cancelled", what="its record saying so")

@@ -138,7 +138,7 @@ def test_durable_mode_on_a_cluster_confirms_per_primary_and_names_the_ids_one_co
                                                                                           tiny_dir):
     """--wait-replicas 1 on a cluster with a replica per primary, under the ACL users: load-functions proves the
     replicas have the library; a worker and both client faces confirm each write and read on its own primary
-    (producer/wire/cluster_wait.py). With the replica of the primary of the request stream down, a submit names its
+    (producer/plumbing/cluster_wait.py). With the replica of the primary of the request stream down, a submit names its
     batch, a read names exactly the ids on that primary and returns the others (NotDurable); load-functions says
     which primary fell short; once the replica is back, everything goes through. No ACL denial on any node (the
     producer's read marks are keys of its own)."""

@@ -43,7 +43,7 @@ def test_durable_mode_on_a_cluster_loses_nothing_through_a_kill_and_a_kill_durin
     (``unsynced``): the cluster promotes a replica that has only its own old data (validity factor 0), and the
     writes that primary took meanwhile are gone. With --wait-replicas 0 that second kill loses them (hundreds of
     requests acknowledged and results read over 3 such kills: docs/RELIABILITY.md); durable mode acknowledged none
-    of them, each write confirmed by a WAIT on its own primary (producer/wire/cluster_wait.py)."""
+    of them, each write confirmed by a WAIT on its own primary (producer/plumbing/cluster_wait.py)."""
     assert Clustered.KINDS == ("kill", "unsynced")  # "mixed" takes them in this order
     [run] = session(tiny_dir, [("mixed", 1, 2)], logs=tmp_path, clustered=True, gap_s=0.5, drain_s=30.0)
     row = run.row()

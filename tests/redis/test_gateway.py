@@ -14,7 +14,7 @@ import httpx
 import redis
 
 from gateways import request
-from producer.plans import prepare
+from producer.client.plans import prepare
 from producer.wire.keys import HIGH, Keys
 
 ROOT = Path(__file__).resolve().parents[2]

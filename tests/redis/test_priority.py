@@ -12,8 +12,8 @@ import time
 import pytest
 
 from faults import FANOUT, FAULTY, batch, long_request, wait_for, wait_log, wait_released
-from producer.client import Client
 from producer.admin.audit import wait_and_check
+from producer.client import Client
 from producer.wire.keys import HIGH, LANES, NORMAL
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -103,7 +103,7 @@ def test_the_client_and_the_command_line_route_by_priority_and_stats_show_each_l
     assert client.redis.xlen(keys.requests_in(HIGH)) == 3 and client.redis.xlen(keys.requests) == 3
     lines = tmp_path / "requests.jsonl"
     lines.write_text("\n".join(json.dumps(r) for r in [*batch(2, "cli"), *lane(batch(1, "cli-n"), NORMAL)]) + "\n")
-    from producer.__main__ import main
+    from producer.cli.main import main
 
     assert main(["submit", str(lines), "--priority", "high", "--redis", redis_server.url, "--quiet"]) == 0
     assert client.redis.xlen(keys.requests_in(HIGH)) == 5 and client.redis.xlen(keys.requests) == 4

@@ -22,11 +22,11 @@ from producer.local.binaries import servers_under_test
 from producer.local.binaries import on_path, probe
 from producer.local.ports import free_port
 from producer.local.server import RedisServer
-from producer.wire.supported import MINIMUM, UnsupportedServer
+from producer.plumbing.supported import MINIMUM, UnsupportedServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 # python -m worker, with the supported minimum raised above every real server: the refusal path on any machine.
-TOO_OLD_FOR = ["-c", "import sys; import producer.wire.supported as s; "
+TOO_OLD_FOR = ["-c", "import sys; import producer.plumbing.supported as s; "
                "s.MINIMUM.update(redis=(99, 0), valkey=(99, 0)); "
                "from worker.__main__ import main; sys.exit(main(sys.argv[1:]))"]
 
@@ -60,7 +60,7 @@ def test_unreachable_redis_is_named_every_few_seconds_and_a_stop_claims_nothing(
 def test_a_password_in_the_urls_query_is_never_printed(server_binary, start_worker, tiny_dir):
     """``redis://host/0?password=...`` (redis-py takes its options from the query) was printed in the clear by the
     gateway and the producer at start and by the worker's repeated warnings: one redaction
-    (producer/wire/connection.py ``redact``) serves them all."""
+    (producer/plumbing/connection.py ``redact``) serves them all."""
     if server_binary.label != servers_under_test()[0].label:
         pytest.skip("one server is enough: no server answers in this test")
     port = free_port()  # nothing listens there
@@ -124,8 +124,8 @@ def test_the_producer_refuses_an_unsupported_server_before_sending_anything(redi
     with pytest.raises(UnsupportedServer, match=needs):
         asyncio.run(AsyncClient(redis_server.url).stats())
     assert redis.Redis.from_url(redis_server.url).keys("*") == []  # nothing was written
-    code = ("import sys; import producer.wire.supported as s; s.MINIMUM.update(redis=(99, 0), valkey=(99, 0)); "
-            "from producer.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    code = ("import sys; import producer.plumbing.supported as s; s.MINIMUM.update(redis=(99, 0), valkey=(99, 0)); "
+            "from producer.cli.main import main; sys.exit(main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", code, "stats", "--redis", redis_server.url], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and f"dq-producer: unsupported server at {redis_server.url}: {needs}" in done.stderr

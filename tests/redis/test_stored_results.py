@@ -12,7 +12,7 @@ import pytest
 from faults import wait_for
 
 from producer.client import Client
-from producer.plans import prepare
+from producer.client.plans import prepare
 from producer.wire.digest import body_digest
 from producer.wire.keys import Field, Keys
 

@@ -4,8 +4,8 @@ group's lag (it answers NULL), the project still reports the true figure."""
 import pytest
 import redis
 
+from producer.plumbing.supported import Server, check, lag_of
 from producer.wire.keys import Keys
-from producer.wire.supported import Server, check, lag_of
 
 pytestmark = [pytest.mark.redis]
 

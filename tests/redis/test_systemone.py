@@ -23,11 +23,11 @@ from backports import zstd
 from typesafe_sdk import AsyncTypeSafeClient, Choice, Image, Noul, RetryPolicy, Score, TypeSafeClient
 
 from producer.client import Client
-from producer.gateway.retries import call_of
+from producer.gateway.systemone.retries import call_of
 from producer.wire import library
+from producer.wire.digest import digest
 from producer.wire.keys import Keys
 from producer.wire.result import Result
-from producer.wire.digest import digest
 from producer.wire.schema import Request
 from systemones import BOTH, MAX_BODY, OPEN_WAIT_S, TOKENS, start, wait_for
 
@@ -412,6 +412,14 @@ def test_a_call_whose_request_was_cancelled_is_computed_afresh(stack):
     [response] = answer
     assert response.request_id != cancelled and set(response.answers) == set(QUESTIONS)
     connection.close()
+
+
+def test_a_base_url_ending_in_v1_is_told_to_drop_it(stack):
+    """The clients append /v1/systemone to their base URL: one ending in /v1 got a bare 404 "Not Found"."""
+    with TypeSafeClient(api_key=TOKENS["acme"], base_url=stack.gateway.url + "/v1", retry=NO_RETRY) as client:
+        for call in (lambda: client.system_one("x", {"q": Noul(instructions="ok?")}), client.models.list):
+            error = refused(call, ts.TypeSafeNotFoundError)
+            assert error.status == 404 and "the base URL ends in /v1" in str(error) and "drop the /v1" in str(error)
 
 
 def test_an_open_gateway_ignores_the_bearer_the_sdk_must_send(stack):

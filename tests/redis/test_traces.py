@@ -27,8 +27,8 @@ from producer.gateway.config import GatewayConfig
 from producer.gateway.routes import create_app
 from producer.local.binaries import servers_under_test
 from producer.local.ports import free_port
-from producer.wire import traces
-from producer.wire.connection import Deployment
+from producer.plumbing import traces
+from producer.plumbing.connection import Deployment
 
 pytestmark = pytest.mark.redis
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,7 +95,7 @@ def test_off_by_default_and_free_and_on_it_exports_over_otlp(tmp_path, server_bi
     if server_binary.label != servers_under_test()[0].label:
         pytest.skip("no server is used: one run")
     code = ("from producer.gateway.config import GatewayConfig; from producer.gateway.routes import create_app; "
-            "from producer.wire import traces; from worker.traces import Traces; "
+            "from producer.plumbing import traces; from worker.traces import Traces; "
             "print(Traces.configured(), traces.tracer('x'), create_app(GatewayConfig()).tracer)")
     environ = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     for extra in ({}, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_SDK_DISABLED": "true"}):
@@ -119,7 +119,7 @@ def test_off_by_default_and_free_and_on_it_exports_over_otlp(tmp_path, server_bi
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         on = subprocess.run([sys.executable, "-c", (
-            "from producer.wire import traces; assert traces.configure('dq-test'); "
+            "from producer.plumbing import traces; assert traces.configure('dq-test'); "
             "traces.tracer('t').start_span('dq.sent').end(); traces.shutdown()")], capture_output=True, text=True,
             timeout=120, cwd=ROOT, env={**environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"})
     finally:

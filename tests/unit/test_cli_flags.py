@@ -3,7 +3,7 @@ same on serve, load-functions and dq-producer (serve --redis once matched five f
 
 import argparse
 
-from producer.__main__ import parser as producer_parser
+from producer.cli.main import parser as producer_parser
 from worker.__main__ import parser as worker_parser
 from worker.config import SECTIONS
 

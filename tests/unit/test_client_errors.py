@@ -10,7 +10,7 @@ import redis
 from producer import client as client_module
 from producer.client import AsyncClient, Client, DecisionQueueError, RedisUnreachable
 from producer.local.ports import free_port
-from producer.wire.connection import SOCKET_TIMEOUT
+from producer.plumbing.connection import SOCKET_TIMEOUT
 
 
 def test_every_error_the_client_raises_shares_one_base_and_keeps_its_own():

@@ -1,4 +1,4 @@
-"""Durable mode on Redis Cluster, its bookkeeping without a server (producer/wire/cluster_wait.py): which commands
+"""Durable mode on Redis Cluster, its bookkeeping without a server (producer/plumbing/cluster_wait.py): which commands
 each primary's pipeline sends, and what the replies say per call. A stand-in routes keys by slot range as a cluster
 client's slot map does; the exchanges themselves are tested on real clusters (tests/redis/test_cluster.py,
 tests/redis/test_failover.py)."""
@@ -10,8 +10,8 @@ import redis
 from redis.crc import key_slot
 from redis.exceptions import ClusterDownError, MovedError, RedisClusterException, TryAgainError
 
-from producer.wire import cluster_wait
-from producer.wire.cluster_wait import MARK_TTL_MS, Confirmed, Routed, plan, settle
+from producer.plumbing import cluster_wait
+from producer.plumbing.cluster_wait import MARK_TTL_MS, Confirmed, Routed, plan, settle
 from producer.wire.keys import Keys, hash_tag
 
 

@@ -14,7 +14,7 @@ from worker.gpu.packer import Packer
 from worker.metrics import Metrics
 from worker.model.encoder import Encoder
 from worker.model.engine import Prompt, PackRun, Pending
-from worker.tasks import Computed, Expired, Failed, Item, Launched, Task
+from worker.tasks import Computed, Failed, Item, Launched, Task
 
 BUDGET = 100
 
@@ -141,18 +141,27 @@ def test_behind_a_pack_done_already_the_next_waits_until_it_is_read_out(loaded):
     assert events == [("launch", 0), ("wait", 0), ("launch", 1), ("wait", 1), ("launch", 2), ("wait", 2)]
 
 
-def test_a_pack_finishing_after_a_stop_closed_the_loop_is_dropped_not_raised():
-    """At the drain deadline the asyncio loop closes while a pack may still finish on the GPU thread: its answers
-    are dropped (the entries stay pending, reclaimed elsewhere); it once ended the worker with exit 1 and a traceback."""
-    import asyncio
+def test_a_failed_gpu_ends_the_worker_through_the_exit_seam_it_is_given(loaded):
+    """A GPU that fails (a CUDA error, not a bad prompt) ends the process with 70 through the daemon's exit seam,
+    which in-process tests replace; its pack is not bisected or failed prompt by prompt."""
+    model = loaded("repo-text")
+    packer = Packer(BUDGET, max_wait=0.0)
+    for item in items(model, [50, 40]):
+        packer.put([item])
+    exits, handed = [], []
 
-    from worker.loop.lifecycle import Lifecycle
+    class FailedGpu(RecordingEngine):
+        def launch(self, prompts):
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
-    lifecycle = Lifecycle.__new__(Lifecycle)  # only the hand-over is exercised
-    lifecycle.loop = asyncio.new_event_loop()
-    lifecycle.loop.close()
-    for event in (Launched(()), Computed(None, [], 0.0), Failed(None, "x"), Expired(None)):
-        lifecycle.hand_over(event)
+    class Sink:
+        def hand_over(self, event):
+            handed.append(event)
+
+    compute = Compute(model, FailedGpu(int(model.model.proj.out_features)), packer, Metrics(), Sink(),
+                      fatal=exits.append)
+    compute.run(done=lambda: bool(exits))
+    assert exits == [70] and not [event for event in handed if isinstance(event, Failed)]
 
 
 def test_work_arriving_while_a_pack_runs_joins_the_next_pack(loaded):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from producer.wire.connection import Deployment, redact
+from producer.plumbing.connection import Deployment, redact
 
 
 def test_arguments_then_environment_then_defaults():
@@ -34,7 +34,7 @@ def test_bad_values_are_named(environ, given, message):
 
 
 def test_a_sentinel_url_is_parsed_once_and_checked():
-    from producer.wire import sentinel
+    from producer.plumbing import sentinel
 
     parsed = sentinel.parse("redis+sentinel://worker:p%40ss@s1:26379,s2,[::1]:26380/mymaster/3")
     assert parsed == sentinel.SentinelUrl((("s1", 26379), ("s2", 26379), ("::1", 26380)), "mymaster", 3, "worker",
@@ -45,12 +45,12 @@ def test_a_sentinel_url_is_parsed_once_and_checked():
     assert (deployment.wait_replicas, deployment.url) == (1, "redis+sentinel://s1:26379/dq/0")
     assert Deployment.resolve({}, url="rediss+sentinel://s1/dq", tls_ca="ca.pem").tls_files() == {
         "ssl_ca_certs": "ca.pem"}
-    # Durable mode on Redis Cluster is a WAIT per primary (producer/wire/cluster_wait.py): no longer refused.
+    # Durable mode on Redis Cluster is a WAIT per primary (producer/plumbing/cluster_wait.py): no longer refused.
     assert Deployment.resolve({"DQ_WAIT_REPLICAS": "1"}, url="redis://n1:7000/0", cluster=True).wait_replicas == 1
 
 
 def test_the_sentinels_credentials_go_to_the_sentinels_alone_and_are_never_shown():
-    from producer.wire import sentinel
+    from producer.plumbing import sentinel
 
     deployment = Deployment.resolve({"DQ_SENTINEL_USERNAME": "watch", "DQ_SENTINEL_PASSWORD": "s3cret"},
                                     url="rediss+sentinel://worker:pw@s1/dq", tls_ca="ca.pem")

@@ -72,7 +72,7 @@ def test_idle_trickling_and_surplus_connections_hold_no_thread_for_long(monkeypa
     closed unanswered, at once), and it answers afterwards."""
     import threading
 
-    from producer.wire import endpoints
+    from producer.plumbing import endpoints
 
     monkeypatch.setattr(endpoints, "REQUEST_S", 2.0)
     server = endpoints.serve_paths("127.0.0.1", free_port(), lambda path: (200, b"ok\n", "text/plain"))

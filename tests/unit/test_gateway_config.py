@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from producer.gateway.access import Inflight, Keyring
 from producer.gateway.config import ConfigError, load, loopback
-from producer.gateway.replies import field_of, problems
+from producer.gateway.front.access import Inflight, Keyring
+from producer.gateway.front.replies import field_of, problems
 from producer.wire.keys import HIGH, NORMAL
 
 TOKEN = "a-token-of-enough-length-0001"

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from producer.gateway.config import GatewayConfig, env_name, own_fields, parse_keys
-from producer.gateway.front import Metrics
+from producer.gateway.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 OPS = ROOT / "ops"

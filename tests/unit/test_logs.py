@@ -3,7 +3,7 @@
 import json
 import logging
 
-from producer.wire.logs import JsonFormatter, TextFormatter
+from producer.plumbing.logs import JsonFormatter, TextFormatter
 
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

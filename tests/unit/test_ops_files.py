@@ -17,7 +17,7 @@ import yaml
 from prometheus_client import Counter, Histogram
 
 from producer.admin.exporter import EXPORTED
-from producer.gateway.front import Metrics as GatewayMetrics
+from producer.gateway.metrics import Metrics as GatewayMetrics
 from producer.wire.keys import GROUP, LANES, Keys
 from worker.config import Settings
 from worker.launch.host import devices

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import producer
-from producer.__main__ import parser as producer_parser
+from producer.cli.main import parser as producer_parser
 from producer.gateway.__main__ import parser as gateway_parser
 from worker.__main__ import parser as worker_parser
 

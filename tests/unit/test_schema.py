@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from producer.plans import InvalidRequest, prepare
+from producer.client.plans import InvalidRequest, prepare
 from producer.wire.schema import ErrorCode, Request, RequestError, parse_request
 
 from producer.wire.result import Result
@@ -181,7 +181,7 @@ def test_ok_raise_for_error_and_probabilities_by_option():
 
 
 def test_priority_is_high_or_normal_and_names_a_lane_stream():
-    from producer.plans import prepare
+    from producer.client.plans import prepare
     from producer.wire.keys import HIGH, NORMAL, Keys
 
     base = {"state": "x", "questions": {"q": {"type": "noul"}}}

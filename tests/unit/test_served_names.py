@@ -1,5 +1,5 @@
 """Served model names: what a worker serves under (--served-model-name, else the checkpoint's own name), what its
-heartbeat says, and how a namespace's heartbeats become its catalog of models (producer/served.py)."""
+heartbeat says, and how a namespace's heartbeats become its catalog of models (producer/client/served.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from producer.served import catalog
+from producer.client.served import catalog
 from producer.wire.keys import beat_models
 from worker.__main__ import parser
 from worker.config import Settings, SettingsError
@@ -63,7 +63,7 @@ def test_heartbeats_become_a_catalog_of_served_models():
 
 def test_the_gateway_knows_where_callers_may_name_models():
     from producer.gateway.__main__ import parser as gateway_parser
-    from producer.gateway.access import Keyring
+    from producer.gateway.front.access import Keyring
     from producer.gateway.config import ConfigError, load
 
     keys = json.dumps([{"name": "a", "token": "t" * 20, "namespace": "acme", "model_namespaces": ["dq", "dq-b"]},

@@ -1,4 +1,4 @@
-"""Which servers the project accepts (producer/wire/supported.py) and which one it runs (producer/local/binaries.py)."""
+"""Which servers the project accepts (producer/plumbing/supported.py) and which one it runs (producer/local/binaries.py)."""
 
 import os
 import random
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from producer.local import binaries, ports, server
-from producer.wire.supported import Server, UnsupportedServer, from_hello, require, supported
+from producer.plumbing.supported import Server, UnsupportedServer, from_hello, require, supported
 
 
 def test_hello_replies_in_both_protocols():

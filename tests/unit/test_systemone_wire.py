@@ -1,5 +1,5 @@
-"""The System One wire on the gateway, without a server: bounded decompression (producer/gateway/decoding.py), the
-multipart body, the call's checks and the answer's exact fields (producer/gateway/translate.py). The whole route,
+"""The System One wire on the gateway, without a server: bounded decompression (producer/gateway/systemone/decoding.py), the
+multipart body, the call's checks and the answer's exact fields (producer/gateway/systemone/translate.py). The whole route,
 driven by the official SDK against real processes: tests/redis/test_systemone.py."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import json
 import pytest
 from backports import zstd
 
-from producer.gateway import decoding, translate
-from producer.gateway.replies import Refused
+from producer.gateway.front.replies import Refused
+from producer.gateway.systemone import decoding, translate
 from producer.wire.result import Result
 
 LIMIT = 1 << 20

@@ -1,12 +1,12 @@
-"""The GPU stage: packs from the packer through the engine, head scores to answers, each handed to the Redis loop.
+"""The GPU stage: packs from the packer through the engine, head scores to answers, handed to the Redis loop.
 
-Runs on the main thread. While pack n is on the GPU, the packer is asked for pack n+1 (worker/gpu/packer.py): it
-forms one just before n is expected to end (at once if it is full and no high work flows), with everything that
-arrived by then. It is launched first, then n is read out (temperatures, softmax, System One answers) and handed
-over (``Sink``: the lifecycle, which hops onto the Redis loop thread that owns every task's state): the GPU never
-waits for the read-out and the launch's host work. With nothing queued by then, or n done already, n is read out
-first and the next pack formed after it, with what arrived meanwhile. The packer learns from each pack its launch's
-host time and its run on the device (the pack policy's costs).
+Runs on the main thread. While pack n is on the GPU, the packer is asked for pack n+1 (worker/gpu/packer.py):
+it forms one just before n is expected to end (at once if it is full and no high work flows), with everything
+that arrived by then. It is launched first, then n is read out (temperatures, softmax, System One answers) and
+handed over (``Sink``: the Redis loop thread, which owns every task's state): the GPU never waits for the
+read-out and the launch's host work. With nothing queued by then, or n done already, n is read out first and
+the next pack formed after it, with what arrived meanwhile. The packer learns from each pack its launch's host
+time and its run on the device (the pack policy's costs).
 
 A failing pack is bisected until the failing prompt is alone, so the others in it are still answered.
 """
@@ -30,27 +30,30 @@ from ..traces import Traces
 from .packer import Packer
 
 log = logging.getLogger("worker")
-GIL_SWITCH_S = 0.0005  # while the GPU stage runs, a thread waiting for the GIL gets it within this (Python's: 5 ms)
+GIL_SWITCH_S = 0.0005  # while the GPU stage runs, the GIL changes hands within this (Python's default: 5 ms)
 
 
 class Sink(Protocol):
-    """Where each fact about the work goes (the lifecycle); called on this (the GPU) thread."""
+    """Where each fact about the work goes (worker/loop/thread.py); called on this (the GPU) thread."""
 
     def hand_over(self, event: GpuEvent) -> None: ...
 
 
 class Compute:
+    """The GPU stage: packs through the engine, their answers handed to the sink."""
+
     def __init__(self, model: DecisionModel, engine: Engine, packer: Packer, metrics: Metrics, sink: Sink,
-                 traces: Traces | None = None) -> None:
+                 traces: Traces | None = None, fatal: Callable[[int], None] = os._exit) -> None:
         self.model, self.engine, self.packer, self.metrics, self.sink = model, engine, packer, metrics, sink
         self.traces = traces  # None: tracing off
+        self.fatal = fatal  # how a failed GPU ends the process (the daemon's exit seam)
         self.turned_at: float | None = None  # the loop's last turn (liveness)
 
     def run(self, done: Callable[[], bool]) -> None:
         """Until ``done()`` holds with no pack in flight. Meanwhile the process's GIL changes hands within
-        ``GIL_SWITCH_S``: a launch gives the GIL up at each graph replay and kernel call, and takes it back behind
-        whichever thread holds it (the Redis loop, the planners' result thread), by default for up to 5 ms each
-        time; dozens of times per pack, that stretched packs on the GPU, which waited for the host
+        ``GIL_SWITCH_S``: a launch gives the GIL up at each graph replay and kernel call, and takes it back
+        behind whichever thread holds it (the Redis loop, the planners' result thread), by default for up to
+        5 ms each time; dozens of times per pack, that stretched packs on the GPU, which waited for the host
         (docs/BENCHMARKS.md, "The pack policy")."""
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, GIL_SWITCH_S))
@@ -144,7 +147,8 @@ class Compute:
         """A failed pack: run halves again until the failing prompt is alone; the others are answered."""
         if isinstance(error, getattr(torch, "AcceleratorError", ())):
             log.critical("the GPU failed (%s): exiting so that the supervisor restarts this worker", error)
-            os._exit(70)
+            self.fatal(70)
+            return  # an exit that returns (a test's) stops the worker: the entries stay held, then pending
         if len(pack) == 1:
             log.warning("prompt of %s failed: %r", pack[0].task.request_id, error,
                         extra=pack[0].task.delivery.log_fields)

@@ -1,22 +1,22 @@
-"""Prompts -> packs: each pack of the size the pack policy gives (worker/gpu/policy.py), high-priority work first,
-launched while the GPU is idle at once and behind a running pack just before it ends.
+"""Prompts -> packs: each pack of the size the pack policy gives (worker/gpu/policy.py), high-priority work
+first, launched while the GPU is idle at once and behind a running pack just before it ends.
 
-Idle (``next()``): a pack of what is queued, at once (``max_wait`` lets a partly filled one wait for company). Busy
-(``next(behind=True)``, while a pack runs): the next pack is formed just before the running one is expected to end
-(its launch's host time and a margin ahead: ``Policy.lead``), from everything that arrived by then, so that the GPU
-runs back to back and a request arriving meanwhile rides in the next pack rather than the one after; a full pack of
-the largest size goes at once while no high work flows (waiting could add nothing to it, and a saturated worker
-keeps full packs back to back). If nothing is queued by then, or the running pack is done already, none: the GPU
-thread reads the running pack out first.
+Idle (``next()``): a pack of what is queued, at once (``max_wait`` lets a partly filled one wait for company).
+Busy (``next(behind=True)``, while a pack runs): the next pack is formed just before the running one is
+expected to end (its launch's host time and a margin ahead: ``Policy.lead``), from everything that arrived by
+then, so that the GPU runs back to back and a request arriving meanwhile rides in the next pack rather than
+the one after; a full pack of the largest size goes at once while no high work flows (waiting could add
+nothing to it, and a saturated worker keeps full packs back to back). If nothing is queued by then, or the
+running pack is done already, none: the GPU thread reads the running pack out first.
 
-Each lane's prompts wait in arrival order. A pack takes the high lane's first, then the normal lane's, first fit: a
-prompt that does not fit is passed over (up to ``HOLD`` of them) for smaller later ones, and waits at the front of
-its lane for a later pack.
+Each lane's prompts wait in arrival order. A pack takes the high lane's first, then the normal lane's, first
+fit: a prompt that does not fit is passed over (up to ``HOLD`` of them) for smaller later ones, and waits at
+the front of its lane for a later pack.
 
-Normal work is never starved. While some waits, every pack owes it ``normal_share`` of the pack's size, and high
-work leaves that much room (the oldest high prompt still opens the pack whatever its size). What normal work was owed
-and could not use (its oldest prompt did not fit) is carried to the next pack, up to a whole pack: a long normal
-prompt gets in once enough is owed, and then opens the pack.
+Normal work is never starved. While some waits, every pack owes it ``normal_share`` of the pack's size, and
+high work leaves that much room (the oldest high prompt still opens the pack whatever its size). What normal
+work was owed and could not use (its oldest prompt did not fit) is carried to the next pack, up to a whole
+pack: a long normal prompt gets in once enough is owed, and then opens the pack.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..tasks import Item, Task
 from .policy import Clock, Policy, Waiting
 
 HOLD = 64  # prompts of a lane passed over per step (first fit), oldest first
-HIGH_RECENT_S = 1.0  # high work flows while some was queued this recently: packs behind a running one go just in time
+HIGH_RECENT_S = 1.0  # high work flows while some was queued this recently: packs behind go just in time
 FULL = 0.9  # a pack this full of its static size counts as full
 
 
@@ -50,10 +50,13 @@ class Running:
 
 
 class Packer:
+    """The queue of prompts waiting for the GPU, formed into packs by lane and by the pack policy."""
+
     def __init__(self, budget: int, max_wait: float, normal_share: float = 0.1, sizes: tuple[int, ...] = (),
                  high_target: float = 0.1, clock: Clock | None = None) -> None:
-        """``sizes``: the static sizes a pack is padded to (the engine's CUDA graph buckets); none: a pack costs
-        its real tokens. ``high_target``: seconds a high-priority request should take from taken to read out."""
+        """``sizes``: the static sizes a pack is padded to (the engine's CUDA graph buckets); none: a pack
+        costs its real tokens. ``high_target``: seconds a high-priority request should take from taken to read
+        out."""
         self.budget = budget
         self.max_wait = max_wait
         self.normal_share = normal_share
@@ -69,7 +72,8 @@ class Packer:
         self.ready = threading.Condition()
 
     def put(self, items: list[Item], waited: float = 0.0) -> None:
-        """Queue a task's prompts in their lane (any thread), at once: a pack formed meanwhile sees all or none.
+        """Queue a task's prompts in their lane (any thread), at once: a pack formed meanwhile sees all or
+        none.
         ``waited``: seconds since the task was taken (its planning), counted against its lane's target."""
         with self.ready:
             now = self.clock.now()
@@ -82,9 +86,9 @@ class Packer:
             self.ready.notify()
 
     def withdraw(self, task: Task) -> bool:
-        """Take every prompt of ``task`` out (any thread), if none of them has left for a pack yet: True; else leave
-        them all (its answers come as usual) and False. Under the lock ``next`` takes packs under, so a prompt is
-        either withdrawn here or packed there, never both."""
+        """Take every prompt of ``task`` out (any thread), if none of them has left for a pack yet: True; else
+        leave them all (its answers come as usual) and False. Under the lock ``next`` takes packs under, so a
+        prompt is either withdrawn here or packed there, never both."""
         with self.ready:
             queued = [item for item in self.lanes[task.delivery.lane] if item.task is task]
             if len(queued) != len(task.prompts):
@@ -108,7 +112,8 @@ class Packer:
                 return []
             if wait and self.max_wait:  # a partly filled pack waits at most max_wait for company
                 self._wait_for(lambda: sum(self.tokens.values()) >= self.budget, self.max_wait)
-            return self._fill(self.policy.size(self._waiting(), self.clock.now() + self.policy.launch_seconds))
+            start = self.clock.now() + self.policy.launch_seconds
+            return self._fill(self.policy.size(self._waiting(), start))
 
     def launched(self, tokens: int, began: float, pending: Pending) -> None:
         """A pack of ``tokens`` went to the GPU: its launch began at ``began`` (clock) and returned now."""
@@ -137,8 +142,8 @@ class Packer:
                 following.ends_at = following.starts_at + self.policy.costs.seconds(following.size)
 
     def _behind(self, running: Running) -> list[Item]:
-        """Behind a running pack: a full one at once while no high work flows, else a pack formed just before the
-        running one ends; none if nothing is queued by then or it is done already."""
+        """Behind a running pack: a full one at once while no high work flows, else a pack formed just before
+        the running one ends; none if nothing is queued by then or it is done already."""
         policy = self.policy
         while True:
             now = self.clock.now()
@@ -168,14 +173,14 @@ class Packer:
         return Waiting(sum(self.tokens.values()), self.tokens[HIGH], oldest)
 
     def _full(self, size: int) -> list[Item]:
-        """A pack filled to ``size`` that fills its static size (``FULL``), else none and the queue as it was: what
-        is queued may not pack that well (prompts that do not fit together, a long one in front)."""
-        lanes, tokens, owed = {lane: deque(queue) for lane, queue in self.lanes.items()}, dict(self.tokens), self.owed
-        since = dict(self.since)
+        """A pack filled to ``size`` that fills its static size (``FULL``), else none and the queue as it was:
+        what is queued may not pack that well (prompts that do not fit together, a long one in front)."""
+        lanes = {lane: deque(queue) for lane, queue in self.lanes.items()}
+        tokens, owed, since = dict(self.tokens), self.owed, dict(self.since)
         pack = self._fill(size)
         got = self._tokens(pack)
         static = next((each for each in self.sizes if each >= got), None) if self.sizes else size
-        if static is None or got >= FULL * static:  # a prompt over every size runs alone, eagerly, whatever its fill
+        if static is None or got >= FULL * static:  # a prompt over every size runs alone, eagerly, anyway
             return pack
         self.lanes, self.tokens, self.owed, self.since = lanes, tokens, owed, since
         return []
@@ -184,12 +189,12 @@ class Packer:
         return any(self.lanes.values())
 
     def _fill(self, budget: int) -> list[Item]:
-        """High first, leaving normal work the room it is owed; then normal; then either, first fit, in what is
-        left."""
+        """High first, leaving normal work the room it is owed; then normal; then either, first fit, in what
+        is left."""
         high, normal = self.lanes[HIGH], self.lanes[NORMAL]
         self.owed = min(self.owed + math.ceil(self.normal_share * budget), budget) if normal else 0
         pack: list[Item] = []
-        if high and self.owed < budget:  # the oldest high prompt opens the pack, unless normal is owed all of it
+        if high and self.owed < budget:  # the oldest high prompt opens the pack, unless normal is owed it all
             self._move(HIGH, high.popleft(), pack)
         self._first_fit(HIGH, pack, budget - self.owed)
         got = 0  # normal tokens in the pack
@@ -203,9 +208,9 @@ class Packer:
         return pack
 
     def _first_fit(self, lane: Priority, pack: list[Item], limit: int) -> None:
-        """Move the lane's prompts that fit under ``limit`` tokens into ``pack``, oldest first, passing over at most
-        ``HOLD`` that do not; those keep their place. (A window of HOLD prompts in all left a large pack of short
-        high prompts half full of high work, and normal work filled the rest far beyond its share.)"""
+        """Move the lane's prompts that fit under ``limit`` tokens into ``pack``, oldest first, passing over at
+        most ``HOLD`` that do not; those keep their place. (A window of HOLD prompts in all left a large pack of
+        short high prompts half full of high work, and normal work filled the rest far beyond its share.)"""
         queue, passed = self.lanes[lane], []
         used = self._tokens(pack)
         while queue and used < limit and len(passed) < HOLD:

@@ -23,8 +23,9 @@ from typing import Any
 import redis
 from redis.asyncio import RedisCluster
 
-from producer.wire import cluster_wait, library, sentinel
-from producer.wire.connection import WAIT_MS
+from producer.plumbing import cluster_wait, sentinel
+from producer.plumbing.connection import WAIT_MS
+from producer.wire import library
 from producer.wire.errors import NotDurable
 from producer.wire.keys import Field, Keys, Record, RecordState, text
 from producer.wire.records import AFTER_RESULT_S

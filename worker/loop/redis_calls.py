@@ -20,9 +20,9 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from producer.wire.connection import aconnect, connect
+from producer.plumbing.connection import aconnect, connect
+from producer.plumbing.supported import Server, acheck, check
 from producer.wire.errors import NotDurable
-from producer.wire.supported import Server, acheck, check
 
 from ..config import Settings
 from ..metrics import Metrics
@@ -39,6 +39,8 @@ T = TypeVar("T")
 
 
 class RedisCalls:
+    """The loop thread's Redis calls: retried until Redis answers, and whether it does."""
+
     def __init__(self, client: Any, metrics: Metrics, give_up: Callable[[], bool], where: str) -> None:
         self.redis = client
         self.metrics = metrics

@@ -1,12 +1,12 @@
 """Request -> prompts, with transformers.decision's own rendering (``prepare_inputs``).
 
-A prompt is one prompt: the unit the engines pack. A template that reads ``questions`` renders one prompt for all
-questions; a request whose prompt is longer than the model reads (its context, or ``--max-prompt-tokens`` where the
-operator set one) is split into prompts of its questions, each of which fits, and only then: anything that fits
-runs whole (answers move when a prompt is split). Split prompts say so (``Prompt.split``), and so do the prompts
-of a part that holds some of its request's questions. Nothing is ever truncated: a state too long even for one
-question is refused with the token counts.
-Images arrive inline (base64) only and are decoded here under a pixel limit; the worker never opens a path or URL.
+A prompt is one prompt: the unit the engines pack. A template that reads ``questions`` renders one prompt for
+all questions; a request whose prompt is longer than the model reads (its context, or ``--max-prompt-tokens``
+where the operator set one) is split into prompts of its questions, each of which fits, and only then:
+anything that fits runs whole (answers move when a prompt is split). Split prompts say so (``Prompt.split``),
+and so do the prompts of a part that holds some of its request's questions. Nothing is ever truncated: a state
+too long even for one question is refused with the token counts. Images arrive inline (base64) only and are
+decoded here under a pixel limit; the worker never opens a path or URL.
 """
 
 from __future__ import annotations
@@ -41,20 +41,24 @@ def open_image(name: str, data_base64: str) -> Image.Image:
     try:
         raw = base64.b64decode(data_base64, validate=True)
     except (binascii.Error, ValueError):
-        raise RequestError(ErrorCode.INVALID_IMAGE, f"assets.{name}: data_base64 is not valid base64") from None
+        raise RequestError(ErrorCode.INVALID_IMAGE,
+                           f"assets.{name}: data_base64 is not valid base64") from None
     try:
         image = Image.open(io.BytesIO(raw))
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning, Image.DecompressionBombError) as error:
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning,
+            Image.DecompressionBombError) as error:
         raise RequestError(ErrorCode.INVALID_IMAGE, f"assets.{name}: cannot decode image ({error})") from None
     if image.format not in _PIL_FORMATS:
         raise RequestError(ErrorCode.INVALID_IMAGE,
-                           f"assets.{name}: unsupported image format {image.format} (png, jpeg, webp, gif, bmp)")
+                           f"assets.{name}: unsupported image format {image.format} (png, jpeg, webp, gif, "
+                           "bmp)")
     return image
 
 
 def decode_images(assets: dict[str, str], max_pixels: int) -> dict[str, Image.Image]:
-    """Decode a request's inline images (name -> base64), refusing unknown formats and more than ``max_pixels``
-    over all of them (decompression bombs, one large or many): every header is read before any pixel is decoded."""
+    """Decode a request's inline images (name -> base64), refusing unknown formats and more than
+    ``max_pixels`` over all of them (decompression bombs, one large or many): every header is read before any
+    pixel is decoded."""
     opened = {name: open_image(name, data) for name, data in assets.items()}
     total = 0
     for name, image in opened.items():
@@ -62,8 +66,8 @@ def decode_images(assets: dict[str, str], max_pixels: int) -> dict[str, Image.Im
         total += width * height
         if total > max_pixels:
             whose = f"{width}x{height}" if total == width * height else f"with {width}x{height}, {total} pixels"
-            raise RequestError(ErrorCode.INVALID_IMAGE, f"assets.{name}: {whose} is over the limit of {max_pixels} "
-                                                        "pixels for all of a request's images")
+            raise RequestError(ErrorCode.INVALID_IMAGE, f"assets.{name}: {whose} is over the limit of "
+                                                        f"{max_pixels} pixels for all of a request's images")
     decoded = {}
     for name, image in opened.items():
         try:
@@ -129,8 +133,9 @@ class Encoder:
         state_chars = text_length(body["state"]) if self.renders_state else 0
         if state_chars > self.max_length * self.max_token_chars:
             raise RequestError(ErrorCode.STATE_TOO_LONG, (
-                f"the state has {state_chars} characters of text, at least {state_chars // self.max_token_chars} "
-                f"tokens; this model reads at most {self.max_length} per prompt"))
+                f"the state has {state_chars} characters of text, at least "
+                f"{state_chars // self.max_token_chars} tokens; this model reads at most {self.max_length} "
+                "per prompt"))
         if request.assets:
             if not self.multimodal:
                 raise RequestError(ErrorCode.INVALID_REQUEST, "assets: this model reads text only")
@@ -142,8 +147,8 @@ class Encoder:
         if not self.one_prompt_for_all or len(body["questions"]) == 1:
             longest = max(prompts, key=lambda prompt: prompt.length)
             raise RequestError(ErrorCode.STATE_TOO_LONG, (
-                f"the prompt of question {longest.questions[0].name!r} has {longest.length} tokens; this model "
-                f"reads at most {self.max_length} per prompt"))
+                f"the prompt of question {longest.questions[0].name!r} has {longest.length} tokens; this "
+                f"model reads at most {self.max_length} per prompt"))
         return [dataclasses.replace(prompt, split=True) for prompt in self._split(body)]
 
     def _render(self, body: dict[str, Any]) -> list[Prompt]:
@@ -154,8 +159,8 @@ class Encoder:
         for inputs, questions in prompts:
             if len(inputs["marks"]) != len(questions):  # the head reads one row per question, never user text
                 raise RequestError(ErrorCode.INVALID_REQUEST, (
-                    f"the prompt has {len(inputs['marks'])} marks for {len(questions)} questions: control tokens in "
-                    "user text?"))
+                    f"the prompt has {len(inputs['marks'])} marks for {len(questions)} questions: control "
+                    "tokens in user text?"))
             for question in questions:
                 limit = self.max_options[question.type]
                 if len(question.options) > limit:
@@ -175,8 +180,8 @@ class Encoder:
             single[name] = self._length(body, [name])
             if single[name] > self.max_length:
                 raise RequestError(ErrorCode.STATE_TOO_LONG, (
-                    f"with question {name!r} alone the prompt has {single[name]} tokens; this model reads at most "
-                    f"{self.max_length} per prompt: shorten the state"))
+                    f"with question {name!r} alone the prompt has {single[name]} tokens; this model reads at "
+                    f"most {self.max_length} per prompt: shorten the state"))
         # The state and the template's frame are in every prompt: estimate them from one pair.
         shared = max(0, single[names[0]] + single[names[1]] - self._length(body, names[:2]))
         groups: list[list[str]] = [[]]
@@ -202,9 +207,9 @@ class Encoder:
 
 
 def _control_token_in_keys(body: dict[str, Any], tokens: Sequence[str]) -> str | None:
-    """transformers escapes control tokens in the strings of a request but not in the keys of its JSON objects,
-    which templates print as they are: such a key could add a mark (moving where the head reads) or a chat token.
-    The problem, or None. Iterative: the depth is bounded by the schema, the stack need not be."""
+    """transformers escapes control tokens in the strings of a request but not in the keys of its JSON
+    objects, which templates print as they are: such a key could add a mark (moving where the head reads) or a
+    chat token. The problem, or None. Iterative: the depth is bounded by the schema, the stack need not be."""
     stack: list[tuple[Any, str]] = [(body["state"], "state")]
     for name, question in body["questions"].items():
         stack.append((question.get("instructions"), f"questions.{name}.instructions"))
@@ -219,8 +224,8 @@ def _control_token_in_keys(body: dict[str, Any], tokens: Sequence[str]) -> str |
             for key, inner in value.items():
                 token = next((t for t in tokens if t in key), None)
                 if token:
-                    return (f"{where}: the key {key[:80]!r} holds the control token {token!r}; keys are not escaped, "
-                            "put such text in values")
+                    return (f"{where}: the key {key[:80]!r} holds the control token {token!r}; keys are not "
+                            "escaped, put such text in values")
                 stack.append((inner, f"{where}.{key[:40]}"))
         elif isinstance(value, list):
             stack += [(inner, f"{where}.{i}") for i, inner in enumerate(value)]

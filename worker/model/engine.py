@@ -27,7 +27,8 @@ class Prompt:
     pixel_values: torch.Tensor | None = None  # (patches, dim) for the vision tower
     image_grid_thw: torch.Tensor | None = None  # (images, 3)
     mm_token_type_ids: torch.Tensor | None = None  # (length,) 1 at image tokens; for M-RoPE positions
-    split: bool = False  # holds some of the questions of a request whose one prompt was too long (or of a part)
+    # holds some of the questions of a request whose one prompt was too long (or of a part)
+    split: bool = False
 
     @property
     def length(self) -> int:
@@ -71,6 +72,8 @@ class Pending:
 
 
 class Engine(Protocol):
+    """The engine contract: packs of prompts in, head scores out (reference.py, worker/fast)."""
+
     name: str
 
     @property

@@ -1,0 +1,241 @@
+"""Reaching Redis: the deployment a producer talks to, read from the same ``DQ_*`` variables the worker reads,
+and the connection options both client faces (and the worker) use.
+
+Arguments win over the environment, the environment over the defaults, as for the worker's settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
+
+from . import sentinel
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+SOCKET_TIMEOUT = 5.0
+# redis-py's default retry (a few jittered retries) gives up after about a second of refused connections: less
+# than a Redis restart. These ride out ~12 s. A retried call may run twice (lost reply): results are published
+# once whatever happens, and a request enqueued twice is answered once (docs/RELIABILITY.md).
+RETRIES, RETRY_BASE, RETRY_CAP = 16, 0.05, 1.0
+# Durable mode: how long one WAIT for the replicas may take before the write is reported not durable.
+WAIT_MS = 2000
+TLS_OPTIONS = {"tls_ca": "ssl_ca_certs", "tls_cert": "ssl_certfile", "tls_key": "ssl_keyfile"}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where requests go: the Redis URL, the namespace, Redis Cluster or not, the stream shards, TLS files."""
+
+    url: str = DEFAULT_URL
+    namespace: str = "dq"
+    cluster: bool = False
+    shards: int = 1
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    # Durable mode: a write counts once this many replicas have it (docs/RELIABILITY.md).
+    wait_replicas: int = 0
+    # The sentinels' own user and password, when they require one (requirepass, ACL).
+    sentinel_username: str = ""
+    sentinel_password: str = dataclasses.field(default="", repr=False)
+
+    # The worker's variable names (worker/config.py), and DQ_SHARDS: how many shards producers spread over.
+    ENV = {"url": "DQ_REDIS_URL", "namespace": "DQ_NAMESPACE", "cluster": "DQ_REDIS_CLUSTER",
+           "shards": "DQ_SHARDS", "tls_ca": "DQ_REDIS_TLS_CA", "tls_cert": "DQ_REDIS_TLS_CERT",
+           "tls_key": "DQ_REDIS_TLS_KEY", "wait_replicas": "DQ_WAIT_REPLICAS",
+           "sentinel_username": "DQ_SENTINEL_USERNAME", "sentinel_password": "DQ_SENTINEL_PASSWORD"}
+    # Each field's flags (the first one shown), metavar and help: the worker's names (worker/config.py), so
+    # that dq-producer, dq-gateway and dq-worker load-functions spell the connection alike.
+    FLAGS = {
+        "url": (["--redis-url", "--redis"], "URL",
+                "Redis URL (rediss:// for TLS; redis://user:password@host for an ACL user; "
+                "redis+sentinel://host:port,host:port/SERVICE[/db] through Sentinel)"),
+        "namespace": (["--namespace"], "NAME", "prefix of every Redis name of the deployment"),
+        "cluster": (["--redis-cluster", "--cluster"], None, "the URL is a node of a Redis Cluster"),
+        "shards": (["--shards"], "N",
+                   "stream shards of the deployment: submit spreads over them, stats shows each"),
+        "tls_ca": (["--redis-tls-ca"], "FILE",
+                   "CA certificate file that verifies the Redis server (rediss://)"),
+        "tls_cert": (["--redis-tls-cert"], "FILE",
+                     "client certificate file, when Redis requires one (rediss://)"),
+        "tls_key": (["--redis-tls-key"], "FILE", "the client certificate's private key file (rediss://)"),
+        "wait_replicas": (["--wait-replicas"], "N",
+                          "durable mode: an enqueue is acknowledged, a result read, once N replicas have it "
+                          "(0: off)"),
+        "sentinel_username": (["--sentinel-username"], "USER",
+                              "the sentinels' user, when they require one (the URL's user is the data "
+                              "nodes')"),
+        "sentinel_password": (["--sentinel-password"], "PASSWORD",
+                              "the sentinels' password, when they require one (prefer the variable: a flag "
+                              "shows in the process list)"),
+    }
+
+    @classmethod
+    def resolve(cls, environ: Mapping[str, str] | None = None, **given: Any) -> Deployment:
+        """Each field from ``given`` unless None, else from its ``DQ_*`` variable, else the default;
+        checked."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in fields(cls):
+            value = given.get(field.name)
+            raw = environ.get(cls.ENV[field.name])
+            if value is None and raw is not None:
+                value = _convert(cls.ENV[field.name], raw, field.default)
+            if value is not None:
+                values[field.name] = value
+        deployment = cls(**values)
+        if deployment.url.split("://", 1)[0].lower() not in SCHEMES:
+            raise ValueError(f"a Redis URL starts with {', '.join(s + '://' for s in SCHEMES)}, got "
+                             f"{redact(deployment.url)}")
+        if problem := url_problem(deployment.url):
+            raise ValueError(f"the Redis URL is not usable: {problem}")
+        if deployment.shards < 1:
+            raise ValueError(f"shards must be at least 1, got {deployment.shards}")
+        if deployment.tls_files() and not tls_url(deployment.url):
+            raise ValueError("TLS files (DQ_REDIS_TLS_*) need a rediss:// or rediss+sentinel:// URL")
+        credentials = deployment.sentinel_username or deployment.sentinel_password
+        if credentials and not sentinel.is_sentinel(deployment.url):
+            raise ValueError("the sentinels' credentials (DQ_SENTINEL_USERNAME, DQ_SENTINEL_PASSWORD) need a "
+                             "redis+sentinel:// or rediss+sentinel:// URL")
+        if problem := mode_problem(deployment.url, deployment.cluster, deployment.wait_replicas):
+            raise ValueError(problem)
+        return deployment
+
+    def tls_files(self) -> dict[str, str]:
+        """The TLS files as redis-py connection options."""
+        return {option: getattr(self, name) for name, option in TLS_OPTIONS.items() if getattr(self, name)}
+
+    def options(self) -> dict[str, str]:
+        """The connection options beyond the URL (``connect``): the TLS files, the sentinels' credentials."""
+        return {**self.tls_files(), **sentinel.credentials(self.sentinel_username, self.sentinel_password)}
+
+    @property
+    def safe_url(self) -> str:
+        """The URL without its password, for messages and logs."""
+        return redact(self.url)
+
+
+def _convert(variable: str, raw: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return lowered in ("1", "true", "yes", "on")
+        raise ValueError(f"{variable}={raw!r} is not a boolean")
+    if isinstance(default, int):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{variable}={raw!r} is not an integer") from None
+    return raw
+
+
+SCHEMES = ("redis", "rediss", "unix", *sentinel.SCHEMES)
+MAX_WAIT_REPLICAS = 16
+
+
+def tls_url(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in ("rediss", "rediss+sentinel")
+
+
+def mode_problem(url: str, cluster: bool, wait_replicas: int) -> str | None:
+    """Why these connection settings do not go together, or None."""
+    if cluster and sentinel.is_sentinel(url):
+        return "a Sentinel URL names a primary and its replicas, not a Redis Cluster: leave out --redis-cluster"
+    if not 0 <= wait_replicas <= MAX_WAIT_REPLICAS:
+        return f"wait_replicas (DQ_WAIT_REPLICAS) must be 0 to {MAX_WAIT_REPLICAS}, got {wait_replicas}"
+    return None
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not a Redis URL this client would use as written, or None. Never quotes the URL: a
+    password with an unencoded ``/``, ``?`` or ``#`` ends the host part early, and what follows it would be
+    echoed."""
+    if sentinel.is_sentinel(url):
+        try:
+            sentinel.parse(url)
+        except ValueError as error:
+            return str(error)
+        return None
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError when what follows the user's ":" is not a port
+        from redis.connection import parse_url
+
+        parsed = parse_url(url)
+    except ValueError:
+        return ("it cannot be parsed (percent-encode the user and password: / as %2F, ? as %3F, # as %23, "
+                "@ as %40, : as %3A)")
+    if parts.scheme in ("redis", "rediss") and not parts.hostname:
+        return "it names no host"
+    if parts.scheme in ("redis", "rediss") and parts.path not in ("", "/") and "db" not in parsed:
+        return "its path is not a database number (/0)"
+    if not 0 <= parsed.get("db", 0) <= sentinel.MAX_DATABASE:  # twenty digits were taken, then Redis refused
+        return f"its database number is not 0 to {sentinel.MAX_DATABASE}"
+    return None
+
+
+QUERY_PASSWORD = re.compile(r"([?&][^=&#]*pass(?:word|wd)?[^=&#]*=)[^&#]*", re.IGNORECASE)  # its value: ***
+
+
+def redact(url: str) -> str:
+    """The URL without its password, the one form every message and log line prints:
+    ``redis://user:***@host/0`` for ``redis://user:secret@host/0``, and ``?password=***`` for a password given
+    as a query parameter (redis-py takes any of its options there: ``ssl_password`` too)."""
+    if sentinel.is_sentinel(url):
+        return sentinel.redact(url)
+    try:
+        parts = urlsplit(url)
+        if parts.password is not None:
+            user = f"{parts.username}:" if parts.username else ":"
+            host = parts.hostname or ""
+            netloc = f"{user}***@{host}" + (f":{parts.port}" if parts.port else "")
+            url = urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:  # not even a URL: say so without echoing what may be a secret
+        return "<unparsable URL>"
+    return QUERY_PASSWORD.sub(r"\1***", url)
+
+
+def _options(retry: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """Timeouts that suit blocking reads and a retry that rides out a Redis restart; the caller's options win.
+    No CLIENT SETINFO on connect: the ACL roles do not grant it (Redis 7.0 lacks it, so an aclfile naming it
+    would not load there), and on 7.2+ and Valkey each refusal would fill the ACL log."""
+    return {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT, "health_check_interval": 30,
+            "retry": retry(ExponentialBackoff(RETRY_CAP, RETRY_BASE), RETRIES), "lib_name": None,
+            "lib_version": None, **options}
+
+
+def connect(url: str, cluster: bool = False, **options: Any) -> Any:
+    """A synchronous client (rediss:// URLs give TLS; a Sentinel URL, a client of the service's primary)."""
+    if sentinel.is_sentinel(url):
+        return sentinel.master(url, _options(Retry, options))
+    return (redis.RedisCluster if cluster else redis.Redis).from_url(url, **_options(Retry, options))
+
+
+def aconnect(url: str, cluster: bool = False, **options: Any) -> Any:
+    """An asyncio client, as ``connect``."""
+    if sentinel.is_sentinel(url):
+        return sentinel.master(url, _options(AsyncRetry, options), asyncio=True)
+    return (aioredis.RedisCluster if cluster else aioredis.Redis).from_url(url, **_options(AsyncRetry, options))
+
+
+def check_reachable(deployment: Deployment, **options: Any) -> None:
+    """One PING without retries, so that a wrong URL fails within the socket timeout instead of after the ~12
+    s of retries meant for a restarting Redis. Raises a ``redis.RedisError`` (or ValueError for a malformed
+    URL)."""
+    client = connect(deployment.url, deployment.cluster, **{**deployment.options(), **options,
+                                                             "retry": Retry(NoBackoff(), 0)})
+    try:
+        client.ping()
+    finally:
+        client.close()
