@@ -100,7 +100,7 @@ def main() -> int:
             while computed() < len(warm):
                 time.sleep(0.01)
             results["before"] = thread_cpu()
-            while computed() < len(warm) + len(ids) or daemon.lifecycle.held:
+            while computed() < len(warm) + len(ids) or daemon.loop.held:
                 time.sleep(0.01)
             results["after"] = thread_cpu()
             daemon.stop()
