@@ -241,3 +241,13 @@ def test_a_large_pack_of_short_high_prompts_is_filled_with_high_work_and_normal_
                   *[item(HIGH, 50, f"h{i}") for i in range(600)], *[item(NORMAL, 50, f"n{i}") for i in range(100)])
     pack = packer.next(wait=False)
     assert lane_tokens(pack, NORMAL) <= 1650 and lane_tokens(pack, HIGH) + lane_tokens(pack, NORMAL) == 16350
+
+
+def test_a_pack_that_ends_sooner_than_expected_is_read_out_without_waiting_for_the_moment():
+    """A cost overestimated (a pack stretched by a pause of the host) must not leave the GPU idle until the
+    expected end: whether the pack is done is looked at every POLL_S while the packer waits."""
+    clock = StepClock()
+    packer = fill(Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock), item(NORMAL, 300, "n0"))
+    pending = running(packer, 2048, seconds=0.5)  # expected to run 500 ms
+    pending.done = lambda: clock.t >= 100.03  # it ran 30: nothing tells the packer, it has to look
+    assert packer.next(behind=True) == [] and 100.03 <= clock.t < 100.035

@@ -30,8 +30,11 @@ def test_a_size_s_cost_is_learned_from_its_runs_and_estimated_between_and_beyond
     costs.observe(4096, 0.040)
     assert costs.seconds(2048) == pytest.approx(0.020)  # between the two run: on their line
     assert costs.seconds(8192) == pytest.approx(0.080)  # beyond: on the line through the nearest two
-    costs.observe(1024, 0.020)
-    assert costs.seconds(1024) == pytest.approx(0.8 * 0.010 + 0.2 * 0.020)  # a running average
+    costs.observe(1024, 0.300)  # a pack stretched by a pause of the host
+    assert costs.seconds(1024) == pytest.approx(0.155)  # the median of two
+    for _ in range(3):
+        costs.observe(1024, 0.010)
+    assert costs.seconds(1024) == pytest.approx(0.010)  # the pause is one run of five: it no longer counts
 
 
 def test_everything_queued_goes_in_the_smallest_size_that_holds_it():

@@ -36,6 +36,7 @@ from .policy import Clock, Policy, Waiting
 HOLD = 64  # prompts of a lane passed over per step (first fit), oldest first
 HIGH_RECENT_S = 1.0  # high work flows while some was queued this recently: packs behind go just in time
 FULL = 0.9  # a pack this full of its static size counts as full
+POLL_S = 0.002  # while waiting for the moment behind a running pack, whether it is done is looked at this often
 
 
 @dataclass
@@ -73,8 +74,7 @@ class Packer:
 
     def put(self, items: list[Item], waited: float = 0.0) -> None:
         """Queue a task's prompts in their lane (any thread), at once: a pack formed meanwhile sees all or
-        none.
-        ``waited``: seconds since the task was taken (its planning), counted against its lane's target."""
+        none. ``waited``: seconds since the task was taken (its planning), counted against the lane's target."""
         with self.ready:
             now = self.clock.now()
             for item in items:
@@ -157,7 +157,8 @@ class Packer:
                 return pack
             if now >= launch_at:
                 return self._fill(size) if self._queued() else []
-            self.clock.wait(self.ready, launch_at - now)
+            # until the moment, or a put; whether the pack ended sooner than expected is looked at every POLL_S
+            self.clock.wait(self.ready, min(launch_at - now, POLL_S))
 
     def _wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
         deadline = self.clock.now() + timeout

@@ -18,13 +18,15 @@ docs/BENCHMARKS.md, "The pack policy") made the queue behind it grow in bursts, 
 still; packs that take everything, launched just in time behind the running one (worker/gpu/packer.py), grow
 and shrink with the load.
 
-What each size costs is learned from the packs run (``Costs``: the device time of each, a running average).
+What each size costs is learned from the packs run (``Costs``: the median device time of each's last runs).
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from producer.wire.keys import HIGH, Priority
@@ -32,7 +34,7 @@ from producer.wire.keys import HIGH, Priority
 # The 2B shape in bf16 on an H100 (docs/BENCHMARKS.md): a 512-token pack 6.3 ms, 4096 about 25, 16384 84.
 # Only until a size has been run: then its own measured time counts.
 PRIOR_FIXED_S, PRIOR_PER_TOKEN_S = 0.0038, 4.9e-6
-LEARN = 0.2  # weight of a new run in a size's average
+RUNS = 9  # a size's cost is the median of its last runs
 SMALLEST = 512  # an eager engine's packs are sized in powers of two from here
 FULL = 0.9  # a pack this full of its size wastes little on padding
 
@@ -50,16 +52,18 @@ class Clock:
 
 
 class Costs:
-    """The seconds a pack of each size runs on the device, learned from the packs run (a running average per
-    size); a size not run yet is estimated from the sizes run (a fixed cost and a cost per token), else the
-    prior."""
+    """The seconds a pack of each size runs on the device, learned from the packs run (the median of each size's
+    last ``RUNS``: a pack stretched by a pause of the host moves it little); a size not run yet is estimated
+    from the sizes run (a fixed cost and a cost per token), else the prior."""
 
     def __init__(self) -> None:
-        self.seen: dict[int, float] = {}
+        self.runs: dict[int, deque[float]] = {}
+        self.seen: dict[int, float] = {}  # each size's median
 
     def observe(self, size: int, seconds: float) -> None:
-        old = self.seen.get(size)
-        self.seen[size] = seconds if old is None else (1 - LEARN) * old + LEARN * seconds
+        runs = self.runs.setdefault(size, deque(maxlen=RUNS))
+        runs.append(seconds)
+        self.seen[size] = statistics.median(runs)
 
     def seconds(self, size: int) -> float:
         if size in self.seen:
