@@ -9,8 +9,9 @@
   still waited for, unless its key says ``"hang_up": "keep"`` or the call ``?hang_up=keep`` (fire and forget).
 
 Every cancel the gateway makes goes through ``cancel``: counted by reason and what it found
-(``dq_gateway_cancels_total``). A System One call's retries map to one request (retries.py): a retry of a
-cancelled one reads its ``cancelled`` result and is sent, and computed, afresh under a new id.
+(``dq_gateway_cancels_total``). A System One call's retries map to one request (retries.py): the call
+that waits for a request cancelled is answered ``cancelled``; one that comes after the cancel is sent, and
+computed, afresh under a new id.
 """
 
 from __future__ import annotations
