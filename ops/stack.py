@@ -139,7 +139,7 @@ def run(args: argparse.Namespace, work: Path, children: dict[str, subprocess.Pop
         logs = {"gateway": work / "gateway.log", "worker": work / "worker.log"}
         starts = {"gateway": ["producer.gateway", "--redis-url", server.url, "--port", str(args.gateway_port)],
                   "worker": ["worker", "serve", "--checkpoint", checkpoint, "--redis-url", server.url,
-                             "--metrics-port", str(metrics)]}
+                             "--metrics-port", str(metrics), "--metrics-host", "127.0.0.1"]}
         for name, command in starts.items():
             children[name] = subprocess.Popen([sys.executable, "-m", *command], cwd=ROOT, env=env,
                                               stdout=open(logs[name], "ab"), stderr=subprocess.STDOUT,
