@@ -119,14 +119,15 @@ def install(app: FastAPI, gateway: Any) -> None:
         answer = (await gateway.clients[namespace].status([request_id]))[request_id]
         return JSONResponse(answer.model_dump(exclude_none=True), 404 if answer.state == "unknown" else 200)
 
-    # One entry per id asked, in the order asked: an id asked twice is answered twice (``?id=X&id=X&id=Y`` gave
-    # two entries for three), each id cancelled or looked up once.
+    def each(found: dict[str, Any], ids: list[str]) -> JSONResponse:
+        """One entry per id asked, in the order asked: an id asked twice is answered twice (``?id=X&id=X&id=Y``
+        gave two entries for three), each id cancelled or looked up once."""
+        return JSONResponse({"requests": [found[request_id].model_dump(exclude_none=True) for request_id in ids]})
+
     @app.delete("/v1/requests", summary="Cancel many requests (?id=a&id=b): an answer per id asked, in order")
     async def cancel_many(http: HttpRequest, ids: Ids) -> Response:
-        found = await cancel(gateway, checked(http, ids), ids, "delete")
-        return JSONResponse({"requests": [found[request_id].model_dump(exclude_none=True) for request_id in ids]})
+        return each(await cancel(gateway, checked(http, ids), ids, "delete"), ids)
 
     @app.get("/v1/requests", summary="Where many requests are (?id=a&id=b): an answer per id asked, in order")
     async def status_many(http: HttpRequest, ids: Ids) -> Response:
-        found = await gateway.clients[checked(http, ids)].status(ids)
-        return JSONResponse({"requests": [found[request_id].model_dump(exclude_none=True) for request_id in ids]})
+        return each(await gateway.clients[checked(http, ids)].status(ids), ids)
