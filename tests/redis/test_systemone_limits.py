@@ -137,6 +137,7 @@ def test_identical_calls_against_a_full_queue_are_all_refused_at_once(limited, s
     for caller in callers:
         caller.join(60)
     took = time.monotonic() - started
+    print(f"twenty identical calls against a full lane: answered in {took:.2f} s")
     assert [a.status_code for a in answers] == [429] * 20, [(a.status_code, a.text[:120]) for a in answers]
     assert all(a.json()["detail"]["error_type"] == "queue_full" and a.headers["retry-after"] == "1" for a in answers)
     assert took < 5, f"{took:.1f} s"
@@ -203,6 +204,7 @@ def test_a_call_whose_models_last_worker_leaves_ends_at_once_saying_so(limited, 
     left = time.monotonic()
     caller.join(30)
     [reply] = answer
+    print(f"the call waiting for a model whose last worker left: answered {time.monotonic() - left:.2f} s after")
     assert reply.status_code == 503 and time.monotonic() - left < 4, (reply.status_code, reply.text)
     assert "no live worker serves the model 'lonely' any more" in reply.json()["detail"]["message"]
     assert reply.headers["retry-after"] == "1"
