@@ -14,6 +14,7 @@ from typing import Any
 
 from producer import __version__
 from producer.plumbing.connection import WAIT_MS, Deployment
+from producer.plumbing.extras import needed, require
 from producer.plumbing.supported import UnsupportedServer
 from producer.wire.keys import PROTOCOL
 
@@ -25,7 +26,8 @@ PORT_IN_USE = 75
 
 
 def _tiny(args: argparse.Namespace) -> int:
-    from .model import tiny
+    with needed("worker", "dq-worker tiny-checkpoint"):
+        from .model import tiny
 
     path = tiny.write(args.directory, seed=args.seed, fmt=args.format, multimodal=not args.text_only)
     print(f"wrote a tiny {args.format} decision checkpoint to {path}")
@@ -188,16 +190,22 @@ def _serve(args: argparse.Namespace) -> int:
     settings = _settings("serve", lambda: Settings.from_args(args))
     if settings is None:
         return 2
-    if settings.gpus:  # one worker process per device, supervised by this one
-        from .launch.launcher import serve as launch
+    with needed("worker", "dq-worker serve"):  # torch and the rest: else which extra to install, exit 2
+        if settings.gpus:  # one worker process per device, supervised by this one (which imports no torch)
+            from .launch import launcher
 
-        return launch(settings)
+            require("torch")
+        else:
+            from . import daemon  # noqa: F401
+    if settings.gpus:
+        return launcher.serve(settings)
     return serve(settings)
 
 
 def _check(args: argparse.Namespace) -> int:
     """The same port setting as ``serve``: the same flag, variable and default."""
-    from .health import check
+    with needed("worker", "dq-worker check"):
+        from .health import check
 
     url = args.url
     if url is None:

@@ -6,8 +6,8 @@
 
 It takes the producer's connection flags and variables (--redis-url or DQ_REDIS_URL, --namespace, --shards,
 TLS, Redis Cluster) and its own (--host, --port, limits; DQ_GATEWAY_*). Exit codes: 0 stopped, 2 usage (a bad
-flag, variable or keys file, or a --model-alias that names a model live workers serve: before it listens),
-4 Redis unreachable at start.
+flag, variable or keys file, or a --model-alias that names a model live workers serve: before it listens; or
+the http extra not installed), 4 Redis unreachable at start.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 from .. import __version__
 from ..plumbing.connection import Deployment, check_reachable, connect
 from ..plumbing.exits import FAILED, OK, UNREACHABLE, USAGE
+from ..plumbing.extras import needed
 from ..wire.keys import PROTOCOL, Keys
 from .config import ConfigError, GatewayConfig, add_arguments, load
 from .front import logs
@@ -48,7 +49,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parser().parse_args(argv)  # --help and --version: no extra needed
+    with needed("http", "dq-gateway"):  # else: which extra to install, exit 2
+        import uvicorn  # noqa: F401
+
+        from . import routes  # noqa: F401
     try:
         config = load(vars(args))
     except (ConfigError, ValueError) as error:

@@ -427,6 +427,14 @@ def test_a_call_whose_request_is_cancelled_while_it_waits_is_answered_cancelled(
     connection.close()
 
 
+def test_a_base_url_ending_in_v1_is_told_to_drop_it(stack):
+    """The clients append /v1/systemone to their base URL: one ending in /v1 got a bare 404 "Not Found"."""
+    with TypeSafeClient(api_key=TOKENS["acme"], base_url=stack.gateway.url + "/v1", retry=NO_RETRY) as client:
+        for call in (lambda: client.system_one("x", {"q": Noul(instructions="ok?")}), client.models.list):
+            error = refused(call, ts.TypeSafeNotFoundError)
+            assert error.status == 404 and "the base URL ends in /v1" in str(error) and "drop the /v1" in str(error)
+
+
 def test_an_open_gateway_ignores_the_bearer_the_sdk_must_send(stack):
     with TypeSafeClient(api_key="anything-at-all", base_url=stack.open.url) as client:
         assert client.system_one("Open?", {"q": Noul(instructions="ok?")}, model="decider-b").model == "decider-b"

@@ -166,6 +166,18 @@ def install(app: FastAPI, front: Front, gateway: Gateway, config: GatewayConfig,
 
     app.add_route("/v1/systemone", system_one, methods=["POST"], include_in_schema=False)
     app.add_route("/v1/models", list_models, methods=["GET"], include_in_schema=False)
+    app.add_route("/v1/v1/{rest:path}", _doubled, methods=["GET", "POST"], include_in_schema=False)
+
+
+async def _doubled(http: HttpRequest) -> Response:
+    """A base URL that ends in /v1 (the clients append ``/v1/systemone`` to it): a 404 that says so, in the
+    clients' shape, where it was a bare "Not Found". Public, as any unknown path: it reads no body, names no
+    tenant."""
+    rest = http.path_params["rest"][:60]
+    message = (f"no route /v1/v1/{rest}: the base URL ends in /v1, and the System One clients append "
+               f"/v1/{rest} themselves; drop the /v1 from it (TYPESAFE_BASE_URL=http://host:8080)")
+    body = translate.error_body(404, "not_found", message)
+    return Response(body, 404, {translate.ID_HEADER: translate.fresh_id()}, media_type=JSON)
 
 
 def idempotency_key(http: HttpRequest) -> str | None:
