@@ -1,4 +1,4 @@
-"""System One calls at the gateway's limits, against real processes: a gateway of this module's own on the session
+"""System One calls at the gateway's limits, against real processes: a gateway of this module's own on the shared
 stack's server (tests/redis/gateways.py), in front of an in-process worker that serves the model ``solo`` from shard 1
 of namespace ``limits`` while the gateway sends to shard 0, so that every call is routed (a live worker serves its
 model) and stays queued for as long as the test wants. Each test is a defect of round five's adversarial pass
