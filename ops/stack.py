@@ -177,7 +177,7 @@ def run(args: argparse.Namespace, work: Path, children: dict[str, subprocess.Pop
                                               start_new_session=True)
 
         start("worker", "worker", "serve", "--checkpoint", checkpoint, "--redis-url", server.url, "--metrics-port",
-              str(metrics))
+              str(metrics), "--metrics-host", "127.0.0.1")
         wait_for(f"http://127.0.0.1:{metrics}/readyz", children["worker"], "worker", logs["worker"], 300, stop)
         # The gateway once the worker says what it serves: the aliases name it.
         served = served_names(server.url)

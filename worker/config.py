@@ -154,6 +154,9 @@ class Settings:
                                          "longer than this (its worker is gone)", low=1000)
     max_deliveries: int = _opt(5, "dead-letter an entry delivered more often than this", low=1)
     result_ttl_s: int = _opt(86400, "how long results stay readable", low=1)
+    record_ttl_s: int = _opt(0, "how long a request's record (its status, cancel's answer) stays once its "
+                                "result is published; 0: as long as the result (--result-ttl-s), never longer",
+                             low=0)
     reply_maxlen: int = _opt(10000, "a reply stream keeps about this many newest replies (approximate "
                                     "MAXLEN)",
                              low=100)
@@ -199,6 +202,9 @@ class Settings:
             problems.append(("gpus", "all, cpu:N (N up to 999) or distinct GPU numbers like 0,1,3", self.gpus))
         elif gpus and self.device != "auto":
             problems.append(("device", "auto with --gpus (the launcher gives each worker its device)", self.device))
+        if self.record_ttl_s > self.result_ttl_s:  # a record says what its result says: never kept past it
+            problems.append(("record_ttl_s", f"at most --result-ttl-s ({self.result_ttl_s})",
+                             self.record_ttl_s))
         names = self.served_model_name.split(",") if self.served_model_name else []
         if not all(MODEL_NAME.match(n) for n in names) or len(set(names)) < len(names):
             problems.append(("served_model_name", "distinct names of 1 to 128 of A-Z a-z 0-9 . _ : / @ + - "
@@ -227,6 +233,11 @@ class Settings:
         if problems:
             raise SettingsError("; ".join(f"{_names(name)} must be {need}, got {value!r}"
                                           for name, need, value in problems))
+
+    @property
+    def record_ttl(self) -> int:
+        """Seconds a record stays once its request is answered: ``--record-ttl-s``, else the result's TTL."""
+        return self.record_ttl_s or self.result_ttl_s
 
     @property
     def consumer_name(self) -> str:

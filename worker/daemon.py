@@ -88,6 +88,7 @@ class Daemon:
         self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.loop,
                                traces=tracing, fatal=lambda code: self.exit(code))
         self.metrics.built(__version__, self.served[0], self.engine.name, str(self.model.device))
+        self.metrics.retains(settings.result_ttl_s, settings.record_ttl)
 
     def run(self, after_warmup: Any = None, burst: bool = False) -> int:
         """Serve until ``stop`` (SIGTERM, from ``serve``). ``after_warmup``: once warm, before ready

@@ -132,6 +132,9 @@ class Metrics:
         self.prompts = Counter("dq_prompts_total", "Prompts through the model (computed)", registry=r)
         self.packs = Counter("dq_packs_total", "Forward passes, replayed CUDA graphs or eager",
                              ["mode"], registry=r)
+        self.retention = Gauge("dq_retention_seconds", "How long Redis keeps what this worker writes for an "
+                               "answered request: its result (kind result, --result-ttl-s) and its record (kind "
+                               "record, --record-ttl-s): with the result rate, Redis memory", ["kind"], registry=r)
         self.gpu_memory = Gauge("dq_gpu_memory_bytes",
                                 "GPU memory of this process now: allocated or reserved", ["kind"], registry=r)
         self.gpu_memory_peak = Gauge("dq_gpu_memory_peak_bytes",
@@ -192,6 +195,10 @@ class Metrics:
 
     def built(self, version: str, model: str, engine: str, device: str) -> None:
         self.info.labels(version, model, engine, device, self.shard).set(1)
+
+    def retains(self, result_s: int, record_s: int) -> None:
+        self.retention.labels("result").set(result_s)
+        self.retention.labels("record").set(record_s)
 
 
 class CollectorPauses:

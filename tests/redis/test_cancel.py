@@ -95,6 +95,28 @@ def test_a_request_cancelled_before_it_is_packed_is_never_computed(redis_server,
     assert again.state == "cancelled" and again.code == "cancelled"
 
 
+def test_a_request_sent_again_after_its_cancel_says_what_becomes_of_it(redis_server, inprocess):
+    """Cancelled while queued, then sent again under its id before any worker read it: its status says
+    ``cancelled`` (the cancel mark kept), and that is what both entries are answered, once, never computed. Before,
+    the second submit cleared the mark: status said ``queued`` with no cancel, and it ended ``cancelled`` all the
+    same (the first entry's notice answered the id, the second entry found that answer). The answer says what to
+    do: an id is answered once, so a request meant to run is sent under a new id."""
+    client = Client(redis_server.url)
+    client.submit(request("resent"))
+    assert client.cancel("resent")["resent"].state == "cancelled"
+    client.submit(request("resent"))
+    status = client.status("resent")["resent"]
+    assert status.state == "cancelled" and status.cancel_requested_ms is not None, status
+    worker = gated(inprocess, redis_server.url, max_wait_ms=1)
+    worker.start()
+    worker.faults.gate.set()
+    result = client.wait("resent", timeout=60)
+    assert result.error.code == ErrorCode.CANCELLED and "under a new id" in result.error.message, result
+    until(lambda: not client.redis.xlen(KEYS.requests), what="both entries read")
+    assert client.redis.xlen(KEYS.result("resent")) == 1 and not computed(worker, "resent")
+    assert client.status("resent")["resent"].state == "cancelled"
+
+
 def test_a_request_in_a_pack_is_answered_normally(redis_server, inprocess):
     client = Client(redis_server.url)
     worker = gated(inprocess, redis_server.url, max_wait_ms=1).start()

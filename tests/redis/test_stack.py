@@ -216,6 +216,27 @@ def test_the_stack_says_where_everything_is_runs_what_it_prints_and_keeps_its_po
     assert keyless.returncode == 2 and "no API keys file at /no/such/keys.json" in keyless.stderr
 
 
+def listening(port: int) -> set[str]:
+    """The addresses a socket listens on at ``port``, from /proc/net/tcp and tcp6 (IPv4 as dotted quads, IPv6 as
+    hex)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # LISTEN
+                found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]) if len(address) == 8 else address)
+    return found
+
+
+def test_every_part_listens_on_loopback_only(up):
+    """The worker's endpoints (metrics, readiness) on 127.0.0.1 like Redis and the gateway: they listened on every
+    interface, so anyone on the network could read the local stack's metrics."""
+    worker = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", up.printed("worker   ")[0])
+    for port in (up.redis_port, up.gateway_port, int(worker.group(1))):
+        assert listening(port) and listening(port) <= {"127.0.0.1", "00000000000000000000000001000000"}, port
+
+
 def test_ctrl_c_stops_every_part_and_removes_what_it_made(up):
     """Last: it stops the module's stack."""
     [logs] = up.printed("logs     ")

@@ -70,6 +70,9 @@ def test_pack_tokens_is_every_packs_budget_and_the_largest_bucket(pack_tokens, b
     ({"DQ_RESULT_TTL_S": "0"}, "--result-ttl-s (DQ_RESULT_TTL_S) must be at least 1, got 0"),
     ({"DQ_RESULT_TTL_S": "-1"}, "--result-ttl-s (DQ_RESULT_TTL_S) must be at least 1, got -1"),
     ({"DQ_STALL_TIMEOUT_S": "0"}, "--stall-timeout-s (DQ_STALL_TIMEOUT_S) must be at least 1"),
+    # A record says what its result says: never kept past it.
+    ({"DQ_RESULT_TTL_S": "3600", "DQ_RECORD_TTL_S": "7200"}, "--record-ttl-s (DQ_RECORD_TTL_S) must be at most "
+                                                             "--result-ttl-s (3600), got 7200"),
     ({"DQ_EPILOGUES": "swiglu,bogus"}, "--epilogues (DQ_EPILOGUES) must be none, all, or some of swiglu, residual, "
                                        "gated_norm comma-separated, got 'swiglu,bogus'"),
     ({"DQ_FP8_LAYERS": "3-"}, "--fp8-layers (DQ_FP8_LAYERS) must be all, full, linear, late or layer indices"),

@@ -71,7 +71,8 @@ def test_image_errors(loaded):
     encoder = Encoder(loaded("repo"), max_image_pixels=100 * 100)
     cases = [
         ({"data_base64": "not base64!"}, "not valid base64"),
-        ({"data_base64": "aGVsbG8="}, "cannot decode"),
+        ({"data_base64": "aGVsbG8="}, "cannot decode image .not an image of a format read here: png, jpeg"),
+        ({"data_base64": png("red", (64, 64))[:80]}, "cannot decode image"),
         ({"data_base64": png("red", (64, 64), "TIFF")}, "unsupported image format TIFF"),
         ({"data_base64": png("red", (200, 200))}, "over the limit"),
     ]
@@ -79,6 +80,7 @@ def test_image_errors(loaded):
         with pytest.raises(RequestError, match=message) as error:
             encoder.prompts(request(state="see img-1", assets={"img-1": asset}))
         assert error.value.code == ErrorCode.INVALID_IMAGE
+        assert " at 0x" not in str(error.value) and "BytesIO" not in str(error.value)  # a plain message, no repr
     with pytest.raises(RequestError, match="text only"):
         Encoder(loaded("repo-text")).prompts(request(state="see img-1", assets={"img-1": {"data_base64": png()}}))
 

@@ -49,6 +49,9 @@ from .settler import Settler
 
 log = logging.getLogger("worker")
 ALONE_LOOKED_AT = 8  # entries held at most for one to be planned as alone (the look is a scan)
+# A cancelled request's answer, for whoever reads it (a resend under its id after a caller hung up included).
+CANCELLED = ("cancelled before it was computed (a DELETE, a cancel call, or a gateway caller that hung up); an id "
+             "is answered once: a request meant to run is sent again under a new id")
 
 
 class Planners(Protocol):
@@ -245,8 +248,7 @@ class Lifecycle:
     def _drop(self, delivery: Delivery, identity: Identity) -> None:
         """Answer ``cancelled``: never computed (a cancel honoured)."""
         self.metrics.cancels.labels("honoured").inc()
-        self.settler.put(error_outcome(delivery, identity, ErrorCode.CANCELLED, "cancelled before it was computed",
-                                       self.model_name))
+        self.settler.put(error_outcome(delivery, identity, ErrorCode.CANCELLED, CANCELLED, self.model_name))
         if (held := self.held.get((delivery.key, delivery.entry_id))) is not None:
             held.cancelled = True  # a notice coming now counts it neither honoured again nor too late
 

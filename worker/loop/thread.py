@@ -66,7 +66,7 @@ class LoopThread:
         self.consumer = Consumer(client, keys, settings.consumer_name, settings.max_entry_bytes, once=once,
                                  max_read_bytes=settings.max_read_bytes)
         self.publisher = Publisher(client, keys, settings.result_ttl_s, served[0], settings.reply_maxlen,
-                                   settings.dead_maxlen, settings.wait_replicas, once)
+                                   settings.dead_maxlen, settings.wait_replicas, once, settings.record_ttl)
         identity = {"model": served[0], "models": list(served), "engine": engine, "shard": settings.shard}
         self.presence = Presence(client, keys, settings.consumer_name, list(self.consumer.streams),
                                  settings.consumer_gone_ms, identity, state)

@@ -16,6 +16,7 @@ import binascii
 import copy
 import dataclasses
 import io
+import re
 import warnings
 from collections.abc import Sequence
 from types import MappingProxyType
@@ -34,6 +35,7 @@ from .checkpoint import DecisionModel, RenderSpec
 from .engine import Prompt
 
 _PIL_FORMATS = {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
+_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")  # an object's repr, its address in it
 
 
 def open_image(name: str, data_base64: str) -> Image.Image:
@@ -47,7 +49,7 @@ def open_image(name: str, data_base64: str) -> Image.Image:
         image = Image.open(io.BytesIO(raw))
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning,
             Image.DecompressionBombError) as error:
-        raise RequestError(ErrorCode.INVALID_IMAGE, f"assets.{name}: cannot decode image ({error})") from None
+        raise RequestError(ErrorCode.INVALID_IMAGE, f"assets.{name}: cannot decode image ({_plain(error)})") from None
     if image.format not in _PIL_FORMATS:
         raise RequestError(ErrorCode.INVALID_IMAGE,
                            f"assets.{name}: unsupported image format {image.format} (png, jpeg, webp, gif, "
@@ -77,8 +79,16 @@ def decode_images(assets: dict[str, str], max_pixels: int) -> dict[str, Image.Im
             decoded[name] = image.convert("RGB")
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning,
                 Image.DecompressionBombError) as error:
-            raise RequestError(ErrorCode.INVALID_IMAGE, f"assets.{name}: cannot decode image ({error})") from None
+            raise RequestError(ErrorCode.INVALID_IMAGE, f"assets.{name}: cannot decode image ({_plain(error)})") from None
     return decoded
+
+
+def _plain(error: BaseException) -> str:
+    """What a decoder's error says, for a caller: Pillow names the file it read, here an object's repr with
+    its address (``cannot identify image file <_io.BytesIO object at 0x7f...>``)."""
+    if isinstance(error, Image.UnidentifiedImageError):
+        return "not an image of a format read here: png, jpeg, webp, gif, bmp"
+    return _REPR.sub("the data", str(error))[:200]
 
 
 def text_length(value: Any) -> int:
