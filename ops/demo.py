@@ -1,7 +1,8 @@
 """The demo: an embedded Redis, a tiny checkpoint, one worker process and a producer; answers printed.
 
 The checkpoint is random, so the answers are arbitrary; what the demo shows is the path: requests enqueued as
-JSON, packed and scored by a worker, one result per request read back, errors for bad input.
+JSON, packed and scored by a worker, one result per request read back, errors for bad input. Nothing is kept:
+its temporary directory is removed at the end.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,6 +54,13 @@ NOTICE = ("demo: a tiny checkpoint with RANDOM weights serves these requests, so
 def main() -> int:
     print(NOTICE, flush=True)
     work = Path(tempfile.mkdtemp(prefix="dq-demo-"))
+    try:  # the checkpoint and the server's files: removed however the demo ends (Ctrl-C included)
+        return run(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(work: Path) -> int:
     checkpoint = work / "tiny-checkpoint"
     print("demo: writing the tiny checkpoint...", flush=True)
     subprocess.run([sys.executable, "-m", "worker", "tiny-checkpoint", str(checkpoint)], check=True, cwd=ROOT)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -24,6 +25,30 @@ SYNC_DELAY_S = 5  # repl-diskless-sync-delay's default on all three servers: how
 UNSYNCED_S = 1.0  # how long the primary takes writes its unsynced replica will never have, before it is killed
 MIGRATE_BATCH = 10  # keys per MIGRATE: redis-cli --cluster reshard's default (--cluster-pipeline)
 MIGRATE_TIMEOUT_MS = 60_000  # redis-cli's default (--cluster-timeout)
+
+
+def move_slot(slot: int, source: RedisServer, target: RedisServer, primaries: list[RedisServer],
+              batch: int = MIGRATE_BATCH) -> int:
+    """Move ``slot`` as ``redis-cli --cluster reshard`` does; the keys moved. The target IMPORTING and the source
+    MIGRATING it, its keys sent over by MIGRATE in batches of ``batch`` (no REPLACE: a key already on the target is an
+    error, as there), then every primary told the target owns it (the target first, then the source). Meanwhile a
+    key the source no longer has is answered ASK, and a call over several keys of which one has moved TRYAGAIN, until
+    the last SETSLOT."""
+    def ask(node: RedisServer, *command: object) -> Any:
+        with redis.Redis(port=node.port, socket_timeout=5) as client:
+            return client.execute_command(*command)
+
+    source_id, target_id = ask(source, "CLUSTER", "MYID"), ask(target, "CLUSTER", "MYID")
+    ask(target, "CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    ask(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    moved = 0
+    with redis.Redis(port=source.port, socket_timeout=MIGRATE_TIMEOUT_MS / 1000 + 5) as client:
+        while keys := client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch):
+            client.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, MIGRATE_TIMEOUT_MS, "KEYS", *keys)
+            moved += len(keys)
+    for node in [target, source, *(n for n in primaries if n not in (target, source))]:
+        ask(node, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
+    return moved
 
 
 class Clustered:
@@ -162,28 +187,13 @@ class Clustered:
         """Shard 0's slot moved to another primary and back under load; the seconds both moves took."""
         start, slot, home = time.monotonic(), key_slot(b"{s0}"), self.owner()
         away = next(node for node in self._primaries() if node is not home)
-        self.move_slot(slot, home, away)
-        self.move_slot(slot, away, home)
+        move_slot(slot, home, away, self._primaries())
+        move_slot(slot, away, home, self._primaries())
         return time.monotonic() - start
 
     def _primaries(self) -> list[RedisServer]:
         rows = [row for row in self._view() if "master" in row[2] and "fail" not in row[2]]
         return [node for row in rows for node in self.nodes if f":{node.port}@" in row[1]]
-
-    def move_slot(self, slot: int, source: RedisServer, target: RedisServer) -> None:
-        """Move ``slot`` as ``redis-cli --cluster reshard`` does: the target IMPORTING and the source MIGRATING it,
-        its keys sent over by MIGRATE in batches of ``MIGRATE_BATCH`` (no REPLACE: a key already on the target is an
-        error, as there), then every primary told the target owns it (the target first, then the source). Meanwhile
-        a key the source no longer has is answered ASK, and a call over several keys of which one has moved TRYAGAIN,
-        until the last SETSLOT."""
-        source_id, target_id = self._ask(source, "CLUSTER", "MYID"), self._ask(target, "CLUSTER", "MYID")
-        self._ask(target, "CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
-        self._ask(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
-        with redis.Redis(port=source.port, socket_timeout=MIGRATE_TIMEOUT_MS / 1000 + 5) as client:
-            while keys := client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, MIGRATE_BATCH):
-                client.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, MIGRATE_TIMEOUT_MS, "KEYS", *keys)
-        for node in [target, source, *(n for n in self._primaries() if n not in (target, source))]:
-            self._ask(node, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
 
     def client(self) -> redis.RedisCluster:
         return redis.RedisCluster(host="127.0.0.1", port=self.wait_stable().port)

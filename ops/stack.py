@@ -3,10 +3,13 @@ the gateway, up until Ctrl-C, for trying the README's snippets (they use these a
 
     bash ops/stack.sh                                  # Redis on 127.0.0.1:6379, the gateway on localhost:8080
     bash ops/stack.sh --redis-port 6380 --gateway-port 8081     # where those are taken
+    bash ops/stack.sh --api-keys-file keys.json        # the gateway with API keys (docs/GATEWAY.md)
 
-The checkpoint has random weights: its answers are arbitrary; the stack shows the paths (the Python client, the
-gateway, the protocol, dq-producer), not a model's judgement. Nothing is kept: the data and the checkpoint are in
-a temporary directory, removed at the end.
+The gateway serves the model under the System One SDKs' default name too (``--model-alias``, default
+``jev-latest``), so a client of that API works with nothing changed but its base URL. The checkpoint has random
+weights: its answers are arbitrary; the stack shows the paths (the Python client, the gateway, the System One
+API, the protocol, dq-producer), not a model's judgement. Nothing is kept: the data and the checkpoint are in a
+temporary directory, removed at the end.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ sys.path.insert(0, str(ROOT))
 from producer.local.ports import free_port  # noqa: E402
 from producer.local.server import RedisServer  # noqa: E402
 
-UP = "stack: up"  # the line that says every part answers (tests wait for it)
+UP = "stack: up"  # the line that says every part answers
+LAST = "Ctrl-C stops every part and removes what the stack made."  # the end of what it prints once up
 REQUEST = '{"state": "I was charged twice.", "questions": {"refund": {"type": "noul"}}}'
+DEFAULT_MODEL = "jev-latest"  # the official System One SDKs' default model (typesafe-sdk, @typesafe-ai/sdk)
 
 
 def taken(port: int) -> bool:
@@ -76,13 +81,41 @@ def commands(redis_url: str, gateway: str, default_redis: bool) -> list[str]:
             f"{producer} stats{flag}"]
 
 
+def served_names(redis_url: str) -> tuple[str, ...]:
+    """The names the live worker serves its model under (its heartbeat's), the one results say first."""
+    import redis
+
+    from producer.wire.keys import Keys, beat_models
+
+    with redis.Redis.from_url(redis_url) as connection:
+        for beat in connection.hgetall(Keys().workers()).values():
+            if beat_models(beat):
+                return beat_models(beat)
+    raise RuntimeError("the worker is ready but wrote no heartbeat naming its model")
+
+
+def aliases(asked: list[str], served: str) -> list[str]:
+    """``--model-alias`` values as the gateway takes them: ``ALIAS`` names the stack's model, ``ALIAS=NAME``
+    another served name."""
+    return [alias if "=" in alias else f"{alias}={served}" for alias in asked if alias != served]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ops/stack.sh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--redis-port", type=int, default=6379, help="Redis' port on 127.0.0.1 [default 6379]")
     parser.add_argument("--gateway-port", type=int, default=8080, help="the gateway's port [default 8080]")
     parser.add_argument("--checkpoint", default="", help="serve this checkpoint instead of the tiny one")
+    parser.add_argument("--model-alias", action="append", metavar="ALIAS[=NAME]",
+                        help="another name callers may send for the model (repeat it; '' for none) [default "
+                             f"{DEFAULT_MODEL}, the System One SDKs' default model]")
+    parser.add_argument("--api-keys-file", default="", metavar="FILE",
+                        help="the gateway's API keys (docs/GATEWAY.md); without, it takes any caller on loopback")
     args = parser.parse_args(argv)
+    args.model_alias = [a for a in (args.model_alias if args.model_alias is not None else [DEFAULT_MODEL]) if a]
+    if args.api_keys_file and not Path(args.api_keys_file).is_file():
+        print(f"stack: no API keys file at {args.api_keys_file}", file=sys.stderr)
+        return 2
     for port, flag in ((args.redis_port, "--redis-port"), (args.gateway_port, "--gateway-port")):
         if taken(port):
             print(f"stack: port {port} is taken on 127.0.0.1 (a Redis or a gateway already running?): stop it, or "
@@ -135,33 +168,27 @@ def run(args: argparse.Namespace, work: Path, children: dict[str, subprocess.Pop
         where = "embedded" if server.found.embedded else server.binary
         metrics = free_port()
         gateway = f"http://localhost:{args.gateway_port}"
-        print(f"stack: {server.server} ({where}) on {server.url}; starting a worker and the gateway...", flush=True)
-        logs = {"gateway": work / "gateway.log", "worker": work / "worker.log"}
-        starts = {"gateway": ["producer.gateway", "--redis-url", server.url, "--port", str(args.gateway_port)],
-                  "worker": ["worker", "serve", "--checkpoint", checkpoint, "--redis-url", server.url,
-                             "--metrics-port", str(metrics)]}
-        for name, command in starts.items():
+        print(f"stack: {server.server} ({where}) on {server.url}; starting a worker, then the gateway...", flush=True)
+        logs = {"worker": work / "worker.log", "gateway": work / "gateway.log"}
+
+        def start(name: str, *command: str) -> None:
             children[name] = subprocess.Popen([sys.executable, "-m", *command], cwd=ROOT, env=env,
                                               stdout=open(logs[name], "ab"), stderr=subprocess.STDOUT,
                                               start_new_session=True)
+
+        start("worker", "worker", "serve", "--checkpoint", checkpoint, "--redis-url", server.url, "--metrics-port",
+              str(metrics), "--metrics-host", "127.0.0.1")
+        wait_for(f"http://127.0.0.1:{metrics}/readyz", children["worker"], "worker", logs["worker"], 300, stop)
+        # The gateway once the worker says what it serves: the aliases name it.
+        served = served_names(server.url)
+        named = aliases(args.model_alias, served[0])
+        keys = ["--api-keys-file", str(Path(args.api_keys_file).resolve())] if args.api_keys_file else []
+        start("gateway", "producer.gateway", "--redis-url", server.url, "--port", str(args.gateway_port), *keys,
+              *(flag for alias in named for flag in ("--model-alias", alias)))
         wait_for(f"http://127.0.0.1:{args.gateway_port}/health", children["gateway"], "gateway", logs["gateway"], 60,
                  stop)
-        wait_for(f"http://127.0.0.1:{metrics}/readyz", children["worker"], "worker", logs["worker"], 300, stop)
-        default_redis = server.url == "redis://127.0.0.1:6379/0"
-        same = default_redis and args.gateway_port == 8080
-        print(f"""
-{UP} (Ctrl-C stops it and removes what it made)
-  Redis    {server.url}{"" if default_redis else f"   (export DQ_REDIS_URL={server.url} for the Python client)"}
-  gateway  {gateway}   (its routes: {gateway}/docs)
-  worker   metrics http://127.0.0.1:{metrics}/metrics, ready at /readyz
-  logs     {work}
-
-Try (the README's snippets work as they are{"" if same else ", with these addresses"}):
-""" + "\n".join(f"  {command}" for command in commands(server.url, gateway, default_redis)) + """
-
-No redis-cli here? The protocol snippets need one (Debian, Ubuntu: apt-get install redis-tools; macOS: brew install
-redis); the Python client and dq-producer need none.
-""", flush=True)
+        print(banner(args, server.url, gateway, metrics, work, [*served, *(a.split("=")[0] for a in named)]),
+              flush=True)
         while not stop:
             for name, child in children.items():
                 if child.poll() is not None:
@@ -175,6 +202,39 @@ redis); the Python client and dq-producer need none.
         for child in children.values():
             child.wait(60)
         return False
+
+
+def banner(args: argparse.Namespace, redis_url: str, gateway: str, metrics: int, work: Path,
+           names: list[str]) -> str:
+    """What the stack prints once every part answers: where each is, and what to try."""
+    default_redis = redis_url == "redis://127.0.0.1:6379/0"
+    same = default_redis and args.gateway_port == 8080
+    keyed = bool(args.api_keys_file)
+    model, *others = names
+    known = ", also as " + ", ".join(f"{name} (the System One SDKs' default)" if name == DEFAULT_MODEL else name
+                                     for name in others)
+    text = f"""
+{UP}
+  Redis    {redis_url}{"" if default_redis else f"   (export DQ_REDIS_URL={redis_url} for the Python client)"}
+  gateway  {gateway}   (its routes: {gateway}/docs; {"API keys: " + args.api_keys_file if keyed else
+                                                      "no API keys: any caller on this machine"})
+  model    {model}{known if others else ""}
+  worker   metrics http://127.0.0.1:{metrics}/metrics, ready at /readyz
+  logs     {work}
+
+Try (the README's snippets work as they are{"" if same else ", with these addresses"}{
+    "; the gateway's calls need a key of the keys file" if keyed else ""}):
+""" + "\n".join(f"  {command}" for command in commands(redis_url, gateway, default_redis)) + f"""
+
+A System One client (typesafe-sdk, @typesafe-ai/sdk) needs its base URL only{"" if keyed else " (any API key)"}:
+  export TYPESAFE_BASE_URL={gateway} TYPESAFE_API_KEY={"<a key of the keys file>" if keyed else "any-value"}
+"""
+    if shutil.which("redis-cli") is None:
+        text += """
+No redis-cli here? The protocol snippets need one (Debian, Ubuntu: apt-get install redis-tools; macOS: brew install
+redis); the Python client and dq-producer need none.
+"""
+    return text + f"\n{LAST}"
 
 
 if __name__ == "__main__":

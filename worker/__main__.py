@@ -1,5 +1,5 @@
-"""dq-worker (or python -m worker): serve, write a tiny checkpoint, check a running worker's health, or load the
-queue's function library onto a Redis server."""
+"""dq-worker (or python -m worker): serve, write a tiny checkpoint, check a running worker's health, or load
+the queue's function library onto a Redis server."""
 
 from __future__ import annotations
 
@@ -14,17 +14,20 @@ from typing import Any
 
 from producer import __version__
 from producer.plumbing.connection import WAIT_MS, Deployment
+from producer.plumbing.extras import needed, require
 from producer.plumbing.supported import UnsupportedServer
 from producer.wire.keys import PROTOCOL
 
 from .config import Settings
 
 log = logging.getLogger("worker")
-PORT_IN_USE = 75  # sysexits' EX_TEMPFAIL: the metrics port is held, maybe by a process on its way out; try again
+# sysexits' EX_TEMPFAIL: the metrics port is held, maybe by a process on its way out; try again
+PORT_IN_USE = 75
 
 
 def _tiny(args: argparse.Namespace) -> int:
-    from .model import tiny
+    with needed("worker", "dq-worker tiny-checkpoint"):
+        from .model import tiny
 
     path = tiny.write(args.directory, seed=args.seed, fmt=args.format, multimodal=not args.text_only)
     print(f"wrote a tiny {args.format} decision checkpoint to {path}")
@@ -60,16 +63,17 @@ def _load_functions(args: argparse.Namespace) -> int:
           + (f"; {deployment.wait_replicas} replicas of every primary have both" if deployment.wait_replicas
              and not short else ""))
     if short:
-        print(f"dq-worker load-functions: {deployment.safe_url}: loaded, but fewer than {deployment.wait_replicas} "
-              f"replicas confirmed within {WAIT_MS} ms on {', '.join(short)}", file=sys.stderr)
+        print(f"dq-worker load-functions: {deployment.safe_url}: loaded, but fewer than "
+              f"{deployment.wait_replicas} replicas confirmed within {WAIT_MS} ms on {', '.join(short)}",
+              file=sys.stderr)
     return 1 if short else 0
 
 
 def _short_of_replicas(client: Any, deployment: Deployment) -> list[str]:
-    """``--wait-replicas N``: on each primary, a write after the library and the groups (a mark that lives 10 s),
-    then a WAIT on the same connection: a replica that confirms it has everything the primary had before it. (A WAIT
-    alone proves nothing where nothing was written: the library was there already.) The primaries that fell short,
-    each with its count; a refusal is raised."""
+    """``--wait-replicas N``: on each primary, a write after the library and the groups (a mark that lives 10
+    s), then a WAIT on the same connection: a replica that confirms it has everything the primary had before
+    it. (A WAIT alone proves nothing where nothing was written: the library was there already.) The primaries
+    that fell short, each with its count; a refusal is raised."""
     import redis
 
     from producer.plumbing import cluster_wait
@@ -87,8 +91,8 @@ def _short_of_replicas(client: Any, deployment: Deployment) -> list[str]:
         marks.setdefault(client.get_node_from_key(key).name, key)
         if len(marks) == len(client.get_primaries()):
             break
-    sent = cluster_wait.run(client, [cluster_wait.Routed(key, ("SET", key, "", "PX", cluster_wait.MARK_TTL_MS))
-                                     for key in marks.values()], wanted)
+    writes = [cluster_wait.Routed(key, ("SET", key, "", "PX", cluster_wait.MARK_TTL_MS)) for key in marks.values()]
+    sent = cluster_wait.run(client, writes, wanted)
     for reply in sent.replies:
         if isinstance(reply, BaseException):
             raise reply
@@ -96,9 +100,9 @@ def _short_of_replicas(client: Any, deployment: Deployment) -> list[str]:
 
 
 def _create_groups(client: Any, deployment: Any) -> int:
-    """Every shard's work streams and the workers' group, made before any worker runs: an autoscaler that polls a
-    stream or group that does not exist errors or, in some KEDA releases, scales without bound (keda#7447).
-    Workers create the same at start (from id 0: nothing already queued is skipped)."""
+    """Every shard's work streams and the workers' group, made before any worker runs: an autoscaler that
+    polls a stream or group that does not exist errors or, in some KEDA releases, scales without bound
+    (keda#7447). Workers create the same at start (from id 0: nothing already queued is skipped)."""
     import redis
 
     from producer.wire.keys import LANES, Keys
@@ -126,23 +130,24 @@ def parser() -> argparse.ArgumentParser:
     tiny_cmd.add_argument("directory", help="where to write it (created if missing)")
     tiny_cmd.add_argument("--seed", type=int, default=0, help="seed of the random weights [default 0]")
     tiny_cmd.add_argument("--format", choices=("repo", "readout", "judge"), default="repo",
-                          help="save_pretrained repo, decision_config.json + readout.safetensors, or JEV judge "
-                               "[default 'repo']")
+                          help="save_pretrained repo, decision_config.json + readout.safetensors, or JEV "
+                               "judge [default 'repo']")
     tiny_cmd.add_argument("--text-only", action="store_true",
                           help="a qwen3_5_text backbone (no vision tower) [default off]")
     tiny_cmd.set_defaults(run=_tiny)
 
     serve_cmd = commands.add_parser("serve", help="consume requests from Redis and publish results",
                                     usage="dq-worker serve --checkpoint DIR [--redis-url URL] [option ...]",
-                                    description="Serve a decision checkpoint from the Redis queue. Every flag is "
-                                                "also a DQ_* variable; flags win over variables.")
+                                    description="Serve a decision checkpoint from the Redis queue. Every "
+                                                "flag is also a DQ_* variable; flags win over variables.")
     Settings.add_arguments(serve_cmd)
     serve_cmd.set_defaults(run=_serve)
 
     check_cmd = commands.add_parser("check", help="exit 0 if a worker's health endpoint answers 200")
     check_cmd.add_argument("--metrics-port", dest="metrics_port", type=int, default=None,
                            help="the worker's --metrics-port [env DQ_METRICS_PORT, default 0: none served]")
-    check_cmd.add_argument("--url", help="the health endpoint's base URL instead (default http://127.0.0.1:PORT)")
+    check_cmd.add_argument("--url", help="the health endpoint's base URL instead (default "
+                                         "http://127.0.0.1:PORT)")
     check_cmd.add_argument("--live", action="store_true",
                            help="liveness (/healthz) instead of readiness (/readyz) [default off]")
     check_cmd.set_defaults(run=_check)
@@ -152,10 +157,10 @@ def parser() -> argparse.ArgumentParser:
     for name, (flags, metavar, text) in Deployment.FLAGS.items():  # the same flags as serve and dq-producer
         text += " (a user that may FUNCTION LOAD: admin)" if name == "url" else ""
         text += ": load on every primary" if name == "cluster" else ""
-        text = "stream shards of the deployment: each one's work streams and consumer group are created" \
-            if name == "shards" else text
-        text = ("exit 1 unless N replicas of every primary confirm the library and the groups (a write, then WAIT)"
-                if name == "wait_replicas" else text)
+        if name == "shards":
+            text = "stream shards of the deployment: each one's work streams and consumer group are created"
+        if name == "wait_replicas":
+            text = "exit 1 unless N replicas of every primary confirm the library and the groups (a write, then WAIT)"
         default = repr(getattr(Deployment(), name)) if name != "cluster" else "off"
         env = Deployment.ENV[name]
         kind = ({"action": "store_true"} if name == "cluster" else {"metavar": metavar, "type": int}
@@ -181,19 +186,26 @@ def _settings(command: str, make: Callable[[], Settings]) -> Settings | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    settings = _settings("serve", lambda: Settings.from_args(args))  # before torch is imported or a model loaded
+    # before torch is imported or a model loaded
+    settings = _settings("serve", lambda: Settings.from_args(args))
     if settings is None:
         return 2
-    if settings.gpus:  # one worker process per device, supervised by this one
-        from .launch.launcher import serve as launch
+    with needed("worker", "dq-worker serve"):  # torch and the rest: else which extra to install, exit 2
+        if settings.gpus:  # one worker process per device, supervised by this one (which imports no torch)
+            from .launch import launcher
 
-        return launch(settings)
+            require("torch")
+        else:
+            from . import daemon  # noqa: F401
+    if settings.gpus:
+        return launcher.serve(settings)
     return serve(settings)
 
 
 def _check(args: argparse.Namespace) -> int:
     """The same port setting as ``serve``: the same flag, variable and default."""
-    from .health import check
+    with needed("worker", "dq-worker check"):
+        from .health import check
 
     url = args.url
     if url is None:
@@ -239,8 +251,8 @@ def serve(settings: Settings) -> int:
             serve_http(daemon, settings.metrics_port, settings.metrics_host)
         except OSError as error:
             log.error("cannot serve metrics on port %d: %s", settings.metrics_port, error)
-            # In use: a process that holds it may be leaving (an earlier launcher's worker, draining): the launcher
-            # starts this one again after a pause. Exit 2 would stop every worker of the host.
+            # In use: a process that holds it may be leaving (an earlier launcher's worker, draining): the
+            # launcher starts this one again after a pause. Exit 2 would stop every worker of the host.
             return PORT_IN_USE if error.errno == errno.EADDRINUSE else 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, daemon.on_signal)
@@ -254,8 +266,8 @@ def serve(settings: Settings) -> int:
 
 
 def _refused_here(error: RuntimeError) -> bool:
-    """The fast engine cannot run here, or deterministic mode cannot be kept on this card. Their modules are loaded
-    only where the fast engine was tried, so they are looked up rather than imported."""
+    """The fast engine cannot run here, or deterministic mode cannot be kept on this card. Their modules are
+    loaded only where the fast engine was tried, so they are looked up rather than imported."""
     refusals = [("errors", "FastPathUnavailable"), ("deterministic", "NotDeterministic")]
     loaded = [(sys.modules.get(f"{__package__}.fast.{module}"), name) for module, name in refusals]
     return any(isinstance(error, getattr(module, name)) for module, name in loaded if module is not None)

@@ -1,12 +1,12 @@
 """Logging: one line per state change (never one per request at INFO), as text or JSON (the formats:
 producer/plumbing/logs.py, the gateway's too).
 
-With ``json``, every line the process writes to stderr is a JSON object: progress bars are off, and third-party
-handlers, warnings and uncaught exceptions go through the one handler.
+With ``json``, every line the process writes to stderr is a JSON object: progress bars are off, and
+third-party handlers, warnings and uncaught exceptions go through the one handler.
 
 A line about one request carries its id and, when the request brought one, its W3C ``traceparent`` (passed as
-``extra=delivery.log_fields``): a JSON field of its own, or ``[request ... traceparent ...]`` at the end of a text
-line, so a trace can be followed into this worker's logs.
+``extra=delivery.log_fields``): a JSON field of its own, or ``[request ... traceparent ...]`` at the end of a
+text line, so a trace can be followed into this worker's logs.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
 
 def _everything_through_logging() -> None:
     """Every line on stderr a JSON object: no progress bars (transformers' "Loading weights", any tqdm),
-    transformers' messages through the root handler instead of its own, Python warnings and uncaught exceptions
-    (main thread and others) as log records. A log collector parsing lines would choke on anything else."""
+    transformers' messages through the root handler instead of its own, Python warnings and uncaught
+    exceptions (main thread and others) as log records. A log collector parsing lines would choke on anything
+    else."""
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.captureWarnings(True)

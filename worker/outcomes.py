@@ -1,7 +1,7 @@
-"""How an entry ends, as plain data: a task's answers as a result or as one part's share of its request's result,
-an error result, the parts of a fanned-out request merged into one result, and what a dead letter holds. Pure and
-torch-free: the lifecycle builds outcomes, the publisher (the Redis side) stores them; unit tests check the merge
-without a server.
+"""How an entry ends, as plain data: a task's answers as a result or as one part's share of its request's
+result, an error result, the parts of a fanned-out request merged into one result, and what a dead letter
+holds. Pure and torch-free: the lifecycle builds outcomes, the publisher (the Redis side) stores them; unit
+tests check the merge without a server.
 """
 
 from __future__ import annotations
@@ -35,15 +35,17 @@ class Share:
     prompts: int
     compute_ms: float
     started_ms: int
-    split: bool = False  # a prompt held only some of the request's questions (absent from older workers' shares)
+    # a prompt held only some of the request's questions (absent from older workers' shares)
+    split: bool = False
 
     @classmethod
     def of(cls, task: Task) -> Share:
         answers = task.answers
         return cls({n: a.answer for n, a in answers.items()}, {n: a.logits for n, a in answers.items()},
-                   {n: a.probabilities for n, a in answers.items()}, {n: a.options for n, a in answers.items()},
-                   task.tokens, len(task.prompts), round(task.compute_seconds * 1000, 3),
-                   int(task.delivery.taken * 1000), any(prompt.split for prompt in task.prompts))
+                   {n: a.probabilities for n, a in answers.items()},
+                   {n: a.options for n, a in answers.items()}, task.tokens, len(task.prompts),
+                   round(task.compute_seconds * 1000, 3), int(task.delivery.taken * 1000),
+                   any(prompt.split for prompt in task.prompts))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -68,7 +70,8 @@ class Outcome:
     replay: bool = False  # its id was answered before: only replied to and acknowledged, never published
     dead_letter: str | None = None  # dead-lettered, why: its entry copied to the dead letters with its result
     copied: bool = False  # its dead letter was written: settling it again does not copy it again
-    refused: redis.ResponseError | None = None  # Redis refused its publication this time: settle it again later
+    # Redis refused its publication this time: settle it again later
+    refused: redis.ResponseError | None = None
     timeline: Timeline | None = None  # a computed task's: when it reached each step (its time in each state)
 
     @property
@@ -81,19 +84,21 @@ class Outcome:
 
     @property
     def publisher(self) -> str:
-        """Who publishes: this delivery of this entry (its stream's key, entry id, delivery count). The key, not
-        the kind of stream: each lane and shard has its own streams, whose entry ids can be the same."""
+        """Who publishes: this delivery of this entry (its stream's key, entry id, delivery count). The key,
+        not the kind of stream: each lane and shard has its own streams, whose entry ids can be the same."""
         entry = self.delivery
         return f"{entry.key} {entry.entry_id} {entry.deliveries}"
 
     def merge(self, shares: list[Share], model_name: str) -> None:
-        """The last part: every part's share merged into the request's whole result, to publish from now on."""
+        """The last part: every part's share merged into the request's whole result, to publish from now
+        on."""
         self.result = ok_result(self.identity, shares, self.order, self.delivery.enqueued_ms, model_name)
         self.share = None
 
 
 def echo(identity: Identity) -> dict[str, Any]:
-    """What a result echoes of its request, error results included: valid metadata and traceparent, its digest."""
+    """What a result echoes of its request, error results included: valid metadata and traceparent, its
+    digest."""
     return {"metadata": identity.metadata, "traceparent": identity.traceparent, "digest": identity.digest}
 
 
@@ -107,14 +112,16 @@ def ok_result(identity: Identity, shares: list[Share], order: list[str], enqueue
     ordered = {key: {n: merged[key][n] for n in order} for key in merged}
     return Result(
         id=identity.request_id, status="ok", model=model_name, **ordered, **echo(identity),
-        usage=Usage(tokens=sum(s.tokens for s in shares), prompts=sum(s.prompts for s in shares), parts=len(shares),
-                    split=any(s.split for s in shares) or None),
+        usage=Usage(tokens=sum(s.tokens for s in shares), prompts=sum(s.prompts for s in shares),
+                    parts=len(shares), split=any(s.split for s in shares) or None),
         timings=Timings(enqueued_ms=enqueued_ms, started_ms=min(s.started_ms for s in shares),
-                        finished_ms=int(time.time() * 1000), compute_ms=round(sum(s.compute_ms for s in shares), 3)))
+                        finished_ms=int(time.time() * 1000),
+                        compute_ms=round(sum(s.compute_ms for s in shares), 3)))
 
 
 def task_outcome(task: Task, model_name: str) -> Outcome:
-    """A computed task: a whole request's result, or a part's share (merged by whichever part finishes last)."""
+    """A computed task: a whole request's result, or a part's share (merged by whichever part finishes
+    last)."""
     order, share = list(task.request.questions), Share.of(task)
     if task.delivery.parts > 1:
         return Outcome(task.delivery, task.identity, share=share, part=task.delivery.part,
@@ -126,9 +133,10 @@ def task_outcome(task: Task, model_name: str) -> Outcome:
 
 
 def answered_before(delivery: Delivery, identity: Identity, stored: Result, model_name: str) -> Outcome:
-    """A request whose id already has a result: the stored result marked as a replay when it asked the same, else an
-    ``id_conflict`` error (the stored result stays). A stored result without a digest answers no request: an error
-    result of an older worker, or one written by something else, never answers a different body."""
+    """A request whose id already has a result: the stored result marked as a replay when it asked the same,
+    else an ``id_conflict`` error (the stored result stays). A stored result without a digest answers no
+    request: an error result of an older worker, or one written by something else, never answers a different
+    body."""
     if stored.digest is not None and stored.digest == identity.digest:
         return Outcome(delivery, identity, result=stored.model_copy(update={"replay": True}), replay=True)
     whose = "a different request" if stored.digest is not None else "no known request (its result has no digest)"
@@ -149,8 +157,8 @@ def error_outcome(delivery: Delivery, identity: Identity, code: ErrorCode, messa
 
 
 def dead_fields(delivery: Delivery, reason: str) -> dict[Any, Any]:
-    """A dead letter: the entry's fields as they were (names too: any bytes; the first MAX_DEAD_FIELDS), then where
-    it was and why, which no field of its own hides."""
+    """A dead letter: the entry's fields as they were (names too: any bytes; the first MAX_DEAD_FIELDS), then
+    where it was and why, which no field of its own hides."""
     own = [(name, value) for name, value in delivery.fields.items()
            if name not in {f.encode() for f in functions.OWN_DEAD_FIELDS}]
     if len(own) > functions.MAX_DEAD_FIELDS:

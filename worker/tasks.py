@@ -1,12 +1,14 @@
-"""The plain objects handed between the queue stages: the task an entry becomes, the prompts of work it holds, and
-what the GPU thread hands the Redis loop about them (``GpuEvent``: one typed event per fact, handed over by
-``Lifecycle.hand_over``).
+"""The plain objects handed between the queue stages: where a held entry is in its life (``State``: the one
+list of states, which the metrics name too), the task an entry becomes, the prompts of work it holds, and what
+the GPU thread hands the Redis loop about them (``GpuEvent``: one typed event per fact, handed over by
+``LoopThread.hand_over``).
 
 Torch-free at run time: prompts and answers are only named here, for their types.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -21,10 +23,20 @@ if TYPE_CHECKING:
     from .model.readout import Answer
 
 
+class State(enum.StrEnum):
+    """Where a held entry is in its life."""
+
+    TAKEN = "taken"  # held and being routed, or taken again for a retry
+    PLANNING = "planning"  # with the planners: its body parsed, validated, rendered, tokenized
+    QUEUED = "queued"  # its prompts wait in the packer
+    COMPUTING = "computing"  # a pack with one of its prompts went to the GPU
+    SETTLING = "settling"  # its end is being written: a result, a dead letter, its parts (a fan-out), an ack
+
+
 @dataclass
 class Timeline:
-    """When a task reached each step of its way through this worker (``time.time()``): the time it spent in each
-    state (worker/loop/held.py), observed once it is settled."""
+    """When a task reached each step of its way through this worker (``time.time()``): the time it spent in
+    each ``State``, observed once it is settled."""
 
     queued: float = 0.0  # its prompts went to the packer
     launched: float = 0.0  # the pack holding its last prompt went to the GPU
@@ -39,11 +51,13 @@ class Task:
     identity: Identity  # from the same parse as ``request``
     request: Request
     prompts: list[Prompt] = field(default_factory=list)
-    fan_out: list[list[str]] = field(default_factory=list)  # question names per part, when it fans out (planner)
+    # question names per part, when it fans out (planner)
+    fan_out: list[list[str]] = field(default_factory=list)
     answers: dict[str, Answer] = field(default_factory=dict)
     remaining: int = 0  # prompts not answered yet
     compute_seconds: float = 0.0
-    closed: bool = False  # ended early (failed, expired): its prompts still queued are skipped, late answers dropped
+    # ended early (failed, expired): its prompts still queued are skipped, late answers dropped
+    closed: bool = False
     timeline: Timeline = field(default_factory=Timeline)
 
     @property
@@ -77,7 +91,7 @@ class Item:
         return self.task.delivery.lane
 
 
-# ---- what the GPU thread hands the Redis loop (compute.py -> Lifecycle.hand_over)
+# ---- what the GPU thread hands the Redis loop (compute.py -> LoopThread.hand_over)
 
 
 @dataclass(frozen=True)

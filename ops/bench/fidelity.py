@@ -12,12 +12,14 @@ largest over the question's options) and the argmax flip rate, against the fp32 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -26,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from synthetic import WORKLOADS, packs, padded_batches, precision, probabilities, random_model
+import fidelity_set  # noqa: E402
+from synthetic import WORKLOADS, packs, padded_batches, precision, probabilities, random_model  # noqa: E402
 
 from worker.config import Settings
 from worker.fast import FastEngine
@@ -47,10 +50,10 @@ GATES = ("in_proj_b", "in_proj_a")  # kept bf16 by --fp8 too (worker/fast/fp8.py
 
 
 def compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict:
-    diffs = [float((a - b).abs().max()) for a, b in zip(got, want, strict=True)]
-    flips = sum(int(a.argmax() != b.argmax()) for a, b in zip(got, want)) / len(got)
-    return {"max": round(max(diffs), 4), "mean": round(sum(diffs) / len(diffs), 4), "flips": round(flips, 4),
-            "questions": len(got)}
+    """The fidelity set's measure (ops/bench/fidelity_set.py), rounded; its worst is "max" here."""
+    figures = fidelity_set.compare(got, want)
+    return {"max": round(figures["worst"], 4), "mean": round(figures["mean"], 4), "flips": round(figures["flips"], 4),
+            "questions": figures["questions"]}
 
 
 def reference(model, prompts) -> list[torch.Tensor]:
@@ -60,8 +63,10 @@ def reference(model, prompts) -> list[torch.Tensor]:
     return probabilities(prompts, scores)
 
 
-def fp32_reference(model, prompts) -> list[torch.Tensor]:
-    """The same weights in fp32, transformers' own torch delta rule (fla's kernels compute in lower precision)."""
+@contextlib.contextmanager
+def fp32_copy(model) -> Iterator:
+    """The same weights in fp32, with transformers' own torch delta rule (fla's kernels compute in lower precision)
+    and no TF32, while inside: the reference every fidelity figure is measured against."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
     dispatched = qwen.torch_chunk_gated_delta_rule
@@ -70,12 +75,17 @@ def fp32_reference(model, prompts) -> list[torch.Tensor]:
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        return reference(full, prompts)
+        yield full
     finally:
         qwen.torch_chunk_gated_delta_rule = dispatched
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
         del full
         torch.cuda.empty_cache()
+
+
+def fp32_reference(model, prompts) -> list[torch.Tensor]:
+    with fp32_copy(model) as full:
+        return reference(full, prompts)
 
 
 def fp8_rounded(weight: torch.Tensor, block: int | None) -> torch.Tensor:

@@ -38,19 +38,15 @@ def latency_table(reports: list[dict]) -> str:
 
 
 def crossings(report: dict) -> str:
-    """The offered loads (x the peak) at which p99 first crosses 50 and 100 ms, interpolated between phases."""
+    """The offered loads (x the peak) at which p99 first crosses 50 and 100 ms, interpolated between phases (the
+    gate's figure: ops/bench/gate_targets.py)."""
+    from gate_targets import crossing
+
     out = []
     for limit in (50, 100):
-        below = None
-        for phase in report.get("sweep", []):
-            if phase["p99_ms"] > limit:
-                at = phase["load"] if below is None else below[0] + (phase["load"] - below[0]) * (
-                    limit - below[1]) / (phase["p99_ms"] - below[1])
-                out.append(f"p99 crosses {limit} ms at {at:.0%} of the peak")
-                break
-            below = (phase["load"], phase["p99_ms"])
-        else:
-            out.append(f"p99 stays under {limit} ms up to {below[0]:.0%}" if below else "-")
+        at, under = crossing(report.get("sweep", []), limit)
+        out.append(f"p99 crosses {limit} ms at {at:.0%} of the peak" if at is not None else
+                   f"p99 stays under {limit} ms up to {under:.0%}" if under is not None else "-")
     return f"{label(report)} (peak {report['peak']['tokens_per_s'] / 1000:.1f}k tokens/s): " + "; ".join(out)
 
 

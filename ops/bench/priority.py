@@ -35,7 +35,7 @@ from served import serve_worker, worker_flags, worker_process  # noqa: E402
 from traffic import (gc_collections, gpu_time, make_requests, percentile, redis_fsync_stalls, scrape,  # noqa: E402
                      slowest_pack_ms, stalls)
 
-LANE_SETTINGS = ("normal_share", "high_pack_tokens")  # passed to the worker when given
+LANE_SETTINGS = ("normal_share", "high_target_ms")  # passed to the worker when given
 TARGETS = {"high_p99_ms": 150, "high_p50_ms": 80, "normal_over_peak": 0.9}  # issue 15
 
 
@@ -85,8 +85,8 @@ def phases(args: argparse.Namespace, url: str, port: int, report: dict) -> None:
     report["peak"].update(gpu_time(before, after, report["peak"]["seconds"]))
     print("peak", report["peak"], flush=True)
 
-    # High work warms its path after the peak: the peak is the normal lane's alone, never paced by the smaller packs
-    # a worker launches behind a large one while its high lane is in use (worker/gpu/packer.py).
+    # High work warms its path after the peak: the peak is the normal lane's alone, never paced by the packs a worker
+    # sizes for its high requests (worker/gpu/policy.py).
     client.wait_many(client.submit_many([{**r, "id": f"h-{r['id']}", "priority": "high"} for r in warm[:16]]),
                      timeout=args.timeout)
     report["runs"] = []
@@ -154,7 +154,7 @@ def run_bench(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict = {"shape": args.shape, "dtype": "fp8" if args.fp8 else "bf16", "requests": args.requests,
                     "high_load": args.high_load, "normal_share": args.normal_share,
-                    "high_pack_tokens": args.high_pack_tokens, "targets": TARGETS,
+                    "high_target_ms": args.high_target_ms, "targets": TARGETS,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"}
     extra = [arg for name in LANE_SETTINGS if getattr(args, name) is not None
              for arg in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
@@ -184,7 +184,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     worker_flags(parser)
     parser.add_argument("--normal-share", type=float, default=None, help="the worker's (default: its own)")
-    parser.add_argument("--high-pack-tokens", type=int, default=None, help="the worker's (default: its own)")
+    parser.add_argument("--high-target-ms", type=float, default=None, help="the worker's (default: its own)")
     parser.add_argument("--requests", type=int, default=6000, help="normal backlog of each phase")
     parser.add_argument("--high-load", type=float, default=0.1, help="high requests offered, x the peak rate")
     parser.add_argument("--repeats", type=int, default=1, help="phase 2 runs, one after the other (same worker)")

@@ -19,6 +19,7 @@ OUT = Path(__file__).resolve().parent / "dashboards" / "decision-queue.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 W = '{instance=~"$instance"}'  # the worker selector
 RATE = "$__rate_interval"
+RESULT_BYTES, RECORD_BYTES = 1350, 270  # Redis memory of one kept result and one answered record (docs/SCALING.md)
 INSTANCES = 'label_values(dq_build_info{model=~"$model"}, instance)'  # the workers of the chosen models
 
 
@@ -232,6 +233,14 @@ def build() -> dict:
                                       "requeue or purge them with dq-producer dead.")
     b.panel("timeseries", "Live workers (heartbeats)", [("max(dq_workers_live)", "live")], unit="short",
             description="Workers whose heartbeat in Redis is younger than 30 s, as the queue exporter reads them.")
+    answered, kept = f"sum(rate(dq_results_total{W}[{RATE}]))", {k: sel(f'kind="{k}"') for k in ("result", "record")}
+    b.panel("timeseries", "Redis memory held for answered requests (estimate)", [
+        (f"{answered} * max(dq_retention_seconds{kept['result']}) * {RESULT_BYTES}", "results"),
+        (f"{answered} * max(dq_retention_seconds{kept['record']}) * {RECORD_BYTES}", "records")],
+        unit="bytes", description=f"Answered requests a second times how long each is kept (--result-ttl-s, "
+        f"--record-ttl-s) times what each takes: a result about {RESULT_BYTES} bytes (at stream-node-max-bytes "
+        f"1024), a record about {RECORD_BYTES}. On Redis Cluster results spread over every primary, a shard's "
+        "records are its slot's, on one (docs/SCALING.md, docs/PROTOCOL.md \"Records and the shard's slot\").")
 
     b.row("Errors and recovery")
     b.panel("timeseries", "Error results by code",

@@ -27,7 +27,7 @@ import redis
 
 from ..plumbing.exits import FAILED, OK, USAGE
 from ..wire import library
-from ..wire.keys import LANES, Field, Keys, Priority, text, valid_id
+from ..wire.keys import ENTRY_ID_SHAPE, LANES, Field, Keys, Priority, text, valid_id
 from ..wire.schema import ErrorCode
 
 PAGE = 100  # entries read per XRANGE
@@ -155,6 +155,11 @@ def run(args: argparse.Namespace, client: Any) -> int:
     if bool(args.ids) == args.all:
         print(f"dq-producer dead {args.action}: give dead-letter ids or --all (not both)", file=sys.stderr)
         return USAGE
+    for dead_id in args.ids:  # Redis refuses another in XRANGE: read as unreachable (4), it is a usage error
+        if not ENTRY_ID_SHAPE.match(dead_id):
+            print(f"dq-producer dead {args.action}: {dead_id[:60]!r} is not a dead-letter id (an entry id such as "
+                  "1767225600000-0, as dead list shows them)", file=sys.stderr)
+            return USAGE
     if args.action == "requeue":
         library.ensure(connection)  # the requeue function (revision 4): the admin user may load it
     done = skipped = 0

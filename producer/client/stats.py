@@ -23,9 +23,14 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
     many) and every heartbeat (``heartbeats``: each worker's name, shard, model, engine, state, entries held
     and the age of its last beat; state ``gone`` when that is ``GONE_S`` or older); ``models``: the models the
     live workers serve, by the name their results say, with every name each answers to and its workers. Live:
-    a consumer seen in the last ``GONE_S`` seconds or holding entries, a worker whose heartbeat is younger
-    than that (workers delete the gone: presence.py). The lag is the server's, or the length less pending when
-    the server cannot count it (``servers.lag_of``)."""
+    a worker whose heartbeat is younger than ``GONE_S`` (workers delete the gone: presence.py), and a consumer
+    that is such a worker's (a heartbeat is written under its consumer name) or holds entries. Not the
+    consumer's idle time: Redis 7.0 counts a read only when it returns entries, so a worker blocked on a quiet
+    stream looked gone there after 30 s. The lag is the server's, or the length less pending when the server
+    cannot count it (``servers.lag_of``)."""
+    beats = yield Call("hgetall", (core.keys.workers(),))
+    now = time.time()
+    live = {text(name) for name, raw in beats.items() if beat_age(raw, now) < GONE_S}
     shards = []
     for shard in range(core.shards):
         keys, entry = Keys(core.keys.namespace, shard), {"shard": shard}
@@ -33,7 +38,7 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
         for lane in LANES:  # plain str keys: the dict is printed and dumped as it is
             lanes[lane.value] = {}
             for name, stream in (("requests", keys.requests_in(lane)), ("chunks", keys.parts_in(lane))):
-                lanes[lane.value][name] = yield from _stream_stats(stream)
+                lanes[lane.value][name] = yield from _stream_stats(stream, live)
         for name in ("requests", "chunks"):
             entry[name] = _combine([lanes[lane.value][name] for lane in LANES], consumers=max)
         entry["lanes"] = lanes
@@ -45,9 +50,7 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
                                     for name in ("requests", "chunks")} for lane in LANES}
     totals["dead_letters"] = sum(s["dead_letters"] for s in shards)
     totals["cancels"] = {found: sum(s["cancels"].get(found, 0) for s in shards) for found in FOUND}
-    beats = yield Call("hgetall", (core.keys.workers(),))
-    now = time.time()
-    totals["workers"] = sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
+    totals["workers"] = len(live)
     totals["heartbeats"] = sorted((_heartbeat(name, raw, now) for name, raw in beats.items()),
                                   key=lambda beat: (str(beat["shard"]), beat["name"]))
     served = {m.name: m for m in catalog(beats, core.keys.namespace, now).values()}
@@ -79,8 +82,9 @@ def _cancel_counts(keys: Keys) -> Plan[dict[str, int]]:
     return {found: int(counts.get(found, counts.get(found.encode(), 0))) for found in FOUND}
 
 
-def _stream_stats(stream: str) -> Plan[dict[str, Any]]:
-    """One stream's length, and the worker group's pending, lag and consumers on it (once the group exists)."""
+def _stream_stats(stream: str, live: set[str]) -> Plan[dict[str, Any]]:
+    """One stream's length, and the worker group's pending, lag and consumers on it (once the group exists):
+    those of ``live`` workers, and those holding entries."""
     stream_stats = {"length": (yield Call("xlen", (stream,)))}
     try:
         groups = yield Call("xinfo_groups", (stream,))
@@ -93,7 +97,7 @@ def _stream_stats(stream: str) -> Plan[dict[str, Any]]:
             consumers = yield Call("xinfo_consumers", (stream, GROUP))
             stream_stats.update(pending=group["pending"],
                                 lag=lag_of(stream_stats["length"], group["pending"], group.get("lag")),
-                                consumers=sum(1 for c in consumers if c["pending"] or c["idle"] < GONE_S * 1000))
+                                consumers=sum(1 for c in consumers if c["pending"] or text(c["name"]) in live))
     return stream_stats
 
 

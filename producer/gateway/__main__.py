@@ -6,7 +6,8 @@
 
 It takes the producer's connection flags and variables (--redis-url or DQ_REDIS_URL, --namespace, --shards,
 TLS, Redis Cluster) and its own (--host, --port, limits; DQ_GATEWAY_*). Exit codes: 0 stopped, 2 usage (a bad
-flag, variable or keys file: before it listens), 4 Redis unreachable at start.
+flag, variable or keys file, or a --model-alias that names a model live workers serve: before it listens; or
+the http extra not installed), 4 Redis unreachable at start.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import dataclasses
 import logging
 import signal
 import sys
+import time
 
 from .. import __version__
-from ..plumbing.connection import Deployment, check_reachable
+from ..plumbing.connection import Deployment, check_reachable, connect
 from ..plumbing.exits import FAILED, OK, UNREACHABLE, USAGE
-from ..wire.keys import PROTOCOL
+from ..plumbing.extras import needed
+from ..wire.keys import PROTOCOL, Keys
 from .config import ConfigError, GatewayConfig, add_arguments, load
 from .front import logs
 
@@ -46,7 +49,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parser().parse_args(argv)  # --help and --version: no extra needed
+    with needed("http", "dq-gateway"):  # else: which extra to install, exit 2
+        import uvicorn  # noqa: F401
+
+        from . import routes  # noqa: F401
     try:
         config = load(vars(args))
     except (ConfigError, ValueError) as error:
@@ -58,7 +65,30 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # noqa: BLE001 - redis errors and a TLS file that cannot be read alike
         print(f"dq-gateway: Redis at {config.deployment.safe_url}: {error}", file=sys.stderr)
         return UNREACHABLE
+    if shadowed := shadowing_aliases(config):
+        print(f"dq-gateway: --model-alias (DQ_GATEWAY_MODEL_ALIAS) names a model live workers serve, and an "
+              f"alias never shadows a served name: {'; '.join(shadowed)}", file=sys.stderr)
+        return USAGE
     return serve(config)
+
+
+def shadowing_aliases(config: GatewayConfig) -> list[str]:
+    """The aliases that name a model the live workers of the gateway's namespaces serve now (read once, at
+    start; one that a worker serves later is logged and not routed by: systemone/models.py)."""
+    if not config.aliases:
+        return []
+    import redis
+
+    from .systemone.models import shadowing
+
+    client = connect(config.deployment.url, config.deployment.cluster, **config.deployment.options())
+    try:
+        beats = {namespace: client.hgetall(Keys(namespace).workers()) for namespace in config.namespaces()}
+    except redis.RedisError:  # a user that may not read heartbeats: routing says so on each call
+        return []
+    finally:
+        client.close()
+    return shadowing(config.aliases, beats, time.time())
 
 
 def serve(config: GatewayConfig) -> int:

@@ -9,8 +9,9 @@
   still waited for, unless its key says ``"hang_up": "keep"`` or the call ``?hang_up=keep`` (fire and forget).
 
 Every cancel the gateway makes goes through ``cancel``: counted by reason and what it found
-(``dq_gateway_cancels_total``). A System One call's retries map to one request (retries.py): a retry of a
-cancelled one reads its ``cancelled`` result and is sent, and computed, afresh under a new id.
+(``dq_gateway_cancels_total``). A System One call's retries map to one request (retries.py): the call
+that waits for a request cancelled is answered ``cancelled``; one that comes after the cancel is sent, and
+computed, afresh under a new id.
 """
 
 from __future__ import annotations
@@ -118,12 +119,15 @@ def install(app: FastAPI, gateway: Any) -> None:
         answer = (await gateway.clients[namespace].status([request_id]))[request_id]
         return JSONResponse(answer.model_dump(exclude_none=True), 404 if answer.state == "unknown" else 200)
 
-    @app.delete("/v1/requests", summary="Cancel many requests (?id=a&id=b)")
-    async def cancel_many(http: HttpRequest, ids: Ids) -> Response:
-        found = await cancel(gateway, checked(http, ids), ids, "delete")
-        return JSONResponse({"requests": [answer.model_dump(exclude_none=True) for answer in found.values()]})
+    def each(found: dict[str, Any], ids: list[str]) -> JSONResponse:
+        """One entry per id asked, in the order asked: an id asked twice is answered twice (``?id=X&id=X&id=Y``
+        gave two entries for three), each id cancelled or looked up once."""
+        return JSONResponse({"requests": [found[request_id].model_dump(exclude_none=True) for request_id in ids]})
 
-    @app.get("/v1/requests", summary="Where many requests are (?id=a&id=b)")
+    @app.delete("/v1/requests", summary="Cancel many requests (?id=a&id=b): an answer per id asked, in order")
+    async def cancel_many(http: HttpRequest, ids: Ids) -> Response:
+        return each(await cancel(gateway, checked(http, ids), ids, "delete"), ids)
+
+    @app.get("/v1/requests", summary="Where many requests are (?id=a&id=b): an answer per id asked, in order")
     async def status_many(http: HttpRequest, ids: Ids) -> Response:
-        found = await gateway.clients[checked(http, ids)].status(ids)
-        return JSONResponse({"requests": [answer.model_dump(exclude_none=True) for answer in found.values()]})
+        return each(await gateway.clients[checked(http, ids)].status(ids), ids)

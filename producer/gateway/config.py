@@ -127,14 +127,15 @@ class GatewayConfig:
         65.0, "an idle connection between requests is closed after this (above clients' pools: the SDK keeps "
               "30 s, load balancers 60 s)", low=1.0)
     max_body_bytes_in_flight: int = _opt(
-        64 << 20, "bodies read or parsed at once, over every caller (a call without a length counts "
-                  "--max-body-bytes); beyond: 503 busy", low=1)
+        64 << 20, "bodies held at once, over every caller, while their calls run (a call without a length "
+                  "counts --max-body-bytes, a compressed one what it inflates to); beyond: 503 busy", low=1)
     model_namespaces: str = _opt(
         "", "the namespaces whose models callers may name (POST /v1/systemone), in order, comma-separated, "
             "for keys that name no namespace and without keys; empty: --namespace")
     model_alias: str = _opt(
         "", "ALIAS=NAME: a model name callers may send for a served one (e.g. the official clients' default "
-            "jev-latest); repeat the flag, or separate by commas", repeat=True)
+            "jev-latest); repeat the flag, or separate by commas. Never a served name: refused at start, and "
+            "not routed by once a worker serves it", repeat=True)
     retry_window_s: float = _opt(
         0.0, "how long a System One call's retries map to its request (and identical calls are computed "
              "once); 0: the clients' 30 s retry budget plus --wait-s", low=0)
@@ -212,13 +213,19 @@ class GatewayConfig:
 
     @property
     def aliases(self) -> dict[str, str]:
-        """--model-alias as {alias: name}; a ValueError for a pair that is not ALIAS=NAME of model names."""
+        """--model-alias as {alias: name}; a ValueError for a pair that is not ALIAS=NAME of model names, or an
+        alias that is the model of a pair (``a=a``; ``b=a,a=c``)."""
         out: dict[str, str] = {}
         for pair in filter(None, (p.strip() for p in self.model_alias.split(","))):
             alias, _, name = pair.partition("=")
             if not (MODEL_NAME.match(alias.strip()) and MODEL_NAME.match(name.strip())) or alias.strip() in out:
                 raise ValueError(f"expected distinct ALIAS=NAME pairs of model names, got {pair!r}")
             out[alias.strip()] = name.strip()
+        # A served name never is an alias: the names aliased (served, or the call is 404) are known here; the
+        # other served names are checked at start (dq-gateway reads the heartbeats) and while routing.
+        if shadowing := sorted(set(out) & set(out.values())):
+            raise ValueError(f"{', '.join(shadowing)}: an alias that names a served model (the model of an ALIAS=NAME "
+                             "pair) would take its calls")
         return out
 
     def namespaces(self) -> list[str]:

@@ -171,8 +171,8 @@ SUBMITTING = {"403": body("the key may not send to this lane (lane_forbidden)", 
               "408": body("the body paused longer than --body-timeout-s (body_timeout): the connection "
                           "closed",
                           Refusal),
-              "415": body("a gateway without keys, sent a body that is not application/json "
-                          "(unsupported_media_type)", Refusal),
+              "415": body("a gateway without keys, sent a body that is not application/json without an "
+                          "Authorization header (unsupported_media_type)", Refusal),
               "413": body("the body or the batch is too large (a batch over the key's in-flight limit: it "
                           "can never be admitted)", Refusal),
               "422": body("invalid input: error.code and error.field say what", Refusal),
@@ -199,7 +199,8 @@ SYSTEM_ONE_REFUSALS = {status: body(text, SystemOneRefusal) for status, text in 
     ("404", "no live worker serves the model: the message names the ones served"),
     ("408", "the body paused longer than --body-timeout-s: the connection closed"),
     ("413", "the body, sent or inflated, is over the limit"),
-    ("415", "an encoding or media type not taken (a gateway without keys takes application/json only)"),
+    ("415", "an encoding or media type not taken (a gateway without keys takes other than application/json "
+            "only with an Authorization header)"),
     ("429", "the key has too many calls in flight, or the queue is full: Retry-After"),
     ("500", "the worker's internal_error or dead_lettered result"),
     ("503", "Redis unreachable or refusing, or the gateway's body budget taken (busy): Retry-After"),

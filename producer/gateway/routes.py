@@ -17,7 +17,7 @@ from ..client.plans import Prepared
 from ..wire.keys import GONE_S, ID_PATTERN, PROTOCOL
 from ..wire.result import Result
 from ..wire.schema import ErrorCode, Request
-from . import cancels
+from . import cancels, pages
 from .bodies import EITHER, MANY, ONE, Batch, describe, parse, seconds
 from .config import GatewayConfig
 from .front import replies
@@ -59,10 +59,12 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
     """The ASGI application: the routes behind the front layer (keys, admission, metrics); its ``gateway``
     attribute has the connections' limits for the server (__main__.py)."""
     gateway = Gateway(config, connection)
-    app = FastAPI(title="dq-gateway", version=__version__, lifespan=gateway.lifespan, redoc_url="/redoc",
+    app = FastAPI(title="dq-gateway", version=__version__, lifespan=gateway.lifespan, docs_url=None,
+                  redoc_url=None,
                   description="The decision queue over HTTP: the queue's request and result JSON "
                               "(docs/PROTOCOL.md).")
     replies.install(app)
+    pages.install(app)  # /docs and /redoc, their assets served here (no CDN)
     app.state.gateway = gateway
 
     # The POST routes: plain Starlette routes, described in the OpenAPI document by bodies.describe.

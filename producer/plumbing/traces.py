@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 log = logging.getLogger("producer.traces")
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -45,8 +46,24 @@ def configure(service: str) -> bool:
                                                                                        service)}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))  # endpoint, headers: from the variables
     _provider = provider
-    log.info("traces exported over OTLP to %s", next(os.environ[name] for name in ENDPOINTS if os.environ.get(name)))
+    endpoint = next(os.environ[name] for name in ENDPOINTS if os.environ.get(name))
+    log.info("traces exported over OTLP to %s", shown(endpoint))
     return True
+
+
+def shown(endpoint: str) -> str:
+    """An endpoint as a log line may print it: its userinfo (a password, or a token as the user name) and its
+    query's values (an API key) as ``***``. A collector's URL often carries its credential, and the gateway
+    and the worker printed it whole at start."""
+    try:
+        parts = urlsplit(endpoint)
+        netloc = parts.netloc
+        if "@" in netloc:
+            netloc = "***@" + netloc.rpartition("@")[2]
+        query = "&".join(f"{name}=***" for name, _ in parse_qsl(parts.query, keep_blank_values=True))
+        return urlunsplit(parts._replace(netloc=netloc, query=query, fragment=""))
+    except ValueError:  # not even a URL: say so without echoing what may be a secret
+        return "<unparsable URL>"
 
 
 def use(provider: Any) -> None:

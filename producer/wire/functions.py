@@ -32,8 +32,10 @@ FORGET = f"{LIBRARY}_forget"  # KEYS: a work stream. ARGV: group, idle limit ms,
 DEAD_LETTER = f"{LIBRARY}_dead_letter"  # KEYS: result, parts, body, dead stream[, reply]. ARGV: see the Lua
 REQUEUE = f"{LIBRARY}_requeue"  # KEYS: dead stream, request stream[, result]. ARGV: dead-letter id, group
 CANCEL = f"{LIBRARY}_cancel"  # KEYS: cancel stream, counts, records. ARGV: ms, ids. An answer per id (records.py)
+# Revision 5: a request sent again under the id of one cancelled and not answered yet keeps the cancel mark
+# (records.py): its status says what happens to it, ``cancelled``.
 REVISION_FUNCTION = f"{LIBRARY}_revision"  # no keys: this library's REVISION
-REVISION = 4  # bumped on every change of CODE (tests/unit/test_library_code.py pins each revision's hash)
+REVISION = 5  # bumped on every change of CODE (tests/unit/test_library_code.py pins each revision's hash)
 MAX_BATCH = 1000  # requests per submit call: bounds the time Redis spends in one call
 MAX_DEAD_FIELDS = 1000  # fields a dead letter keeps of its entry (a request entry has one): Lua's unpack is bounded
 

@@ -100,7 +100,7 @@ class RecordState(enum.StrEnum):
 
     QUEUED = "queued"  # enqueued by the submit function (where its entry is, the stream's group says)
     FANNED_OUT = "fanned_out"  # its parts are in the part stream
-    ANSWERED = "answered"  # its result is published (kept a while after the result expires)
+    ANSWERED = "answered"  # its result is published (the record kept as long as the result)
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,17 @@ The record (``Keys.record``, a hash of ``Record`` fields) is what the queue know
 payload: its lane and entry (written by the submit function), the worker that took it and since when (written
 by that worker at its take: once the entry is planned, in the round trip that looks up the id's stored
 result), that it fanned out, that a cancel came, and at last how it was answered (written by the worker that
-acknowledges it; kept ``AFTER_RESULT_S`` past the result, so that a result that expired is told apart from an
-id never sent). It lives in its shard's slot, so the functions that write it run on the node of the shard's
-streams, and it holds no payload: the monitor role may read it.
+acknowledges it, and kept from then on as long as the result: the worker's ``--record-ttl-s``, at most and by
+default its ``--result-ttl-s``; it was kept a day past the result, whatever that TTL). While its request is
+unanswered a record is kept ``RECORD_TTL_S``: those are as many as the streams' entries, bounded by the queue's
+own limit, and one whose entry was trimmed or deleted unanswered goes then. It lives in its shard's slot, so
+the functions that write it run on the node of the shard's streams (docs/PROTOCOL.md, "Records and the
+shard's slot", says why they stay there), and it holds no payload: the monitor role may read it.
+
+A request sent again under an id whose earlier request was cancelled and is not answered yet keeps the cancel
+mark (revision 5): the earlier entry is answered ``cancelled``, and so is the new one (an id has one result),
+so its status says ``cancelled``, not ``queued`` with no mark. Only an answered request's mark is cleared: a
+request sent under its id once the result is gone is another request.
 
 Every check for a cancel rides a call a worker makes anyway: its take reads the cancel mark in the round trip
 that looks up the id's stored result (a part's, in the one that reads its stored body), and each worker reads
@@ -24,7 +32,6 @@ from pydantic import BaseModel, ConfigDict
 from .keys import GROUP, LANES, PROTOCOL, Field, Record, RecordState
 
 RECORD_TTL_S = 7 * 86400  # a record while its request waits unanswered (one trimmed away is not kept forever)
-AFTER_RESULT_S = 86400  # a record outlives its result by this much: "answered, expired" rather than "unknown"
 CANCELS_CAP = 100_000  # notices a shard's cancel stream keeps (approximately): workers read them as they come
 FOUND = ("queued", "held", "answered", "unknown")  # what a cancel found, counted per shard (Keys.cancel_counts)
 ID_CHARS = "^[A-Za-z0-9._:%-]+$"  # a request id's characters, as a Lua pattern (keys.ID_PATTERN)
@@ -60,11 +67,17 @@ local function record_queued(stream, lane, length, args, entries)
       end
     end
   end
-  for i, entry in ipairs(entries) do  -- an earlier request's record under this id: its cancel mark cleared
+  for i, entry in ipairs(entries) do
     local key = prefix .. 'record:' .. (args[2 * i] ~= '' and args[2 * i] or entry)
+    -- An earlier request's record under this id: its cancel mark kept unless it was answered (revision 5): a request
+    -- cancelled and not answered yet is answered `cancelled`, and so is one sent again under its id.
+    local earlier, mark = redis.pcall('HMGET', key, '{Record.STATE}', '{Record.CANCELLED}'), ''
+    if type(earlier) == 'table' and earlier[1] and earlier[1] ~= '{RecordState.ANSWERED}' and earlier[2] then
+      mark = earlier[2]
+    end
     redis.pcall('HSET', key, '{Record.STATE}', '{RecordState.QUEUED}', '{Record.LANE}', lane,
                 '{Record.STREAM}', stream, '{Record.ENTRY}', entry, '{Record.POSITION}', added and added + i or -1,
-                '{Record.CANCELLED}', '')
+                '{Record.CANCELLED}', mark)
     redis.pcall('EXPIRE', key, RECORD_TTL)
   end
 end

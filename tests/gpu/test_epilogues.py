@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from worker.fast import epilogues, fused, layers, ops  # noqa: E402
-from worker.fast.forward import EPILOGUES, compile_piece  # noqa: E402
+from worker.fast.forward import compile_piece  # noqa: E402
+from worker.fast_options import EPILOGUES  # noqa: E402
 from worker.fast.graphs import post_full_into, post_linear_into, pre_linear_into  # noqa: E402
 
 bf16 = torch.bfloat16

@@ -141,10 +141,23 @@ def engine_for(models, **fields) -> FastEngine:
     return engine
 
 
+@pytest.fixture(scope="module")
+def engines(models):
+    """Each configuration's engine, built (compiled, captured, warmed up) once for every test of the module."""
+    built: dict[str, FastEngine] = {}
+
+    def get(name: str) -> FastEngine:
+        if name not in built:
+            built[name] = engine_for(models, **CONFIGS[name])
+        return built[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name", ["eager", "layer+graphs+prune"])
-def test_results_do_not_depend_on_the_pack(models, prompts, references, name):
+def test_results_do_not_depend_on_the_pack(engines, models, prompts, references, name):
     """The same prompts alone, in full packs, in reverse and shuffled half-full packs, over different buckets."""
-    engine = engine_for(models, **CONFIGS[name])
+    engine = engines(name)
     model = models["bfloat16"]
     base = probabilities(model, prompts, run_packs(engine, prompts, greedy_packs(prompts, 2048)))
     order = list(range(len(prompts)))
@@ -164,8 +177,8 @@ def test_results_do_not_depend_on_the_pack(models, prompts, references, name):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_fast_path_equals_the_reference(models, prompts, references, name):
-    engine = engine_for(models, **CONFIGS[name])
+def test_fast_path_equals_the_reference(engines, models, prompts, references, name):
+    engine = engines(name)
     fp8 = CONFIGS[name].get("fp8", False)
     assert engine.fwd.fp8_matrices > 0 if fp8 else engine.fwd.fp8_matrices == 0
     got = probabilities(models["bfloat16"], prompts, run_packs(engine, prompts, greedy_packs(prompts, 2048)))

@@ -42,7 +42,7 @@ def computed(worker, request_id: str) -> bool:
 
 
 def held_states(worker) -> dict[str, str]:
-    return {held.request_id: held.state for held in list(worker.daemon.lifecycle.held.entries.values())}
+    return {held.request_id: held.state for held in list(worker.daemon.loop.held.entries.values())}
 
 
 def gated(inprocess, url: str, **settings):
@@ -93,6 +93,28 @@ def test_a_request_cancelled_before_it_is_packed_is_never_computed(redis_server,
     assert client.status("late-0")["late-0"].state == "cancelled"
     again = client.cancel("late-0")["late-0"]  # answered `cancelled`: a second cancel changes nothing
     assert again.state == "cancelled" and again.code == "cancelled"
+
+
+def test_a_request_sent_again_after_its_cancel_says_what_becomes_of_it(redis_server, inprocess):
+    """Cancelled while queued, then sent again under its id before any worker read it: its status says
+    ``cancelled`` (the cancel mark kept), and that is what both entries are answered, once, never computed. Before,
+    the second submit cleared the mark: status said ``queued`` with no cancel, and it ended ``cancelled`` all the
+    same (the first entry's notice answered the id, the second entry found that answer). The answer says what to
+    do: an id is answered once, so a request meant to run is sent under a new id."""
+    client = Client(redis_server.url)
+    client.submit(request("resent"))
+    assert client.cancel("resent")["resent"].state == "cancelled"
+    client.submit(request("resent"))
+    status = client.status("resent")["resent"]
+    assert status.state == "cancelled" and status.cancel_requested_ms is not None, status
+    worker = gated(inprocess, redis_server.url, max_wait_ms=1)
+    worker.start()
+    worker.faults.gate.set()
+    result = client.wait("resent", timeout=60)
+    assert result.error.code == ErrorCode.CANCELLED and "under a new id" in result.error.message, result
+    until(lambda: not client.redis.xlen(KEYS.requests), what="both entries read")
+    assert client.redis.xlen(KEYS.result("resent")) == 1 and not computed(worker, "resent")
+    assert client.status("resent")["resent"].state == "cancelled"
 
 
 def test_a_request_in_a_pack_is_answered_normally(redis_server, inprocess):
@@ -151,7 +173,7 @@ def test_a_fanned_out_request_drops_its_unpacked_parts_and_is_answered_cancelled
     worker.faults.gate.set()
     result = client.wait("long", timeout=60)
     assert result.error.code == ErrorCode.CANCELLED
-    until(lambda: not worker.daemon.lifecycle.held and client.redis.xlen(KEYS.parts) == 0, what="every part settled")
+    until(lambda: not worker.daemon.loop.held and client.redis.xlen(KEYS.parts) == 0, what="every part settled")
     assert client.redis.xlen(KEYS.result("long")) == 1 and client.wait("long", timeout=1) == result
     assert worker.faults.prompts < status.parts  # the parts not packed when the cancel came were never computed
     until(lambda: client.status("long")["long"].state == "cancelled", what="its record saying so")

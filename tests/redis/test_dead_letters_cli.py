@@ -90,6 +90,9 @@ def test_dead_letters_are_listed_requeued_and_purged_by_the_admin_only(tmp_path)
         assert admin.exists(s0.result("r-ok")) == 1
 
         assert cli("requeue", "--redis-url", url["admin"]).returncode == 2  # ids or --all
+        for action in ("requeue", "purge"):  # not an entry id: usage (2), where Redis' refusal read as unreachable (4)
+            bad = cli(action, crashed, "nope", "--redis-url", url["admin"])
+            assert bad.returncode == 2 and "'nope' is not a dead-letter id" in bad.stderr and not bad.stdout, bad.stderr
         purged = cli("purge", "--all", "--redis-url", url["admin"], "--shards", "2")
         assert purged.returncode == 0 and purged.stderr.splitlines()[-1] == "5 dead letters: 5 purged"
         assert admin.xlen(s0.dead) == admin.xlen(s1.dead) == 0

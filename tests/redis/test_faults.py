@@ -24,12 +24,7 @@ from producer.client import Client
 from producer.wire import library
 from producer.wire.keys import NORMAL
 from worker.config import Settings
-from worker.loop import redis_calls
-from worker.loop.consumer import Consumer
-from worker.loop.intake import Intake
-from worker.loop.lifecycle import Lifecycle
-from worker.loop.presence import Presence
-from worker.loop.publisher import Publisher
+from worker.loop.thread import LoopThread
 from worker.metrics import Metrics
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -240,21 +235,16 @@ def test_pending_entries_trimmed_from_the_stream(redis_server, inprocess, caplog
     assert "no payload any more" in caplog.text  # the ERROR line RELIABILITY.md promises
 
 
-async def bare_intake(url: str, name: str, route) -> tuple[Intake, str]:
-    """The worker's intake and held table alone, on a real server (no planner, no model; each entry taken goes to
-    ``route``): for races a worker process cannot be made to hit on purpose; and the normal lane's request stream,
-    its group created."""
-    settings = Settings.from_env({}, redis_url=url, claim_idle_ms=60_000)
-    client, keys, metrics = redis_calls.client(settings), Client(url).keys, Metrics()
-    consumer = Consumer(client, keys, name, settings.max_entry_bytes)
-    await consumer.ensure_groups()
-    calls = redis_calls.RedisCalls(client, metrics, give_up=lambda: False, where="test")
-    publisher = Publisher(client, keys, 60, "tiny")
-    lifecycle = Lifecycle(keys, settings, metrics, calls, consumer, None, None, publisher,
-                          asyncio.get_running_loop())
-    lifecycle._route = route
-    return Intake(consumer, lifecycle, calls, settings, metrics, threading.Event(),
-                  Presence(client, keys, name, list(consumer.streams), 60_000, {})), keys.requests_in(NORMAL)
+async def bare_loop(url: str, name: str, route) -> tuple[LoopThread, str]:
+    """The loop thread's parts alone, on a real server (no planner, no model, no coroutine running; each entry taken
+    goes to ``route``): for races a worker process cannot be made to hit on purpose; and the normal lane's request
+    stream, its group created."""
+    settings = Settings.from_env({}, redis_url=url, claim_idle_ms=60_000, consumer=name)
+    loop = LoopThread(settings, Metrics(), planner=None, packer=None, served=("tiny",),
+                      event_loop=asyncio.get_running_loop())
+    await loop.consumer.ensure_groups()
+    loop.lifecycle._route = route
+    return loop, Client(url).keys.requests_in(NORMAL)
 
 
 def test_a_held_entry_trimmed_between_keep_alive_and_reclaim_is_not_counted_lost(redis_server):
@@ -262,14 +252,15 @@ def test_a_held_entry_trimmed_between_keep_alive_and_reclaim_is_not_counted_lost
     answered from there and is not lost. The race (the trim lands between keep_alive and reclaim) made on purpose:
     keep_alive does nothing here. A trimmed entry nobody holds is still counted."""
     async def scenario() -> float:
-        intake, stream = await bare_intake(redis_server.url, "w-held", route=lambda delivery: None)
-        consumer, client = intake.consumer, intake.consumer.redis
+        loop, stream = await bare_loop(redis_server.url, "w-held", route=lambda delivery: None)
+        consumer, client, intake = loop.consumer, loop.consumer.redis, loop.intake
         held_id, orphan_id = [(await client.xadd(stream, {"body": json.dumps({"id": name})})).decode()
                               for name in ("held", "orphan")]
-        for delivery in await consumer.read(NORMAL, 10, 100):
+        deliveries = await consumer.read(NORMAL, 10, 100)  # one at first (``Consumer.careful``), then the other
+        for delivery in deliveries + await consumer.read(NORMAL, 10, 100):
             if delivery.request_id == "held":
-                intake.lifecycle.take(delivery, "read")  # the orphan stays pending, held by no one
-        assert set(intake.lifecycle.held) == {(stream, held_id)}
+                loop.lifecycle.take(delivery, "read")  # the orphan stays pending, held by no one
+        assert set(loop.held) == {(stream, held_id)}
         await client.xdel(stream, held_id, orphan_id)
 
         async def no_keep_alive(deliveries) -> None:
@@ -281,6 +272,7 @@ def test_a_held_entry_trimmed_between_keep_alive_and_reclaim_is_not_counted_lost
         await asyncio.sleep(0.5)
         maintenance.cancel()
         await client.aclose()
+        await consumer.close()
         return intake.metrics.registry.get_sample_value("dq_lost_entries_total")
 
     assert asyncio.run(scenario()) == 1  # the orphan; not the held one
@@ -293,14 +285,15 @@ def test_an_entry_trimmed_before_its_retry_is_retried_from_memory(redis_server):
     accepted = []
 
     async def scenario() -> tuple[str, set]:
-        intake, stream = await bare_intake(redis_server.url, "w-retry", route=accepted.append)
-        consumer, client, lifecycle = intake.consumer, intake.consumer.redis, intake.lifecycle
+        loop, stream = await bare_loop(redis_server.url, "w-retry", route=accepted.append)
+        consumer, client, lifecycle = loop.consumer, loop.consumer.redis, loop.lifecycle
         entry_id = (await client.xadd(stream, {"body": json.dumps({"id": "retried"})})).decode()
         [delivery] = await consumer.read(NORMAL, 10, 100)
         lifecycle.take(delivery, "read")
         await client.xdel(stream, entry_id)  # trimmed while its first attempt failed
         await lifecycle._retry(delivery, None)  # no planned task: planned again
         await client.aclose()
+        await consumer.close()
         return (stream, entry_id), set(lifecycle.held)
 
     entry, held = asyncio.run(scenario())

@@ -74,6 +74,12 @@ def test_delete_and_get_cancel_and_say_where_requests_are_in_the_callers_namespa
         assert state(globex, "gw-del-0") == "cancelled"
         both = globex.delete("/v1/requests", params={"id": ["gw-del-0", "gw-del-1"]}).json()["requests"]
         assert [c["state"] for c in both] == ["cancelled", "cancelled"]
+        # An answer per id asked, in order, an id asked twice answered twice (it gave two answers for three ids).
+        asked = ["gw-del-1", "gw-del-none", "gw-del-1"]
+        for method in (globex.get, globex.delete):
+            answers = method("/v1/requests", params={"id": asked}).json()["requests"]
+            assert [(a["id"], a["state"]) for a in answers] == [("gw-del-1", "cancelled"), ("gw-del-none", "unknown"),
+                                                                ("gw-del-1", "cancelled")], answers
         assert globex.delete("/v1/requests/bad%20id").status_code == 422
         # Answered: too late, 409, and it says how.
         done = acme.post("/v1/decide", json=request("gw-del-done"))

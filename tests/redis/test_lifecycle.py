@@ -41,7 +41,7 @@ def test_requests_are_accepted_planned_computed_published_and_let_go(redis_serve
     assert worker.metric("dq_entries_read_total", stream="requests", how="read") == 9
     assert worker.metric("dq_results_total", status="ok") == 9
     assert worker.metric("dq_planning_seconds_count") == 9  # each body planned once
-    assert worker.metric("dq_inflight_entries") == 0 and not worker.daemon.lifecycle.held
+    assert worker.metric("dq_inflight_entries") == 0 and not worker.daemon.loop.held
     drained(client)
 
 

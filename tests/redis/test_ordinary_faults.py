@@ -42,7 +42,7 @@ def test_dropped_connections_do_not_count_as_deliveries(redis_server, inprocess)
     client = Client(redis_server.url)
     ids = client.submit_many(batch(6, "held"))
     worker = inprocess(redis_server.url, slow_s=4.0, max_wait_ms=1, max_deliveries=2).start()
-    wait_for(lambda: len(worker.daemon.lifecycle.held) == 6, 20, what="six held entries")
+    wait_for(lambda: len(worker.daemon.loop.held) == 6, 20, what="six held entries")
     killed = 0
     for _ in range(4):  # each time the worker has reconnected (its readers retry after 0.5 s)
         killed += kill_others(client)
@@ -104,7 +104,7 @@ def test_a_drain_takes_no_other_workers_entries(redis_server, inprocess):
     keys = client.keys
     worker = inprocess(redis_server.url, slow_s=3.0, max_wait_ms=1, claim_idle_ms=300).start()
     [busy] = client.submit_many(batch(1, "busy"))
-    wait_for(lambda: worker.daemon.lifecycle.held, 20, what="a held entry")
+    wait_for(lambda: worker.daemon.loop.held, 20, what="a held entry")
     worker.daemon.stop()
     time.sleep(0.3)  # a read in flight when the stop came has ended
     for request in batch(3, "orphan"):  # a dead worker's entries, idle past --claim-idle-ms while this one drains
@@ -291,7 +291,7 @@ def test_a_fanned_out_request_that_loses_the_race_under_its_id_is_told(redis_ser
                                    "reply_to": keys.reply_prefix + "short"}])
     fast = inprocess(redis_server.url, **FANOUT).start()
     assert client.wait(short, timeout=30).ok
-    assert slow.faults.slow_packs == 1 and slow.daemon.lifecycle.held, "the long request's parts are still in work"
+    assert slow.faults.slow_packs == 1 and slow.daemon.loop.held, "the long request's parts are still in work"
     slow.join(30)
     fast.stop()
     wait_and_check(client.redis, keys, [short], timeout=30).assert_ok()  # and nothing left: the parts settled too

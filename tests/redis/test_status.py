@@ -71,16 +71,15 @@ def test_status_through_every_state_with_a_worker_killed_while_holding_it(tmp_pa
         assert client.wait("held", timeout=10).usage is not None
         assert admin.xpending(KEYS.requests, KEYS.group)["pending"] == 0
 
-        # Expired: the result is gone, the record still says how it was answered.
-        until(lambda: not admin.exists(KEYS.result("held")), timeout=30, what="the result's expiry")
-        expired = monitor.status("held")["held"]
-        assert expired.state == "answered" and expired.expired and expired.status == "ok"
-        assert monitor.status("never")["never"].state == "unknown"
-
         # dq-producer status, as the monitor: one line per id.
         shown = subprocess.run([sys.executable, "-m", "producer", "status", "held", "never", "--redis-url",
                                 as_role["monitor"]], capture_output=True, text=True, timeout=60)
         lines = [json.loads(line) for line in shown.stdout.splitlines()]
         assert shown.returncode == 1 and [line["state"] for line in lines] == ["answered", "unknown"]
+
+        # Expired: the record goes with its result (kept as long as the result, never a day past it): unknown.
+        until(lambda: not admin.exists(KEYS.result("held")), timeout=30, what="the result's expiry")
+        until(lambda: not admin.exists(KEYS.record("held")), timeout=5, what="the record's expiry")
+        assert monitor.status("held")["held"].state == "unknown" == monitor.status("never")["never"].state
         # No command of the workers, the producer or the monitor was refused along the way.
         assert admin.acl_log() == [], admin.acl_log()

@@ -387,31 +387,52 @@ def test_idempotency_keys_and_tenants(stack):
                         ts.TypeSafeUnprocessableEntityError)
         assert "Idempotency-Key" in str(error)
         same = [client.system_one("identical", noul).request_id for _ in range(2)]
+        # An empty key is none (RFC 9651: a field that does not parse is ignored): two calls sent with one are two
+        # requests, not the second refused 422 as the first one's key reused.
+        blank = [client.system_one(f"blank key {n}", noul, extra_headers={"Idempotency-Key": ""}).request_id
+                 for n in range(2)]
+        assert blank[0] != blank[1]
     with sdk(stack, "globex") as client:
         other = client.system_one("identical", noul).request_id
     assert same[0] == same[1] != other
 
 
-def test_a_call_whose_request_was_cancelled_is_computed_afresh(stack):
-    """Where a request a call maps to is answered ``cancelled`` (a cancel, docs/PROTOCOL.md), the call is enqueued
-    anew and answered, never ``cancelled``: here the cancel is written as the queue's publication writes results."""
+def test_a_call_whose_request_is_cancelled_while_it_waits_is_answered_cancelled(stack):
+    """A DELETE of the request a call waits for (its key's namespace is the model's): the call is answered 410
+    ``cancelled`` in the System One shape; the same call sent after the cancel is a new ask, computed under a new
+    id. Before, the waiting call sent the cancelled request again under a new id and answered 200, though the
+    DELETE had said ``cancelling``."""
     connection, keys, answer = redis.Redis.from_url(stack.server.url), Keys("alpha"), []
     before = connection.xlen(keys.requests)
-    with sdk(stack) as client:
+    entries = worker_counts(stack, "alpha")[0]
+    state, auth = "This one gets cancelled under its caller.", {"Authorization": f"Bearer {TOKENS['alpha-only']}"}
+    with sdk(stack, "alpha-only", retry=NO_RETRY) as client:
         with stack.paused("alpha"):
-            caller = threading.Thread(target=lambda: answer.append(client.system_one(
-                "This one gets cancelled under its caller.", QUESTIONS)))
+            caller = threading.Thread(target=lambda: answer.append(refused(lambda: client.system_one(
+                state, QUESTIONS))))
             caller.start()
             wait_for(lambda: connection.xlen(keys.requests) > before, what="the call enqueued")
             [(_, fields)] = connection.xrevrange(keys.requests, count=1)
             cancelled = json.loads(fields[b"body"])["id"]
-            result = Result.failure(cancelled, "cancelled", "cancelled by its caller")
-            connection.fcall(library.PUBLISH, 3, keys.result(cancelled), keys.shares(cancelled),
-                             keys.body(cancelled), result.model_dump_json(exclude_none=True), 600)
+            deleted = httpx.delete(f"{stack.gateway.url}/v1/requests/{cancelled}", headers=auth)
+            assert deleted.json()["state"] in ("cancelled", "cancelling"), deleted.text
         caller.join(60)
-    [response] = answer
-    assert response.request_id != cancelled and set(response.answers) == set(QUESTIONS)
+        [error] = answer
+        assert error.status == 410 and error.request_id == cancelled
+        assert error.body["detail"]["error_type"] == "cancelled", error.body
+        again = client.system_one(state, QUESTIONS)
+    assert again.request_id != cancelled and set(again.answers) == set(QUESTIONS)
+    wait_for(lambda: worker_counts(stack, "alpha")[0] >= entries + 2, what="both entries taken")
+    assert worker_counts(stack, "alpha")[0] == entries + 2  # two requests in all: the cancelled one, the new call's
     connection.close()
+
+
+def test_a_base_url_ending_in_v1_is_told_to_drop_it(stack):
+    """The clients append /v1/systemone to their base URL: one ending in /v1 got a bare 404 "Not Found"."""
+    with TypeSafeClient(api_key=TOKENS["acme"], base_url=stack.gateway.url + "/v1", retry=NO_RETRY) as client:
+        for call in (lambda: client.system_one("x", {"q": Noul(instructions="ok?")}), client.models.list):
+            error = refused(call, ts.TypeSafeNotFoundError)
+            assert error.status == 404 and "the base URL ends in /v1" in str(error) and "drop the /v1" in str(error)
 
 
 def test_an_open_gateway_ignores_the_bearer_the_sdk_must_send(stack):
@@ -482,6 +503,27 @@ def test_undecodable_bodies(stack):
     assert big.status_code == 413 and big.headers["x-typesafe-request-id"].startswith("req_")
     plain = httpx.post(url, content=call, headers={**headers, "Content-Type": "text/plain"})
     assert plain.status_code == 415
+
+
+def test_zstd_and_gzip_bodies_of_many_frames_are_taken_within_a_bound(stack):
+    """Empty and skippable zstd frames (RFC 8878) around the one that holds the call, and gzip members likewise,
+    are valid bodies: answered 200 (they were refused 400: an empty frame ended the read of a chunk); more than
+    1000 frames in one body are refused 400, each frame costing a decoder."""
+    import gzip
+    import struct
+
+    call = json.dumps({"model": "decider-a", "state": "framed", "questions": {"q": {"type": "noul"}}}).encode()
+    headers = {"Authorization": f"Bearer {TOKENS['acme']}", "Content-Type": "application/json"}
+    url = stack.gateway.url + "/v1/systemone"
+    empty, skippable = zstd.compress(b""), struct.pack("<II", 0x184D2A50, 6) + b"ignore"
+    framed = empty * 20 + skippable + zstd.compress(call[:10]) + empty * 5 + skippable + zstd.compress(call[10:]) + empty
+    members = gzip.compress(b"") * 20 + gzip.compress(call[:10]) + gzip.compress(b"") + gzip.compress(call[10:])
+    for encoding, body in (("zstd", framed), ("gzip", members)):
+        answered = httpx.post(url, content=body, headers={**headers, "Content-Encoding": encoding}, timeout=60)
+        assert answered.status_code == 200 and set(answered.json()["answers"]) == {"q"}, (encoding, answered.text)
+    endless = httpx.post(url, content=empty * 1001 + zstd.compress(call), timeout=60,
+                         headers={**headers, "Content-Encoding": "zstd"})
+    assert endless.status_code == 400 and "more than 1000" in endless.json()["detail"]["message"]
 
 
 def test_the_python_client_and_the_cli_route_by_model(stack, tmp_path):

@@ -119,11 +119,16 @@ def test_off_by_default_and_free_and_on_it_exports_over_otlp(tmp_path, server_bi
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         on = subprocess.run([sys.executable, "-c", (
+            "import logging; logging.basicConfig(level=logging.INFO); "
             "from producer.plumbing import traces; assert traces.configure('dq-test'); "
             "traces.tracer('t').start_span('dq.sent').end(); traces.shutdown()")], capture_output=True, text=True,
-            timeout=120, cwd=ROOT, env={**environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"})
+            timeout=120, cwd=ROOT, env={**environ, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT":
+                                        f"http://collector:s3cret-pass@127.0.0.1:{port}/v1/traces?api_key=s3cret-key"})
     finally:
         server.shutdown()
     assert on.returncode == 0, on.stderr
     [(path, body)] = received
-    assert path == "/v1/traces" and b"dq.sent" in body and b"dq-test" in body
+    assert path == "/v1/traces?api_key=s3cret-key" and b"dq.sent" in body and b"dq-test" in body
+    # The endpoint's credentials reach the collector, never a log line (they were printed whole at start).
+    assert f"traces exported over OTLP to http://***@127.0.0.1:{port}/v1/traces?api_key=***" in on.stderr
+    assert "s3cret" not in on.stderr

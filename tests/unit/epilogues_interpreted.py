@@ -21,7 +21,7 @@ from triton.runtime import interpreter  # noqa: E402
 
 from worker.fast import epilogues as ep  # noqa: E402
 from worker.fast import layers, ops  # noqa: E402
-from worker.fast.forward import EPILOGUES  # noqa: E402
+from worker.fast_options import EPILOGUES  # noqa: E402
 
 bf16 = torch.bfloat16
 EPS = 1e-6

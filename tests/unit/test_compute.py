@@ -1,5 +1,7 @@
-"""The GPU stage's order of work: a full next pack is launched before the previous one is read out (the GPU never
-waits for the host), a partly full one after it (its answers do not wait for the next launch's host work)."""
+"""The GPU stage's order of work: the next pack is launched before the previous one is read out (the GPU never waits
+for the host): a full one at once, a partly full one just before the previous one ends, with what arrived by then;
+after the read-out when the previous one is done already (a synchronous engine: its answers do not wait for the
+next launch's host work)."""
 
 import json
 
@@ -12,21 +14,54 @@ from worker.gpu.packer import Packer
 from worker.metrics import Metrics
 from worker.model.encoder import Encoder
 from worker.model.engine import Prompt, PackRun, Pending
-from worker.tasks import Computed, Expired, Failed, Item, Launched, Task
+from worker.tasks import Computed, Failed, Item, Launched, Task
 
 BUDGET = 100
 
 
+class StepClock:
+    """Time that moves only while the packer or a pack is waited for: to the end of the wait, running what was
+    scheduled before it."""
+
+    def __init__(self) -> None:
+        self.t, self.scheduled = 100.0, []
+
+    def now(self) -> float:
+        return self.t
+
+    def at(self, when: float, action) -> None:
+        self.scheduled = sorted([*self.scheduled, (when, action)], key=lambda each: each[0])
+
+    def until(self, when: float) -> None:
+        while self.scheduled and self.scheduled[0][0] <= when:
+            at, action = self.scheduled.pop(0)
+            self.t = max(self.t, at)
+            action()
+        self.t = max(self.t, when)
+
+    def wait(self, condition, timeout: float) -> None:
+        if self.scheduled and self.scheduled[0][0] <= self.t + timeout:
+            when, action = self.scheduled.pop(0)
+            self.t = max(self.t, when)
+            action()
+        else:
+            self.t += timeout
+
+
 class RecordingEngine:
-    """Launches nothing: records when each pack is launched and when its scores are waited for."""
+    """Launches nothing: records when each pack is launched and when its scores are waited for. Synchronous: each
+    pack is done when its launch returns; else, with a clock, each runs ``seconds`` from its launch."""
 
     name = "recording"
     max_pack_tokens = BUDGET
     pack_sizes = ()
 
-    def __init__(self, verbalizers: int) -> None:
+    def __init__(self, verbalizers: int, synchronous: bool = False, clock: StepClock | None = None,
+                 seconds: float = 0.05) -> None:
         self.events: list[tuple[str, int]] = []
         self.verbalizers = verbalizers
+        self.synchronous, self.clock, self.seconds = synchronous, clock, seconds
+        self.free = 0.0  # when the packs launched so far will have run
 
     def warmup(self) -> None:
         pass
@@ -36,12 +71,19 @@ class RecordingEngine:
         self.events.append(("launch", number))
         tokens = sum(c.length for c in prompts)
 
+        clock = self.clock
+        ends = self.free = max(clock.t, self.free) + self.seconds if clock is not None else 0.0  # one after another
+
         def finish() -> PackRun:
+            if clock is not None:
+                clock.until(ends)
             self.events.append(("wait", number))
             scores = [torch.zeros(len(c.questions), self.verbalizers) for c in prompts]
-            return PackRun(scores, tokens, tokens, None, False, 0.0)
+            return PackRun(scores, tokens, tokens, None, False, self.seconds if clock else 0.0)
 
-        return Pending(finish)
+        if self.synchronous:
+            return Pending(finish, finished=lambda: True)
+        return Pending(finish, finished=(lambda: clock.t >= ends) if clock is not None else None)
 
 
 def items(model, lengths):
@@ -57,11 +99,13 @@ def items(model, lengths):
     return out
 
 
-def run(model, lengths):
-    packer = Packer(BUDGET, max_wait=0.0)
+def run(model, lengths, synchronous: bool = False):
+    clock = StepClock()
+    packer = Packer(BUDGET, max_wait=0.0, clock=clock)
+    packer.policy.costs.observe(BUDGET, 0.05)
     for item in items(model, lengths):
         packer.put([item])
-    engine = RecordingEngine(int(model.model.proj.out_features))
+    engine = RecordingEngine(int(model.model.proj.out_features), synchronous, None if synchronous else clock)
     handed = []
 
     class Sink:
@@ -85,40 +129,57 @@ def test_a_full_next_pack_is_launched_before_the_previous_is_read_out(loaded):
     assert events == [("launch", 0), ("launch", 1), ("wait", 0), ("launch", 2), ("wait", 1), ("wait", 2)]
 
 
-def test_a_partial_next_pack_waits_until_the_previous_is_read_out(loaded):
+def test_a_partial_next_pack_is_launched_before_the_previous_is_read_out_just_before_it_ends(loaded):
     events = run(loaded("repo-text"), [50, 50, 30])  # a full pack, then a partial one
-    assert events == [("launch", 0), ("wait", 0), ("launch", 1), ("wait", 1)]
+    assert events == [("launch", 0), ("launch", 1), ("wait", 0), ("wait", 1)]
 
 
-def test_a_pack_finishing_after_a_stop_closed_the_loop_is_dropped_not_raised():
-    """At the drain deadline the asyncio loop closes while a pack may still finish on the GPU thread: its answers
-    are dropped (the entries stay pending, reclaimed elsewhere); it once ended the worker with exit 1 and a traceback."""
-    import asyncio
+def test_behind_a_pack_done_already_the_next_waits_until_it_is_read_out(loaded):
+    """A synchronous engine (the reference engine on the CPU) has computed a pack by the time its launch returns:
+    launching the next first would keep its answers waiting for a whole pack."""
+    events = run(loaded("repo-text"), [50, 50, 50, 45, 30], synchronous=True)
+    assert events == [("launch", 0), ("wait", 0), ("launch", 1), ("wait", 1), ("launch", 2), ("wait", 2)]
 
-    from worker.loop.lifecycle import Lifecycle
 
-    lifecycle = Lifecycle.__new__(Lifecycle)  # only the hand-over is exercised
-    lifecycle.loop = asyncio.new_event_loop()
-    lifecycle.loop.close()
-    for event in (Launched(()), Computed(None, [], 0.0), Failed(None, "x"), Expired(None)):
-        lifecycle.hand_over(event)
+def test_a_failed_gpu_ends_the_worker_through_the_exit_seam_it_is_given(loaded):
+    """A GPU that fails (a CUDA error, not a bad prompt) ends the process with 70 through the daemon's exit seam,
+    which in-process tests replace; its pack is not bisected or failed prompt by prompt."""
+    model = loaded("repo-text")
+    packer = Packer(BUDGET, max_wait=0.0)
+    for item in items(model, [50, 40]):
+        packer.put([item])
+    exits, handed = [], []
+
+    class FailedGpu(RecordingEngine):
+        def launch(self, prompts):
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    class Sink:
+        def hand_over(self, event):
+            handed.append(event)
+
+    compute = Compute(model, FailedGpu(int(model.model.proj.out_features)), packer, Metrics(), Sink(),
+                      fatal=exits.append)
+    compute.run(done=lambda: bool(exits))
+    assert exits == [70] and not [event for event in handed if isinstance(event, Failed)]
 
 
 def test_work_arriving_while_a_pack_runs_joins_the_next_pack(loaded):
-    """A GPU that keeps up: the next pack is formed once the running one is read out, with what came meanwhile
-    (formed at the first one's launch it would leave the late arrivals a pack further behind)."""
+    """The next pack is formed just before the running one ends, with what came meanwhile (formed at the first one's
+    launch it would leave the late arrivals a pack further behind)."""
     model = loaded("repo-text")
     first, queued, *late = items(model, [30, 20, 20, 20])
-    packer = Packer(BUDGET, max_wait=0.0)
-    engine = RecordingEngine(int(model.model.proj.out_features))
+    clock = StepClock()
+    packer = Packer(BUDGET, max_wait=0.0, clock=clock)
+    packer.policy.costs.observe(BUDGET, 0.05)
+    engine = RecordingEngine(int(model.model.proj.out_features), clock=clock)
     launch, packs = engine.launch, []
 
     def launching(prompts):
         packs.append(len(prompts))
-        pending = launch(prompts)
         if len(packs) == 1:  # while the first pack runs, two more prompts arrive
-            return Pending(lambda: (packer.put(late), pending.wait())[1])
-        return pending
+            clock.at(clock.t + 0.02, lambda: packer.put(late))
+        return launch(prompts)
 
     engine.launch = launching
     packer.put([first])
@@ -139,7 +200,7 @@ def test_the_halves_of_a_pack_whose_launch_failed_are_reported_launched(loaded):
     model = loaded("repo-text")
     packer = Packer(BUDGET, max_wait=0.0)
     packer.put(items(model, [30, 30]))
-    engine = RecordingEngine(int(model.model.proj.out_features))
+    engine = RecordingEngine(int(model.model.proj.out_features), synchronous=True)
     launch, calls, handed = engine.launch, [], []
 
     def flaky(prompts):

@@ -70,6 +70,14 @@ def test_pack_tokens_is_every_packs_budget_and_the_largest_bucket(pack_tokens, b
     ({"DQ_RESULT_TTL_S": "0"}, "--result-ttl-s (DQ_RESULT_TTL_S) must be at least 1, got 0"),
     ({"DQ_RESULT_TTL_S": "-1"}, "--result-ttl-s (DQ_RESULT_TTL_S) must be at least 1, got -1"),
     ({"DQ_STALL_TIMEOUT_S": "0"}, "--stall-timeout-s (DQ_STALL_TIMEOUT_S) must be at least 1"),
+    # A record says what its result says: never kept past it.
+    ({"DQ_RESULT_TTL_S": "3600", "DQ_RECORD_TTL_S": "7200"}, "--record-ttl-s (DQ_RECORD_TTL_S) must be at most "
+                                                             "--result-ttl-s (3600), got 7200"),
+    ({"DQ_EPILOGUES": "swiglu,bogus"}, "--epilogues (DQ_EPILOGUES) must be none, all, or some of swiglu, residual, "
+                                       "gated_norm comma-separated, got 'swiglu,bogus'"),
+    ({"DQ_FP8_LAYERS": "3-"}, "--fp8-layers (DQ_FP8_LAYERS) must be all, full, linear, late or layer indices"),
+    ({"DQ_FP8_MATRICES": "mlp,gates"}, "--fp8-matrices (DQ_FP8_MATRICES) must be all, or some of mlp, attention, "
+                                       "linear comma-separated, got 'mlp,gates'"),
 ])
 def test_out_of_range_and_unknown_values_are_refused_naming_flag_and_variable(environ, named):
     with pytest.raises(SettingsError) as refused:
@@ -98,10 +106,11 @@ def run_worker(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
 
 def test_serve_refuses_bad_settings_with_exit_2_before_loading_anything(tiny_dir):
     done = run_worker("serve", "--checkpoint", str(tiny_dir), "--engine", "fsat", "--log-level", "verbose",
-                      env={"DQ_SHARD": "-3"})
+                      "--epilogues", "bogus", "--fp8-layers", "nonsense", env={"DQ_SHARD": "-3"})
     assert done.returncode == 2, done.stderr
     assert "dq-worker serve: error: --engine (DQ_ENGINE) must be one of auto, fast, reference" in done.stderr
     assert "--log-level" in done.stderr and "--shard (DQ_SHARD)" in done.stderr
+    assert "--epilogues (DQ_EPILOGUES)" in done.stderr and "--fp8-layers (DQ_FP8_LAYERS)" in done.stderr
     assert "Traceback" not in done.stderr and "no torch" in done.stdout  # refused before torch, let alone the model
 
 

@@ -1,6 +1,7 @@
 """The docs say what the code says: every path a document names exists (``tests/....py::test_name`` a test in its
-file, a name ending in ``_`` standing for the tests it begins), and docs/CONFIGURATION.md is what the settings
-write (ops/configuration.py)."""
+file, a name ending in ``_`` standing for the tests it begins), docs/CONFIGURATION.md is what the settings write
+(ops/configuration.py), each contents list names its document's headings, and each picture is rendered from its
+source."""
 
 import re
 import runpy
@@ -38,3 +39,33 @@ def test_every_path_a_document_names_exists(doc):
 def test_the_configuration_doc_is_what_the_settings_write():
     render = runpy.run_path(str(ROOT / "ops" / "configuration.py"))["render"]
     assert (ROOT / "docs" / "CONFIGURATION.md").read_text() == render(), "run python ops/configuration.py"
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub writes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("name", ["OPERATIONS.md", "RELIABILITY.md", "GATEWAY.md"])
+def test_every_contents_entry_names_a_heading_of_its_document(name):
+    text = (ROOT / "docs" / name).read_text()
+    listed = re.findall(r"^ *- \[([^\]]+)\]\(#([^)]+)\)$", text.split("\n\n", 3)[2], re.M)
+    headings = {title: slug(title) for title in re.findall(r"^##+ (.+)$", text, re.M)}
+    assert listed, f"{name} has no contents list under its title"
+    wrong = [(title, anchor) for title, anchor in listed if headings.get(title) != anchor]
+    assert not wrong, f"{name}'s contents name no heading: {wrong}"
+    top = [title for title in re.findall(r"^## (.+)$", text, re.M)]
+    assert [title for title, _ in listed if title in top] == top, f"{name}'s contents miss a section"
+
+
+def test_the_pictures_are_rendered_from_their_sources():
+    """Each drawing's Graphviz source is in the repository beside its SVG and PNG (bash ops/pictures.sh renders
+    them), and the SVG has every node the source names: a node added to a source without rendering it again fails."""
+    pictures = ROOT / "docs" / "pictures"
+    assert sorted(path.stem for path in pictures.glob("*.dot")) == ["architecture", "deployment"]
+    for source in sorted(pictures.glob("*.dot")):
+        svg = source.with_suffix(".svg").read_text()
+        assert source.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        nodes = re.findall(r"^\s+(\w+) \[label=", source.read_text(), re.M)
+        assert nodes and [node for node in nodes if f"<title>{node}</title>" not in svg] == [], source.name
+        assert f"pictures/{source.stem}.svg" in (ROOT / "docs" / "OPERATIONS.md").read_text()

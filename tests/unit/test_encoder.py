@@ -1,6 +1,9 @@
+import copy
+
 import pytest
 import torch
 from PIL import Image
+from transformers.decision import prepare_inputs
 
 from producer.wire.schema import ErrorCode, Request, RequestError
 from support import png
@@ -68,7 +71,8 @@ def test_image_errors(loaded):
     encoder = Encoder(loaded("repo"), max_image_pixels=100 * 100)
     cases = [
         ({"data_base64": "not base64!"}, "not valid base64"),
-        ({"data_base64": "aGVsbG8="}, "cannot decode"),
+        ({"data_base64": "aGVsbG8="}, "cannot decode image .not an image of a format read here: png, jpeg"),
+        ({"data_base64": png("red", (64, 64))[:80]}, "cannot decode image"),
         ({"data_base64": png("red", (64, 64), "TIFF")}, "unsupported image format TIFF"),
         ({"data_base64": png("red", (200, 200))}, "over the limit"),
     ]
@@ -76,6 +80,7 @@ def test_image_errors(loaded):
         with pytest.raises(RequestError, match=message) as error:
             encoder.prompts(request(state="see img-1", assets={"img-1": asset}))
         assert error.value.code == ErrorCode.INVALID_IMAGE
+        assert " at 0x" not in str(error.value) and "BytesIO" not in str(error.value)  # a plain message, no repr
     with pytest.raises(RequestError, match="text only"):
         Encoder(loaded("repo-text")).prompts(request(state="see img-1", assets={"img-1": {"data_base64": png()}}))
 
@@ -183,3 +188,19 @@ def test_state_too_long_states_the_counts(loaded):
     with pytest.raises(RequestError, match="at most 160") as error:
         Encoder(loaded("readout", max_prompt_tokens=160)).prompts(request(state="word " * 400))
     assert error.value.code == ErrorCode.STATE_TOO_LONG
+
+
+@pytest.mark.parametrize("name", ["repo", "repo-text", "judge"])
+def test_the_vocabulary_is_read_once_and_the_prompts_are_transformers_own(loaded, name):
+    """prepare_inputs asks for the whole vocabulary on every request (a fresh dict each time: about 0.1 s at
+    Qwen3.5's 248k tokens); the encoder's own tokenizer answers with one copy, and renders exactly as before."""
+    model = loaded(name)
+    encoder = Encoder(model)
+    tokenizer = getattr(encoder.processor, "tokenizer", encoder.processor)
+    assert tokenizer.get_vocab() is tokenizer.get_vocab() and "<|mark|>" in tokenizer.get_vocab()
+    fresh = copy.deepcopy(model.processor)  # marks added by prepare_inputs itself, on first use
+    for state in ["hello", "I was charged twice. " * 40, 'a <|mark|> and a <|split|> in {"json": [1, 2]}', ""]:
+        mine = encoder.prompts(request(state=state))
+        theirs = prepare_inputs(model.decision_config, request(state=state).template_input(), fresh)
+        assert [p.input_ids.tolist() for p in mine] == [inputs["input_ids"][0].tolist() for inputs, _ in theirs]
+        assert [(p.rows + 1).tolist() for p in mine] == [inputs["marks"].tolist() for inputs, _ in theirs]

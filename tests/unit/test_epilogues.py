@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from worker.fast import ops
-from worker.fast.forward import EPILOGUES, chosen_epilogues
 
 ROOT = Path(__file__).resolve().parents[2]
 bf16 = torch.bfloat16
@@ -22,15 +21,6 @@ bf16 = torch.bfloat16
 
 def randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape).to(bf16)
-
-
-def test_the_setting_names_kernels_or_all():
-    assert chosen_epilogues("") == frozenset() and chosen_epilogues(" ") == frozenset()
-    assert chosen_epilogues("all") == frozenset(EPILOGUES)
-    assert chosen_epilogues("SwiGLU, residual") == {"swiglu", "residual"}
-    for bad in ("swiglu,bogus", "all,swiglu", "norm"):
-        with pytest.raises(ValueError, match="epilogues"):
-            chosen_epilogues(bad)
 
 
 def test_the_plain_ops_leave_the_hidden_state_alone():
@@ -41,17 +31,20 @@ def test_the_plain_ops_leave_the_hidden_state_alone():
     assert torch.equal(hidden, before)
 
 
-def test_the_engine_checks_the_setting_and_applies_it_with_the_fused_kernels_only(loaded):
-    """On the CPU the fused kernels do not run, so neither do these (the plain ops stay); a bad name is refused."""
+def test_the_engine_applies_the_setting_with_the_fused_kernels_only_and_says_so_once(loaded, caplog):
+    """On the CPU the fused kernels do not run, so neither do these (the plain ops stay): one line at start says so
+    (as it does with --no-fused-kernels on a GPU), where the flag was once dropped in silence."""
     from worker.config import Settings
     from worker.fast import FastEngine
     from worker.fast.mixers import TorchMixers
 
     model = loaded("repo")
-    with pytest.raises(ValueError, match="epilogues"):
-        FastEngine(model, Settings(epilogues="swiglu,bogus", compile="none"), mixers=TorchMixers())
-    engine = FastEngine(model, Settings(epilogues="all", compile="none"), mixers=TorchMixers())
+    with caplog.at_level("INFO", logger="worker"):
+        engine = FastEngine(model, Settings(epilogues="all", compile="none"), mixers=TorchMixers())
     assert engine.fwd.epilogues == frozenset() and engine.fwd.ops == ops.Ops()
+    lines = [record.getMessage() for record in caplog.records if "--epilogues" in record.getMessage()]
+    assert lines == ["--epilogues gated_norm,residual,swiglu not applied: they run with the fused kernels only "
+                     "(--fused-kernels, a bf16 or fp16 model on CUDA)"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")

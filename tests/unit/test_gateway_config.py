@@ -38,6 +38,9 @@ def test_flags_win_over_variables_which_win_over_defaults():
     ({"host": "0.0.0.0"}, {}, "loopback"),
     ({}, {"DQ_NAMESPACE": "a{b}"}, "namespace"),
     ({}, {"DQ_REDIS_URL": "http://x"}, "redis://"),
+    # An alias that is a served model's name (the model of a pair, known when parsed) would take its calls.
+    ({"model_alias": ["decider-a=decider-a"]}, {}, "--model-alias (DQ_GATEWAY_MODEL_ALIAS): decider-a: an alias"),
+    ({"model_alias": ["decider-b=decider-a", "decider-a=decider-c"]}, {}, "decider-a: an alias that names a served"),
 ])
 def test_bad_settings_are_refused_naming_the_flag_and_variable(values, environ, says):
     with pytest.raises((ConfigError, ValueError), match=None) as refused:

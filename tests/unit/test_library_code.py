@@ -13,6 +13,7 @@ REVISIONS = {
     2: "92a0e75cffd7b6f0",  # publish_as, part_as, reply; the high lane's request stream (docs/PROTOCOL.md)
     3: "9d0a1bb4ce5b0bbc",  # a reply stream's length capped: publish_as and reply take it last (optional)
     4: "f96d2f6239a69e1b",  # dead_letter (a dead letter with its result, one step), requeue; records, cancel
+    5: "d9d9fd976f4a504c",  # a request sent again under a cancelled, unanswered one's id keeps the cancel mark
 }
 
 

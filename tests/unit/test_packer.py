@@ -1,4 +1,5 @@
-"""Packs filled high-priority first, with a share kept for normal work (worker/gpu/packer.py)."""
+"""Packs filled high-priority first, with a share kept for normal work, launched behind a running pack just before
+it ends (worker/gpu/packer.py)."""
 
 import threading
 import time
@@ -13,6 +14,49 @@ from worker.model.engine import Prompt
 from worker.tasks import Item, Task
 
 REQUEST = Request.model_validate({"state": "x", "questions": {"spam": {"type": "noul"}}})
+
+
+SIZES = (512, 1024, 2048)
+
+
+class StepClock:
+    """Time that moves only while the packer waits: to the end of its wait, or to the first thing scheduled before
+    it (which runs then)."""
+
+    def __init__(self) -> None:
+        self.t, self.scheduled = 100.0, []
+
+    def now(self) -> float:
+        return self.t
+
+    def at(self, when: float, action) -> None:
+        self.scheduled = sorted([*self.scheduled, (when, action)], key=lambda each: each[0])
+
+    def wait(self, condition, timeout: float) -> None:
+        if self.scheduled and self.scheduled[0][0] <= self.t + timeout:
+            when, action = self.scheduled.pop(0)
+            self.t = max(self.t, when)
+            action()
+        else:
+            self.t += timeout
+
+
+class Running:
+    """A pack's Pending as the packer sees it: done or not."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.finished = done
+
+    def done(self) -> bool:
+        return self.finished
+
+
+def running(packer: Packer, tokens: int, seconds: float, done: bool = False) -> Running:
+    """A pack of ``tokens`` launched now on an idle GPU, whose size the packer expects to run ``seconds``."""
+    packer.policy.costs.observe(packer.policy.holding(tokens), seconds)
+    pending = Running(done)
+    packer.launched(tokens, packer.clock.now(), pending)
+    return pending
 
 
 def item(lane, tokens: int, name: str) -> Item:
@@ -83,17 +127,6 @@ def test_normal_work_alone_fills_packs_first_fit_in_order():
     assert not any(packer.lanes.values()) and packer.next(timeout=0.01) == []
 
 
-def test_packs_shrink_to_the_high_budget_while_high_work_flows():
-    packer = fill(Packer(400, max_wait=0.0, high_budget=100), *[item(NORMAL, 50, f"n{i}") for i in range(20)])
-    assert lane_tokens(packer.next(), NORMAL) == 400 and packer.budget == 400
-    packer.put([item(HIGH, 50, "h0")])
-    pack = packer.next()
-    assert "h0" in names(pack) and sum(one.tokens for one in pack) == 100 and packer.budget == 100
-    assert sum(one.tokens for one in packer.next()) == 100  # just after high work: still small
-    packer.high_seen -= 10  # a while without high work: full packs again
-    assert sum(one.tokens for one in packer.next()) == 400
-
-
 def test_a_partly_filled_pack_waits_at_most_max_wait_for_more():
     packer = fill(Packer(1000, max_wait=0.2), item(NORMAL, 50, "n0"))
     threading.Timer(0.05, packer.put, [[item(HIGH, 50, "h0")]]).start()
@@ -108,47 +141,113 @@ def test_an_idle_gpu_gets_everything_queued_up_to_the_budget():
     assert names(packer.next()) == ["n0", "n1", "n2"]  # 700 tokens, padded to 1024: nothing else would run
 
 
-def test_a_busy_gpu_gets_only_a_pack_that_fills_a_static_size():
-    packer = fill(Packer(2048, max_wait=0.0, sizes=(512, 1024, 2048)),
-                  *[item(NORMAL, n, f"n{i}") for i, n in enumerate([300, 200, 200])])
-    assert names(packer.next(behind=1)) == ["n0", "n1"]  # 500 of 512; 1024 would be padded by a third
-    assert packer.next(behind=1) == []  # 200 fills nothing: it waits for the pack on the GPU to end ...
-    assert names(packer.next()) == ["n2"]  # ... and then goes, with whatever came meanwhile
+def test_behind_a_running_pack_the_next_is_formed_just_before_it_ends_with_what_came_by_then():
+    clock = StepClock()
+    packer = fill(Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock), item(NORMAL, 300, "n0"))
+    running(packer, 2048, seconds=0.05)  # ends at 100.05
+    clock.at(100.01, lambda: packer.put([item(NORMAL, 300, "n1")]))
+    clock.at(100.03, lambda: packer.put([item(NORMAL, 300, "n2")]))
+    clock.at(100.049, lambda: packer.put([item(NORMAL, 300, "late")]))  # after the moment: the next pack
+    pack = packer.next(behind=True)
+    lead = packer.policy.lead(2048)
+    assert names(pack) == ["n0", "n1", "n2"] and abs(clock.t - (100.05 - lead)) < 1e-9
+    assert 0.002 <= lead < 0.01
 
 
-def test_a_backlog_still_makes_full_budget_packs():
-    packer = fill(Packer(2048, max_wait=0.0, sizes=(512, 1024, 2048)),
+def test_a_pack_done_already_is_read_out_first_and_none_is_formed_behind_it():
+    clock = StepClock()
+    packer = fill(Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock), item(NORMAL, 300, "n0"))
+    running(packer, 2048, seconds=0.05, done=True)  # a synchronous engine's, or one that ended early
+    assert packer.next(behind=True) == [] and clock.t == 100.0 and packer.tokens[NORMAL] == 300
+
+
+def test_nothing_queued_by_the_moment_means_no_pack_behind():
+    clock = StepClock()
+    packer = Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock)
+    running(packer, 2048, seconds=0.05)
+    assert packer.next(behind=True) == [] and clock.t < 100.05
+
+
+def test_a_backlog_makes_full_packs_of_the_largest_size_back_to_back_at_once():
+    """A saturated worker without high work launches each full pack of the largest size as soon as it can, as
+    before; what is left, less than a full one, waits for the moment before the running pack ends."""
+    clock = StepClock()
+    packer = fill(Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock), *[item(NORMAL, 256, f"n{i}") for i in range(20)])
+    running(packer, 2048, seconds=0.05)
+    assert sum(one.tokens for one in packer.next(behind=True)) == 2048 and clock.t == 100.0
+    assert sum(one.tokens for one in packer.next(behind=True)) == 2048 and clock.t == 100.0
+    assert sum(one.tokens for one in packer.next(behind=True)) == 1024 and clock.t > 100.04
+    assert not any(packer.lanes.values())
+
+
+def test_while_high_work_flows_even_a_full_pack_waits_for_the_moment_and_a_late_high_request_rides_in_it():
+    """A full pack launched at once would make a high request arriving meanwhile wait for two packs."""
+    clock = StepClock()
+    packer = fill(Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock, high_target=1.0),
                   *[item(NORMAL, 256, f"n{i}") for i in range(20)])
-    assert sum(one.tokens for one in packer.next(behind=1)) == 2048
-    assert sum(one.tokens for one in packer.next(behind=1)) == 2048
-    assert sum(one.tokens for one in packer.next(behind=1)) == 1024  # 1024 left: the size it fills
-    assert packer.next(behind=1) == [] and not any(packer.lanes.values())
+    packer.put([item(HIGH, 100, "h0")])
+    assert names(packer.next())[0] == "h0"  # high work flows from now on
+    running(packer, 2048, seconds=0.05)
+    clock.at(100.02, lambda: packer.put([item(HIGH, 100, "h1")]))
+    pack = packer.next(behind=True)
+    assert names(pack)[0] == "h1" and clock.t > 100.04
 
 
-def test_a_task_s_prompts_are_queued_at_once():
-    packer = Packer(2048, max_wait=0.0)
-    first, second = item(NORMAL, 100, "a"), item(NORMAL, 100, "b")
-    packer.put([first, second])
-    assert len(packer.next(wait=False)) == 2 and packer.tokens[NORMAL] == 0
+def test_a_pack_holding_high_work_is_sized_for_the_oldest_high_request_s_target():
+    """It waited 30 ms of its 50: the pack that starts when the running one ends (in 10 ms) may run 10 ms at most,
+    so the 1024 size (8 ms) and not the 2048 (15 ms) the queue would fill."""
+    clock = StepClock()
+    packer = Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock, high_target=0.05)
+    for size, seconds in ((512, 0.006), (1024, 0.008), (2048, 0.015)):
+        packer.policy.costs.observe(size, seconds)
+    fill(packer, *[item(NORMAL, 256, f"n{i}") for i in range(8)])
+    packer.put([item(HIGH, 200, "h0")], waited=0.03)
+    running(packer, 2048, seconds=0.01)
+    pack = packer.next(behind=True)
+    assert names(pack)[0] == "h0" and sum(one.tokens for one in pack) <= 1024
+    assert packer.tokens[NORMAL] > 0  # the rest waits for the next pack
 
 
-def test_behind_a_large_pack_only_a_small_one_is_launched_while_the_high_lane_is_in_use():
-    """The first high request after a spell of normal work then waits for the running pack and a small one, never
-    for two full ones; a worker without high work keeps full packs back to back."""
-    packer = fill(Packer(2048, max_wait=0.0, high_budget=512, sizes=(512, 1024, 2048)),
-                  *[item(NORMAL, 256, f"n{i}") for i in range(20)])
-    assert sum(one.tokens for one in packer.next(behind=2048)) == 2048  # no high work ever: full behind full
-    packer.high_seen = time.monotonic() - 10  # high work ten seconds ago: the lane is in use
-    assert sum(one.tokens for one in packer.next(behind=2048)) == 512
-    assert sum(one.tokens for one in packer.next(behind=512)) == 2048
+def test_a_long_prompt_behind_a_running_pack_goes_at_the_moment_alone():
+    """Two 9000-token prompts fill no size: neither goes at once (it would be 45% padding of the largest size, and
+    nothing could join it later), and at the moment the first goes alone."""
+    clock = StepClock()
+    sizes = (512, 1024, 2048, 4096, 8192, 16384)
+    packer = fill(Packer(16384, max_wait=0.0, sizes=sizes, clock=clock), item(NORMAL, 9000, "a"),
+                  item(NORMAL, 9000, "b"))
+    running(packer, 16000, seconds=0.08)
+    assert names(packer.next(behind=True)) == ["a"] and clock.t > 100.07 and packer.tokens[NORMAL] == 9000
 
 
-def test_behind_a_running_pack_none_is_launched_that_would_be_mostly_padding():
-    """Two 9000-token prompts queue 18000 tokens but make a 9000-token pack, 55% of its 16384 bucket: it waits, and
-    the queue is left as it was."""
-    packer = fill(Packer(16384, max_wait=0.0, sizes=(512, 1024, 2048, 4096, 8192, 16384)),
-                  item(NORMAL, 9000, "a"), item(NORMAL, 9000, "b"))
-    assert packer.next(behind=16000) == []
-    assert names(packer.next()) == ["a"] and packer.tokens[NORMAL] == 9000  # on an idle GPU, as before
-    one = fill(Packer(2048, max_wait=0.0, sizes=(512, 1024, 2048)), item(NORMAL, 600, "long"))
-    assert one.next(behind=2048) == [] and names(one.next()) == ["long"]  # 600 tokens would pad 1024
+def test_the_moment_follows_what_the_packs_run_took():
+    """The running pack's end is re-estimated when the pack before it is read out, from its measured run."""
+    clock = StepClock()
+    packer = Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock)
+    first = running(packer, 2048, seconds=0.05)
+    second = Running()
+    packer.launched(2048, clock.t, second)  # behind the first: expected to start at 100.05
+    assert abs(packer.running[-1].ends_at - 100.10) < 1e-9
+    clock.t = 100.07
+    packer.finished(first, 0.07)  # it ran 70 ms, not 50
+    assert abs(packer.running[-1].starts_at - 100.07) < 1e-9
+    assert abs(packer.running[-1].ends_at - (100.07 + packer.policy.costs.seconds(2048))) < 1e-9
+    assert packer.policy.costs.seconds(2048) > 0.05  # learned
+
+
+def test_a_large_pack_of_short_high_prompts_is_filled_with_high_work_and_normal_gets_its_share():
+    """First fit passes over at most HOLD prompts that do not fit: it once looked at HOLD prompts in all, so a
+    16k pack took 128 short high prompts (12k tokens) and normal work filled the rest, far beyond its share."""
+    packer = fill(Packer(16384, max_wait=0.0, normal_share=0.1),
+                  *[item(HIGH, 50, f"h{i}") for i in range(600)], *[item(NORMAL, 50, f"n{i}") for i in range(100)])
+    pack = packer.next(wait=False)
+    assert lane_tokens(pack, NORMAL) <= 1650 and lane_tokens(pack, HIGH) + lane_tokens(pack, NORMAL) == 16350
+
+
+def test_a_pack_that_ends_sooner_than_expected_is_read_out_without_waiting_for_the_moment():
+    """A cost overestimated (a pack stretched by a pause of the host) must not leave the GPU idle until the
+    expected end: whether the pack is done is looked at every POLL_S while the packer waits."""
+    clock = StepClock()
+    packer = fill(Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock), item(NORMAL, 300, "n0"))
+    pending = running(packer, 2048, seconds=0.5)  # expected to run 500 ms
+    pending.done = lambda: clock.t >= 100.03  # it ran 30: nothing tells the packer, it has to look
+    assert packer.next(behind=True) == [] and 100.03 <= clock.t < 100.035

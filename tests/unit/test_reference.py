@@ -101,3 +101,20 @@ def test_readout_softmax_equals_torch(temperature):
             logits = (torch.randn(options, generator=generator, dtype=torch.float64) * spread).tolist()
             expected = torch.softmax(torch.tensor(logits, dtype=torch.float64) / temperature, dim=-1).tolist()
             assert softmax(logits, temperature) == pytest.approx(expected, abs=1e-12)
+
+
+def test_epilogues_chosen_for_the_reference_engine_are_said_not_applied_once_at_start(loaded, caplog):
+    """They are kernels of the fast engine: a worker on the reference engine once dropped the flag in silence. The
+    default, which names the fast engine's kernels whatever runs, is not worth a line."""
+    from worker.config import Settings
+    from worker.model.reference import ReferenceAdapter
+
+    model = loaded("repo-text")
+    with caplog.at_level("INFO", logger="worker"):
+        ReferenceAdapter(model, Settings())
+        ReferenceAdapter(model, Settings(epilogues="none"))
+        assert "epilogues" not in caplog.text
+        ReferenceAdapter(model, Settings(epilogues="gated_norm"))
+    lines = [record.getMessage() for record in caplog.records if "epilogues" in record.getMessage()]
+    assert lines == ["--epilogues gated_norm not applied: the reference engine runs the checkpoint's own modules "
+                     "(the epilogues are kernels of the fast engine)"]

@@ -1,17 +1,19 @@
 """Deterministic mode on the GPU: what makes a prompt's logits independent of the pack around it.
 
-A row of the pack is computed by the same kernels, in the same order of sums, whatever else is in the pack, when:
+A row of the pack is computed by the same kernels, in the same order of sums, whatever else is in the pack,
+when:
 
-- the GEMMs never split their inner dimension (split-K, stream-K): cuBLAS picks tiles by M, and a tile's shape does
-  not change the order in which one output element sums over K, but splitting K does (``prepare_process``, ``enable``;
-  checked at start by ``check_gemms``);
-- each compiled piece is one graph for every bucket, the token dimension symbolic (worker/fast/graphs.py), with
-  Inductor's configurations chosen without timing anything (``enable``): one kernel configuration per operation, so
-  a norm sums a row in the same order at 2,048 and at 16,384 tokens, and in every process;
-- the delta rule never splits a prompt across the card (FlashQLA's intra-card split, worker/fast/qla.py), so each
-  prompt's recurrence runs in one piece from its first token;
-- every bucket computes the head for all its rows (no pruned last layer, whose row buffer would be a second size
-  per bucket and send packs with many questions down the eager path), and the vision tower runs image by image.
+- the GEMMs never split their inner dimension (split-K, stream-K): cuBLAS picks tiles by M, and a tile's shape
+  does not change the order in which one output element sums over K, but splitting K does
+  (``prepare_process``, ``enable``; checked at start by ``check_gemms``);
+- each compiled piece is one graph for every bucket, the token dimension symbolic (worker/fast/graphs.py),
+  with Inductor's configurations chosen without timing anything (``enable``): one kernel configuration per
+  operation, so a norm sums a row in the same order at 2,048 and at 16,384 tokens, and in every process;
+- the delta rule never splits a prompt across the card (FlashQLA's intra-card split, worker/fast/qla.py), so
+  each prompt's recurrence runs in one piece from its first token;
+- every bucket computes the head for all its rows (no pruned last layer, whose row buffer would be a second
+  size per bucket and send packs with many questions down the eager path), and the vision tower runs image by
+  image.
 
 Attention (varlen, one sequence per block row) and the element-wise work are row-local already.
 """
@@ -42,7 +44,8 @@ def prepare_process() -> None:
 
 def enable() -> None:
     """Process-wide switches: cuBLAS without split-K, Inductor without timed autotuning."""
-    prepare_process()  # harmless where already done; too late only where a GPU matmul ran before (check_gemms)
+    # harmless where already done; too late only where a GPU matmul ran before (check_gemms)
+    prepare_process()
     for name in ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction"):
         try:  # torch >= 2.10: (reduced-precision sums allowed, split-K allowed)
             setattr(torch.backends.cuda.matmul, name, (False, False))
@@ -59,10 +62,10 @@ def enable() -> None:
 
 
 def check_gemms(linears: Iterable[Linear], sizes: Iterable[int], dtype: torch.dtype, seed: int = 0) -> int:
-    """Each distinct GEMM among ``linears`` (bf16 or FP8, worker/fast/ops.py) run at every row count in ``sizes``,
-    its rows laid at other places each time: every row must come out bitwise as at the largest size. Catches a
-    library or card whose GEMMs still split K, or settings applied after cuBLAS had started. Returns the number of
-    distinct GEMMs checked."""
+    """Each distinct GEMM among ``linears`` (bf16 or FP8, worker/fast/ops.py) run at every row count in
+    ``sizes``, its rows laid at other places each time: every row must come out bitwise as at the largest
+    size. Catches a library or card whose GEMMs still split K, or settings applied after cuBLAS had started.
+    Returns the number of distinct GEMMs checked."""
     sizes = sorted(set(sizes))
     distinct: dict[tuple, Linear] = {}
     for linear in linears:
@@ -74,14 +77,16 @@ def check_gemms(linears: Iterable[Linear], sizes: Iterable[int], dtype: torch.dt
         rows = torch.randn(most, in_features, generator=generator).to(device, dtype)
         reference = ops.linear(rows, linear)
         for size in sizes[:-1]:
-            order = torch.arange(size, device=device) + (most - size) // 2 + 1  # elsewhere than in the reference
+            # elsewhere than in the reference
+            order = torch.arange(size, device=device) + (most - size) // 2 + 1
             got = ops.linear(rows[order], linear)
             if not torch.equal(got, reference[order]):
                 worst = (got.float() - reference[order].float()).abs().max().item()
                 raise NotDeterministic(
-                    f"a {out_features} x {in_features} {kind.__name__} GEMM gives other bits at {size} rows than at "
-                    f"{most} (up to {worst:g} apart): this card's or library's matmul depends on the batch, or a GPU "
-                    f"matmul ran before deterministic mode was set up (worker/fast/deterministic.py)")
+                    f"a {out_features} x {in_features} {kind.__name__} GEMM gives other bits at {size} rows "
+                    f"than at {most} (up to {worst:g} apart): this card's or library's matmul depends on the "
+                    "batch, or a GPU matmul ran before deterministic mode was set up "
+                    "(worker/fast/deterministic.py)")
     return len(distinct)
 
 

@@ -1,10 +1,10 @@
 """The fast engine: packs of prompts through one padding-free forward, optionally compiled and CUDA-graphed.
 
-``launch`` lays the pack out on the host (worker/fast/layout.py), moves it with one copy from a pinned buffer into a
-persistent device buffer, runs the forward (eager, or the graphs of the smallest bucket that holds the pack) and
-enqueues the copy of the head scores into pinned memory; it returns without waiting for the GPU. ``Pending.wait``
-waits for that copy. Two staging slots alternate, so the caller can form and launch the next pack while one runs;
-a slot is reused only after its pack has finished.
+``launch`` lays the pack out on the host (worker/fast/layout.py), moves it with one copy from a pinned buffer
+into a persistent device buffer, runs the forward (eager, or the graphs of the smallest bucket that holds the
+pack) and enqueues the copy of the head scores into pinned memory; it returns without waiting for the GPU.
+``Pending.wait`` waits for that copy. Two staging slots alternate, so the caller can form and launch the next
+pack while one runs; a slot is reused only after its pack has finished.
 
 Nothing in a launch waits for the GPU (FlashQLA's per-pack context comes from the host boundaries, see
 worker/fast/mixers.py) except a slot's reuse, which waits for the pack launched two before.
@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 from ..config import Settings
+from ..fast_options import COMPILE_MODES
 from ..model.checkpoint import DecisionModel
 from ..model.engine import Prompt, PackRun, Pending
 from . import deterministic
 from .errors import ALTERNATIVE, FastPathUnavailable
-from .forward import COMPILE_MODES, PackedForward
+from .forward import PackedForward
 from .graphs import Capture, GraphedForward
 from .layers import LINEAR
 from .layout import Boundaries, Layout, Regions, lay_out, prompt_positions, row_capacity
@@ -52,9 +53,9 @@ class FastEngine(WarmUp):
 
     def __init__(self, model: DecisionModel, settings: Settings, mixers: Mixers | None = None,
                  capture: tuple[Capture, Callable[[Callable[[], None]], None]] | None = None) -> None:
-        """``mixers``: the eager token mixers; CUDA's (fla + varlen attention) unless a test passes a stand-in.
-        ``capture``: how pieces are captured and warmed; CUDA graphs unless a test passes a plain-call stand-in
-        (which runs the bucketed path's static buffers on any device)."""
+        """``mixers``: the eager token mixers; CUDA's (fla + varlen attention) unless a test passes a
+        stand-in. ``capture``: how pieces are captured and warmed; CUDA graphs unless a test passes a
+        plain-call stand-in (which runs the bucketed path's static buffers on any device)."""
         if settings.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {settings.compile!r}")
         if settings.compile_cache:
@@ -86,30 +87,37 @@ class FastEngine(WarmUp):
         self.pad_id = model.pad_id
         fused = settings.fused_kernels and self.device.type == "cuda" and model.dtype in (torch.bfloat16,
                                                                                          torch.float16)
-        # Deterministic mode computes the head at every row of the bucket: one row count per bucket, and no pack
-        # sent down the eager path for having more questions than a pruned layer's rows.
+        # Deterministic mode computes the head at every row of the bucket: one row count per bucket, and no
+        # pack sent down the eager path for having more questions than a pruned layer's rows.
         self.rows_of = (lambda bucket: bucket) if self.deterministic else row_capacity
         self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last and not self.deterministic,
-                                 fp8=settings.fp8, fp8_layers=settings.fp8_layers, fp8_matrices=settings.fp8_matrices,
-                                 compile=settings.compile, compile_pieces=not self.graphs_on, fused=fused,
+                                 fp8=settings.fp8, fp8_layers=settings.fp8_layers,
+                                 fp8_matrices=settings.fp8_matrices, compile=settings.compile,
+                                 compile_pieces=not self.graphs_on, fused=fused,
                                  image_by_image=self.deterministic, epilogues=settings.epilogues,
                                  deterministic=self.deterministic)
-        linear = self.linear_dims = next((stage.dims for stage in self.fwd.stages if stage.kind == LINEAR), None)
+        linear = self.linear_dims = next((stage.dims for stage in self.fwd.stages
+                                          if stage.kind == LINEAR), None)
         # Where the delta rule runs on FlashQLA (else on fla's kernels, or the stand-in mixers).
         self.on_flash_qla = (linear is not None and getattr(mixers, "flash_qla", None) is not None
                              and FlashQLA.takes(model.dtype, linear.head_k, linear.head_v))
-        if self.deterministic and isinstance(mixers, CudaMixers) and linear is not None and not self.on_flash_qla:
+        if (self.deterministic and isinstance(mixers, CudaMixers) and linear is not None
+                and not self.on_flash_qla):
             # fla's kernels pick their configuration by timing, per process.
-            raise ValueError(f"deterministic mode runs the delta rule on FlashQLA, which takes bf16 or fp16 and "
-                             f"128-wide heads; this model is {model.dtype} with {linear.head_k}-wide heads")
-        if self.deterministic and self.device.type == "cuda" and not (self.graphs_on and settings.compile == "layer"):
+            raise ValueError("deterministic mode runs the delta rule on FlashQLA, which takes bf16 or fp16 "
+                             f"and 128-wide heads; this model is {model.dtype} with {linear.head_k}-wide "
+                             "heads")
+        if self.deterministic and self.device.type == "cuda" and not (self.graphs_on
+                                                                      and settings.compile == "layer"):
             # Eager packs run each length's own kernels (and their own reduction orders): only the graphed,
             # compiled pieces are built to be the same for every bucket.
-            raise ValueError(f"deterministic mode runs packs from CUDA graphs of compiled layers (--cuda-graphs, "
-                             f"--compile layer); here cuda_graphs={settings.cuda_graphs}, compile={settings.compile}")
+            raise ValueError("deterministic mode runs packs from CUDA graphs of compiled layers "
+                             f"(--cuda-graphs, --compile layer); here cuda_graphs={settings.cuda_graphs}, "
+                             f"compile={settings.compile}")
         self.rope_index = getattr(model.backbone, "get_rope_index", None) if model.multimodal else None
         self.verbalizers = int(model.model.proj.out_features)
-        # Host and device layout buffers: large enough for a full pack or the longest prompt the encoder makes.
+        # Host and device layout buffers: large enough for a full pack or the longest prompt the encoder
+        # makes.
         self.regions = Regions.for_capacity(max(self._budget, settings.max_prompt_tokens))
         pin = self.device.type == "cuda"
         self.slots = [_Slot(torch.zeros(self.regions.size, dtype=torch.int64, pin_memory=pin),
@@ -179,7 +187,8 @@ class FastEngine(WarmUp):
             return PackRun(per_prompt, layout.tokens, layout.capacity, layout.bucket, graph,
                            time.perf_counter() - start, gpu, idle)
 
-        pending = Pending(scores_ready)
+        # On a GPU the pack's end event says whether it is done; elsewhere the launch computed it.
+        pending = Pending(scores_ready, finished=done.query if done is not None else lambda: True)
         if slot is not None:
             slot.pending = pending
         return pending

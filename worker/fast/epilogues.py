@@ -1,26 +1,29 @@
-"""Kernels that take element-wise passes off the bf16 forward (``--epilogues``; on by default: residual and swiglu,
-what measured faster end to end on an H100, docs/BENCHMARKS.md; gated_norm saved nothing there):
+"""Kernels that take element-wise passes off the bf16 forward (``--epilogues``; on by default: residual and
+swiglu, what measured faster end to end on an H100, docs/BENCHMARKS.md; gated_norm saved nothing there):
 
-- ``swiglu``: the MLP's gate/up GEMM computes, per output tile of the inner dimension, the gate tile and the up tile
-  from the same input tile and writes silu(gate) * up: the (tokens, 2 x inner) product is never stored or read back.
-  A persistent Triton GEMM on TMA descriptors (Hopper); elsewhere the unfused path runs.
-- ``residual``: ``hidden + x @ W.T`` as cuBLAS's beta = 1 epilogue, in place on ``hidden`` (``addmm_``): the GEMM
-  reads the residual and writes the sum, so the norm after it reads one tensor instead of the product and the residual.
-- ``gated_norm``: the delta rule's gated output norm in one pass with a bf16 result (worker/fast/fused.py has the FP8
-  twin): reads o and z, writes one tensor.
+- ``swiglu``: the MLP's gate/up GEMM computes, per output tile of the inner dimension, the gate tile and the
+  up tile from the same input tile and writes silu(gate) * up: the (tokens, 2 x inner) product is never stored
+  or read back. A persistent Triton GEMM on TMA descriptors (Hopper); elsewhere the unfused path runs.
+- ``residual``: ``hidden + x @ W.T`` as cuBLAS's beta = 1 epilogue, in place on ``hidden`` (``addmm_``): the
+  GEMM reads the residual and writes the sum, so the norm after it reads one tensor instead of the product and
+  the residual.
+- ``gated_norm``: the delta rule's gated output norm in one pass with a bf16 result (worker/fast/fused.py has
+  the FP8 twin): reads o and z, writes one tensor.
 
-Rounding is the compiled path's: the GEMM's outputs are rounded to bf16 before SwiGLU, which then runs in fp32 and
-rounds once; the residual sum in place, no extra pass over the hidden state, rounded as the unfused path rounds it
-(cuBLAS's bf16 beta = 1 rounds the product first: an H100 gives the unfused path's bits, tests/gpu/test_epilogues.py;
-one bf16 step apart at most); the gated norm rounds as Qwen3_5RMSNormGated. Each kernel is a torch custom op, so compiled pieces
-call it as one kernel and CUDA graphs capture it. Deterministic mode keeps them: rows are independent, the GEMM
-never splits K and sums K in one fixed order, and runs one configuration for every token count there (``deterministic``).
+Rounding is the compiled path's: the GEMM's outputs are rounded to bf16 before SwiGLU, which then runs in fp32
+and rounds once; the residual sum in place, no extra pass over the hidden state, rounded as the unfused path
+rounds it (cuBLAS's bf16 beta = 1 rounds the product first: an H100 gives the unfused path's bits,
+tests/gpu/test_epilogues.py; one bf16 step apart at most); the gated norm rounds as Qwen3_5RMSNormGated. Each
+kernel is a torch custom op, so compiled pieces call it as one kernel and CUDA graphs capture it.
+Deterministic mode keeps them: rows are independent, the GEMM never splits K and sums K in one fixed order,
+and runs one configuration for every token count there (``deterministic``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from typing import NamedTuple
 
@@ -33,9 +36,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .ops import Dense, Fp8, Linear, Ops, Quantized
 
 HALF = (torch.bfloat16, torch.float16)
+log = logging.getLogger(__name__)
 
 
 class GemmConfig(NamedTuple):
+    """One tiling of the gate/up GEMM with SwiGLU: block sizes, grouping, pipeline stages and warps."""
+
     block_m: int
     block_n: int  # of each half: the tile computes 2 x block_n columns of the product
     block_k: int
@@ -44,10 +50,11 @@ class GemmConfig(NamedTuple):
     warps: int
 
 
-# A fixed set, chosen by token count without timing anything at run time (ops/bench/levers.py times each). Every
-# configuration has the same block_k, so one output sums K in the same order whichever runs.
+# A fixed set, chosen by token count without timing anything at run time (ops/bench/levers.py times each).
+# Every configuration has the same block_k, so one output sums K in the same order whichever runs.
 CONFIGS = {
-    "128x128": GemmConfig(128, 128, 64, 8, 3, 8),  # a 128 x 256 tile over both halves: Hopper's widest MMA tile
+    # a 128 x 256 tile over both halves: Hopper's widest MMA tile
+    "128x128": GemmConfig(128, 128, 64, 8, 3, 8),
     "128x128s4": GemmConfig(128, 128, 64, 8, 4, 8),  # 224 KiB of shared memory: just under Hopper's 227
     "128x64": GemmConfig(128, 64, 64, 8, 4, 4),
     "64x128": GemmConfig(64, 128, 64, 8, 4, 4),
@@ -72,14 +79,16 @@ def _tile(tile, in_group, row_blocks, GROUP_M: tl.constexpr):
 @triton.jit
 def _gate_up_swiglu_kernel(x_desc, w_desc, out_desc, M, I, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
-    """Persistent: program p computes output tiles p, p + PROGRAMS, ... ``w_desc`` views the weight [gate; up] as
-    (2, I, K): one load brings a gate tile and the up tile of the same columns, and one MMA (BLOCK_M x 2 BLOCK_N)
-    computes both (two accumulators serialise Hopper's wgmma in the flattened loop: ptxas warns C7515)."""
+    """Persistent: program p computes output tiles p, p + PROGRAMS, ... ``w_desc`` views the weight [gate; up]
+    as (2, I, K): one load brings a gate tile and the up tile of the same columns, and one MMA (BLOCK_M x 2
+    BLOCK_N) computes both (two accumulators serialise Hopper's wgmma in the flattened loop: ptxas warns
+    C7515)."""
     row_blocks = tl.cdiv(M, BLOCK_M)
     col_blocks = tl.cdiv(I, BLOCK_N)
     in_group = GROUP_M * col_blocks
     k_blocks = tl.cdiv(K, BLOCK_K)
-    stored = tl.program_id(0) - PROGRAMS  # a second tile counter for the epilogue, as Triton's persistent matmul
+    # a second tile counter for the epilogue, as Triton's persistent matmul
+    stored = tl.program_id(0) - PROGRAMS
     for tile in tl.range(tl.program_id(0), row_blocks * col_blocks, PROGRAMS, flatten=True):
         block_m, block_n = _tile(tile, in_group, row_blocks, GROUP_M)
         off_m = block_m * BLOCK_M
@@ -91,7 +100,8 @@ def _gate_up_swiglu_kernel(x_desc, w_desc, out_desc, M, I, K, BLOCK_M: tl.conste
         stored += PROGRAMS
         block_m, block_n = _tile(stored, in_group, row_blocks, GROUP_M)
         gate, up = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
-        # As the unfused path: the GEMM's outputs rounded to the activation dtype, SwiGLU in fp32, rounded once.
+        # As the unfused path: the GEMM's outputs rounded to the activation dtype, SwiGLU in fp32, rounded
+        # once.
         g = gate.to(out_desc.dtype).to(tl.float32)
         u = up.to(out_desc.dtype).to(tl.float32)
         out_desc.store([block_m * BLOCK_M, block_n * BLOCK_N], (g * tl.sigmoid(g) * u).to(out_desc.dtype))
@@ -114,7 +124,8 @@ def _descriptors_fit(*tensors: torch.Tensor) -> bool:
 
 
 def run_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Tensor:
-    """The kernel in one configuration (ops/bench/levers.py times each); unfused where its descriptors do not fit."""
+    """The kernel in one configuration (ops/bench/levers.py times each); unfused where its descriptors do not
+    fit."""
     M, K = x.shape
     inner = weight.shape[0] // 2
     out = x.new_empty((M, inner))
@@ -135,8 +146,8 @@ def run_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig
 
 @torch.library.custom_op("dq::gate_up_swiglu", mutates_args=())
 def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor, deterministic: bool) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) for weight = [gate; up] (2I, K) -> (M, I); ``deterministic``: deterministic
-    mode's configuration whatever M."""
+    """silu(x @ gate.T) * (x @ up.T) for weight = [gate; up] (2I, K) -> (M, I); ``deterministic``:
+    deterministic mode's configuration whatever M."""
     return run_gate_up_swiglu(x, weight, config_for(x.shape[0], deterministic))
 
 
@@ -202,10 +213,13 @@ def _pow2(n: int) -> bool:
 
 def epilogue_ops(base: Ops, device: torch.device, *, swiglu: bool = False, residual: bool = False,
                  gated_norm: bool = False, deterministic: bool = False) -> Ops:
-    """``base`` with the chosen kernels where they apply (bf16 or fp16, unquantised weights, and for ``swiglu`` a
-    ``device`` with TMA); elsewhere, and for FP8 weights, ``base``'s functions. ``deterministic``: deterministic mode."""
+    """``base`` with the chosen kernels where they apply (bf16 or fp16, unquantised weights, and for
+    ``swiglu`` a ``device`` with TMA); elsewhere, and for FP8 weights, ``base``'s functions.
+    ``deterministic``: deterministic mode."""
     changes = {}
     tma = _tma(device)
+    if swiglu and not tma:  # said once, at start-up: the other kernels still apply
+        log.info("--epilogues swiglu not applied on %s: its GEMM needs TMA (Hopper or newer)", device)
 
     def gate_up(normed: torch.Tensor, gate_up: Linear, target: Linear | None = None) -> torch.Tensor | None:
         # An FP8 down projection (``target``) takes SwiGLU's output quantised: base's path does that.

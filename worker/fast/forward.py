@@ -1,17 +1,19 @@
 """The packed forward of a loaded checkpoint: embedding (and image features), the decoder stages, the head.
 
 ``PackedForward`` owns the per-layer weights (read from the checkpoint's modules, fused, optionally FP8), the
-dense pieces (plain, or compiled per sub-module or per piece), and the eager path: one call per piece, shapes as
-the pack has them. The graphed path (worker/fast/graphs.py) replays the same pieces from static buffers.
+dense pieces (plain, or compiled per sub-module or per piece), and the eager path: one call per piece, shapes
+as the pack has them. The graphed path (worker/fast/graphs.py) replays the same pieces from static buffers.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..fast_options import COMPILE_MODES, chosen_epilogues, chosen_families
 from ..model.checkpoint import DecisionModel
 from . import fp8 as fp8_weights
 from . import layers
@@ -21,25 +23,13 @@ from .mixers import Mixers
 from .ops import Ops
 
 ROWS = "rows"  # the pruned last layer: queries, output and MLP at marker rows only
-COMPILE_MODES = ("none", "sub", "layer")
-EPILOGUES = ("swiglu", "residual", "gated_norm")  # the kernels of worker/fast/epilogues.py
-
-
-def chosen_epilogues(spec: str) -> frozenset[str]:
-    """The kernels an ``epilogues`` setting names: none (or empty), "all", or any of ``EPILOGUES`` comma-separated."""
-    names = {part.strip() for part in spec.lower().split(",") if part.strip()}
-    if names == {"none"}:
-        return frozenset()
-    if names == {"all"}:
-        return frozenset(EPILOGUES)
-    if not names <= set(EPILOGUES):
-        raise ValueError(f"epilogues must be none, all, or some of {', '.join(EPILOGUES)} comma-separated; "
-                         f"got {spec!r}")
-    return frozenset(names)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Stage:
+    """One decoder layer as the packed forward runs it: its kind, fused weights and dimensions."""
+
     kind: str  # LINEAR, FULL or ROWS
     weights: Any  # layers.LinearAttn or layers.FullAttn
     dims: Any  # layers.LinearDims or layers.FullDims
@@ -65,16 +55,19 @@ PLAIN = Pieces(layers.pre_linear, layers.post_linear, layers.pre_full, layers.pr
 
 
 # The pre piece of a linear-attention layer: its convolution reads a dozen inputs per output and silu uses the
-# result twice, which makes inductor store the convolution in fp32 and read it back; inlining it instead keeps the
-# whole piece at one read of the projections and one write per output (it was a quarter of the 2B model's time).
-INLINE_CONV = {"realize_reads_threshold": 64, "realize_opcount_threshold": 400, "realize_acc_reads_threshold": 64}
+# result twice, which makes inductor store the convolution in fp32 and read it back; inlining it instead keeps
+# the whole piece at one read of the projections and one write per output (it was a quarter of the 2B model's
+# time).
+INLINE_CONV = {"realize_reads_threshold": 64, "realize_opcount_threshold": 400,
+               "realize_acc_reads_threshold": 64}
 
 
-def compile_piece(fn: Callable[..., Any], inline: bool = False, dynamic: bool | None = True) -> Callable[..., Any]:
-    """torch.compile of one piece, shared by every layer of its kind: weights are arguments, so one compiled graph
-    serves all layers. ``dynamic``: True, every dimension symbolic, one graph for every pack length; False, one graph
-    per shape (the buckets), whose kernels know every size and alignment; None, the sizes the caller marks symbolic
-    (worker/fast/graphs.py)."""
+def compile_piece(fn: Callable[..., Any], inline: bool = False,
+                  dynamic: bool | None = True) -> Callable[..., Any]:
+    """torch.compile of one piece, shared by every layer of its kind: weights are arguments, so one compiled
+    graph serves all layers. ``dynamic``: True, every dimension symbolic, one graph for every pack length;
+    False, one graph per shape (the buckets), whose kernels know every size and alignment; None, the sizes the
+    caller marks symbolic (worker/fast/graphs.py)."""
     import torch._inductor.config as inductor_config
 
     options = {k: v for k, v in INLINE_CONV.items() if inline and hasattr(inductor_config, k)}
@@ -82,8 +75,9 @@ def compile_piece(fn: Callable[..., Any], inline: bool = False, dynamic: bool | 
 
 
 def configure_compile() -> None:
-    """Process-wide dynamo settings for the pieces. Without duck shaping, dimensions that happen to be equal in one
-    model (hidden size and key width, say) get separate symbols, so the graphs stay valid for the next model."""
+    """Process-wide dynamo settings for the pieces. Without duck shaping, dimensions that happen to be equal
+    in one model (hidden size and key width, say) get separate symbols, so the graphs stay valid for the next
+    model."""
     import torch.fx.experimental._config as fx_config
 
     fx_config.use_duck_shape = False
@@ -93,17 +87,20 @@ def configure_compile() -> None:
 
 
 class PackedForward:
+    """A loaded checkpoint's forward over packs: per-layer weights, the dense pieces and the eager path."""
+
     def __init__(self, model: DecisionModel, mixers: Mixers, *, prune_last: bool = True, fp8: bool = False,
                  fp8_layers: str = "all", fp8_matrices: str = "all", compile: str = "none",
                  compile_pieces: bool = True, fused: bool = False, image_by_image: bool = False,
                  epilogues: str = "", deterministic: bool = False) -> None:
         """``fp8_layers``, ``fp8_matrices``: which layers and families of matrices ``fp8`` converts
-        (worker/fast/fp8.py: chosen_layers, chosen_families). ``compile_pieces``:
-        with ``compile="layer"``, also compile the eager pieces (off when the pieces run from CUDA graphs, which
-        compile their own variants). ``fused``: the project's Triton kernels (worker/fast/fused.py) where they
-        apply. ``image_by_image``: the vision tower runs each image alone (deterministic mode). ``epilogues``: the
-        opt-in kernels of worker/fast/epilogues.py (``chosen_epilogues``), with ``fused`` only; ``deterministic``:
-        deterministic mode (their GEMM runs one configuration for every token count)."""
+        (worker/fast/fp8.py: chosen_layers; worker/fast_options.py: chosen_families). ``compile_pieces``:
+        with ``compile="layer"``, also compile the eager pieces (off when the pieces run from CUDA graphs,
+        which compile their own variants). ``fused``: the project's Triton kernels (worker/fast/fused.py)
+        where they apply. ``image_by_image``: the vision tower runs each image alone (deterministic mode).
+        ``epilogues``: the opt-in kernels of worker/fast/epilogues.py (``chosen_epilogues``), with ``fused``
+        only; ``deterministic``: deterministic mode (their GEMM runs one configuration for every token
+        count)."""
         assert compile in COMPILE_MODES, f"compile must be one of {COMPILE_MODES}, got {compile!r}"
         self.model, self.mixers, self.image_by_image = model, mixers, image_by_image
         lm = model.language_model
@@ -112,10 +109,12 @@ class PackedForward:
         config = model.text_config
         assert getattr(config, "hidden_act", "silu") in ("silu", "swish"), "Qwen3.5's MLP is SwiGLU"
         self.stages: list[Stage] = []
-        chosen = fp8_weights.chosen_layers(fp8_layers, [layer.block_type for layer in lm.layers]) if fp8 else set()
-        families = fp8_weights.chosen_families(fp8_matrices)
+        chosen = fp8_weights.chosen_layers(fp8_layers, [layer.block_type
+                                                        for layer in lm.layers]) if fp8 else set()
+        families = chosen_families(fp8_matrices)
         for index, layer in enumerate(lm.layers):
-            weights, dims = (layers.linear_layer(layer) if layer.block_type == LINEAR else layers.full_layer(layer))
+            weights, dims = (layers.linear_layer(layer) if layer.block_type == LINEAR
+                             else layers.full_layer(layer))
             if index in chosen:
                 weights = fp8_weights.convert(weights, families)
             self.stages.append(Stage(layer.block_type, weights, dims))
@@ -130,8 +129,11 @@ class PackedForward:
             configure_compile()
         self.ops = Ops().compiled() if compile == "sub" else Ops()
         self.fused = fused
-        chosen = chosen_epilogues(epilogues)  # checked here even where it does not apply
+        chosen = chosen_epilogues(epilogues)
         self.epilogues = chosen if fused else frozenset()
+        if chosen and not fused:  # said once, at start-up, rather than dropped in silence
+            log.info("--epilogues %s not applied: they run with the fused kernels only (--fused-kernels, a "
+                     "bf16 or fp16 model on CUDA)", ",".join(sorted(chosen)))
         if fused:
             from .fused import fused_ops  # Triton: imported only where it runs
 
@@ -154,7 +156,8 @@ class PackedForward:
 
     def embed(self, ids: torch.Tensor, image_rows: torch.Tensor | None = None,
               pixel_values: torch.Tensor | None = None, grid: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings, with the vision tower's features written at the image tokens (rows of the pack)."""
+        """Token embeddings, with the vision tower's features written at the image tokens (rows of the
+        pack)."""
         hidden = self.embed_tokens(ids)
         if pixel_values is not None:
             assert image_rows is not None and grid is not None

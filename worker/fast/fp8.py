@@ -1,15 +1,15 @@
 """FP8 rowwise weights for the fast path (Hopper and Ada): float8_e4m3fn with one scale per output channel.
 
-Activations get one scale per token at run time (ops.fp8_linear); ``torch._scaled_mm`` multiplies in FP8. Only the
-fast path's own fused copies are converted: the checkpoint's modules keep their bf16 weights, so the reference
-engine of the same model is unchanged.
+Activations get one scale per token at run time (ops.fp8_linear); ``torch._scaled_mm`` multiplies in FP8. Only
+the fast path's own fused copies are converted: the checkpoint's modules keep their bf16 weights, so the
+reference engine of the same model is unchanged.
 
-What stays in bf16: the linear layers' gate projections (in_proj_b and in_proj_a, which set the delta rule's write
-strength and decay, whose error would compound along each prompt; published FP8 recipes for Qwen3.5 and Qwen3-Next
-leave them unquantised too), the decision head, the embeddings, every layer that ``layers`` leaves out and every
-family of matrices that ``families`` leaves out (``--fp8-matrices``: the MLPs carry most of the GEMM time): FP8 is
-opt-in per layer and family, because at the 2B shape its rounding moves the answers about ten times as much as
-bf16's own (docs/BENCHMARKS.md, FP8 fidelity).
+What stays in bf16: the linear layers' gate projections (in_proj_b and in_proj_a, which set the delta rule's
+write strength and decay, whose error would compound along each prompt; published FP8 recipes for Qwen3.5 and
+Qwen3-Next leave them unquantised too), the decision head, the embeddings, every layer that ``layers`` leaves
+out and every family of matrices that ``families`` leaves out (``--fp8-matrices``: the MLPs carry most of the
+GEMM time): FP8 is opt-in per layer and family, because at the 2B shape its rounding moves the answers about
+ten times as much as bf16's own (docs/BENCHMARKS.md, FP8 fidelity).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..fast_options import FP8_FAMILIES, layer_choice
 from .errors import ALTERNATIVE, FastPathUnavailable
 from .layers import FULL, LINEAR, FullAttn, LinearAttn
 from .ops import FP8_MAX, Dense, Fp8
@@ -26,8 +27,8 @@ from .ops import FP8_MAX, Dense, Fp8
 
 def require_fp8(device: torch.device) -> None:
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        raise FastPathUnavailable(f"fp8 needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper); "
-                                  f"{device} has none: turn fp8 off (--no-fp8), or {ALTERNATIVE}")
+        raise FastPathUnavailable("fp8 needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, "
+                                  f"Hopper); {device} has none: turn fp8 off (--no-fp8), or {ALTERNATIVE}")
 
 
 def eligible(dense: Dense) -> bool:
@@ -50,43 +51,25 @@ def rows(matrix: Fp8, start: int, stop: int) -> Fp8:
 
 
 def chosen_layers(spec: str, kinds: Sequence[str]) -> set[int]:
-    """The layers an ``fp8_layers`` setting names: "all", "full" (the full-attention layers), "linear" (the
-    linear-attention ones), "late" (the second half: FP8's rounding in a layer moves the answers less the later the
-    layer, at the 2B shape from 0.057 in layer 0 to 0.003 in layer 23), or comma-separated layer indices and
-    ranges ("0-5,18")."""
-    spec = spec.strip().lower()
-    named = {"all": None, "full": FULL, "linear": LINEAR}
-    if spec == "late":
+    """The layers of a model (``kinds``: each layer's block type) an ``fp8_layers`` setting names
+    (worker/fast_options.py): "all", "full" (the full-attention layers), "linear" (the linear-attention ones),
+    "late" (the second half: FP8's rounding in a layer moves the answers less the later the layer, at the 2B
+    shape from 0.057 in layer 0 to 0.003 in layer 23), or layer indices and ranges ("0-5,18")."""
+    choice = layer_choice(spec)
+    if choice == "late":
         return set(range(len(kinds) // 2, len(kinds)))
-    if spec in named:
-        return {i for i, kind in enumerate(kinds) if named[spec] in (None, kind)}
-    chosen: set[int] = set()
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        first, dash, last = part.partition("-")
-        if not (first.isdigit() and (last.isdigit() or not dash) and int(last or first) >= int(first)):
-            raise ValueError(f"fp8_layers must be all, full, linear, late or layer indices like 0-5,18; got {spec!r}")
-        chosen.update(range(int(first), int(last or first) + 1))
-    if not chosen or max(chosen) >= len(kinds):
-        raise ValueError(f"fp8_layers {spec!r} names no layer of this model's {len(kinds)} (0-{len(kinds) - 1})")
-    return chosen
+    if isinstance(choice, str):
+        wanted = {"all": None, "full": FULL, "linear": LINEAR}[choice]
+        return {i for i, kind in enumerate(kinds) if wanted in (None, kind)}
+    if max(choice) >= len(kinds):
+        raise ValueError(f"fp8_layers {spec!r} names no layer of this model's {len(kinds)} "
+                         f"(0-{len(kinds) - 1})")
+    return set(choice)
 
 
-FAMILIES = ("mlp", "attention", "linear")  # SwiGLU MLPs; full-attention projections; linear-attention projections
-
-
-def chosen_families(spec: str) -> frozenset[str]:
-    """The matrix families an ``fp8_matrices`` setting names: "all", or any of ``FAMILIES`` comma-separated."""
-    names = {part.strip() for part in spec.lower().split(",") if part.strip()}
-    if names == {"all"}:
-        return frozenset(FAMILIES)
-    if not names or not names <= set(FAMILIES):
-        raise ValueError(f"fp8_matrices must be all, or some of {', '.join(FAMILIES)} comma-separated; got {spec!r}")
-    return frozenset(names)
-
-
-def convert(weights: Any, families: frozenset[str] = frozenset(FAMILIES)) -> Any:
-    """The same weights tuple with every eligible ``Dense`` of the chosen ``families`` quantized (nested tuples
-    included); a linear layer's gate rows stay bf16, apart."""
+def convert(weights: Any, families: frozenset[str] = frozenset(FP8_FAMILIES)) -> Any:
+    """The same weights tuple with every eligible ``Dense`` of the chosen ``families`` quantized (nested
+    tuples included); a linear layer's gate rows stay bf16, apart."""
     if isinstance(weights, (LinearAttn, FullAttn)) and "mlp" in families:
         weights = weights._replace(mlp=convert(weights.mlp))
     if isinstance(weights, LinearAttn) and weights.gates is None and "linear" in families:

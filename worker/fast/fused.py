@@ -5,13 +5,15 @@
   in-projection's output and written in place into the static buffers, with the decay and write-strength gates
   and the copy of z (0.47 -> 0.21 ms per layer, bf16 and FP8).
 - ``swiglu_quant``: SwiGLU + FP8 quantisation of the down projection's input (0.28 -> 0.15 ms per layer).
-- ``gated_rms_norm_quant``: the per-head gated RMSNorm + FP8 quantisation of out_proj's input (0.18 -> 0.09 ms).
+- ``gated_rms_norm_quant``: the per-head gated RMSNorm + FP8 quantisation of out_proj's input (0.18 -> 0.09
+  ms).
 
-A residual add + RMSNorm (+ quantisation) kernel measured no faster than Inductor's (0.085 against 0.082 ms) and
-is not used. Each kernel is a torch custom op, so that compiled pieces call it as one opaque kernel and CUDA graphs
-capture it. Quantisation is rowwise as ``ops.quantize``: one fp32 scale per token (amax / 448), values rounded to
-nearest, computed from the fp32 result rather than a bf16 rounding of it. ``fused_ops`` swaps them into ``Ops``
-where they apply (bf16 or fp16 activations; power-of-two head sizes) and leaves the plain functions elsewhere.
+A residual add + RMSNorm (+ quantisation) kernel measured no faster than Inductor's (0.085 against 0.082 ms)
+and is not used. Each kernel is a torch custom op, so that compiled pieces call it as one opaque kernel and
+CUDA graphs capture it. Quantisation is rowwise as ``ops.quantize``: one fp32 scale per token (amax / 448),
+values rounded to nearest, computed from the fp32 result rather than a bf16 rounding of it. ``fused_ops``
+swaps them into ``Ops`` where they apply (bf16 or fp16 activations; power-of-two head sizes) and leaves the
+plain functions elsewhere.
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ def _short_conv_kernel(x_ptr, w_ptr, seqpos_ptr, gate_ptr, a_log_ptr, dt_bias_pt
                        T, stride_x, stride_gate, off_z, off_b, off_a, eps,
                        HK: tl.constexpr, HV: tl.constexpr, D: tl.constexpr, TAPS: tl.constexpr,
                        BLOCK_T: tl.constexpr):
-    """Program (token block, group): groups [0, HK) are q heads, [HK, 2HK) k heads, [2HK, 2HK+HV) v heads (each
-    convolved, SiLU, q/k unit length), then HV groups copy z, and a last group computes the gates."""
+    """Program (token block, group): groups [0, HK) are q heads, [HK, 2HK) k heads, [2HK, 2HK+HV) v heads
+    (each convolved, SiLU, q/k unit length), then HV groups copy z, and a last group computes the gates."""
     block = tl.program_id(0)
     group = tl.program_id(1)
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -151,7 +153,8 @@ def _(gate_up):
 @torch.library.custom_op("dq::gated_rms_norm_quant", mutates_args=())
 def gated_rms_norm_quant(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of o (T, H, D) times weight and silu(z) (T, H * D), as FP8 values and (T, 1) scales."""
+    """Per-head RMSNorm of o (T, H, D) times weight and silu(z) (T, H * D), as FP8 values and (T, 1)
+    scales."""
     T, H, D = o.shape
     q = torch.empty((T, H * D), dtype=torch.float8_e4m3fn, device=o.device)
     scale = torch.empty((T, 1), dtype=torch.float32, device=o.device)
@@ -169,19 +172,20 @@ def _(o, z, weight, eps):
 @torch.library.custom_op("dq::short_conv_", mutates_args=("q", "k", "v", "z", "g", "beta"))
 def short_conv_(x: torch.Tensor, weight: torch.Tensor, seqpos: torch.Tensor, gates: torch.Tensor,
                 a_log: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                z: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, off_z: int, off_b: int, off_a: int) -> None:
+                z: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, off_z: int, off_b: int,
+                off_a: int) -> None:
     """x (T, >= off_z + value_dim): the in-projection's output, [q | k | v | z ...] columns (q, k, v in the
     convolution's channel order); gates: the tensor holding b at column off_b and a at off_a (x itself or the
-    separate gate projection's output). Writes q, k (T, HK, D) unit length per head, v (T, HV, D), z (T, HV * D),
-    g (T, HV) fp32 and beta (T, HV)."""
+    separate gate projection's output). Writes q, k (T, HK, D) unit length per head, v (T, HV, D), z (T, HV *
+    D), g (T, HV) fp32 and beta (T, HV)."""
     T = x.shape[0]
     _, HK, D = q.shape
     HV = v.shape[1]
     block_t = 32
     grid = (triton.cdiv(T, block_t), 2 * HK + 2 * HV + 1)
     _short_conv_kernel[grid](x, weight, seqpos, gates, a_log, dt_bias, q, k, v, z, g, beta, T, x.stride(0),
-                             gates.stride(0), off_z, off_b, off_a, 1e-6, HK=HK, HV=HV, D=D, TAPS=weight.shape[1],
-                             BLOCK_T=block_t, num_warps=4)
+                             gates.stride(0), off_z, off_b, off_a, 1e-6, HK=HK, HV=HV, D=D,
+                             TAPS=weight.shape[1], BLOCK_T=block_t, num_warps=4)
 
 
 @short_conv_.register_fake
@@ -202,7 +206,8 @@ def swiglu(gate_up: torch.Tensor, target: Linear | None = None) -> torch.Tensor 
     return plain.swiglu(gate_up)
 
 
-def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, target: Linear | None = None
+def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+               target: Linear | None = None
                ) -> torch.Tensor | Quantized:
     _, heads, dim = o.shape
     if (isinstance(target, Fp8) and o.dtype in HALF and _pow2(heads) and _pow2(dim) and o.is_contiguous()

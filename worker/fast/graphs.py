@@ -1,19 +1,21 @@
-"""Static token buckets: the dense pieces of every layer captured as CUDA graphs, replayed around eager mixers.
+"""Static token buckets: the dense pieces of every layer captured as CUDA graphs, replayed around eager
+mixers.
 
-A pack padded to bucket ``B`` runs: an eager prologue writes its embeddings and RoPE tables into static buffers,
-then for every layer the graph of [previous layer's post piece + this layer's pre piece] replays and the layer's
-mixer (fla delta rule or varlen attention, which need the prompt boundaries) runs eagerly on the real tokens,
-writing its output back into a static buffer; a last graph applies the final piece and the head.
+A pack padded to bucket ``B`` runs: an eager prologue writes its embeddings and RoPE tables into static
+buffers, then for every layer the graph of [previous layer's post piece + this layer's pre piece] replays and
+the layer's mixer (fla delta rule or varlen attention, which need the prompt boundaries) runs eagerly on the
+real tokens, writing its output back into a static buffer; a last graph applies the final piece and the head.
 
-All buffers are allocated once at the largest bucket; a bucket's graphs use their leading rows, so every bucket
-shares them. Graphs are captured largest bucket first into one memory pool: each piece's temporaries are dead
-when it ends, so the pool holds only the largest piece's working set.
+All buffers are allocated once at the largest bucket; a bucket's graphs use their leading rows, so every
+bucket shares them. Graphs are captured largest bucket first into one memory pool: each piece's temporaries
+are dead when it ends, so the pool holds only the largest piece's working set.
 
-Rows past the pack's tokens (and marker rows past its rows) are inert. No real row reads them: every operation of
-the pieces is row-local (GEMMs, norms, gates, per-token FP8 scales), the convolution reads only earlier rows of the
-same prompt, the mixers see the real tokens only and the head reads marker rows only. And they hold no stale
-values: the prologue zeroes their hidden state and, once per pack, the mixers' output buffers past the real rows
-(the mixers write only those), so the tail computes the same values for every pack, from zeros at position 0.
+Rows past the pack's tokens (and marker rows past its rows) are inert. No real row reads them: every operation
+of the pieces is row-local (GEMMs, norms, gates, per-token FP8 scales), the convolution reads only earlier
+rows of the same prompt, the mixers see the real tokens only and the head reads marker rows only. And they
+hold no stale values: the prologue zeroes their hidden state and, once per pack, the mixers' output buffers
+past the real rows (the mixers write only those), so the tail computes the same values for every pack, from
+zeros at position 0.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def _write(outs: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None
         out.copy_(value)
 
 
-# The pieces in "into" form: outputs are written into static buffers (compiled, the copies fuse into the kernels
-# that produce them).
+# The pieces in "into" form: outputs are written into static buffers (compiled, the copies fuse into the
+# kernels that produce them).
 def pre_linear_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, seqpos: torch.Tensor,
                     *outs: torch.Tensor) -> None:
     layers.pre_linear(ops, dims, weights, hidden, seqpos, outs)  # the short convolution writes into outs
@@ -51,13 +53,13 @@ def post_linear_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, mi
     hidden.copy_(layers.post_linear(ops, dims, weights, hidden, mixed, out_gate))
 
 
-def pre_full_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  *outs: torch.Tensor) -> None:
+def pre_full_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, *outs: torch.Tensor) -> None:
     _write(outs, layers.pre_full(ops, dims, weights, hidden, cos, sin))
 
 
-def pre_full_rows_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       rows: torch.Tensor, *outs: torch.Tensor) -> None:
+def pre_full_rows_into(ops: Ops, dims: Any, weights: Any, hidden: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, rows: torch.Tensor, *outs: torch.Tensor) -> None:
     _write(outs, layers.pre_full_rows(ops, dims, weights, hidden, cos, sin, rows))
 
 
@@ -70,8 +72,8 @@ def final_into(ops: Ops, _dims: None, head: Any, hidden: torch.Tensor, scores: t
     scores.copy_(layers.final(ops, head, hidden))
 
 
-def final_rows_into(ops: Ops, _dims: None, head: Any, hidden: torch.Tensor, rows: torch.Tensor, scores: torch.Tensor
-                    ) -> None:
+def final_rows_into(ops: Ops, _dims: None, head: Any, hidden: torch.Tensor, rows: torch.Tensor,
+                    scores: torch.Tensor) -> None:
     scores.copy_(layers.final(ops, head, hidden[rows]))
 
 
@@ -94,16 +96,16 @@ class Workspace:
         lin = next((s.dims for s in fwd.stages if s.kind == LINEAR), None)
         full = next((s.dims for s in fwd.stages if s.kind != LINEAR), None)
         if lin is not None:
-            self.lq, self.lk = zeros(capacity, lin.k_heads, lin.head_k), zeros(capacity, lin.k_heads, lin.head_k)
-            self.lv, self.lo = zeros(capacity, lin.v_heads, lin.head_v), zeros(capacity, lin.v_heads, lin.head_v)
+            self.lq, self.lk = (zeros(capacity, lin.k_heads, lin.head_k) for _ in range(2))
+            self.lv, self.lo = (zeros(capacity, lin.v_heads, lin.head_v) for _ in range(2))
             self.g, self.beta = zeros(capacity, lin.v_heads, kind=torch.float32), zeros(capacity, lin.v_heads)
             self.z = zeros(capacity, lin.value_dim)
         if full is not None:
-            self.fq, self.fo = zeros(capacity, full.heads, full.head_dim), zeros(capacity, full.heads, full.head_dim)
+            self.fq, self.fo = (zeros(capacity, full.heads, full.head_dim) for _ in range(2))
             self.fk, self.fv = (zeros(capacity, full.kv_heads, full.head_dim) for _ in range(2))
             self.gate = zeros(capacity, full.heads * full.head_dim)
             if fwd.pruned:  # the pruned last layer's marker rows
-                self.rq, self.ro = zeros(rows, full.heads, full.head_dim), zeros(rows, full.heads, full.head_dim)
+                self.rq, self.ro = (zeros(rows, full.heads, full.head_dim) for _ in range(2))
                 self.rgate, self.rh = zeros(rows, full.heads * full.head_dim), zeros(rows, hidden)
             rotary = fwd.rotary.inv_freq.shape[0] * 2
             self.cos, self.sin = zeros(capacity, rotary), zeros(capacity, rotary)
@@ -128,8 +130,9 @@ class GraphedForward:
 
     def __init__(self, fwd: PackedForward, workspace: Workspace, compile_layers: bool,
                  rows_of: Callable[[int], int] = row_capacity, invariant: bool = False) -> None:
-        """``rows_of``: a bucket's marker rows. ``invariant`` (deterministic mode): the compiled pieces take the
-        token count as a symbol, so that every bucket runs the same kernels (worker/fast/deterministic.py)."""
+        """``rows_of``: a bucket's marker rows. ``invariant`` (deterministic mode): the compiled pieces take
+        the token count as a symbol, so that every bucket runs the same kernels
+        (worker/fast/deterministic.py)."""
         self.fwd, self.ws, self.rows_of = fwd, workspace, rows_of
         # Static shapes: one compiled graph per bucket, so inductor's kernels know every size and alignment
         # (vectorised loads, persistent reductions). With symbolic sizes the same pieces ran 2.8x slower on an
@@ -167,8 +170,8 @@ class GraphedForward:
                 self.pre_linear(ops, dims, weights, hidden, seqpos, ws.lq[:cap], ws.lk[:cap], ws.lv[:cap],
                                 ws.g[:cap], ws.beta[:cap], ws.z[:cap])
             elif stage.kind == FULL:
-                self.pre_full(ops, dims, weights, hidden, ws.cos[:cap], ws.sin[:cap], ws.fq[:cap], ws.fk[:cap],
-                              ws.fv[:cap], ws.gate[:cap])
+                self.pre_full(ops, dims, weights, hidden, ws.cos[:cap], ws.sin[:cap], ws.fq[:cap],
+                              ws.fk[:cap], ws.fv[:cap], ws.gate[:cap])
             else:
                 self.pre_full_rows(ops, dims, weights, hidden, ws.cos[:cap], ws.sin[:cap], rows, ws.rq[:rcap],
                                    ws.fk[:cap], ws.fv[:cap], ws.rgate[:rcap], ws.rh[:rcap])
@@ -197,11 +200,12 @@ class GraphedForward:
         return out
 
     def capture(self, buckets: Sequence[int], inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                capture: Capture, warm: Callable[[Callable[[], None]], None], log: logging.Logger | None = None
+                capture: Capture, warm: Callable[[Callable[[], None]], None],
+                log: logging.Logger | None = None
                 ) -> None:
-        """Largest bucket first. ``inputs(bucket)`` gives its static seqpos and rows views; ``warm`` runs a piece
-        once before capture (compilation and lazy library set-up must not happen inside a capture). ``log``: each
-        bucket's time (compilation makes the first one long on a cold machine)."""
+        """Largest bucket first. ``inputs(bucket)`` gives its static seqpos and rows views; ``warm`` runs a
+        piece once before capture (compilation and lazy library set-up must not happen inside a capture).
+        ``log``: each bucket's time (compilation makes the first one long on a cold machine)."""
         order = sorted(buckets, reverse=True)
         for number, bucket in enumerate(order, 1):
             began = time.perf_counter()
@@ -211,12 +215,14 @@ class GraphedForward:
             compiled = time.perf_counter() - began
             self.graphs[bucket] = [capture(piece) for piece in pieces]
             if log is not None:
-                log.info("warm-up: bucket %d (%d of %d): %d pieces compiled and run in %.1fs, captured in %.1fs",
-                         bucket, number, len(order), len(pieces), compiled, time.perf_counter() - began - compiled)
+                log.info("warm-up: bucket %d (%d of %d): %d pieces compiled and run in %.1fs, captured in "
+                         "%.1fs", bucket, number, len(order), len(pieces), compiled,
+                         time.perf_counter() - began - compiled)
 
     def prologue(self, bucket: int, hidden: torch.Tensor, positions: torch.Tensor, rows: int) -> None:
-        """Embeddings of the real tokens into the static hidden state and RoPE tables for the bucket's rows; inert
-        rows zeroed (see above). ``positions``: (3, bucket), the tail at 0; ``rows``: the real marker rows."""
+        """Embeddings of the real tokens into the static hidden state and RoPE tables for the bucket's rows;
+        inert rows zeroed (see above). ``positions``: (3, bucket), the tail at 0; ``rows``: the real marker
+        rows."""
         ws, tokens = self.ws, hidden.shape[0]
         ws.h[:tokens].copy_(hidden)
         ws.h[tokens:bucket].zero_()
@@ -231,7 +237,8 @@ class GraphedForward:
             ws.sin[:bucket].copy_(sin)
 
     def replay(self, bucket: int, tokens: int, rows: int, bounds: Boundaries) -> torch.Tensor:
-        """After ``prologue``: the pack's head scores, (row capacity, verbalizers) fp32, the first ``rows`` real."""
+        """After ``prologue``: the pack's head scores, (row capacity, verbalizers) fp32, the first ``rows``
+        real."""
         ws, fwd, mix = self.ws, self.fwd, self.fwd.mixers
         graphs = self.graphs[bucket]
         real = slice(0, tokens)  # the pack's tokens; the mixers never see the bucket's inert tail
@@ -239,14 +246,15 @@ class GraphedForward:
             graph()
             dims = stage.dims
             if stage.kind == LINEAR:
-                ws.lo[real].copy_(mix.gated_delta(ws.lq[real], ws.lk[real], ws.lv[real], ws.g[real], ws.beta[real],
-                                                  bounds))
+                ws.lo[real].copy_(mix.gated_delta(ws.lq[real], ws.lk[real], ws.lv[real], ws.g[real],
+                                                  ws.beta[real], bounds))
             elif stage.kind == FULL:
-                ws.fo[real].copy_(mix.attention(ws.fq[real], ws.fk[real], ws.fv[real], dims.scale, fwd.causal, bounds))
+                ws.fo[real].copy_(mix.attention(ws.fq[real], ws.fk[real], ws.fv[real], dims.scale,
+                                                fwd.causal, bounds))
             else:
                 assert stage.kind == ROWS
-                ws.ro[:rows].copy_(mix.attention(ws.rq[:rows], ws.fk[real], ws.fv[real], dims.scale, False, bounds,
-                                                 rows_only=True))
+                ws.ro[:rows].copy_(mix.attention(ws.rq[:rows], ws.fk[real], ws.fv[real], dims.scale,
+                                                 False, bounds, rows_only=True))
         graphs[-1]()
         return ws.scores[: self.rows_of(bucket)]
 

@@ -1,11 +1,12 @@
-"""Qwen3.5 decoder layers re-expressed over one packed (tokens, hidden) sequence, with the checkpoint's weights.
+"""Qwen3.5 decoder layers re-expressed over one packed (tokens, hidden) sequence, with the checkpoint's
+weights.
 
 Each layer is split at its token mixer: ``pre_*`` (norm, projections, convolution, gates, q/k norms, RoPE) and
 ``post_*`` (output gate and projection, residual, MLP) are dense and row-local, so they can be compiled and
-captured in CUDA graphs; the mixer between them (Gated DeltaNet or varlen attention) reads the prompt boundaries
-and runs eagerly (worker/fast/mixers.py). transformers is never patched: the weights are read from its modules, and
-the projections a layer applies to the same input are concatenated into one matrix (a copy: one GEMM instead of
-three or four).
+captured in CUDA graphs; the mixer between them (Gated DeltaNet or varlen attention) reads the prompt
+boundaries and runs eagerly (worker/fast/mixers.py). transformers is never patched: the weights are read from
+its modules, and the projections a layer applies to the same input are concatenated into one matrix (a copy:
+one GEMM instead of three or four).
 """
 
 from __future__ import annotations
@@ -21,24 +22,32 @@ LINEAR, FULL = "linear_attention", "full_attention"
 
 
 class Mlp(NamedTuple):
+    """A layer's SwiGLU MLP: its norm, the fused gate/up projection and the down projection."""
+
     norm: torch.Tensor  # post_attention_layernorm
     gate_up: Linear  # [gate_proj; up_proj]
     down: Linear
 
 
 class LinearAttn(NamedTuple):
+    """A linear-attention (gated delta rule) layer's weights, fused for the packed forward."""
+
     norm: torch.Tensor  # input_layernorm
-    in_proj: Linear  # [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a], or without b and a where ``gates`` holds them
+    # [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a], or without b and a where ``gates`` holds them
+    in_proj: Linear
     conv: torch.Tensor  # (conv_dim, taps)
     a_log: torch.Tensor
     dt_bias: torch.Tensor
     out_norm: torch.Tensor  # the gated RMSNorm's weight
     out_proj: Linear
     mlp: Mlp
-    gates: Dense | None = None  # [in_proj_b; in_proj_a] apart, in bf16, when in_proj is FP8 (worker/fast/fp8.py)
+    # [in_proj_b; in_proj_a] apart, in bf16, when in_proj is FP8 (worker/fast/fp8.py)
+    gates: Dense | None = None
 
 
 class FullAttn(NamedTuple):
+    """A full-attention layer's weights, fused for the packed forward."""
+
     norm: torch.Tensor
     qkv: Linear  # [q_proj (query and gate, per head); k_proj; v_proj]
     q: Linear  # the q_proj rows of qkv alone (pruned last layer)
@@ -50,6 +59,8 @@ class FullAttn(NamedTuple):
 
 
 class LinearDims(NamedTuple):
+    """A linear-attention layer's sizes: key and value widths, heads, and its norm's epsilon."""
+
     key_dim: int
     value_dim: int
     k_heads: int
@@ -60,6 +71,8 @@ class LinearDims(NamedTuple):
 
 
 class FullDims(NamedTuple):
+    """A full-attention layer's sizes: heads, key/value heads, head width, scale and epsilon."""
+
     heads: int
     kv_heads: int
     head_dim: int
@@ -68,6 +81,8 @@ class FullDims(NamedTuple):
 
 
 class Head(NamedTuple):
+    """The decision head: the backbone's final norm, the verbalizer projection and its softcap."""
+
     norm: torch.Tensor  # the backbone's final norm
     proj: Dense
     softcap: float | None
@@ -75,10 +90,12 @@ class Head(NamedTuple):
 
 
 def _dense(*modules: torch.nn.Linear) -> Dense:
-    weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+    weight = (torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1
+              else modules[0].weight.detach())
     biases = [m.bias for m in modules]
     bias = None if all(b is None for b in biases) else torch.cat([
-        (b.detach() if b is not None else torch.zeros(m.out_features, dtype=weight.dtype, device=weight.device))
+        (b.detach() if b is not None else torch.zeros(m.out_features, dtype=weight.dtype,
+                                                      device=weight.device))
         for m, b in zip(modules, biases)])
     return Dense(weight, bias)
 
@@ -127,8 +144,8 @@ def head_weights(language_model: Any, proj: torch.nn.Linear, softcap: float | No
 # ---- dense pieces: (tokens, hidden) in, row-local, no knowledge of prompt boundaries except ``seqpos`` ----
 
 def gate_up(ops: Ops, mlp: Mlp, normed: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the MLP's input: in the GEMM's epilogue where a kernel is chosen, else the GEMM, then
-    SwiGLU (quantised where the down projection is FP8)."""
+    """silu(gate) * up of the MLP's input: in the GEMM's epilogue where a kernel is chosen, else the GEMM,
+    then SwiGLU (quantised where the down projection is FP8)."""
     inner = ops.gate_up_swiglu(normed, mlp.gate_up, mlp.down)
     return inner if inner is not None else ops.swiglu(ops.linear(normed, mlp.gate_up), mlp.down)
 
@@ -141,8 +158,9 @@ def mlp_block(ops: Ops, mlp: Mlp, hidden: torch.Tensor, eps: float) -> torch.Ten
 
 def pre_linear(ops: Ops, dims: LinearDims, weights: LinearAttn, hidden: torch.Tensor, seqpos: torch.Tensor,
                outs: Sequence[torch.Tensor] | None = None) -> Sequence[torch.Tensor]:
-    """-> query (T, Hk, Dk), key (T, Hk, Dk) both of unit length per head, value (T, Hv, Dv), decay (T, Hv) fp32,
-    beta (T, Hv), out_gate (T, value_dim); written into ``outs`` where given (the graphed path's static buffers)."""
+    """-> query (T, Hk, Dk), key (T, Hk, Dk) both of unit length per head, value (T, Hv, Dv), decay (T, Hv)
+    fp32, beta (T, Hv), out_gate (T, value_dim); written into ``outs`` where given (the graphed path's static
+    buffers)."""
     normed = ops.rms_norm(hidden, weights.norm, dims.eps)
     projected = ops.linear(normed, weights.in_proj)
     off_gate = 2 * dims.key_dim + dims.value_dim
@@ -178,8 +196,8 @@ def pre_full(ops: Ops, dims: FullDims, weights: FullAttn, hidden: torch.Tensor, 
     query_and_gate, key, value = ops.linear(normed, weights.qkv).split([q_size, kv_size, kv_size], dim=-1)
     query, gate = _query_gate(ops, dims, weights, query_and_gate)
     key = ops.rms_norm(key.view(tokens, dims.kv_heads, dims.head_dim), weights.k_norm, dims.eps)
-    return (ops.rope(query, cos, sin), ops.rope(key, cos, sin), value.view(tokens, dims.kv_heads, dims.head_dim),
-            gate)
+    return (ops.rope(query, cos, sin), ops.rope(key, cos, sin),
+            value.view(tokens, dims.kv_heads, dims.head_dim), gate)
 
 
 def pre_full_rows(ops: Ops, dims: FullDims, weights: FullAttn, hidden: torch.Tensor, cos: torch.Tensor,
@@ -197,8 +215,8 @@ def pre_full_rows(ops: Ops, dims: FullDims, weights: FullAttn, hidden: torch.Ten
 
 def post_full(ops: Ops, dims: FullDims, weights: FullAttn, hidden: torch.Tensor, mixed: torch.Tensor,
               gate: torch.Tensor) -> torch.Tensor:
-    """mixed: attention output (rows, H, D); also the pruned layer's second half, on marker rows only. ``hidden``
-    may be updated in place (ops.add_linear)."""
+    """mixed: attention output (rows, H, D); also the pruned layer's second half, on marker rows only.
+    ``hidden`` may be updated in place (ops.add_linear)."""
     hidden = ops.add_linear(hidden, mixed.reshape(hidden.shape[0], -1) * torch.sigmoid(gate), weights.o_proj)
     return mlp_block(ops, weights.mlp, hidden, dims.eps)
 

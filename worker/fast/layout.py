@@ -1,12 +1,14 @@
-"""Layout of one pack: prompts concatenated into one padding-free sequence, and the host buffer that describes it.
+"""Layout of one pack: prompts concatenated into one padding-free sequence, and the host buffer that describes
+it.
 
-Pure CPU code (unit-tested without a GPU). A pack is the prompts in order, ``cu_seqlens`` at their boundaries, a
-position within its prompt for every token (the convolution never reads across a boundary), M-RoPE positions that
-restart at 0 for every prompt, and the marker rows the head reads. With static buckets the pack is padded to the
-bucket's size: the tail rows are inert (position 0, never read by a real row, never passed to the attention or
-delta-rule kernels, which see the real tokens only).
+Pure CPU code (unit-tested without a GPU). A pack is the prompts in order, ``cu_seqlens`` at their boundaries,
+a position within its prompt for every token (the convolution never reads across a boundary), M-RoPE positions
+that restart at 0 for every prompt, and the marker rows the head reads. With static buckets the pack is padded
+to the bucket's size: the tail rows are inert (position 0, never read by a real row, never passed to the
+attention or delta-rule kernels, which see the real tokens only).
 
-Everything the device needs goes through one flat int64 host buffer (``Regions``) so that one pinned copy moves it.
+Everything the device needs goes through one flat int64 host buffer (``Regions``) so that one pinned copy
+moves it.
 """
 
 from __future__ import annotations
@@ -85,8 +87,8 @@ class Layout:
 
 def lay_out(prompts: Sequence[Prompt], buckets: Sequence[int],
             rows_of: Callable[[int], int] = row_capacity) -> Layout:
-    """The layout of ``prompts``: in the smallest bucket that holds them (and their rows: ``rows_of(bucket)``), else
-    eager."""
+    """The layout of ``prompts``: in the smallest bucket that holds them (and their rows:
+    ``rows_of(bucket)``), else eager."""
     lengths = tuple(prompt.length for prompt in prompts)
     questions = tuple(len(prompt.questions) for prompt in prompts)
     tokens, rows = sum(lengths), sum(questions)
@@ -99,8 +101,8 @@ def lay_out(prompts: Sequence[Prompt], buckets: Sequence[int],
 
 
 def gdn_chunk_indices(lengths: Sequence[int]) -> np.ndarray:
-    """(chunks, 2) [prompt, chunk within it] for every 64-token chunk of the delta rule: what fla computes from cu_seqlens on the
-    host. Handing it over avoids fla's device-to-host copy."""
+    """(chunks, 2) [prompt, chunk within it] for every 64-token chunk of the delta rule: what fla computes
+    from cu_seqlens on the host. Handing it over avoids fla's device-to-host copy."""
     counts = np.array([-(-n // GDN_CHUNK) for n in lengths], dtype=np.int64)
     seq = np.repeat(np.arange(len(lengths), dtype=np.int64), counts)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -149,8 +151,8 @@ class Regions:
 
     def fill(self, buffer: np.ndarray, layout: Layout, prompts: Sequence[Prompt], positions: Sequence[np.ndarray],
              pad_id: int) -> None:
-        """Write ``layout`` into ``buffer`` (a host view of the flat buffer). Tails up to the capacities are reset
-        so that a bucket's inert rows read position 0 and marker row 0."""
+        """Write ``layout`` into ``buffer`` (a host view of the flat buffer). Tails up to the capacities are
+        reset so that a bucket's inert rows read position 0 and marker row 0."""
         assert buffer.shape == (self.size,) and layout.capacity <= self.capacity
         cap, rcap, tokens, rows = layout.capacity, layout.rows_capacity, layout.tokens, layout.rows
         starts = layout.cu_seqlens[:-1]
@@ -174,9 +176,12 @@ class Regions:
 
 
 class Boundaries(NamedTuple):
+    """Where each prompt of a pack starts and ends, as the mixers' kernels read it."""
+
     cu: torch.Tensor  # (prompts + 1,) int32 on the device
     cu_long: torch.Tensor  # the same, int64 (fla)
-    cu_host: torch.Tensor  # the same on the host (FlashQLA's context is prepared from it; fla's cu_seqlens_cpu)
+    # the same on the host (FlashQLA's context is prepared from it; fla's cu_seqlens_cpu)
+    cu_host: torch.Tensor
     chunk_index: torch.Tensor  # (delta-rule chunks, 2) int64 on the device
     max_length: int
     cu_rows: torch.Tensor  # (prompts + 1,) int32: marker rows per prompt (pruned last layer)
@@ -184,8 +189,8 @@ class Boundaries(NamedTuple):
 
 
 def boundaries_of(lengths: Sequence[int], device: torch.device | str) -> Boundaries:
-    """The boundaries of one pack of prompts of these lengths with one marker row each, copied to ``device``: for
-    the mixers alone in tests and benchmarks (the engine views its per-pack layout buffer instead)."""
+    """The boundaries of one pack of prompts of these lengths with one marker row each, copied to ``device``:
+    for the mixers alone in tests and benchmarks (the engine views its per-pack layout buffer instead)."""
     cu = [0, *itertools.accumulate(lengths)]
     cu_long = torch.tensor(cu).to(device, non_blocking=True)
     cu_rows = torch.arange(len(cu), dtype=torch.int32).to(device, non_blocking=True)

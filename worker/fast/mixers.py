@@ -1,13 +1,13 @@
-"""The token mixers that read prompt boundaries: Gated DeltaNet (fla) and varlen attention (torch), and a plain
-torch stand-in of both for CPU tests.
+"""The token mixers that read prompt boundaries: Gated DeltaNet (fla) and varlen attention (torch), and a
+plain torch stand-in of both for CPU tests.
 
 These run eagerly between the dense pieces (also when the pieces replay as CUDA graphs): their launch shapes
-depend on the boundaries. The boundaries come in a ``Boundaries`` built once per pack from the engine's persistent
-device buffer; its tensors are fresh views for every pack because fla and FlashQLA cache host-side preparation by
-tensor identity, and a reused tensor object would hand them the previous pack's boundaries.
+depend on the boundaries. The boundaries come in a ``Boundaries`` built once per pack from the engine's
+persistent device buffer; its tensors are fresh views for every pack because fla and FlashQLA cache host-side
+preparation by tensor identity, and a reused tensor object would hand them the previous pack's boundaries.
 
-On Hopper and Blackwell with FlashQLA installed, the delta rule calls FlashQLA's forward directly (worker/fast/qla.py),
-without fla's dispatch and without a host synchronisation per pack.
+On Hopper and Blackwell with FlashQLA installed, the delta rule calls FlashQLA's forward directly
+(worker/fast/qla.py), without fla's dispatch and without a host synchronisation per pack.
 """
 
 from __future__ import annotations
@@ -24,19 +24,22 @@ from .layout import Boundaries
 from .qla import FlashQLA
 
 class Mixers(Protocol):
+    """The sequence mixers of a pack: the gated delta rule and attention, each within its prompts."""
+
     def gated_delta(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
                     beta: torch.Tensor, bounds: Boundaries) -> torch.Tensor:
-        """(T, Hk, Dk) x2 (unit length per head), (T, Hv, Dv), (T, Hv) x2 -> (T, Hv, Dv); the state restarts at
-        every prompt."""
+        """(T, Hk, Dk) x2 (unit length per head), (T, Hv, Dv), (T, Hv) x2 -> (T, Hv, Dv); the state restarts
+        at every prompt."""
 
-    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
-                  bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
-        """(Tq, H, D), (T, Hkv, D) x2 -> (Tq, H, D) within each prompt; ``rows_only``: queries are marker rows."""
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                  causal: bool, bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
+        """(Tq, H, D), (T, Hkv, D) x2 -> (Tq, H, D) within each prompt; ``rows_only``: queries are marker
+        rows."""
 
     def variant_packs(self, heads: int, budget: int, longest: int = 0) -> dict[Any, list[int]]:
-        """Variant -> prompt lengths of a pack (at most ``budget`` tokens, or one prompt of up to ``longest``): packs
-        that together reach every kernel variant the mixers compile on first use; the engine runs them before it
-        reports ready."""
+        """Variant -> prompt lengths of a pack (at most ``budget`` tokens, or one prompt of up to
+        ``longest``): packs that together reach every kernel variant the mixers compile on first use; the
+        engine runs them before it reports ready."""
 
 
 def _varlen_attn() -> Any:
@@ -60,8 +63,8 @@ def _chunk_gated_delta_rule() -> Any:
 
 
 def _flash_qla(split: bool) -> FlashQLA | None:
-    """FlashQLA called directly where it runs; None sends the delta rule through fla's dispatch (its Triton kernels
-    elsewhere). ``FLA_FLASH_QLA=0``, fla's switch for it, turns it off here too."""
+    """FlashQLA called directly where it runs; None sends the delta rule through fla's dispatch (its Triton
+    kernels elsewhere). ``FLA_FLASH_QLA=0``, fla's switch for it, turns it off here too."""
     if os.environ.get("FLA_FLASH_QLA", "1") == "0":
         return None
     try:
@@ -71,25 +74,28 @@ def _flash_qla(split: bool) -> FlashQLA | None:
 
 
 class CudaMixers:
-    """The chunked gated delta rule (FlashQLA's kernels directly where they run, else fla's) and torch's varlen
-    attention. ``invariant`` (deterministic mode): FlashQLA never splits a prompt across the card, and fla's
-    kernels are refused (they autotune by timing, per process)."""
+    """The chunked gated delta rule (FlashQLA's kernels directly where they run, else fla's) and torch's
+    varlen attention. ``invariant`` (deterministic mode): FlashQLA never splits a prompt across the card, and
+    fla's kernels are refused (they autotune by timing, per process)."""
 
     def __init__(self, invariant: bool = False) -> None:
         if not torch.cuda.is_available():
-            raise FastPathUnavailable(f"the fast engine needs a CUDA GPU and none is available: {ALTERNATIVE}")
+            raise FastPathUnavailable("the fast engine needs a CUDA GPU and none is available: "
+                                      f"{ALTERNATIVE}")
         self._gdn = _chunk_gated_delta_rule()
         self.flash_qla = _flash_qla(split=not invariant)
         if invariant and self.flash_qla is None:
-            raise FastPathUnavailable("deterministic mode runs the delta rule on FlashQLA (Hopper or Blackwell, "
-                                      "flash-qla installed, FLA_FLASH_QLA not 0); fla's kernels pick their "
-                                      "configuration by timing in each process: run without --deterministic")
+            raise FastPathUnavailable("deterministic mode runs the delta rule on FlashQLA (Hopper or "
+                                      "Blackwell, flash-qla installed, FLA_FLASH_QLA not 0); fla's kernels "
+                                      "pick their configuration by timing in each process: run without "
+                                      "--deterministic")
         self._varlen = _varlen_attn()
         # torch < 2.13 has no enable_gqa: the key/value heads are then repeated to the query heads.
         parameters = inspect.signature(self._varlen).parameters
         self._native_gqa = "enable_gqa" in parameters
-        # Deterministic mode: never split a sequence's keys across blocks, whose number FlashAttention picks from
-        # the pack (torch 2.11's FA2 splits only single-query GQA, which never runs here; later versions may).
+        # Deterministic mode: never split a sequence's keys across blocks, whose number FlashAttention picks
+        # from the pack (torch 2.11's FA2 splits only single-query GQA, which never runs here; later versions
+        # may).
         self._splits = {"num_splits": 1} if invariant and "num_splits" in parameters else {}
 
     def variant_packs(self, heads: int, budget: int, longest: int = 0) -> dict[Any, list[int]]:
@@ -109,8 +115,8 @@ class CudaMixers:
                            cu_seqlens_cpu=bounds.cu_host, chunk_indices=bounds.chunk_index)
         return out[0]
 
-    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
-                  bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                  causal: bool, bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
         assert not (causal and rows_only), "marker-row queries need a noncausal layer"
         extra: dict[str, Any] = dict(self._splits)
         if query.shape[1] != key.shape[1]:
@@ -121,7 +127,8 @@ class CudaMixers:
                 key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         cu_q, max_q = (bounds.cu_rows, bounds.max_rows) if rows_only else (bounds.cu, bounds.max_length)
         return self._varlen(query.contiguous(), key.contiguous(), value.contiguous(), cu_q, bounds.cu, max_q,
-                            bounds.max_length, scale=scale, window_size=(-1, 0) if causal else (-1, -1), **extra)
+                            bounds.max_length, scale=scale,
+                            window_size=(-1, 0) if causal else (-1, -1), **extra)
 
 
 class TorchMixers:
@@ -140,13 +147,14 @@ class TorchMixers:
         for start, stop in zip(cu[:-1], cu[1:]):
             part = slice(start, stop)
             core, _ = torch_chunk_gated_delta_rule(query[None, part], key[None, part], value[None, part],
-                                                   g=decay[None, part], beta=beta[None, part], initial_state=None,
-                                                   output_final_state=False, use_qk_l2norm_in_kernel=False)
+                                                   g=decay[None, part], beta=beta[None, part],
+                                                   initial_state=None, output_final_state=False,
+                                                   use_qk_l2norm_in_kernel=False)
             out[part] = core[0].to(out.dtype)
         return out
 
-    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool,
-                  bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                  causal: bool, bounds: Boundaries, rows_only: bool = False) -> torch.Tensor:
         cu = bounds.cu.tolist()
         cu_q = bounds.cu_rows.tolist() if rows_only else cu
         groups = query.shape[1] // key.shape[1]

@@ -1,9 +1,10 @@
 """Pure tensor functions of the packed forward: the Qwen3.5 layer math in a (tokens, features) layout.
 
 Each function reproduces one step of transformers' Qwen3.5 modules with the same dtype rules (fp32 norms, bf16
-residual stream), so that the fast path stays within rounding of the reference. They take tensors only, which lets
-torch.compile reuse one compiled graph for every layer. ``Ops`` bundles them so that ``compile="sub"`` can swap in
-compiled versions, and worker/fast/fused.py its one-pass Triton kernels, without touching the layer code.
+residual stream), so that the fast path stays within rounding of the reference. They take tensors only, which
+lets torch.compile reuse one compiled graph for every layer. ``Ops`` bundles them so that ``compile="sub"``
+can swap in compiled versions, and worker/fast/fused.py its one-pass Triton kernels, without touching the
+layer code.
 
 A function that feeds a GEMM takes that GEMM's weights as ``target``: the fused kernels then hand over the
 activation already quantised (``Quantized``) when the GEMM is FP8; the plain functions ignore it and the GEMM
@@ -63,14 +64,15 @@ def quantize(inputs: torch.Tensor) -> Quantized:
 
 def fp8_linear(inputs: torch.Tensor | Quantized, weights: Fp8) -> torch.Tensor:
     """Rowwise FP8 matmul: one scale per token and one per output channel (precomputed). Fast accumulation (as
-    torchao's FP8 inference default): 36.0 -> 30.8 ms of GEMMs per 16k-token 2B pack on an H200, and no change in
-    the answers beyond FP8's own rounding (docs/BENCHMARKS.md, FP8 fidelity)."""
+    torchao's FP8 inference default): 36.0 -> 30.8 ms of GEMMs per 16k-token 2B pack on an H200, and no change
+    in the answers beyond FP8's own rounding (docs/BENCHMARKS.md, FP8 fidelity)."""
     if isinstance(inputs, Quantized):
         quantized, lead = inputs, inputs.values.shape[:-1]
     else:
         quantized, lead = quantize(inputs.reshape(-1, inputs.shape[-1])), inputs.shape[:-1]
-    out = torch._scaled_mm(quantized.values, weights.qweight.t(), scale_a=quantized.scale, scale_b=weights.scale,
-                           bias=weights.bias, out_dtype=quantized.dtype, use_fast_accum=True)
+    out = torch._scaled_mm(quantized.values, weights.qweight.t(), scale_a=quantized.scale,
+                           scale_b=weights.scale, bias=weights.bias, out_dtype=quantized.dtype,
+                           use_fast_accum=True)
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -81,8 +83,10 @@ def rms_norm(inputs: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return (out * (1.0 + weight.float())).type_as(inputs)
 
 
-def gated_rms_norm(inputs: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3_5RMSNormGated: normalise in fp32, scale in the input dtype, then multiply by silu(gate) in fp32."""
+def gated_rms_norm(inputs: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """Qwen3_5RMSNormGated: normalise in fp32, scale in the input dtype, then multiply by silu(gate) in
+    fp32."""
     dtype = inputs.dtype
     inputs_fp32 = inputs.float()
     out = inputs_fp32 * torch.rsqrt(inputs_fp32.pow(2).mean(-1, keepdim=True) + eps)
@@ -93,10 +97,10 @@ def gated_rms_norm(inputs: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
 def conv_silu(inputs: torch.Tensor, weight: torch.Tensor, seqpos: torch.Tensor) -> torch.Tensor:
     """Depthwise causal convolution over packed (tokens, channels) rows, then SiLU.
 
-    ``weight`` is (channels, taps); tap ``taps - 1`` multiplies the current token. A token at position ``p`` of its
-    prompt (``seqpos``) reads only the ``min(p, taps - 1)`` tokens before it, so no prompt sees its neighbour: this is
-    what the reference's zero left-padding computes for each prompt on its own. Sums in fp32, rounded to the input
-    dtype before the activation as ``causal_conv1d_fn`` does.
+    ``weight`` is (channels, taps); tap ``taps - 1`` multiplies the current token. A token at position ``p``
+    of its prompt (``seqpos``) reads only the ``min(p, taps - 1)`` tokens before it, so no prompt sees its
+    neighbour: this is what the reference's zero left-padding computes for each prompt on its own. Sums in
+    fp32, rounded to the input dtype before the activation as ``causal_conv1d_fn`` does.
     """
     taps = weight.shape[-1]
     weight_fp32 = weight.float()
@@ -110,11 +114,12 @@ def conv_silu(inputs: torch.Tensor, weight: torch.Tensor, seqpos: torch.Tensor) 
 
 
 def l2_normalize(inputs: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Unit length over the last dimension (per head), with the fp32 statistics and eps of fla's and FlashQLA's
-    ``use_qk_l2norm_in_kernel``: done here, it fuses into the kernel that stores q and k, and the delta rule's
-    Python wrapper skips two compiled calls per layer."""
+    """Unit length over the last dimension (per head), with the fp32 statistics and eps of fla's and
+    FlashQLA's ``use_qk_l2norm_in_kernel``: done here, it fuses into the kernel that stores q and k, and the
+    delta rule's Python wrapper skips two compiled calls per layer."""
     inputs_fp32 = inputs.float()
-    return (inputs_fp32 * torch.rsqrt((inputs_fp32 * inputs_fp32).sum(-1, keepdim=True) + eps)).to(inputs.dtype)
+    scale = torch.rsqrt((inputs_fp32 * inputs_fp32).sum(-1, keepdim=True) + eps)
+    return (inputs_fp32 * scale).to(inputs.dtype)
 
 
 def gdn_gates(decay_in: torch.Tensor, beta_in: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
@@ -130,9 +135,10 @@ def swiglu(gate_up: torch.Tensor, target: Linear | None = None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gate_up_swiglu(normed: torch.Tensor, gate_up: Linear, target: Linear | None = None) -> torch.Tensor | None:
-    """The MLP's gate/up GEMM and SwiGLU in one kernel, where one is chosen (worker/fast/epilogues.py); None: the
-    caller runs ``linear`` and ``swiglu``."""
+def gate_up_swiglu(normed: torch.Tensor, gate_up: Linear,
+                   target: Linear | None = None) -> torch.Tensor | None:
+    """The MLP's gate/up GEMM and SwiGLU in one kernel, where one is chosen (worker/fast/epilogues.py); None:
+    the caller runs ``linear`` and ``swiglu``."""
     return None
 
 
@@ -154,10 +160,11 @@ def gated_norm(attended: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 def short_conv(mixed: torch.Tensor, gates: torch.Tensor, offsets: tuple[int, int, int], weight: torch.Tensor,
                a_log: torch.Tensor, dt_bias: torch.Tensor, dims: Any, seqpos: torch.Tensor,
                outs: Sequence[torch.Tensor] | None = None) -> Sequence[torch.Tensor]:
-    """Everything a linear layer's delta rule reads, from its in-projection ``mixed`` = [q | k | v | z ...] and
-    ``gates`` (holding b and a at ``offsets[1:]``; z starts at ``offsets[0]``): query, key (T, Hk, Dk) convolved,
-    SiLU, unit length per head; value (T, Hv, Dv); decay (T, Hv) fp32; beta (T, Hv); z (T, Hv * Dv). ``dims``:
-    the layer's LinearDims. ``outs``: static buffers to write them into (returned), else new tensors."""
+    """Everything a linear layer's delta rule reads, from its in-projection ``mixed`` = [q | k | v | z ...]
+    and ``gates`` (holding b and a at ``offsets[1:]``; z starts at ``offsets[0]``): query, key (T, Hk, Dk)
+    convolved, SiLU, unit length per head; value (T, Hv, Dv); decay (T, Hv) fp32; beta (T, Hv); z (T, Hv *
+    Dv). ``dims``: the layer's LinearDims. ``outs``: static buffers to write them into (returned), else new
+    tensors."""
     tokens = mixed.shape[0]
     off_z, off_b, off_a = offsets
     widths = [dims.key_dim, dims.key_dim, dims.value_dim]
@@ -166,8 +173,8 @@ def short_conv(mixed: torch.Tensor, gates: torch.Tensor, offsets: tuple[int, int
     # kernel that stores it (one shared result would be materialised in fp32 and read three times).
     query, key, value = (conv_silu(part, taps, seqpos)
                          for part, taps in zip((query, key, value), weight.split(widths)))
-    decay, beta = gdn_gates(gates[:, off_a: off_a + dims.v_heads], gates[:, off_b: off_b + dims.v_heads], a_log,
-                            dt_bias)
+    decay, beta = gdn_gates(gates[:, off_a: off_a + dims.v_heads],
+                            gates[:, off_b: off_b + dims.v_heads], a_log, dt_bias)
     query, key = (l2_normalize(part.view(tokens, dims.k_heads, dims.head_k)) for part in (query, key))
     result = (query, key, value.view(tokens, dims.v_heads, dims.head_v), decay, beta,
               mixed[:, off_z: off_z + dims.value_dim])
@@ -184,7 +191,8 @@ def rotate_half(inputs: torch.Tensor) -> torch.Tensor:
 
 
 def rope(inputs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Partial rotary embedding on (tokens, heads, dim) with (tokens, rotary_dim) tables, as apply_rotary_pos_emb."""
+    """Partial rotary embedding on (tokens, heads, dim) with (tokens, rotary_dim) tables, as
+    apply_rotary_pos_emb."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rot = cos.shape[-1]
     rotary_part, pass_part = inputs[..., :rot], inputs[..., rot:]
@@ -201,7 +209,8 @@ def softcap_head(hidden: torch.Tensor, head: Dense, softcap: float | None) -> to
 
 @dataclass(frozen=True)
 class Ops:
-    """The element-wise building blocks the layers call; ``compiled`` wraps each in torch.compile (``sub``)."""
+    """The element-wise building blocks the layers call; ``compiled`` wraps each in torch.compile
+    (``sub``)."""
 
     rms_norm: Callable[..., torch.Tensor] = rms_norm
     gated_norm: Callable[..., torch.Tensor | Quantized] = gated_norm

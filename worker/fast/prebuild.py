@@ -1,15 +1,15 @@
 """FlashQLA's kernel variants compiled in child processes while the engine compiles and captures its graphs.
 
-On an empty cache TileLang compiled the delta rule's variants one after the other in the warm-up packs, after the
-capture: about 110 s of a 212 s cold start on an H200 (each main kernel 19-23 s, the split variant's four kernels
-47 s). The compiling is CPU work (TileLang's lowering, nvcc) and independent per variant, and TileLang's disk cache
-is shared between processes (each entry staged and renamed into place), so one child per variant compiles it beside
-the capture; the warm-up packs then find the kernels on disk. A child that fails or is late costs nothing but the
-time saved: the warm-up packs compile what they do not find, as before.
+On an empty cache TileLang compiled the delta rule's variants one after the other in the warm-up packs, after
+the capture: about 110 s of a 212 s cold start on an H200 (each main kernel 19-23 s, the split variant's four
+kernels 47 s). The compiling is CPU work (TileLang's lowering, nvcc) and independent per variant, and
+TileLang's disk cache is shared between processes (each entry staged and renamed into place), so one child per
+variant compiles it beside the capture; the warm-up packs then find the kernels on disk. A child that fails or
+is late costs nothing but the time saved: the warm-up packs compile what they do not find, as before.
 
-Run as a script (``python prebuild.py JSON``), the child imports torch, FlashQLA and worker/fast/qla.py only (by
-path: the worker package would import transformers) and runs one pack of that variant on random inputs of the
-dtypes and head counts the engine's buffers hold (worker/fast/graphs.py's Workspace).
+Run as a script (``python prebuild.py JSON``), the child imports torch, FlashQLA and worker/fast/qla.py only
+(by path: the worker package would import transformers) and runs one pack of that variant on random inputs of
+the dtypes and head counts the engine's buffers hold (worker/fast/graphs.py's Workspace).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class Prebuild:
             if child.returncode == 0:
                 log.info("warm-up: %s compiled beside the capture: %s", what, tail[0])
             else:  # the warm-up pack compiles it instead
-                log.warning("warm-up: compiling %s beside the capture failed (exit %s): %s", what, child.returncode,
-                            tail[0])
+                log.warning("warm-up: compiling %s beside the capture failed (exit %s): %s", what,
+                            child.returncode, tail[0])
         log.info("warm-up: delta-rule variants compiled beside the capture, %.1fs after they started",
                  time.perf_counter() - self.began)
 

@@ -1,15 +1,18 @@
-"""FlashQLA's chunked gated delta rule called directly, and the packs that reach each of its compiled variants.
+"""FlashQLA's chunked gated delta rule called directly, and the packs that reach each of its compiled
+variants.
 
-Through fla, every layer call paid fla's dispatch, an autograd function and FlashQLA's own per-pack preparation,
-which reads ``cu_seqlens`` back from the GPU (a host synchronisation per pack). Here that preparation is done once
-per pack from the host copy of the boundaries, with FlashQLA's own helpers, so no call waits for the GPU.
+Through fla, every layer call paid fla's dispatch, an autograd function and FlashQLA's own per-pack
+preparation, which reads ``cu_seqlens`` back from the GPU (a host synchronisation per pack). Here that
+preparation is done once per pack from the host copy of the boundaries, with FlashQLA's own helpers, so no
+call waits for the GPU.
 
-FlashQLA JIT-compiles a kernel variant per (split across the card or not, tile width of the main kernel) on first
-use, 15-50 s each on an H200. Which variant a pack runs is FlashQLA's decision from the prompt lengths and the
-number of value heads; ``variant_packs`` asks that decision over a family of packs (one long prompt beside 0, 1,
-2, 4 ... short ones, and 1, 2, 4 ... short ones alone) and keeps the smallest pack per variant, so the engine warms
-every variant a pack of the shape can reach before it reports ready. At 32 value heads (4B) one long prompt alone
-never splits, but beside three short ones it does: a list of pack shapes written by hand missed that variant.
+FlashQLA JIT-compiles a kernel variant per (split across the card or not, tile width of the main kernel) on
+first use, 15-50 s each on an H200. Which variant a pack runs is FlashQLA's decision from the prompt lengths
+and the number of value heads; ``variant_packs`` asks that decision over a family of packs (one long prompt
+beside 0, 1, 2, 4 ... short ones, and 1, 2, 4 ... short ones alone) and keeps the smallest pack per variant,
+so the engine warms every variant a pack of the shape can reach before it reports ready. At 32 value heads
+(4B) one long prompt alone never splits, but beside three short ones it does: a list of pack shapes written by
+hand missed that variant.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
 
 
 class Variant(NamedTuple):
+    """One FlashQLA kernel variant: split across the card or not, and its tile width."""
+
     split: bool  # long prompts split across the card (kernels of its own)
     tile: int  # the main kernel's tile width (block_DV)
 
@@ -37,12 +42,13 @@ def _doubling(limit: int) -> list[int]:
 
 
 class FlashQLA:
-    """FlashQLA's chunked forward, its per-pack context (the intra-card split of long sequences, chunk offsets and
-    indices) prepared on the host from ``Boundaries.cu_host`` instead of read back from the GPU."""
+    """FlashQLA's chunked forward, its per-pack context (the intra-card split of long sequences, chunk offsets
+    and indices) prepared on the host from ``Boundaries.cu_host`` instead of read back from the GPU."""
 
     def __init__(self, split: bool = True) -> None:
-        """``split``: let FlashQLA split long prompts across the card where it decides to (off in deterministic
-        mode: a prompt split or not, by what else is in its pack, sums its recurrence in another order)."""
+        """``split``: let FlashQLA split long prompts across the card where it decides to (off in
+        deterministic mode: a prompt split or not, by what else is in its pack, sums its recurrence in another
+        order)."""
         # Importing it raises on GPUs it has no kernels for (ValueError), as well as where it is missing.
         from flash_qla.ops.gated_delta_rule.chunk import CHUNK_SIZE, chunk_gated_delta_rule_fwd
         from flash_qla.ops.gated_delta_rule.chunk.cp import FlashQLACPContext, build_cp_context
@@ -86,9 +92,9 @@ class FlashQLA:
         return context
 
     def variant(self, lengths: Sequence[int], heads: int) -> Variant:
-        """The compiled kernels a pack of these prompt lengths runs: split across the card or not (the split adds
-        kernels of its own), and the tile width the main kernel picks from its grid (sequences or split parts x
-        heads against the card's size), read through FlashQLA's own cost model of that rule."""
+        """The compiled kernels a pack of these prompt lengths runs: split across the card or not (the split
+        adds kernels of its own), and the tile width the main kernel picks from its grid (sequences or split
+        parts x heads against the card's size), read through FlashQLA's own cost model of that rule."""
         cu = torch.tensor([0, *itertools.accumulate(lengths)])
         host = self._build(cu, enable_intra=self.split, num_v_heads=heads, chunk_size=self._chunk, is_train=False)
         parts = len(host.intra_cp_cu_seqlens) - 1 if host.is_intra else len(lengths)
@@ -102,15 +108,17 @@ class FlashQLA:
 
             return launch.launch_config(launch.BACKEND_OF[launch.current_arch()], "fused_fwd",
                                         launch.LaunchShape(heads, parts, units)).block_DV
-        except (ImportError, AttributeError, KeyError, ValueError):  # another version: every count below a full card
+        # another version: every count below a full card
+        except (ImportError, AttributeError, KeyError, ValueError):
             return min(parts, -(-units // heads))
 
     def variant_packs(self, heads: int, budget: int, longest: int = 0) -> dict[Variant, list[int]]:
-        """The smallest pack (prompt lengths) found per variant, over packs of at most ``budget`` tokens and single
-        prompts up to ``longest`` (a prompt over the budget runs alone). FlashQLA decides from chunk counts, so the
-        lengths are whole chunks: one long prompt of every length beside 0, 1, 2, 4 ... one-chunk prompts, and 1, 2,
-        4 ... one-chunk prompts alone (about 2000 decisions for a 16k budget; with FlashQLA 0.1.3's cost model for
-        an H200, a denser family and random packs found nothing more at 4 to 64 heads)."""
+        """The smallest pack (prompt lengths) found per variant, over packs of at most ``budget`` tokens and
+        single prompts up to ``longest`` (a prompt over the budget runs alone). FlashQLA decides from chunk
+        counts, so the lengths are whole chunks: one long prompt of every length beside 0, 1, 2, 4 ...
+        one-chunk prompts, and 1, 2, 4 ... one-chunk prompts alone (about 2000 decisions for a 16k budget;
+        with FlashQLA 0.1.3's cost model for an H200, a denser family and random packs found nothing more at 4
+        to 64 heads)."""
         step, most = self._chunk, budget // self._chunk
         found: dict[Variant, list[int]] = {}
 

@@ -1,6 +1,7 @@
-"""The fast engine's start-up, a part of FastEngine (engine.py): every bucket's graphs captured, the delta rule's
-kernel variants compiled beside them (prebuild.py), a first pack through each path so that nothing compiles on the
-first request, and deterministic mode's own check. Each stage is logged as it goes (minutes on a cold machine).
+"""The fast engine's start-up, a part of FastEngine (engine.py): every bucket's graphs captured, the delta
+rule's kernel variants compiled beside them (prebuild.py), a first pack through each path so that nothing
+compiles on the first request, and deterministic mode's own check. Each stage is logged as it goes (minutes on
+a cold machine).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from .layout import Regions
 log = logging.getLogger(__name__)
 WARMUP = Question(name="warmup", type="noul", instructions=None, options=["false", "true"], labels=["A", "B"],
                   descriptions=[None, None])  # the warm-up's prompts ask this
-CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "TILELANG_CACHE_DIR": "tilelang"}
+CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton",
+          "TILELANG_CACHE_DIR": "tilelang"}
 
 
 def use_compile_cache(path: str) -> None:
-    """Inductor's, Triton's and TileLang's caches under one directory (``compile_cache``): a worker that finds them
-    there from an earlier start skips compiling. Set before the first compilation (they read these at use)."""
+    """Inductor's, Triton's and TileLang's caches under one directory (``compile_cache``): a worker that finds
+    them there from an earlier start skips compiling. Set before the first compilation (they read these at
+    use)."""
     for variable, name in CACHES.items():
         os.environ[variable] = os.path.join(os.path.abspath(path), name)
         os.makedirs(os.environ[variable], exist_ok=True)
@@ -64,18 +67,21 @@ class WarmUp:
 
     def warmup(self) -> None:
         """Capture every bucket's graphs (largest first, one pool), then run a pack through each path so that
-        compilation and the mixers' JIT happen now rather than on the first request. Each stage is logged as it
-        goes (minutes on a cold machine)."""
+        compilation and the mixers' JIT happen now rather than on the first request. Each stage is logged as
+        it goes (minutes on a cold machine)."""
         start = time.perf_counter()
         if self.deterministic and self.device.type == "cuda":
-            linears = [linear for stage in self.fwd.stages for linear in deterministic.linears_of(stage.weights)]
-            checked = deterministic.check_gemms([*linears, self.fwd.head.proj], self.buckets, self.model.dtype)
+            linears = [linear for stage in self.fwd.stages
+                       for linear in deterministic.linears_of(stage.weights)]
+            checked = deterministic.check_gemms([*linears, self.fwd.head.proj], self.buckets,
+                                                self.model.dtype)
             log.info("deterministic mode: %d GEMMs give every row the same bits at buckets %s (%.1fs)", checked,
                      self.buckets, time.perf_counter() - start)
-        # The delta rule's kernels come in variants (FlashQLA: split across the card or not, and the tile width its
-        # grid size picks), each JIT-compiled on first use (tens of seconds each): one pack for each variant that
-        # any pack of at most the budget, or one prompt up to the longest, can reach (worker/fast/qla.py). Child
-        # processes compile them beside the capture (worker/fast/prebuild.py); the packs below then load them.
+        # The delta rule's kernels come in variants (FlashQLA: split across the card or not, and the tile
+        # width its grid size picks), each JIT-compiled on first use (tens of seconds each): one pack for each
+        # variant that any pack of at most the budget, or one prompt up to the longest, can reach
+        # (worker/fast/qla.py). Child processes compile them beside the capture (worker/fast/prebuild.py); the
+        # packs below then load them.
         dims = self.linear_dims
         heads = dims.v_heads if dims is not None else 0
         longest = max(self.model.max_length, self._budget)
@@ -98,18 +104,19 @@ class WarmUp:
         if self.deterministic:
             self._check_deterministic()
         self.compile_seconds = time.perf_counter() - start - self.capture_seconds
-        log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices, layers %s, %s), "
-                 "fused kernels %s (epilogues %s); capture %.1fs, first packs %.1fs (%d delta-rule variants)",
+        log.info("fast engine ready: buckets %s, compile %s, graphs %s, prune %s, fp8 %s (%d matrices, "
+                 "layers %s, %s), fused kernels %s (epilogues %s); capture %.1fs, first packs %.1fs (%d "
+                 "delta-rule variants)",
                  self.buckets or "-", self.settings.compile, self.graphs_on, self.fwd.pruned, self.settings.fp8,
                  self.fwd.fp8_matrices, self.settings.fp8_layers, self.settings.fp8_matrices, self.fwd.fused,
                  ",".join(sorted(self.fwd.epilogues)) or "none", self.capture_seconds, self.compile_seconds,
                  len(variants))
 
     def _check_deterministic(self) -> None:
-        """Deterministic mode keeps its promise on this card and software before the worker reports ready: probe
-        prompts of random tokens alone, then first and last in packs that fill every bucket, beside one filler or
-        many short ones (the delta rule's widest tile, where alone it takes its narrowest), must score the same
-        bits."""
+        """Deterministic mode keeps its promise on this card and software before the worker reports ready:
+        probe prompts of random tokens alone, then first and last in packs that fill every bucket, beside one
+        filler or many short ones (the delta rule's widest tile, where alone it takes its narrowest), must
+        score the same bits."""
         began, checked = time.perf_counter(), 0
         generator = torch.Generator().manual_seed(0)
         tokenizer = getattr(self.model, "tokenizer", None)
@@ -139,20 +146,24 @@ class WarmUp:
                         run = self.launch(pack).wait()
                         assert run.bucket == (bucket if self.buckets else None), (run.bucket, bucket)
                         got, checked = run.scores[at], checked + 1
-                        if not torch.equal(got.view(torch.int32), alone.view(torch.int32)):  # bits, NaN included
+                        # bits, NaN included
+                        if not torch.equal(got.view(torch.int32), alone.view(torch.int32)):
                             raise deterministic.NotDeterministic(
-                                f"deterministic mode's check at warm-up: a {length}-token probe prompt scored other "
-                                f"bits {'first' if at == 0 else 'last'} in a pack of {len(pack)} prompts (bucket "
-                                f"{bucket}) than alone, up to {(got - alone).abs().max().item():g} apart, on this "
-                                f"card and software: run without --deterministic")
+                                f"deterministic mode's check at warm-up: a {length}-token probe prompt "
+                                f"scored other bits {'first' if at == 0 else 'last'} in a pack of "
+                                f"{len(pack)} prompts (bucket {bucket}) than alone, up to "
+                                f"{(got - alone).abs().max().item():g} apart, on this card and software: run "
+                                "without --deterministic")
         if not checked:
-            raise deterministic.NotDeterministic(f"deterministic mode's check at warm-up found no pack to check: the "
-                                                 f"buckets {buckets} are too small (at least 4 tokens)")
+            raise deterministic.NotDeterministic("deterministic mode's check at warm-up found no pack to "
+                                                 f"check: the buckets {buckets} are too small (at least 4 "
+                                                 "tokens)")
         log.info("deterministic mode: %d probe packs scored their probe prompts bitwise as alone (%.1fs)", checked,
                  time.perf_counter() - began)
 
     def _prebuild(self, variants: dict, dims: LinearDims | None) -> prebuild.Prebuild | None:
-        """Children compiling FlashQLA's variants, where the delta rule runs on FlashQLA (CUDA, 128-wide heads)."""
+        """Children compiling FlashQLA's variants, where the delta rule runs on FlashQLA (CUDA, 128-wide
+        heads)."""
         if not variants or dims is None or not self.on_flash_qla:
             return None
         return prebuild.start(variants, dims.k_heads, dims.v_heads, 128, 128,

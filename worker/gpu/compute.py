@@ -1,11 +1,12 @@
-"""The GPU stage: packs from the packer through the engine, head scores to answers, each handed to the Redis loop.
+"""The GPU stage: packs from the packer through the engine, head scores to answers, handed to the Redis loop.
 
-Runs on the main thread. While pack n is on the GPU, the queue is asked for pack n+1, but only a full one (it fills
-a static size, so the queue is ahead of the GPU; behind a large n, a small one: worker/gpu/packer.py). It is
-launched first, then n is read out (temperatures, softmax, System One answers) and handed over (``Sink``: the
-lifecycle, which hops onto the Redis loop thread that owns every task's state): the GPU never waits for the read-out
-and the launch's host work. Short of a full pack, n is read out first and the next pack formed after it, with what
-arrived meanwhile: a request arriving at a GPU that keeps up waits for the pack on the GPU, then rides in the next.
+Runs on the main thread. While pack n is on the GPU, the packer is asked for pack n+1 (worker/gpu/packer.py):
+it forms one just before n is expected to end (at once if it is full and no high work flows), with everything
+that arrived by then. It is launched first, then n is read out (temperatures, softmax, System One answers) and
+handed over (``Sink``: the Redis loop thread, which owns every task's state): the GPU never waits for the
+read-out and the launch's host work. With nothing queued by then, or n done already, n is read out first and
+the next pack formed after it, with what arrived meanwhile. The packer learns from each pack its launch's host
+time and its run on the device (the pack policy's costs).
 
 A failing pack is bisected until the failing prompt is alone, so the others in it are still answered.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Callable, Protocol
 
@@ -28,23 +30,39 @@ from ..traces import Traces
 from .packer import Packer
 
 log = logging.getLogger("worker")
+GIL_SWITCH_S = 0.0005  # while the GPU stage runs, the GIL changes hands within this (Python's default: 5 ms)
 
 
 class Sink(Protocol):
-    """Where each fact about the work goes (the lifecycle); called on this (the GPU) thread."""
+    """Where each fact about the work goes (worker/loop/thread.py); called on this (the GPU) thread."""
 
     def hand_over(self, event: GpuEvent) -> None: ...
 
 
 class Compute:
+    """The GPU stage: packs through the engine, their answers handed to the sink."""
+
     def __init__(self, model: DecisionModel, engine: Engine, packer: Packer, metrics: Metrics, sink: Sink,
-                 traces: Traces | None = None) -> None:
+                 traces: Traces | None = None, fatal: Callable[[int], None] = os._exit) -> None:
         self.model, self.engine, self.packer, self.metrics, self.sink = model, engine, packer, metrics, sink
         self.traces = traces  # None: tracing off
+        self.fatal = fatal  # how a failed GPU ends the process (the daemon's exit seam)
         self.turned_at: float | None = None  # the loop's last turn (liveness)
 
     def run(self, done: Callable[[], bool]) -> None:
-        """Until ``done()`` holds with no pack in flight."""
+        """Until ``done()`` holds with no pack in flight. Meanwhile the process's GIL changes hands within
+        ``GIL_SWITCH_S``: a launch gives the GIL up at each graph replay and kernel call, and takes it back
+        behind whichever thread holds it (the Redis loop, the planners' result thread), by default for up to
+        5 ms each time; dozens of times per pack, that stretched packs on the GPU, which waited for the host
+        (docs/BENCHMARKS.md, "The pack policy")."""
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, GIL_SWITCH_S))
+        try:
+            self._run(done)
+        finally:
+            sys.setswitchinterval(switch)
+
+    def _run(self, done: Callable[[], bool]) -> None:
         in_flight: tuple[list[Item], Pending] | None = None
         while True:
             finishing = done()
@@ -52,29 +70,28 @@ class Compute:
                 return
             self.turned_at = time.time()
             self.metrics.heartbeat.labels("gpu").set(self.turned_at)
-            if finishing:  # past the drain deadline: no new pack
-                pack = []
-            else:  # while a pack runs, only a full one: else the one on the GPU is read out first
-                pack = self._take(wait=in_flight is None,
-                                  behind=sum(item.tokens for item in in_flight[0]) if in_flight else 0)
+            # past the drain deadline: no new pack; while a pack runs, the next just before it ends, or none
+            pack = [] if finishing else self._take(wait=in_flight is None, behind=in_flight is not None)
             if in_flight is not None and not pack:
                 self._finish(*in_flight)
                 in_flight = None
                 continue
             launched = None
             if pack:
-                began = time.time()
+                began, clock_began = time.time(), self.packer.clock.now()
                 try:
-                    launched = (pack, self.engine.launch([item.prompt for item in pack]))
+                    pending = self.engine.launch([item.prompt for item in pack])
                 except Exception as error:  # noqa: BLE001 - isolated below, prompt by prompt
                     self._isolate(pack, error)
                 else:
+                    launched = (pack, pending)
+                    self.packer.launched(sum(item.tokens for item in pack), clock_began, pending)
                     self.sink.hand_over(Launched(tuple(pack), began))
             if in_flight is not None:
                 self._finish(*in_flight)
             in_flight = launched
 
-    def _take(self, wait: bool, behind: int) -> list[Item]:
+    def _take(self, wait: bool, behind: bool) -> list[Item]:
         pack = []
         for item in self.packer.next(wait=wait, behind=behind):
             if item.task.closed:
@@ -89,9 +106,15 @@ class Compute:
         try:
             run = pending.wait()
         except Exception as error:  # noqa: BLE001
+            self.packer.finished(pending, None)
             self._isolate(pack, error)
             return
+        self.packer.finished(pending, run.gpu_seconds if run.gpu_seconds is not None else run.seconds)
         self._record(run)
+        self._read_out(pack, run)
+
+    def _read_out(self, pack: list[Item], run: PackRun) -> None:
+        """Each prompt's answers from its head scores, handed over."""
         self.metrics.prompts.inc(len(pack))
         if self.traces is not None:
             ended = time.time()
@@ -124,18 +147,20 @@ class Compute:
         """A failed pack: run halves again until the failing prompt is alone; the others are answered."""
         if isinstance(error, getattr(torch, "AcceleratorError", ())):
             log.critical("the GPU failed (%s): exiting so that the supervisor restarts this worker", error)
-            os._exit(70)
+            self.fatal(70)
+            return  # an exit that returns (a test's) stops the worker: the entries stay held, then pending
         if len(pack) == 1:
             log.warning("prompt of %s failed: %r", pack[0].task.request_id, error,
                         extra=pack[0].task.delivery.log_fields)
             self.sink.hand_over(Failed(pack[0].task, f"{type(error).__name__}: {error}"))
             return
         for half in (pack[: len(pack) // 2], pack[len(pack) // 2:]):
-            began = time.time()
+            began, clock_began = time.time(), self.packer.clock.now()
             try:
                 pending = self.engine.launch([item.prompt for item in half])
             except Exception as again:  # noqa: BLE001
                 self._isolate(half, again)
                 continue
+            self.packer.launched(sum(item.tokens for item in half), clock_began, pending)
             self.sink.hand_over(Launched(tuple(half), began))
             self._finish(half, pending)

@@ -1,5 +1,6 @@
-"""The plan of one host's workers (worker/launch/launcher.py runs it): which devices a --gpus value names, and what each
-worker is given: its device, consumer name, metrics port, planner processes and threads, as DQ_* variables."""
+"""The plan of one host's workers (worker/launch/launcher.py runs it): which devices a --gpus value names, and
+what each worker is given: its device, consumer name, metrics port, planner processes and threads, as DQ_*
+variables."""
 
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ class LaunchError(ValueError):
 
 @dataclass(frozen=True)
 class Device:
+    """One worker of a host: its number, its --device and its CUDA_VISIBLE_DEVICES."""
+
     index: int  # the worker's number: its consumer name's suffix, its port's offset
     device: str  # the worker's --device
     visible: str  # its CUDA_VISIBLE_DEVICES ("": none)
 
 
 def devices(spec: str, environ: dict[str, str] | None = None) -> list[Device]:
-    """The workers of a --gpus value: ``cpu:N``; ``all``; or GPU numbers as this process sees them (positions in
-    its CUDA_VISIBLE_DEVICES when that is set)."""
+    """The workers of a --gpus value: ``cpu:N``; ``all``; or GPU numbers as this process sees them (positions
+    in its CUDA_VISIBLE_DEVICES when that is set)."""
     environ = os.environ if environ is None else environ
     spec = spec.replace(" ", "")
     if spec.startswith("cpu:"):
@@ -56,9 +59,9 @@ def host_cores() -> int:
 
 
 def planner_processes(configured: int, workers: int, cores: int, gpu: bool) -> int:
-    """Per worker: ``--planner-processes`` when set; for GPU workers at 0 (the default) the host's cores shared
-    out, less one each for the worker's own process (the GPU loop and the Redis loop), 1 to ``PLANNERS_MAX``.
-    CPU workers keep threads at 0: their model needs the cores."""
+    """Per worker: ``--planner-processes`` when set; for GPU workers at 0 (the default) the host's cores
+    shared out, less one each for the worker's own process (the GPU loop and the Redis loop), 1 to
+    ``PLANNERS_MAX``. CPU workers keep threads at 0: their model needs the cores."""
     if configured or not gpu:
         return configured
     return max(1, min(PLANNERS_MAX, cores // workers - 1))

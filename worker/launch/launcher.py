@@ -1,19 +1,20 @@
-"""One host, many GPUs: ``dq-worker serve --gpus all`` (or ``0,1,3``, or ``cpu:N``) starts one worker process per
-device and supervises them (docs/OPERATIONS.md, "One host, many GPUs").
+"""One host, many GPUs: ``dq-worker serve --gpus all`` (or ``0,1,3``, or ``cpu:N``) starts one worker process
+per device and supervises them (docs/OPERATIONS.md, "One host, many GPUs").
 
-- Worker ``i`` is ``python -m worker serve`` with the launcher's settings (passed as DQ_* variables), pinned to its
-  device (``CUDA_VISIBLE_DEVICES`` = that GPU and ``--device cuda:0``; ``cpu:N``: ``--device cpu``, no GPU visible),
-  its own consumer name (``<--consumer, or host-pid of the launcher>-<i>``: the same after a restart, so a restarted
-  worker recovers its own pending entries at once), metrics port ``--metrics-port + 1 + i`` (the launcher's own
-  endpoints on ``--metrics-port``), and planner processes sized to the host's cores (``planner_processes``).
+- Worker ``i`` is ``python -m worker serve`` with the launcher's settings (passed as DQ_* variables), pinned
+  to its device (``CUDA_VISIBLE_DEVICES`` = that GPU and ``--device cuda:0``; ``cpu:N``: ``--device cpu``, no
+  GPU visible), its own consumer name (``<--consumer, or host-pid of the launcher>-<i>``: the same after a
+  restart, so a restarted worker recovers its own pending entries at once), metrics port ``--metrics-port + 1
+  + i`` (the launcher's own endpoints on ``--metrics-port``), and planner processes sized to the host's cores
+  (``planner_processes``).
 - A worker that exits on its own is started again after a pause that doubles with each exit in a row (1 s to
-  60 s), the row reset once it is ready (up 60 s where it has no endpoints); each exit is logged once and counted
-  (``dq_launcher_restarts_total``). Exit 2 is not retried: its settings, checkpoint or engine would fail the same
-  way in every worker, so the launcher stops the others and exits 2.
+  60 s), the row reset once it is ready (up 60 s where it has no endpoints); each exit is logged once and
+  counted (``dq_launcher_restarts_total``). Exit 2 is not retried: its settings, checkpoint or engine would
+  fail the same way in every worker, so the launcher stops the others and exits 2.
 - SIGTERM or SIGINT is forwarded to every worker, and each drains (``--drain-timeout-s``); one still running
-  ``KILL_AFTER_S`` later is killed. The launcher exits 0 when every worker stopped by itself and no consumer of
-  this host holds a pending entry (read from Redis): all drained; else 1. A second signal is forwarded too: the
-  workers exit at once.
+  ``KILL_AFTER_S`` later is killed. The launcher exits 0 when every worker stopped by itself and no consumer
+  of this host holds a pending entry (read from Redis): all drained; else 1. A second signal is forwarded too:
+  the workers exit at once.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               disable_created_metrics, generate_latest)
 
 from producer.plumbing.endpoints import NOT_FOUND, Answer, serve_paths
 from producer.wire.keys import LANES, Keys, text
@@ -44,14 +45,18 @@ from .host import Device, LaunchError, devices, environment, host_cores
 log = logging.getLogger("worker.launcher")
 disable_created_metrics()  # as worker/metrics.py: no _created series
 
-ENTRY = ["-m", "worker"]  # what a worker runs (then "serve"); tests/redis/faulty_worker.py points it at itself
-BACKOFF_S, BACKOFF_MAX_S, STABLE_S = 1.0, 60.0, 60.0  # restart pauses; up this long (no endpoints) resets the row
+# what a worker runs (then "serve"); tests/redis/faulty_worker.py points it at itself
+ENTRY = ["-m", "worker"]
+# restart pauses; up this long (no endpoints) resets the row
+BACKOFF_S, BACKOFF_MAX_S, STABLE_S = 1.0, 60.0, 60.0
 KILL_AFTER_S = 30.0  # past --drain-timeout-s, a worker still running is killed
 STALE_S = 30.0  # the supervision loop not turning for this long: not live
 
 
 @dataclass
 class Worker:
+    """One supervised worker process: where it runs, its consumer name and port, its restarts."""
+
     where: Device
     consumer: str
     port: int  # 0: no endpoints
@@ -63,6 +68,8 @@ class Worker:
 
 
 class Launcher:
+    """serve --gpus: one worker process per device, started, watched and restarted."""
+
     def __init__(self, settings: Settings, where: list[Device], command: list[str] | None = None,
                  environ: dict[str, str] | None = None, cores: int | None = None) -> None:
         self.settings = settings
@@ -72,16 +79,19 @@ class Launcher:
         base = settings.consumer or f"{socket.gethostname()}-{os.getpid()}"
         port = settings.metrics_port
         if port and port + len(where) > 65535:
-            raise LaunchError(f"--metrics-port {port}: its workers' ports {port + 1}-{port + len(where)} pass 65535")
+            raise LaunchError(f"--metrics-port {port}: its workers' ports {port + 1}-{port + len(where)} "
+                              "pass 65535")
         self.workers = [Worker(d, f"{base}-{d.index}", port + 1 + d.index if port else 0) for d in where]
         self.stopping = threading.Event()
         self.signals = 0
         self.turned_at = time.time()
         self.registry = CollectorRegistry()
-        self.restarts = Counter("dq_launcher_restarts_total", "Workers started again after exiting on their own",
-                                ["worker"], registry=self.registry)
+        self.restarts = Counter("dq_launcher_restarts_total",
+                                "Workers started again after exiting on their own", ["worker"],
+                                registry=self.registry)
         self.in_a_row = Gauge("dq_launcher_exits_in_a_row", "Exits of a worker since it was last ready (with "
-                              "no endpoints: up 60 s): 3 or more is a crash loop", ["worker"], registry=self.registry)
+                              "no endpoints: up 60 s): 3 or more is a crash loop", ["worker"],
+                              registry=self.registry)
         self.up = Gauge("dq_launcher_worker_ready", "1 while the worker answers /readyz with 200", ["worker"],
                         registry=self.registry)
         for w in self.workers:
@@ -93,7 +103,8 @@ class Launcher:
     def _start(self, w: Worker) -> None:
         # A process group of its own: a terminal's ^C reaches the launcher only, which forwards one signal (a
         # worker signalled twice exits without draining); a launcher that dies takes its workers down with it.
-        env = environment(self.settings, w.where, w.consumer, w.port, len(self.workers), self.cores, self.environ)
+        env = environment(self.settings, w.where, w.consumer, w.port, len(self.workers), self.cores,
+                          self.environ)
         w.process = subprocess.Popen(self.command, env=env, process_group=0, preexec_fn=_die_with_parent)
         w.started, w.ready = time.monotonic(), False
         log.info("worker %d started: pid %d, device %s%s, consumer %s%s", w.where.index, w.process.pid,
@@ -111,7 +122,8 @@ class Launcher:
         self.in_a_row.labels(index).set(w.in_a_row)
         self.up.labels(index).set(0)
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited {code}"
-        log.error("worker %d %s (%d in a row): starting it again in %.0f s", w.where.index, how, w.in_a_row, pause)
+        log.error("worker %d %s (%d in a row): starting it again in %.0f s", w.where.index, how,
+                  w.in_a_row, pause)
 
     # ---------------------------------------------------------------- supervision (main thread)
 
@@ -163,30 +175,35 @@ class Launcher:
             try:
                 code = w.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.error("worker %d still running %.0f s past its drain: killed", w.where.index, KILL_AFTER_S)
+                log.error("worker %d still running %.0f s past its drain: killed", w.where.index,
+                          KILL_AFTER_S)
                 w.process.kill()
                 code, killed = w.process.wait(), True
             if code:
                 log.warning("worker %d stopped with exit code %d", w.where.index, code)
         if fatal:  # each stopped worker's last line says what it left
             return fatal
-        pending = self.pending()  # what the workers' exit codes cannot say: whether all they took was answered
+        # what the workers' exit codes cannot say: whether all they took was answered
+        pending = self.pending()
         if pending:
-            log.warning("stopped: %d entries left pending for this host's consumers; other workers reclaim them "
-                        "after %d ms", pending, self.settings.claim_idle_ms)
+            log.warning("stopped: %d entries left pending for this host's consumers; other workers reclaim "
+                        "them after %d ms", pending, self.settings.claim_idle_ms)
         elif pending == 0:
             log.info("stopped: every worker drained, nothing left pending")
         return 0 if pending == 0 and not killed else 1
 
     def pending(self) -> int | None:
-        """Entries pending for this host's consumers on the shard's work streams; None when Redis cannot say."""
+        """Entries pending for this host's consumers on the shard's work streams; None when Redis cannot
+        say."""
         import redis
 
         from producer.plumbing.connection import connect
 
-        names, keys, total = {w.consumer for w in self.workers}, Keys(self.settings.namespace, self.settings.shard), 0
+        names, keys, total = {w.consumer for w in self.workers}, Keys(self.settings.namespace,
+                                                                      self.settings.shard), 0
         try:
-            client = connect(self.settings.redis_url, self.settings.redis_cluster, **self.settings.redis_options())
+            client = connect(self.settings.redis_url, self.settings.redis_cluster,
+                             **self.settings.redis_options())
             try:
                 for stream in [s for lane in LANES for s in (keys.requests_in(lane), keys.parts_in(lane))]:
                     try:
@@ -195,21 +212,24 @@ class Launcher:
                         if "NOGROUP" not in str(error):
                             raise
                         continue
-                    total += sum(int(c["pending"]) for c in summary["consumers"] or [] if text(c["name"]) in names)
+                    total += sum(int(c["pending"]) for c in summary["consumers"] or []
+                                 if text(c["name"]) in names)
                 return total
             finally:
                 client.close()
         except Exception as error:  # noqa: BLE001 - any failure means: unknown (said, and exit 1)
-            log.warning("stopped; could not read from Redis whether this host's consumers left entries pending: %s",
+            log.warning("stopped; could not read from Redis whether this host's consumers left entries "
+                        "pending: %s",
                         error)
             return None
 
     # ---------------------------------------------------------------- health
 
     def _probe(self) -> None:
-        """Each worker's /readyz, every second: the launcher's readiness and the reset of a worker's exits. Only
-        the answer of the process it started counts (``pid``): restarted right after its own kill -9, a launcher
-        found its orphaned workers still draining on the ports and reported ready before its own had loaded."""
+        """Each worker's /readyz, every second: the launcher's readiness and the reset of a worker's exits.
+        Only the answer of the process it started counts (``pid``): restarted right after its own kill -9, a
+        launcher found its orphaned workers still draining on the ports and reported ready before its own had
+        loaded."""
         host = self.settings.metrics_host
         host = "127.0.0.1" if host in ("", "::", "0.0.0.0") else f"[{host}]" if ":" in host else host
         while not self.stopping.is_set():
@@ -217,7 +237,8 @@ class Launcher:
                 process = w.process
                 ready = False
                 if process is not None and process.poll() is None and w.port:
-                    try:  # its own child's answer only: a worker of an earlier launcher may still hold the port
+                    # its own child's answer only: a worker of an earlier launcher may still hold the port
+                    try:
                         with urllib.request.urlopen(f"http://{host}:{w.port}/readyz", timeout=1.0) as reply:
                             ready = reply.status == 200 and json.loads(reply.read()).get("pid") == process.pid
                     except (OSError, ValueError, AttributeError):
@@ -231,12 +252,12 @@ class Launcher:
             time.sleep(1.0)
 
     def status(self) -> dict[str, Any]:
-        """Live: the supervision loop turns. Ready: every worker ready (a crash-looping one keeps the host unready,
-        never unlive: restarting the launcher would stop the good workers too)."""
+        """Live: the supervision loop turns. Ready: every worker ready (a crash-looping one keeps the host
+        unready, never unlive: restarting the launcher would stop the good workers too)."""
         now = time.monotonic()
         workers = [{"worker": w.where.index, "device": w.where.device, "gpu": w.where.visible or None,
-                    "consumer": w.consumer, "port": w.port or None, "pid": w.process.pid if w.process else None,
-                    "ready": w.ready, "exits_in_a_row": w.in_a_row,
+                    "consumer": w.consumer, "port": w.port or None,
+                    "pid": w.process.pid if w.process else None, "ready": w.ready, "exits_in_a_row": w.in_a_row,
                     "starts_in_s": round(max(0.0, w.restart_at - now), 1) if w.process is None else None}
                    for w in self.workers]
         live = self.stopping.is_set() or time.time() - self.turned_at < STALE_S  # a drain is no hang
@@ -252,8 +273,8 @@ class Launcher:
             if path not in ("/healthz", "/health", "/readyz"):
                 return NOT_FOUND
             state = launcher.status()
-            return 200 if state["ready" if path == "/readyz" else "live"] else 503, json.dumps(state).encode(), \
-                "application/json"
+            code = 200 if state["ready" if path == "/readyz" else "live"] else 503
+            return code, json.dumps(state).encode(), "application/json"
 
         serve_paths(host, port, answer)
         log.info("launcher: /metrics, /healthz and /readyz on port %d; worker i on port %d + 1 + i", port, port)
@@ -263,15 +284,17 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else
 
 
 def _die_with_parent() -> None:
-    """In the worker, before it runs: SIGTERM when the launcher dies (kill -9 included), so that no worker is left
-    holding its GPU (PR_SET_PDEATHSIG; Linux only). It comes again as the worker is handed on from each dying thread
-    of the launcher, so the worker exits without draining: a crash, what it held reclaimed after --claim-idle-ms."""
+    """In the worker, before it runs: SIGTERM when the launcher dies (kill -9 included), so that no worker is
+    left holding its GPU (PR_SET_PDEATHSIG; Linux only). It comes again as the worker is handed on from each
+    dying thread of the launcher, so the worker exits without draining: a crash, what it held reclaimed after
+    --claim-idle-ms."""
     if _prctl is not None:
         _prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
 def serve(settings: Settings, command: list[str] | None = None) -> int:
-    """``dq-worker serve --gpus ...``: 2 when the host cannot give what --gpus asks, else the launcher's code."""
+    """``dq-worker serve --gpus ...``: 2 when the host cannot give what --gpus asks, else the launcher's
+    code."""
     from ..logs import setup_logging
 
     setup_logging(settings.log_format, settings.log_level)

@@ -2,16 +2,17 @@
 
 Two ways, neither a round trip of its own per entry:
 
-- the take: the request's cancel mark (its record, producer/wire/records.py), read in the round trip that looks an
-  entry up before compute anyway (a request entry's stored result, a part's stored body), with the record's note of
-  who took it since when. The cancel function answers `cancelled` only for an entry not yet delivered, whose reader
-  is bound to see the mark here; a delivered one it leaves to its worker, with a notice;
-- the shard's cancel notices (``Keys.cancels``), read as they come by one blocking read: the requests cancelled
-  lately (``recent``) are dropped wherever this worker holds them unpacked (``Lifecycle.cancel``), and an entry of
-  one taken later is answered without being planned.
+- the take: the request's cancel mark (its record, producer/wire/records.py), read in the round trip that
+  looks an entry up before compute anyway (a request entry's stored result, a part's stored body), with the
+  record's note of who took it since when. The cancel function answers `cancelled` only for an entry not yet
+  delivered, whose reader is bound to see the mark here; a delivered one it leaves to its worker, with a
+  notice;
+- the shard's cancel notices (``Keys.cancels``), read as they come by one blocking read: the requests
+  cancelled lately (``recent``) are dropped wherever this worker holds them unpacked (``Lifecycle.cancel``),
+  and an entry of one taken later is answered without being planned.
 
-A take Redis refuses (an ACL user older than records: NOPERM) says "not cancelled", counted and logged: an upgrade
-in the wrong order never stalls the work.
+A take Redis refuses (an ACL user older than records: NOPERM) says "not cancelled", counted and logged: an
+upgrade in the wrong order never stalls the work.
 """
 
 from __future__ import annotations
@@ -36,20 +37,24 @@ READ_COUNT = 1000  # notices per read
 
 
 class Cancels:
+    """The cancels this worker learns of: at the take, and from the shard's cancel notices."""
+
     def __init__(self, redis_calls: RedisCalls, keys: Keys, consumer: str, block_ms: int,
                  cancel: Callable[[str], None]) -> None:
         self.redis_calls, self.keys, self.consumer, self.block_ms = redis_calls, keys, consumer, block_ms
-        self.cancel = cancel  # what to do with a request cancelled now (the lifecycle drops what it holds of it)
+        # what to do with a request cancelled now (the lifecycle drops what it holds of it)
+        self.cancel = cancel
         self.recent: dict[str, int] = {}  # request id -> when its cancel came (ms, the notice's entry id)
 
     def cancelled(self, request_id: str, enqueued_ms: int) -> bool:
-        """A notice said so lately, for a request enqueued before it (one sent again under the id after its cancel
-        is another request)."""
+        """A notice said so lately, for a request enqueued before it (one sent again under the id after its
+        cancel is another request)."""
         return enqueued_ms <= self.recent.get(request_id, -1)
 
-    async def look_up(self, task: Task) -> tuple[Result | None, bool]:
-        """The result the request's id already has (a reused id), and whether a cancel came; one round trip. The
-        record then says who took it since when (a fan-out: into how many parts)."""
+    async def take_check(self, task: Task) -> tuple[Result | None, bool]:
+        """The whole check at a request's take, in one round trip: the result its id already has (a reused id:
+        a replay or a conflict), whether a cancel came, and the record noted with who took it since when (a
+        fan-out: into how many parts)."""
         delivery, record = task.delivery, self.keys.record(task.request_id)
         took: dict[str, Any] = {Record.STREAM: delivery.key, Record.ENTRY: delivery.entry_id,
                                 Record.CONSUMER: self.consumer, Record.SINCE: int(delivery.taken * 1000)}
@@ -58,8 +63,10 @@ class Cancels:
         stored, cancelled = await self._with_mark(
             task.request_id, ("xrange", (self.keys.result(task.request_id),), {"count": 1}),
             ("hset", (record,), {"mapping": took}))
-        # Unreadable for what no worker wrote (lifecycle dead-letters the entry: nothing can be published there)
-        return (read_stored(stored[0][1].get(Field.BODY.encode()), task.request_id) if stored else None), cancelled
+        # Unreadable for what no worker wrote (lifecycle dead-letters the entry: nothing can be published
+        # there)
+        return (read_stored(stored[0][1].get(Field.BODY.encode()), task.request_id) if stored
+                else None), cancelled
 
     async def part_body(self, delivery: Delivery) -> tuple[bytes | None, bool]:
         """A part's stored request body (None: gone), and whether its request was cancelled."""
@@ -67,7 +74,8 @@ class Cancels:
 
     async def _with_mark(self, request_id: str, *calls: tuple[str, tuple[Any, ...], dict[str, Any]]
                          ) -> tuple[Any, bool]:
-        """The first call's answer, and the request's cancel mark read in the same pipeline (after the calls)."""
+        """The first call's answer, and the request's cancel mark read in the same pipeline (after the
+        calls)."""
         async with self.redis_calls.redis.pipeline(transaction=False) as pipe:
             for method, args, kwargs in calls:
                 getattr(pipe, method)(*args, **kwargs)
@@ -79,7 +87,8 @@ class Cancels:
         for reply in replies[1:]:
             if isinstance(reply, REDIS_ERRORS):  # e.g. TRYAGAIN while the record's slot moves: waited out
                 raise reply
-            if isinstance(reply, redis.ResponseError):  # an ACL user older than records: counted, never stalls
+            # an ACL user older than records: counted, never stalls
+            if isinstance(reply, redis.ResponseError):
                 self.redis_calls.refused("take", reply, stalls=False, detail="cancels are not seen at take")
                 return found, False
             if isinstance(reply, BaseException):
@@ -87,8 +96,8 @@ class Cancels:
         return found, bool(mark)
 
     async def run(self) -> None:
-        """Until cancelled: read the shard's cancel notices as they come, from the newest one at start (what came
-        before is found by the take of whatever this worker takes)."""
+        """Until cancelled: read the shard's cancel notices as they come, from the newest one at start (what
+        came before is found by the take of whatever this worker takes)."""
         last = None
         while True:
             try:

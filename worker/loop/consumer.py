@@ -70,8 +70,9 @@ class Consumer:
         return created
 
     async def _restart_point(self, key: str) -> tuple[str, int | None]:
-        """``group_start`` of a stream; 0-0 where there is no stream (any more). Not where its slot is moving (ASK,
-        TRYAGAIN: raised, waited out): the stream is on the other node, with its group (MIGRATE keeps both)."""
+        """``group_start`` of a stream; 0-0 where there is no stream (any more). Not where its slot is
+        moving (ASK, TRYAGAIN: raised, waited out): the stream is on the other node, with its group (MIGRATE
+        keeps both)."""
         try:
             return group_start(await self.redis.xinfo_stream(key))
         except REDIS_ERRORS:

@@ -1,13 +1,12 @@
-"""The entries this worker holds, on the Redis loop thread: each held once however it arrived (read, recovered,
-reclaimed, retried), with its state (one field, set at each step of its life), room for ``--max-inflight`` of them
-per lane, and what was let go or lost lately. Other threads read only its length and ``oldest_taken`` (health, the
-drain).
+"""The entries this worker holds, on the Redis loop thread: each held once however it arrived (read,
+recovered, reclaimed, retried), with its state (one field, set at each step of its life), room for
+``--max-inflight`` of them per lane, and what was let go or lost lately. Other threads read only its length
+and ``oldest_taken`` (health, the drain).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,21 +15,12 @@ from producer.wire.keys import LANES, Priority
 
 from ..entries import Delivery
 from ..metrics import Metrics
-from ..tasks import Task
+from ..tasks import State, Task
 
-# Remembered lately: payload-less entries (each counted once), entries let go (a read begun before takes none again)
+# Remembered lately: payload-less entries (each counted once), entries let go (a read begun before takes none
+# again)
 LOST_REMEMBERED = RELEASED_REMEMBERED = 10_000
 Entry = tuple[str, str]  # (stream key, entry id): entry ids are unique per stream only
-
-
-class State(enum.StrEnum):
-    """Where a held entry is in its life."""
-
-    TAKEN = "taken"  # held and being routed, or taken again for a retry
-    PLANNING = "planning"  # with the planners: its body parsed, validated, rendered, tokenized
-    QUEUED = "queued"  # its prompts wait in the packer
-    COMPUTING = "computing"  # a pack with one of its prompts went to the GPU
-    SETTLING = "settling"  # its end is being written: a result, a dead letter, its parts (a fan-out), an ack
 
 
 @dataclass(eq=False)
@@ -53,7 +43,8 @@ class HeldEntries:
     def __init__(self, max_inflight: int, metrics: Metrics) -> None:
         self.max_inflight, self.metrics = max_inflight, metrics
         self.entries: dict[Entry, Held] = {}
-        self.by_request: dict[str, dict[Entry, None]] = {}  # request id -> its held entries (cancels find them)
+        # request id -> its held entries (cancels find them)
+        self.by_request: dict[str, dict[Entry, None]] = {}
         self.held_in = dict.fromkeys(LANES, 0)
         self.room = {lane: asyncio.Event() for lane in LANES}  # set when an entry of the lane is let go
         self.lost: dict[Entry, None] = {}  # counted as lost, recent ones
@@ -88,8 +79,8 @@ class HeldEntries:
                 del self.by_request[held.request_id]
 
     def move(self, delivery: Delivery, state: State, task: Task | None = None) -> None:
-        """The entry's next state (and its task, once planned), while this delivery of it is held: not once a stop
-        past its deadline let it go, nor after a retry took it again under a new delivery."""
+        """The entry's next state (and its task, once planned), while this delivery of it is held: not once a
+        stop past its deadline let it go, nor after a retry took it again under a new delivery."""
         held = self.entries.get((delivery.key, delivery.entry_id))
         if held is not None and held.delivery is delivery:
             held.state = state
@@ -99,7 +90,8 @@ class HeldEntries:
                 self._index(held, add=True)
 
     def hold(self, delivery: Delivery, how: str, since: float | None) -> bool:
-        """Hold an entry, counted, unless it is held already or was let go ``since`` the call that found it."""
+        """Hold an entry, counted, unless it is held already or was let go ``since`` the call that found
+        it."""
         if self.known((delivery.key, delivery.entry_id), since):
             return False
         self.entries[delivery.key, delivery.entry_id] = held = Held(delivery)
@@ -112,7 +104,8 @@ class HeldEntries:
         if delivery.deliveries > 1:
             metrics.redeliveries.labels(delivery.stream).inc()
         else:
-            metrics.queue_wait.labels(delivery.lane).observe(max(0.0, delivery.taken - delivery.enqueued_ms / 1000))
+            waited = max(0.0, delivery.taken - delivery.enqueued_ms / 1000)
+            metrics.queue_wait.labels(delivery.lane).observe(waited)
         return True
 
     def known(self, entry: Entry, since: float | None) -> bool:  # held now, or let go since ``since``
@@ -135,7 +128,8 @@ class HeldEntries:
         return self.max_inflight - self.held_in[lane]
 
     def oldest_taken(self) -> float | None:
-        """When the longest-held entry was taken. Any thread: the loop thread may change the entries meanwhile."""
+        """When the longest-held entry was taken. Any thread: the loop thread may change the entries
+        meanwhile."""
         for _ in range(3):
             try:
                 return next(iter(self.entries.values())).delivery.taken if self.entries else None
@@ -144,7 +138,8 @@ class HeldEntries:
         return None
 
     def count_lost(self, entries: list[Entry]) -> int:
-        """Count payload-less pending entries once each (a reclaim and an ack may both see one in the list)."""
+        """Count payload-less pending entries once each (a reclaim and an ack may both see one in the
+        list)."""
         fresh = [entry for entry in entries if entry not in self.lost]
         self.lost.update(dict.fromkeys(fresh))
         while len(self.lost) > LOST_REMEMBERED:

@@ -48,6 +48,8 @@ class Reader:
 
 
 class Intake:
+    """The readers of each lane and the maintenance loop: entries from the group into the lifecycle."""
+
     def __init__(self, consumer: Consumer, lifecycle: Lifecycle, redis_calls: RedisCalls, settings: Settings,
                  metrics: Metrics, stopping: threading.Event, presence: Presence) -> None:
         self.consumer, self.lifecycle, self.redis_calls = consumer, lifecycle, redis_calls
@@ -195,10 +197,6 @@ class Intake:
     async def start(self) -> None:
         """Create the group on every work stream unless it is there (waits for Redis)."""
         await self.redis_calls.until(self.consumer.ensure_groups, "create groups")
-
-    async def leave(self) -> None:
-        """Take this worker's heartbeat out of Keys.workers (on a clean stop)."""
-        await self.presence.leave()
 
     async def _group_lost(self) -> None:
         """Redis lost the group (a restart without persistence, a failover to an empty replica): recreate it once,

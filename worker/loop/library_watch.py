@@ -1,7 +1,7 @@
-"""Whether the server has the function library (producer/wire/library.py), without which nothing can be published:
-loaded when missing or older (where this worker's user may), said loudly while it is not, and read by readiness
-(``ok``). Looked for every 5 s while missing, every 30 s while there: a server restarted empty has none, and the
-worker turns unready within that time, not at its next result."""
+"""Whether the server has the function library (producer/wire/library.py), without which nothing can be
+published: loaded when missing or older (where this worker's user may), said loudly while it is not, and read
+by readiness (``ok``). Looked for every 5 s while missing, every 30 s while there: a server restarted empty
+has none, and the worker turns unready within that time, not at its next result."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ log = logging.getLogger("worker")
 
 
 class LibraryWatch:
+    """Whether the server has the function library, loading it where it may."""
+
     def __init__(self, redis_client: Any) -> None:
         self.redis = redis_client
         self.ok = False

@@ -28,7 +28,6 @@ from producer.plumbing.connection import WAIT_MS
 from producer.wire import library
 from producer.wire.errors import NotDurable
 from producer.wire.keys import Field, Keys, Record, RecordState, text
-from producer.wire.records import AFTER_RESULT_S
 from producer.wire.result import Result, Unreadable, read_stored
 from producer.wire.schema import ErrorCode
 
@@ -60,10 +59,12 @@ class Publisher:
     """Settles outcomes in batches: a few pipelined round trips however many there are."""
 
     def __init__(self, redis_client: Any, keys: Keys, ttl_seconds: int, model_name: str, reply_maxlen: int = 10000,
-                 dead_maxlen: int = 100000, wait_replicas: int = 0, once: Any = None) -> None:
+                 dead_maxlen: int = 100000, wait_replicas: int = 0, once: Any = None,
+                 record_ttl_s: int | None = None) -> None:
         self.redis = redis_client
         self.once = once  # durable mode on Redis Cluster: a client that never retries a call (cluster_wait.arun)
         self.keys, self.ttl = keys, ttl_seconds
+        self.record_ttl = record_ttl_s or ttl_seconds  # an answered request's record: never past its result
         self.model_name = model_name  # what results say answered them
         self.reply_maxlen, self.dead_maxlen = reply_maxlen, dead_maxlen  # approximate caps: Redis memory bounded
         self.inline_replies = not isinstance(redis_client, RedisCluster)  # in the publish call (library.PUBLISH_AS)
@@ -241,7 +242,7 @@ class Publisher:
     async def ack(self, deliveries: list[Delivery], durable: bool = False,
                   answered: list[tuple[Outcome, Result]] | None = None) -> list[redis.ResponseError]:
         """Acknowledge and delete; ``durable`` (a settlement's acks), with a WAIT in durable mode. ``answered``: their
-        records say how each request was answered, kept a while past its result; refusals of those are returned."""
+        records say how each request was answered, kept no longer than its result; refusals of those are returned."""
         if durable and self.wait_replicas and deliveries and isinstance(self.redis, RedisCluster):
             calls = [cluster_wait.Routed(entry.key, command) for entry in deliveries for command in (
                 ("XACK", entry.key, self.keys.group, entry.entry_id), ("XDEL", entry.key, entry.entry_id))]
@@ -258,7 +259,7 @@ class Publisher:
                 pipe.hset(record, mapping={Record.STATE: RecordState.ANSWERED, Record.STATUS: result.status,
                                            Record.CODE: getattr(code, "value", code),
                                            Record.AT: int(time.time() * 1000)})
-                pipe.expire(record, self.ttl + AFTER_RESULT_S)
+                pipe.expire(record, self.record_ttl)
             if durable and self.wait_replicas and deliveries:
                 pipe.wait(self.wait_replicas, WAIT_MS)
             replies = await pipe.execute(raise_on_error=False)

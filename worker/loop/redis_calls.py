@@ -28,13 +28,14 @@ from ..config import Settings
 from ..metrics import Metrics
 
 log = logging.getLogger("worker")
-# Redis trouble, waited out everywhere in the worker (never a refusal, never a fault of the entry in hand, never an
-# exit): Redis cannot be reached; or, on Redis Cluster, cannot serve the slot for now. A failover answers CLUSTERDOWN
-# and TRYAGAIN, and leaves a slot map without the slot (SlotNotCoveredError, a RedisClusterException); a slot being
-# migrated (a reshard) answers ASK for a key moved already and TRYAGAIN for a call over several keys of which some
-# moved, and MOVED once it has; the client follows those redirections a few times, then gives up with ClusterError
-# "TTL exhausted" (its ASKING may go out on another pooled connection than the call it allows, which the importing
-# node then answers MOVED). Caught before ResponseError, which CLUSTERDOWN, TRYAGAIN, ASK and MOVED are.
+# Redis trouble, waited out everywhere in the worker (never a refusal, never a fault of the entry in
+# hand, never an exit): Redis cannot be reached; or, on Redis Cluster, cannot serve the slot for now. A
+# failover answers CLUSTERDOWN and TRYAGAIN, and leaves a slot map without the slot (SlotNotCoveredError,
+# a RedisClusterException); a slot being migrated (a reshard) answers ASK for a key moved already and
+# TRYAGAIN for a call over several keys of which some moved, and MOVED once it has; the client follows
+# those redirections a few times, then gives up with ClusterError "TTL exhausted" (its ASKING may go out
+# on another pooled connection than the call it allows, which the importing node then answers MOVED).
+# Caught before ResponseError, which CLUSTERDOWN, TRYAGAIN, ASK and MOVED are.
 UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
 CLUSTER_TROUBLE = (redis.exceptions.ClusterError, redis.exceptions.TryAgainError, redis.exceptions.AskError,
                    redis.exceptions.RedisClusterException)
@@ -53,6 +54,8 @@ T = TypeVar("T")
 
 
 class RedisCalls:
+    """The loop thread's Redis calls: retried until Redis answers, and whether it does."""
+
     def __init__(self, client: Any, metrics: Metrics, give_up: Callable[[], bool], where: str) -> None:
         self.redis = client
         self.metrics = metrics

@@ -1,6 +1,6 @@
 """The settle loop, on the Redis loop thread: the outcomes the lifecycle hands it are settled in batches (each
-result published once, replied to, its entry acknowledged: ``Publisher.settle``), counted, and their entries let go.
-An outcome Redis refused is settled again later, never dropped.
+result published once, replied to, its entry acknowledged: ``Publisher.settle``), counted, and their entries
+let go. An outcome Redis refused is settled again later, never dropped.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from producer.wire import library
 
 from ..metrics import STATES, Metrics
 from ..outcomes import Outcome
-from ..tasks import Timeline
+from ..tasks import State, Timeline
 from ..traces import Traces
-from .held import HeldEntries, State
+from .held import HeldEntries
 from .publisher import Publisher
 from .redis_calls import RedisCalls
 
@@ -26,10 +26,12 @@ BATCH = 512  # outcomes settled in one go at most
 
 
 class Settler:
+    """The settle loop: outcomes settled in batches, counted, and their entries let go."""
+
     def __init__(self, publisher: Publisher, redis_calls: RedisCalls, metrics: Metrics, held: HeldEntries,
                  loop: asyncio.AbstractEventLoop, traces: Traces | None = None) -> None:
-        self.publisher, self.redis_calls, self.metrics, self.held, self.loop = publisher, redis_calls, metrics, \
-            held, loop
+        self.publisher, self.redis_calls, self.metrics = publisher, redis_calls, metrics
+        self.held, self.loop = held, loop
         self.traces = traces  # None: tracing off
         self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
 
@@ -39,7 +41,8 @@ class Settler:
         self.outcomes.put_nowait(outcome)
 
     def count_reused(self, outcome: Outcome) -> None:
-        self.metrics.reused_ids.labels("conflict" if outcome.result and outcome.result.error else "replay").inc()
+        conflict = outcome.result is not None and outcome.result.error is not None
+        self.metrics.reused_ids.labels("conflict" if conflict else "replay").inc()
 
     async def run(self) -> None:
         """Until cancelled: settle what is queued, up to BATCH outcomes at a time; never drop one."""
@@ -60,10 +63,12 @@ class Settler:
                     self._again(outcome, outcome.refused)
             for outcome, error in done.replies_refused:  # the result stream holds the result: work goes on
                 self.redis_calls.refused("reply", error, stalls=False,
-                                         detail=f"reply to {(outcome.reply_to or '')[:200]} of {outcome.request_id}")
+                                         detail=f"reply to {(outcome.reply_to or '')[:200]} of "
+                                                f"{outcome.request_id}")
             for outcome, error in done.unreadable:  # its id holds what no worker wrote: dead-lettered, let go
                 self.metrics.unreadable_results.inc()
-                self.metrics.dead_letters.inc(0 if outcome.dead_letter else 1)  # a dead letter's own counted it
+                # a dead letter's own counted it
+                self.metrics.dead_letters.inc(0 if outcome.dead_letter else 1)
                 log.error("%s: entry %s of %s dead-lettered unanswered", error, outcome.delivery.entry_id,
                           outcome.delivery.key, extra=outcome.identity.log_fields)
                 self.held.release(outcome.delivery)
@@ -84,21 +89,25 @@ class Settler:
                 if (line := outcome.timeline) is not None and line.computed:
                     self._states(outcome, line, now)
                 if self.traces is not None:  # a result, or a part's share (no result of its own)
-                    self.traces.settled(outcome.delivery, outcome.identity.request_id, outcome.identity.traceparent,
-                                        result.status if result else None,
-                                        result.error.code.value if result and result.error else None, (began, now))
-                # Let go once counted: a scrape (another thread) that sees nothing held sees every result counted.
+                    self.traces.settled(outcome.delivery, outcome.identity.request_id,
+                                        outcome.identity.traceparent, result.status if result else None,
+                                        result.error.code.value if result and result.error else None,
+                                        (began, now))
+                # Let go once counted: a scrape (another thread) that sees nothing held sees every result
+                # counted.
                 self.held.release(outcome.delivery)
 
     def _states(self, outcome: Outcome, line: Timeline, now: float) -> None:
         """A computed entry's time in each state after it was taken (dq_request_state_seconds)."""
-        lane, steps = outcome.delivery.lane, (outcome.delivery.taken, line.queued, line.launched, line.computed, now)
+        lane, steps = outcome.delivery.lane, (outcome.delivery.taken, line.queued, line.launched,
+                                              line.computed, now)
         for state, began, ended in zip(STATES, steps, steps[1:]):  # each state from one step to the next
             self.metrics.states.labels(state, lane).observe(max(0.0, ended - began))
 
     def _again(self, outcome: Outcome, error: redis.ResponseError) -> None:
-        """Settle a refused outcome again later: soon once the function library is loaded again (a server restarted
-        empty, FUNCTION FLUSH), else in a second, counted, logged once per interval, the worker unready meanwhile."""
+        """Settle a refused outcome again later: soon once the function library is loaded again (a server
+        restarted empty, FUNCTION FLUSH), else in a second, counted, logged once per interval, the worker
+        unready meanwhile."""
         outcome.refused = None
         if library.missing(error):
             asyncio.ensure_future(self._after_library(outcome))

@@ -1,8 +1,9 @@
 """Load a decision checkpoint with transformers' own machinery, offline, into one ``DecisionModel``.
 
 Formats (all read by ``AutoModelForDecision``): a repo written by ``save_pretrained`` (``config.json`` of type
-``jev`` + ``decision.json``), a backbone with ``decision_config.json`` + ``readout.safetensors`` (vLLM decision
-models), and a backbone with ``judge_config.json`` + ``head.safetensors`` + ``calibration.json`` (JEV).
+``jev`` + ``decision.json``), a backbone with ``decision_config.json`` + ``readout.safetensors`` (vLLM
+decision models), and a backbone with ``judge_config.json`` + ``head.safetensors`` + ``calibration.json``
+(JEV).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 SERVED_BACKBONES = ("qwen3_5", "qwen3_5_text")
-# The Qwen3.5 image processor: Qwen2VLImageProcessor's defaults are Qwen2-VL's (patch 14, CLIP mean/std), not these.
+# The Qwen3.5 image processor: Qwen2VLImageProcessor's defaults are Qwen2-VL's (patch 14, CLIP mean/std), not
+# these.
 QWEN3_5_IMAGE_DEFAULTS: dict[str, Any] = {
     "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2,
     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
@@ -38,7 +40,8 @@ class CheckpointError(ValueError):
 
 class DecisionProcessor(Qwen3VLProcessor):
     """Qwen3-VL's processor for text and images only. Its video processor needs torchvision, which the worker
-    does not depend on; everything else (image token expansion, ``mm_token_type_ids``) is Qwen3VLProcessor's."""
+    does not depend on; everything else (image token expansion, ``mm_token_type_ids``) is
+    Qwen3VLProcessor's."""
 
     def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
                  **kwargs: Any) -> None:
@@ -134,15 +137,16 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: cannot read JSON ({error})") from None
 
 
-# A Hugging Face cache holds a checkpoint at models--ORG--NAME/snapshots/REVISION: its folder's name is a commit hash.
+# A Hugging Face cache holds a checkpoint at models--ORG--NAME/snapshots/REVISION: its folder's name is a
+# commit hash.
 HUB_CACHE = re.compile(r"models--(?:(?P<org>[^/]+?)--)?(?P<name>[^/]+)/snapshots/[^/]+$")
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
 
 def own_name(path: Path) -> str:
-    """The name a checkpoint gives itself, which a worker serves it under unless told otherwise: the hub id its
-    ``config.json`` records (``_name_or_path``, written by transformers before v5, when it is an id and not a path),
-    else the hub id of a Hugging Face cache snapshot it sits in, else its folder's name."""
+    """The name a checkpoint gives itself, which a worker serves it under unless told otherwise: the hub id
+    its ``config.json`` records (``_name_or_path``, written by transformers before v5, when it is an id and
+    not a path), else the hub id of a Hugging Face cache snapshot it sits in, else its folder's name."""
     config = path / "config.json"
     recorded = _read_json(config).get("_name_or_path") if config.exists() else None
     if isinstance(recorded, str) and HUB_ID.fullmatch(recorded):
@@ -155,7 +159,8 @@ def own_name(path: Path) -> str:
 
 
 def detect_format(path: Path) -> str:
-    """``judge``, ``readout`` or ``repo``; raises CheckpointError for a directory that is not a decision checkpoint."""
+    """``judge``, ``readout`` or ``repo``; raises CheckpointError for a directory that is not a decision
+    checkpoint."""
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
     if (path / "judge_config.json").exists():
@@ -167,7 +172,8 @@ def detect_format(path: Path) -> str:
         return "repo"
     raise CheckpointError(
         f"{path} is not a decision checkpoint: expected judge_config.json (+ head.safetensors), "
-        "decision_config.json (+ readout.safetensors), or a config.json of model_type 'jev' (save_pretrained)")
+        "decision_config.json (+ readout.safetensors), or a config.json of model_type 'jev' "
+        "(save_pretrained)")
 
 
 def backbone_type(path: Path, fmt: str) -> str:
@@ -218,8 +224,9 @@ def _merge_adapter(model: torch.nn.Module, path: Path, subfolder: str) -> torch.
     try:
         from peft import PeftModel
     except ImportError:
-        raise CheckpointError(f"{path / subfolder} holds a LoRA adapter: install peft to merge it at load, or "
-                              "merge it into the weights once (PeftModel.merge_and_unload) and remove the folder"
+        raise CheckpointError(f"{path / subfolder} holds a LoRA adapter: install peft to merge it at load, "
+                              "or merge it into the weights once (PeftModel.merge_and_unload) and remove the "
+                              "folder"
                               ) from None
     model.model = PeftModel.from_pretrained(model.model, str(path / subfolder)).merge_and_unload()
     return model
@@ -232,7 +239,8 @@ def load(path: str | Path, device: str = "auto", dtype: str = "auto", max_prompt
     fmt = detect_format(path)
     kind = backbone_type(path, fmt)
     if kind not in SERVED_BACKBONES:
-        raise CheckpointError(f"{path}: backbone {kind!r} is not served here (served: {', '.join(SERVED_BACKBONES)})")
+        raise CheckpointError(f"{path}: backbone {kind!r} is not served here (served: "
+                              f"{', '.join(SERVED_BACKBONES)})")
     if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
         raise CheckpointError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json)")
     multimodal = kind == "qwen3_5"

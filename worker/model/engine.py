@@ -27,7 +27,8 @@ class Prompt:
     pixel_values: torch.Tensor | None = None  # (patches, dim) for the vision tower
     image_grid_thw: torch.Tensor | None = None  # (images, 3)
     mm_token_type_ids: torch.Tensor | None = None  # (length,) 1 at image tokens; for M-RoPE positions
-    split: bool = False  # holds some of the questions of a request whose one prompt was too long (or of a part)
+    # holds some of the questions of a request whose one prompt was too long (or of a part)
+    split: bool = False
 
     @property
     def length(self) -> int:
@@ -53,11 +54,16 @@ class PackRun:
 
 
 class Pending:
-    """A launched pack; ``wait`` blocks until its scores are on the host."""
+    """A launched pack; ``wait`` blocks until its scores are on the host; ``done`` says, without blocking, whether
+    the device has finished it (False when the engine cannot tell)."""
 
-    def __init__(self, finish: Callable[[], PackRun]) -> None:
+    def __init__(self, finish: Callable[[], PackRun], finished: Callable[[], bool] | None = None) -> None:
         self._finish = finish
+        self._finished = finished
         self._run: PackRun | None = None
+
+    def done(self) -> bool:
+        return self._run is not None or (self._finished is not None and self._finished())
 
     def wait(self) -> PackRun:
         if self._run is None:
@@ -66,6 +72,8 @@ class Pending:
 
 
 class Engine(Protocol):
+    """The engine contract: packs of prompts in, head scores out (reference.py, worker/fast)."""
+
     name: str
 
     @property

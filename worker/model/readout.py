@@ -26,8 +26,10 @@ def head(model: DecisionModel, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def option_logits(model: DecisionModel, questions: tuple[Question, ...], scores: torch.Tensor) -> list[list[float]]:
-    """The scores of each question's options, in option order, from its prompt's (questions, verbalizers) rows."""
+def option_logits(model: DecisionModel, questions: tuple[Question, ...],
+                  scores: torch.Tensor) -> list[list[float]]:
+    """The scores of each question's options, in option order, from its prompt's (questions, verbalizers)
+    rows."""
     offsets = model.offsets
     rows = scores.tolist()
     return [rows[i][offsets[q.type]: offsets[q.type] + len(q.options)] for i, q in enumerate(questions)]

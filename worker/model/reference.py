@@ -1,23 +1,30 @@
-"""The reference engine: padded batches through the checkpoint's own backbone, exactly as it computes a prompt.
+"""The reference engine: padded batches through the checkpoint's own backbone, exactly as it computes a
+prompt.
 
 Prompts are right-padded into one batch with an attention mask: full-attention layers then attend only to real
-tokens (noncausal where the checkpoint says so), and the linear-attention layers, which are causal, never see the
-padding that follows a prompt. This is the path the fast engine is checked against, and the one CPUs run.
+tokens (noncausal where the checkpoint says so), and the linear-attention layers, which are causal, never see
+the padding that follows a prompt. This is the path the fast engine is checked against, and the one CPUs run.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from ..config import Settings
+from ..fast_options import DEFAULT_EPILOGUES, chosen_epilogues
 from .checkpoint import DecisionModel
 from .engine import Prompt, PackRun, Pending
 from .readout import head
 
+log = logging.getLogger("worker")
+
 
 class ReferenceEngine:
+    """The checkpoint's own backbone over padded batches: the scores every engine is checked against."""
+
     name = "reference"
 
     def __init__(self, model: DecisionModel) -> None:
@@ -45,8 +52,8 @@ class ReferenceEngine:
                 "image_grid_thw": torch.cat([c.image_grid_thw for c in with_images]).to(device),
                 "mm_token_type_ids": types.to(device),
             }
-        hidden = model.backbone(input_ids=input_ids.to(device), attention_mask=mask.to(device), use_cache=False,
-                                **extra).last_hidden_state
+        hidden = model.backbone(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                                use_cache=False, **extra).last_hidden_state
         rows = torch.cat([hidden[i, prompt.rows.to(device)] for i, prompt in enumerate(prompts)])
         scores = head(model, rows).cpu()
         return list(scores.split([len(prompt.questions) for prompt in prompts]))
@@ -63,6 +70,11 @@ class ReferenceAdapter:
         # Padding a prompt to the batch's longest changes its GEMMs' and attention's shapes, and with them the
         # order of its sums: deterministic mode computes each prompt alone, in shapes that are its own.
         self.deterministic = settings.deterministic
+        # The default names the fast engine's kernels; only a choice made for this worker is worth saying
+        # dropped.
+        if chosen_epilogues(settings.epilogues) not in (frozenset(), chosen_epilogues(DEFAULT_EPILOGUES)):
+            log.info("--epilogues %s not applied: the reference engine runs the checkpoint's own modules "
+                     "(the epilogues are kernels of the fast engine)", settings.epilogues)
 
     @property
     def max_pack_tokens(self) -> int:
@@ -83,5 +95,6 @@ class ReferenceAdapter:
         else:
             scores = self.engine.forward(prompts)
             capacity = len(prompts) * max(prompt.length for prompt in prompts)
-        run = PackRun(scores, sum(c.length for c in prompts), capacity, None, False, time.perf_counter() - start)
-        return Pending(lambda: run)
+        run = PackRun(scores, sum(c.length for c in prompts), capacity, None, False,
+                      time.perf_counter() - start)
+        return Pending(lambda: run, finished=lambda: True)  # computed in the launch

@@ -103,8 +103,9 @@ def backbone_config(tokenizer, multimodal: bool = True, noncausal: bool = True, 
         eos_token_id=ids("<|im_end|>"))
     if not multimodal:
         return Qwen3_5TextConfig(**text)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=dims["hidden_size"],
-                  num_position_embeddings=64, patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=dims["hidden_size"], num_position_embeddings=64, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2)
     return Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
                          video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
                          vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=True)
@@ -112,20 +113,20 @@ def backbone_config(tokenizer, multimodal: bool = True, noncausal: bool = True, 
 
 def rendering(max_length: int = 8192, max_options: int = 8):
     """The tiny checkpoint's template and tokenizer (text only) as a RenderSpec, without its weights: requests
-    rendered with it have the tiny checkpoint's token counts. The benchmarks size their requests with it and let
-    their random models render with it."""
+    rendered with it have the tiny checkpoint's token counts. The benchmarks size their requests with it and
+    let their random models render with it."""
     from transformers.decision import DecisionConfig
 
     from .checkpoint import RenderSpec
 
-    return RenderSpec(DecisionConfig(chat_template=TINY_TEMPLATE.strip()), build_tokenizer(), False, max_length,
-                      dict.fromkeys(("noul", "choice", "score"), max_options))
+    return RenderSpec(DecisionConfig(chat_template=TINY_TEMPLATE.strip()), build_tokenizer(),
+                      False, max_length, dict.fromkeys(("noul", "choice", "score"), max_options))
 
 
 def write(directory: str | Path, seed: int = 0, fmt: str = "repo", multimodal: bool = True,
           max_positions: int = 4096, size: str = "tiny") -> Path:
-    """Write a tiny checkpoint to ``directory`` in format ``repo``, ``readout`` or ``judge``; ``size`` is a key
-    of ``SIZES``."""
+    """Write a tiny checkpoint to ``directory`` in format ``repo``, ``readout`` or ``judge``; ``size`` is a
+    key of ``SIZES``."""
     from transformers import JevConfig, JevForDecision
     from transformers.decision import DecisionConfig
 
@@ -170,7 +171,8 @@ def write(directory: str | Path, seed: int = 0, fmt: str = "repo", multimodal: b
     if fmt == "readout":
         save_file({"weight": model.proj.weight.contiguous()}, str(path / "readout.safetensors"))
         (path / "decision_config.json").write_text(json.dumps(
-            {"codes": labels, "temperature": 1.0, "prompt": "d3", "attention_mode": "noncausal_full_attention"},
+            {"codes": labels, "temperature": 1.0, "prompt": "d3",
+             "attention_mode": "noncausal_full_attention"},
             indent=2) + "\n")
     else:
         save_file({"proj.weight": model.proj.weight.contiguous(), "proj.bias": model.proj.bias.contiguous()},

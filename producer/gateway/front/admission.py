@@ -5,10 +5,11 @@ way:
 - one of its key's in-flight slots (429 beyond the key's ``max_inflight``); a call of several requests takes
   the rest once its body is parsed (``more``: 413 for more than the key ever allows, 429 while too many are in
   flight);
-- its share of the bodies read or parsed at once over every caller (``--max-body-bytes-in-flight``): its
-  declared length, else the whole ``--max-body-bytes``; beyond, 503 ``busy`` with ``Retry-After``, the body
-  unread. One key sending forty 7 MB bodies took the gateway to 800 MB, though 24 of the calls were then
-  refused 429;
+- its share of the bodies held at once over every caller (``--max-body-bytes-in-flight``): its declared
+  length, else the whole ``--max-body-bytes``; beyond, 503 ``busy`` with ``Retry-After``, the body unread.
+  One key sending forty 7 MB bodies took the gateway to 800 MB, though 24 of the calls were then refused
+  429. A route that inflates a compressed body ``grow``s the share before each step (System One:
+  decoding.py), and one that has parsed its body ``hold``s what it keeps for the rest of the call;
 - its body within ``--max-body-bytes`` (413 on the declared length, or as soon as the bytes read pass it),
   with no pause over ``--body-timeout-s`` between its parts (408, the connection closed).
 
@@ -36,7 +37,7 @@ class Admission:
     def __init__(self, inflight: Inflight, max_body_bytes: int, budget: int, body_timeout_s: float) -> None:
         self.inflight, self.max_body_bytes = inflight, max_body_bytes
         self.budget, self.body_timeout_s = budget, body_timeout_s
-        self.reading = 0  # body bytes the calls in flight were given (declared, or the limit for a streamed one)
+        self.reading = 0  # body bytes the calls in flight hold (declared, the limit for a streamed one, inflated)
 
     @property
     def exhausted(self) -> bool:
@@ -58,6 +59,25 @@ class Admission:
         state["held"] = [(access.name, 1)]
         self.reading += share
         state["share"] = share
+
+    def grow(self, state: dict[str, Any], more: int) -> None:
+        """``more`` bytes on the call's share, before they are made (a compressed body inflating); 503 busy,
+        its share as it was, where the budget has no room."""
+        if self.reading + more > self.budget:
+            raise Refused(503, "busy", "the gateway holds as many bodies as it may at once (a compressed body "
+                          "counts what it inflates to); retry", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.reading += more
+        state["share"] = state.get("share", 0) + more
+
+    def hold(self, state: dict[str, Any], held: int) -> None:
+        """The call's share becomes what it holds now (``held`` bytes: its body parsed and serialized once,
+        what it read and inflated dropped): given back where less, ``grow``n (maybe refused) where more."""
+        share = state.get("share", 0)
+        if held > share:
+            self.grow(state, held - share)
+        else:
+            self.reading -= share - held
+            state["share"] = held
 
     def more(self, http: HttpRequest, count: int) -> None:
         """``count`` slots in all for the call (it holds one): 413 for more than its key ever allows (waiting

@@ -1,10 +1,11 @@
 """The layer every call passes before its route, as plain ASGI: who is calling (one ``Authorization: Bearer``
 header naming a key: 401 before a byte of the body is read), what a keyless gateway accepts (a loopback
-``Host`` only, and JSON bodies only: a web page on the same machine can neither submit nor read through it, by
-a form or by a DNS name pointed at 127.0.0.1), admission (admission.py: an in-flight slot and a share of the
-body budget before the body is read, the body read within limits), and the metrics (calls by route, lane and
-status; latency; calls in flight), counted after the response's last byte. What a call holds is given back
-when it ends, however it ends (a streamed batch whose caller went away included: counted 499).
+``Host`` only, and a body that is JSON or comes with an ``Authorization`` header: a web page on the same
+machine can neither submit nor read through it, by a form or by a DNS name pointed at 127.0.0.1), admission
+(admission.py: an in-flight slot and a share of the body budget before the body is read, the body read within
+limits), and the metrics (calls by route, lane and status; latency; calls in flight), counted after the
+response's last byte. What a call holds is given back when it ends, however it ends (a streamed batch whose
+caller went away included: counted 499).
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from .replies import JSON, Refused, error_body
 if TYPE_CHECKING:
     from ..metrics import Metrics
 
+# A keyless gateway's other bodies need a header no web page can send cross-site without a CORS
+# preflight, which the gateway answers only for --cors-allow-origin: JSON's content type, or an
+# Authorization header (any value; every System One SDK sends one, and a multipart body with images).
+UNSENDABLE_BY_A_FORM = ("a gateway without API keys takes a body that is not Content-Type: "
+                        "application/json only from a call with an Authorization header (any value: the "
+                        "System One SDKs send one), which a web page's form cannot send; send JSON, or add "
+                        "'Authorization: Bearer anything'")
 PUBLIC = {"health", "ready", "info", "metrics", "docs", "other"}  # no key needed: nothing of a tenant is there
 # Each path's route name, a bounded label whatever the path (a dialect adds its own: ``Front.speak``).
 ROUTES = {"/v1/decide": "decide", "/v1/decide/batch": "decide_batch", "/v1/requests": "requests", "/health": "health",
@@ -71,6 +79,8 @@ class Front:
             return "results"
         if path.startswith("/v1/requests/"):
             return "request"  # one request's status or cancel
+        if path.startswith("/docs/"):
+            return "docs"  # the pages' assets (producer/gateway/pages.py)
         return self.routes.get(path, "other")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -137,7 +147,7 @@ class Front:
 
     def _admit(self, scope: Scope, route: str, state: dict[str, Any]) -> None:
         """Raises Refused: 400 a keyless gateway's Host not a loopback name, 401 without one valid key, 415 a
-        keyless body that is not JSON, 413 a declared length over the limit, 429/503 no room
+        keyless body that is neither JSON nor sent with an Authorization header, 413 a declared length over the limit, 429/503 no room
         (admission.py)."""
         headers: dict[bytes, list[bytes]] = {}
         for name, value in scope["headers"]:
@@ -154,9 +164,8 @@ class Front:
                           headers={"WWW-Authenticate": 'Bearer realm="dq-gateway"', **CLOSE})
         state["access"] = access
         body = scope["method"] in ("POST", "PUT", "PATCH")
-        if body and self.keyring.open and not _json(headers.get(b"content-type")):
-            raise Refused(415, "unsupported_media_type", "the body must be sent as Content-Type: application/json",
-                          headers=CLOSE)
+        if body and self.keyring.open and not given and not _json(headers.get(b"content-type")):
+            raise Refused(415, "unsupported_media_type", UNSENDABLE_BY_A_FORM, headers=CLOSE)
         declared = headers.get(b"content-length", [None])[-1]
         if declared is not None and not declared.isdigit():
             raise Refused(413, "body_too_large", "the body's Content-Length is not a number", headers=CLOSE)

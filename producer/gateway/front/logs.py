@@ -8,13 +8,13 @@ asked for (a preflight carries none).
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp
+from typing import TYPE_CHECKING, Any
 
 from ...plumbing.logs import formatter
 from ..config import GatewayConfig
+
+if TYPE_CHECKING:  # the command imports this module before it knows the http extra is there (plumbing/extras.py)
+    from starlette.types import ASGIApp
 
 access = logging.getLogger("producer.gateway.access")
 
@@ -49,6 +49,8 @@ def called(scope: dict[str, Any], status: int, seconds: float, public: bool, sta
 
 def cors(app: ASGIApp, config: GatewayConfig) -> ASGIApp:
     """``app`` behind CORS for the configured origins (none: as it is)."""
+    from starlette.middleware.cors import CORSMiddleware
+
     origins = [origin.strip() for origin in config.cors_allow_origin.split(",") if origin.strip()]
     if not origins:
         return app

@@ -19,15 +19,18 @@ computed once and answered alike: a decision model's answer is a function of its
 makes that bitwise).
 
 What is registered and when: nothing for a call refused before it is enqueued (401, 403, 404, 413, 415, 422,
-429); a submit that certainly did not enqueue (a full queue) drops its claim, so the client's retry enqueues;
-a Redis error during the submit keeps it (the request may be queued). A client that hangs up leaves its
-request queued and its mapping in place: its retry is on its way.
+429); a submit that certainly did not enqueue (a full queue) drops its claim, so the client's retry enqueues,
+and the attempts that found the claim meanwhile see it dropped, their request never queued, and are refused
+the same 429 at once (routes.py ``_queued``: they once waited ``--wait-s`` for it, then 504); a Redis error
+during the submit keeps it (the request may be queued). A client that hangs up leaves its request queued and
+its mapping in place: its retry is on its way.
 
-Cancelling (docs/PROTOCOL.md): a retry must be computed afresh, not answered ``cancelled``, when the request
-it maps to was cancelled. The mapping is never trusted past that: a result ``cancelled`` makes the attempt
-that reads it claim the next mapping, named by the call and the cancelled id (``after``), so that of several
-attempts reading it at once one enqueues and the others wait for that one. A hang-up of a System One call
-never cancels its request.
+Cancelling (docs/PROTOCOL.md): a call whose request is cancelled while it waits is answered ``cancelled``,
+never sent again behind its caller's back. An attempt that comes after the cancel (the request its mapping
+names is cancelled, or a cancel of it was asked, when the attempt finds the mapping) is a new ask: it claims
+the next mapping, named by the call and the cancelled id (``after``), so that of several attempts reading it
+at once one enqueues and the others wait for that one. A hang-up of a System One call never cancels its
+request.
 """
 
 from __future__ import annotations
@@ -108,6 +111,11 @@ class Retries:
         for (*_, future), made in zip(batch, replies):
             if not future.done():
                 future.set_exception(made) if isinstance(made, Exception) else future.set_result(made)
+
+    async def maps(self, namespace: str, call: str, request_id: str) -> bool:
+        """Whether ``call`` still maps to ``request_id`` (a claim dropped after a full queue does not)."""
+        found = await self.connection().get(Keys(namespace).call(call))
+        return found is not None and text(found).partition(" ")[0] == request_id
 
     async def forget(self, namespace: str, call: str) -> None:
         """Drop a call's mapping: its submit certainly failed, or its request was cancelled."""

@@ -1,19 +1,23 @@
-"""The fast path on the CPU: pack layout, the boundary-respecting convolution, the layer ops against transformers'
-modules, FP8 weight bookkeeping, and the whole packed forward (with plain-torch mixers standing in for fla and
-FlashAttention, and plain calls standing in for CUDA graphs) against the padded reference engine."""
+"""The fast engine on the CPU (worker/fast; FP8 apart: test_fp8.py): pack layout, the boundary-respecting
+convolution, the layer ops against transformers' modules, and the whole packed forward (with plain-torch mixers
+standing in for fla and FlashAttention, and plain calls standing in for CUDA graphs) against the padded reference
+engine; the engine's buffers, and the compile-cache setting."""
+
+import os
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
 from producer.wire.schema import Request
 from support import png
 from worker.config import Settings
-from worker.fast import FastEngine, FastPathUnavailable, fp8, ops
+from worker.fast import FastEngine, FastPathUnavailable, layers, ops
+from worker.fast.layers import LINEAR
 from worker.fast.layout import GDN_CHUNK, Layout, Regions, choose_bucket, gdn_chunk_indices, lay_out, prompt_positions
 from worker.fast.mixers import TorchMixers
+from worker.fast.warmup import CACHES, use_compile_cache
 from worker.model.encoder import Encoder
 from worker.model.engine import Prompt
 from worker.model.readout import head
@@ -151,68 +155,6 @@ def test_head_and_gates_match(loaded):
     assert torch.equal(beta, b.sigmoid())
 
 
-# ---- FP8 ----
-
-def test_fp8_quantization_is_rowwise_and_slices_consistently():
-    torch.manual_seed(0)
-    dense = ops.Dense(torch.randn(48, 32) * torch.logspace(-2, 2, 48)[:, None])
-    quantized = fp8.quantize(dense)
-    assert quantized.qweight.dtype == torch.float8_e4m3fn and quantized.scale.shape == (1, 48)
-    restored = quantized.qweight.float() * quantized.scale.t()
-    assert ((restored - dense.weight).abs() <= dense.weight.abs().amax(1, keepdim=True) / 16).all()
-    part = fp8.rows(quantized, 16, 32)
-    alone = fp8.quantize(ops.Dense(dense.weight[16:32]))
-    assert torch.equal(part.qweight.float(), alone.qweight.float()) and torch.equal(part.scale, alone.scale)
-    assert not fp8.eligible(ops.Dense(torch.randn(40, 24)))
-
-
-def test_fp8_linear_is_the_dequantized_matmul():
-    """Rowwise FP8: each token scaled by its own amax, each output channel by the weight's; fp32 accumulation."""
-    torch.manual_seed(0)
-    weight = torch.randn(48, 64) * torch.logspace(-2, 1, 48)[:, None]
-    w = fp8.quantize(ops.Dense(weight.to(torch.bfloat16), torch.randn(48).to(torch.bfloat16)))
-    x = (torch.randn(2, 5, 64) * torch.logspace(-3, 2, 5)[None, :, None]).to(torch.bfloat16)
-    flat = x.reshape(-1, 64).float()
-    scale = flat.abs().amax(-1, keepdim=True) / ops.FP8_MAX
-    xq = (flat / scale).to(torch.float8_e4m3fn).float() * scale
-    expected = xq @ (w.qweight.float() * w.scale.t()).t() + w.bias.float()
-    got = ops.fp8_linear(x, w)
-    assert got.shape == (2, 5, 48) and got.dtype == torch.bfloat16
-    assert torch.allclose(got.reshape(-1, 48).float(), expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
-    # and close to the bf16 matmul it stands for (3 mantissa bits: a few percent of each row's scale)
-    exact = F.linear(x.float(), weight, w.bias.float()).reshape(-1, 48)
-    assert ((got.reshape(-1, 48).float() - exact).abs().amax(1) <= 0.1 * exact.abs().amax(1)).all()
-
-
-def test_fp8_converts_every_eligible_matrix(loaded):
-    from worker.fast import layers
-
-    model = loaded("repo")
-    layer = next(layer for layer in model.language_model.layers if layer.block_type == "full_attention")
-    weights, _ = layers.full_layer(layer)
-    converted = fp8.convert(weights)
-    assert isinstance(converted.qkv, ops.Fp8) and isinstance(converted.mlp.down, ops.Fp8)
-    assert converted.q.qweight.data_ptr() == converted.qkv.qweight.data_ptr()  # a view, not a copy
-    assert fp8.count(converted) == 6  # qkv (and its q and kv row views), o_proj, the MLP's gate_up and down
-
-
-def test_fp8_matrices_picks_the_families(loaded):
-    from worker.fast import layers
-
-    model = loaded("repo")
-    full = layers.full_layer(next(x for x in model.language_model.layers if x.block_type == "full_attention"))[0]
-    linear = layers.linear_layer(next(x for x in model.language_model.layers if x.block_type != "full_attention"))[0]
-    mlp = fp8.chosen_families("mlp")
-    assert fp8.count(fp8.convert(full, mlp)) == 2 and isinstance(fp8.convert(full, mlp).qkv, ops.Dense)
-    converted = fp8.convert(linear, mlp)
-    assert fp8.count(converted) == 2 and converted.in_proj is linear.in_proj and converted.gates is None
-    attention = fp8.convert(full, fp8.chosen_families("attention,linear"))
-    assert isinstance(attention.o_proj, ops.Fp8) and isinstance(attention.mlp.down, ops.Dense)
-    assert fp8.chosen_families("all") == frozenset(fp8.FAMILIES)
-    with pytest.raises(ValueError, match="fp8_matrices"):
-        fp8.chosen_families("mlp,gates")
-
-
 # ---- the packed forward against the reference engine ----
 
 @pytest.mark.parametrize("name", ["repo", "repo-text", "judge"])
@@ -306,3 +248,52 @@ def test_a_variant_child_that_fails_is_logged_and_the_warm_up_goes_on(caplog):
     failed = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(failed) == 1 and "unsplit, tile 32" in failed[0] and "exit 1" in failed[0], failed
     assert "no_such_dtype" in failed[0]  # the child's last line: its error
+
+
+# ---- buffers and settings of the engine ----
+
+def _linear_layer(model):
+    layer = next(layer for layer in model.language_model.layers if layer.block_type == LINEAR)
+    return layers.linear_layer(layer)
+
+
+def test_short_conv_writes_into_given_buffers(loaded):
+    weights, d = _linear_layer(loaded("repo"))
+    lengths = [5, 9, 1]
+    seqpos = torch.cat([torch.arange(n) for n in lengths])
+    x = torch.randn(sum(lengths), weights.in_proj.weight.shape[0])
+    off_z = 2 * d.key_dim + d.value_dim
+    offsets = (off_z, off_z + d.value_dim, off_z + d.value_dim + d.v_heads)
+    fresh = ops.short_conv(x, x, offsets, weights.conv.float(), weights.a_log, weights.dt_bias, d, seqpos)
+    outs = [torch.full_like(t, float("nan")) for t in fresh]
+    assert ops.short_conv(x, x, offsets, weights.conv.float(), weights.a_log, weights.dt_bias, d, seqpos,
+                          outs) is outs
+    for got, want in zip(outs, fresh):
+        assert torch.equal(got, want)
+
+
+def test_bucket_tails_are_zeroed_for_every_pack(loaded):
+    """The mixers write the real rows only: what an earlier, longer pack left past them is cleared."""
+    model = loaded("repo")
+    question = Encoder(model).prompts(Request.model_validate({"state": "hi", "questions": {
+        "spam": {"type": "noul"}}}))[0].questions
+    long, short = (Prompt(input_ids=torch.arange(n) % 50 + 3, rows=torch.tensor([n - 1]), questions=question)
+                   for n in (200, 40))
+    settings = Settings(cuda_graphs=True, buckets="256", pack_tokens=256, max_prompt_tokens=256, compile="none",
+                        prune_last=False)  # the full layers write fo for every row
+    engine = FastEngine(model, settings, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
+    engine.warmup()
+    engine.launch([long]).wait()
+    ws = engine.graphed.ws
+    assert ws.lo[40:200].abs().sum() > 0 and ws.fo[40:200].abs().sum() > 0  # the long pack's real rows
+    engine.launch([short]).wait()
+    assert ws.lo[40:256].abs().sum() == 0 and ws.fo[40:256].abs().sum() == 0
+
+
+def test_compile_cache_puts_every_compiler_under_one_directory(tmp_path, monkeypatch):
+    for variable in CACHES:
+        monkeypatch.delenv(variable, raising=False)
+    use_compile_cache(str(tmp_path / "cache"))
+    for variable, name in CACHES.items():
+        assert os.environ[variable] == str(tmp_path / "cache" / name) and os.path.isdir(os.environ[variable])
+    assert Settings.from_env({"DQ_COMPILE_CACHE": "/var/cache/dq"}).compile_cache == "/var/cache/dq"

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from test_fast_cpu import PLAIN_CAPTURE, SMALL, prompts_of
+from test_fast import PLAIN_CAPTURE, SMALL, prompts_of
 from worker.config import Settings
 from worker.daemon import create_engine
 from worker.fast import FastEngine, deterministic, ops
