@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis  # noqa: E402
 
 from producer.client import AsyncClient, Prepared, aconnect, prepare  # noqa: E402
-from producer.wire import library  # noqa: E402
+from producer.plumbing import library_loader  # noqa: E402
 from producer.wire.keys import NORMAL, Keys  # noqa: E402
 from worker.entries import Identity  # noqa: E402
 from worker.loop.consumer import Consumer  # noqa: E402
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
             admin.xgroup_create(key, keys.group, id="$", mkstream=True)
         except redis.ResponseError:
             pass
-    library.ensure(admin)  # what a worker does at start: the publish function is there before the first result
+    library_loader.ensure(admin)  # what a worker does at start: the publish function is there before the first result
     out: multiprocessing.Queue = multiprocessing.Queue()
     ready: multiprocessing.Queue = multiprocessing.Queue()
     start = multiprocessing.Event()

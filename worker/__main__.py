@@ -37,6 +37,7 @@ def _tiny(args: argparse.Namespace) -> int:
 def _load_functions(args: argparse.Namespace) -> int:
     import redis
 
+    from producer.plumbing import library_loader
     from producer.wire import library
     from producer.plumbing.connection import Deployment, connect
     from producer.plumbing.supported import UnsupportedServer, check
@@ -50,7 +51,7 @@ def _load_functions(args: argparse.Namespace) -> int:
         client = connect(deployment.url, deployment.cluster, **deployment.options())
         try:
             check(client, deployment.safe_url)
-            loaded = library.ensure(client)
+            loaded = library_loader.ensure(client)
             created = _create_groups(client, deployment)
             short = _short_of_replicas(client, deployment) if deployment.wait_replicas else []
         finally:
@@ -76,23 +77,21 @@ def _short_of_replicas(client: Any, deployment: Deployment) -> list[str]:
     that fell short, each with its count; a refusal is raised."""
     import redis
 
-    from producer.plumbing import cluster_wait
+    from producer.plumbing.cluster_wait import MARK_TTL_MS
+    from producer.plumbing.commands import command
+    from producer.plumbing.durable import Durable, run
     from producer.wire.keys import Keys
 
     keys, wanted = Keys(deployment.namespace), deployment.wait_replicas
-    if not isinstance(client, redis.RedisCluster):
-        with client.pipeline(transaction=False) as pipe:
-            pipe.set(keys.durable_mark("load"), "", px=cluster_wait.MARK_TTL_MS).wait(wanted, WAIT_MS)
-            confirmed = pipe.execute()[-1]
-        return [] if confirmed >= wanted else [f"the primary ({confirmed})"]
     marks: dict[str, str] = {}  # a key in a slot of each primary
-    for number in range(100_000):
+    if not isinstance(client, redis.RedisCluster):
+        marks["the primary"] = keys.durable_mark("load")
+    for number in range(100_000 if not marks else 0):
         key = keys.durable_mark(f"load-{number}")
         marks.setdefault(client.get_node_from_key(key).name, key)
         if len(marks) == len(client.get_primaries()):
             break
-    writes = [cluster_wait.Routed(key, ("SET", key, "", "PX", cluster_wait.MARK_TTL_MS)) for key in marks.values()]
-    sent = cluster_wait.run(client, writes, wanted)
+    sent = run(client, Durable([command("SET", key, "", "PX", MARK_TTL_MS) for key in marks.values()], wanted))
     for reply in sent.replies:
         if isinstance(reply, BaseException):
             raise reply

@@ -26,6 +26,7 @@ from typing import Any
 import redis
 
 from ..plumbing.exits import FAILED, OK, USAGE
+from ..plumbing import library_loader
 from ..wire import library
 from ..wire.keys import ENTRY_ID_SHAPE, LANES, Field, Keys, Priority, text, valid_id
 from ..wire.schema import ErrorCode
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace, client: Any) -> int:
                   "1767225600000-0, as dead list shows them)", file=sys.stderr)
             return USAGE
     if args.action == "requeue":
-        library.ensure(connection)  # the requeue function (revision 4): the admin user may load it
+        library_loader.ensure(connection)  # the requeue function (revision 4): the admin user may load it
     done = skipped = 0
     for keys, dead_id, fields in _chosen(connection, namespace, shards, args.ids, args.all):
         if isinstance(fields, str):

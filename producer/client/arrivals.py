@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 
 from ..wire.result import Result
-from .plans import BLOCK_MS, WINDOW, Call, NotDurable, Plan, Producer, parse_result
+from .plans import BLOCK_MS, WINDOW, NotDurable, Plan, Producer, parse_result, xread
 
 
 def wait_any(core: Producer, request_ids: Iterable[str], timeout: float) -> Plan[dict[str, Result]]:
@@ -32,8 +32,7 @@ def wait_any(core: Producer, request_ids: Iterable[str], timeout: float) -> Plan
         done, shortfall = yield from _confirmed(core, waiting)
     while not done and waiting and (left := deadline - time.monotonic()) > 0:
         window = {core.keys.result(r): r for r in waiting[: 1 if core.cluster else WINDOW]}
-        reply = yield Call("xread", (dict.fromkeys(window, "0-0"),),
-                           {"count": 1, "block": max(1, min(BLOCK_MS, int(left * 1000)))})
+        reply = yield xread(window, max(1, min(BLOCK_MS, int(left * 1000))))
         look = []  # ids to look at with a confirmation: those the read found (durable mode), those beyond it
         for key, entries in reply or []:
             request_id = window[key.decode() if isinstance(key, bytes) else key]

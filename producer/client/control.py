@@ -17,11 +17,12 @@ from typing import Any
 
 import redis
 
+from ..plumbing.commands import Command, Pipeline, command, fcall
 from ..wire import library
 from ..wire.errors import LibraryUnavailable
 from ..wire.keys import GROUP, ID_PATTERN, Keys, Record, RecordState, shard_of, text
 from ..wire.records import Cancel, Status, cancel_of, status_of
-from .plans import Call, Function, InvalidRequest, Load, NotDurable, Pipeline, Plan, Producer, parse_result
+from .plans import InvalidRequest, Load, NotDurable, Plan, Producer, parse_result, written
 
 
 def _ids(request_ids: Iterable[str] | str) -> list[str]:
@@ -46,20 +47,19 @@ def cancel(core: Producer, request_ids: Iterable[str] | str) -> Plan[dict[str, C
         keys = Keys(core.keys.namespace, shard)
         for start in range(0, len(shard_ids), library.MAX_BATCH):
             batch = shard_ids[start: start + library.MAX_BATCH]
-            call = Function(library.CANCEL, [keys.cancels, keys.cancel_counts, *map(keys.record, batch)],
-                            [int(time.time() * 1000), *batch], core.wait_replicas)
-            reply = yield from _call(call)
-            if core.wait_replicas and reply[1] < core.wait_replicas:
-                raise NotDurable(f"{len(batch)} cancels made on the primary, but {reply[1]} of "
+            call = fcall(library.CANCEL, [keys.cancels, keys.cancel_counts, *map(keys.record, batch)],
+                         [int(time.time() * 1000), *batch])
+            reply, replicas = yield from _call(call, core.wait_replicas)
+            if core.wait_replicas and replicas < core.wait_replicas:
+                raise NotDurable(f"{len(batch)} cancels made on the primary, but {replicas} of "
                                  f"{core.wait_replicas} replicas confirmed them: cancel them again", batch,
-                                 reply[1], core.wait_replicas)
-            found.update((request_id, cancel_of(request_id, answer))
-                         for request_id, answer in zip(batch, reply[0] if core.wait_replicas else reply))
+                                 replicas, core.wait_replicas)
+            found.update((request_id, cancel_of(request_id, answer)) for request_id, answer in zip(batch, reply))
     # A worker publishes a result before its record says so: one published meanwhile makes the cancel too
     # late.
     held = [request_id for request_id in ids if found[request_id].state == "cancelling"]
     if held:
-        reads = yield Pipeline([Call("xrange", (core.keys.result(r),), {"count": 1}) for r in held])
+        reads = yield Pipeline([command("XRANGE", core.keys.result(r), "-", "+", "COUNT", 1) for r in held])
         for request_id, entries in zip(held, reads):
             if entries:
                 result = parse_result(entries[0][1], request_id)
@@ -68,12 +68,13 @@ def cancel(core: Producer, request_ids: Iterable[str] | str) -> Plan[dict[str, C
     return {request_id: found[request_id] for request_id in ids}
 
 
-def _call(call: Function) -> Plan[Any]:
-    """A function call, the library loaded first where the server has none; a server with an older revision
-    (no cancel function) is said plainly."""
+def _call(call: Command, replicas: int) -> Plan[tuple[Any, int]]:
+    """A function call (``plans.written``: in durable mode, with the replicas that confirmed it), the library
+    loaded first where the server has none; a server with an older revision (no cancel function) is said
+    plainly."""
     for attempt in range(2):
         try:
-            return (yield call)
+            return (yield from written(call, replicas))
         except redis.ResponseError as error:
             if not library.missing(error):
                 raise
@@ -81,7 +82,7 @@ def _call(call: Function) -> Plan[Any]:
                 loaded = yield Load()
                 if loaded.revision >= library.REVISION:
                     continue
-            raise LibraryUnavailable(f"the function library on this server has no {call.name} (revision 4): "
+            raise LibraryUnavailable(f"the function library on this server has no {call.words[1]} (revision 4): "
                                      f"upgrade the workers, or run `dq-worker load-functions` as admin") from None
     raise AssertionError("unreachable")
 
@@ -91,25 +92,25 @@ def status(core: Producer, request_ids: Iterable[str] | str) -> Plan[dict[str, S
     read."""
     ids = _ids(request_ids)
     records = {r: Keys(core.keys.namespace, shard_of(r, core.shards)).record(r) for r in ids}
-    first = yield Pipeline([call for r in ids for call in (Call("hgetall", (records[r],)),
-                                                           Call("exists", (core.keys.result(r),)))])
+    first = yield Pipeline([call for r in ids for call in (command("HGETALL", records[r]),
+                                                           command("EXISTS", core.keys.result(r)))])
     found = {r: {text(name): text(value) for name, value in (first[2 * i] or {}).items()}
              for i, r in enumerate(ids)}
     results = {r: bool(first[2 * i + 1]) for i, r in enumerate(ids)}
     # Second: each entry's place in the pending list and its stream's group, a fan-out's finished parts.
-    calls: list[Call] = []
+    calls: list[Command] = []
     pending_at, groups_at, parts_at = {}, {}, {}
     for r, record in found.items():
         state, stream, entry = record.get(Record.STATE), record.get(Record.STREAM), record.get(Record.ENTRY)
         if state in (RecordState.QUEUED, None) and stream and entry:  # None: a plain XADD's, once taken
             pending_at[r] = len(calls)
-            calls.append(Call("xpending_range", (stream, GROUP, entry, entry, 1)))
+            calls.append(Command(("XPENDING", stream, GROUP, entry, entry, 1), stream, {"parse_detail": True}))
             if stream not in groups_at:
                 groups_at[stream] = len(calls)
-                calls.append(Call("xinfo_groups", (stream,)))
+                calls.append(Command(("XINFO GROUPS", stream), stream))
         elif state == RecordState.FANNED_OUT:
             parts_at[r] = len(calls)
-            calls.append(Call("hlen", (core.keys.shares(r),)))
+            calls.append(command("HLEN", core.keys.shares(r)))
     second = (yield Pipeline(calls, raising=False)) if calls else []
     for reply in second:
         if isinstance(reply, redis.exceptions.NoPermissionError):

@@ -1,8 +1,8 @@
 """The producer's core: all of its logic and no socket, shared by ``Client`` and ``AsyncClient`` (faces.py).
 
-``Producer`` plans every Redis exchange: each operation is a generator that yields what to send (a ``Call``, a
-``Pipeline``, a ``Function`` call or a ``Load`` of the function library) and is sent the reply, or has the
-error thrown in. The two faces only run those plans against their connection: ``Client`` blocks,
+``Producer`` plans every Redis exchange: each operation is a generator that yields what to send (a ``Command``, a
+``Pipeline`` of them, a ``Durable`` batch or a ``Load`` of the function library: steps.py) and is sent the reply, or
+has the error thrown in. The two faces only run those plans against their connection: ``Client`` blocks,
 ``AsyncClient`` awaits. So batching, backpressure, the windowed wait, result parsing and stats are written
 once, and the faces have the same methods. ``Producer.send`` is the one place that writes to a request stream.
 
@@ -31,15 +31,15 @@ from typing import Any, NamedTuple
 import redis
 from pydantic import ValidationError
 
-from ..plumbing import cluster_wait
-from ..plumbing.connection import WAIT_MS
+from ..plumbing.commands import Command, Pipeline, command, fcall
+from ..plumbing.durable import Durable
 from ..wire import library
 from ..wire.digest import body_digest, digest
 from ..wire.errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here
 from ..wire.keys import GONE_S, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
 from ..wire.result import Result, Unreadable, read_stored, unreadable
 from ..wire.schema import Request, describe
-from .steps import Call, Function, Load, PerNode, Pipeline, Plan, Step  # noqa: F401 - the faces' names for them
+from .steps import Load, Plan, Step  # noqa: F401 - the faces' names for them
 
 BATCH = 500  # requests per submit call (library.MAX_BATCH at most): bounds the time Redis spends in one call
 BLOCK_MS = 1000  # kept well below the socket timeout, so a blocking read never looks like a dead connection
@@ -129,6 +129,23 @@ def parse_result(fields: Mapping[bytes, bytes], request_id: str) -> Result:
         return unreadable(request_id, error)
 
 
+def xread(window: Iterable[str], block: int) -> Command:
+    """A blocking read of the first entry of each of ``window``'s result streams, for up to ``block`` ms."""
+    keys = list(window)
+    return Command(("XREAD", "COUNT", 1, "BLOCK", block, "STREAMS", *keys, *["0-0"] * len(keys)), keys[0])
+
+
+def written(call: Command, replicas: int) -> Plan[tuple[Any, int]]:
+    """A command that writes, its reply and, in durable mode (``replicas``), how many replicas confirmed it (a
+    ``Durable`` batch of one); a refusal is raised."""
+    if not replicas:
+        return (yield call), 0
+    sent = yield Durable([call], replicas)
+    if isinstance(sent.replies[0], BaseException):
+        raise sent.replies[0]
+    return sent.replies[0], sent.replicas[0]
+
+
 class Producer:
     """The producer's logic without I/O: every operation returns a plan that a face runs."""
 
@@ -209,22 +226,16 @@ class Producer:
                 raise
 
     def _write(self, name: str, keys: list[str], args: list[Any]) -> Plan[int]:
-        """A function call that writes; in durable mode, how many replicas confirmed it: a WAIT after it in
-        one pipeline on one Redis, on the primary of its keys' slot on Redis Cluster. A refusal is raised."""
-        if self.cluster and self.wait_replicas:
-            sent = yield PerNode([cluster_wait.fcall(name, keys, args)], self.wait_replicas)
-            if isinstance(sent.replies[0], BaseException):
-                raise sent.replies[0]
-            return sent.replicas[0]
-        reply = yield Function(name, keys, args, self.wait_replicas)
-        return reply[1] if self.wait_replicas else 0
+        """A function call that writes; in durable mode, how many replicas confirmed it (a WAIT after it in one
+        pipeline on one Redis, on the primary of its keys' slot on Redis Cluster). A refusal is raised."""
+        return (yield from written(fcall(name, keys, args), self.wait_replicas))[1]
 
     def fetch(self, request_id: str) -> Plan[Result | None]:
         """The result if it is there (non-blocking)."""
         if self.wait_replicas:
             found = (yield from self.present([request_id])).get(request_id)
             return self._checked(found) if found is not None else None
-        reply = yield Call("xrange", (self.keys.result(request_id),), {"count": 1})
+        reply = yield command("XRANGE", self.keys.result(request_id), "-", "+", "COUNT", 1)
         return self._checked(parse_result(reply[0][1], request_id)) if reply else None
 
     def wait_many(self, request_ids: Iterable[str], timeout: float | None, check: bool = True
@@ -259,7 +270,7 @@ class Producer:
                                                  self.keys.namespace if gone else None)
             block = BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
             window = {self.keys.result(r): r for r in missing[: 1 if self.cluster else WINDOW]}
-            reply = yield Call("xread", (dict.fromkeys(window, "0-0"),), {"count": 1, "block": block})
+            reply = yield xread(window, block)
             look = []
             for key, entries in reply or []:
                 request_id = window[key.decode() if isinstance(key, bytes) else key]
@@ -275,7 +286,7 @@ class Producer:
         """Workers of this namespace whose heartbeat is younger than ``GONE_S`` (any shard); None when this
         user may not read the heartbeat hash (an aclfile older than the producer's read of it)."""
         try:
-            beats = yield Call("hgetall", (self.keys.workers(),))
+            beats = yield command("HGETALL", self.keys.workers())
         except redis.exceptions.NoPermissionError:
             return None
         now = time.time()
@@ -283,26 +294,21 @@ class Producer:
 
     def present(self, request_ids: list[str]) -> Plan[dict[str, Result]]:
         """The results already there, in one round trip (one key per command: fine on Redis Cluster too).
-        Durable mode: with, on the same connection, an empty PUBLISH (replicated after what was read) and a
-        WAIT for it, so that a result is returned only once the replicas asked for have it; NotDurable names
-        those they lack. On Redis Cluster each primary's reads are confirmed apart (``PerNode``), and only the
-        ids on a primary whose replicas fell short are named."""
+        Durable mode (a ``Durable`` batch that reads): confirmed by a replicated write after the reads, so that a
+        result is returned only once the replicas asked for have it; NotDurable names those they lack. On Redis
+        Cluster each primary's reads are confirmed apart, and only the ids on a primary whose replicas fell short
+        are named."""
         if not request_ids:
             return {}
-        keys = [self.keys.result(r) for r in request_ids]
-        if self.cluster and self.wait_replicas:
-            sent = yield PerNode([cluster_wait.Routed(key, ("XRANGE", key, "-", "+", "COUNT", 1)) for key in keys],
-                                 self.wait_replicas, self.keys)
+        reads = [command("XRANGE", self.keys.result(r), "-", "+", "COUNT", 1) for r in request_ids]
+        if self.wait_replicas:
+            sent = yield Durable(reads, self.wait_replicas, self.keys)
             for reply in sent.replies:
                 if isinstance(reply, BaseException):
                     raise reply
             replies, counts = sent.replies, sent.replicas
         else:
-            calls = [Call("xrange", (key,), {"count": 1}) for key in keys]
-            if self.wait_replicas:
-                calls += [Call("publish", (self.keys.durable(), "")), Call("wait", (self.wait_replicas, WAIT_MS))]
-            replies = yield Pipeline(calls, self.wait_replicas)
-            counts = [replies[-1] if self.wait_replicas else 0] * len(request_ids)
+            replies, counts = (yield Pipeline(reads)), [0] * len(request_ids)
         found = {r: parse_result(reply[0][1], r) for r, reply in zip(request_ids, replies) if reply}
         short = [(r, n) for r, n in zip(request_ids, counts) if r in found and n < self.wait_replicas]
         if short:

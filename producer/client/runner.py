@@ -15,14 +15,15 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..plumbing import cluster_wait, sentinel
-from ..plumbing.connection import WAIT_MS, Deployment, aconnect, connect
+from ..plumbing import cluster_wait, durable, library_loader, sentinel
+from ..plumbing.commands import apipelined, asend, pipelined, send
+from ..plumbing.connection import Deployment, aconnect, connect
+from ..plumbing.durable import Durable
 from ..plumbing.supported import Server, acheck, check
-from ..wire import library
 from ..wire.errors import NotDurable, RedisUnreachable
 from ..wire.keys import Keys
 from . import control, served
-from .plans import NO_WORKER_S, Function, Load, PerNode, Pipeline, Plan, Producer, Step
+from .plans import NO_WORKER_S, Load, Pipeline, Plan, Producer, Step
 
 T = TypeVar("T")
 # What a first contact that never reached a server raises (RedisClusterException: no node of a cluster
@@ -31,17 +32,11 @@ UNREACHED = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisCl
 
 
 def _demoted(step: Step, error: redis.ResponseError) -> NotDurable | None:
-    """A durable step's "WAIT cannot be used with replica instances": the node was a primary, demoted since
-    (each face then asks the sentinels for the promoted one)."""
-    if isinstance(step, Pipeline) and step.wait and "replica" in str(error):
-        return NotDurable(f"the node that answered is a replica now: {error}", [], 0, step.wait)
+    """A durable read's "WAIT cannot be used with replica instances": the node was a primary, demoted since
+    (each face then asks the sentinels for the promoted one). (A durable write's is raised as it is.)"""
+    if isinstance(step, Durable) and step.marks is not None and "replica" in str(error):
+        return NotDurable(f"the node that answered is a replica now: {error}", [], 0, step.replicas)
     return None
-
-
-def _replaced(step: Step, reply: Any) -> bool:
-    """Fewer replicas than asked confirmed a durable step: a replaced primary may still answer (follow the
-    sentinels to the promoted one)."""
-    return isinstance(step, (Function, Pipeline)) and bool(step.wait) and reply[-1] < step.wait
 
 
 def _unreachable(where: str, error: BaseException) -> RedisUnreachable:
@@ -135,32 +130,21 @@ class Blocking(Face):
 
     def _do(self, step: Step) -> Any:
         try:
-            reply = self._send(step)
+            return self._send(step)
         except redis.ResponseError as error:
             if (demoted := _demoted(step, error)) is not None:
                 sentinel.follow(self.redis)
                 raise demoted from None
             raise
-        if _replaced(step, reply):
-            sentinel.follow(self.redis)
-        return reply
 
     def _send(self, step: Step) -> Any:
-        if isinstance(step, PerNode):  # durable mode on Redis Cluster: a pipeline and a WAIT per primary
-            return cluster_wait.run(self.redis, step.calls, step.wait, WAIT_MS, step.marks)
-        if isinstance(step, Function) and step.wait:  # WAIT counts its connection's writes: one pipeline
-            with self.redis.pipeline(transaction=False) as pipe:
-                return pipe.fcall(step.name, len(step.keys), *step.keys, *step.args).wait(step.wait, WAIT_MS).execute()
-        if isinstance(step, Function):
-            return self.redis.fcall(step.name, len(step.keys), *step.keys, *step.args)
+        if isinstance(step, Durable):  # one executor with the worker's (producer/plumbing/durable.py)
+            return durable.run(self.redis, step)
         if isinstance(step, Load):  # only when missing: a producer never replaces the workers' revision
-            return library.ensure(self.redis, replace_older=False)
+            return library_loader.ensure(self.redis, replace_older=False)
         if isinstance(step, Pipeline):
-            with self.redis.pipeline(transaction=False) as pipe:
-                for call in step.calls:
-                    getattr(pipe, call.method)(*call.args, **call.kwargs)
-                return pipe.execute(raise_on_error=step.raising)
-        return getattr(self.redis, step.method)(*step.args, **step.kwargs)
+            return pipelined(self.redis, step)
+        return send(self.redis, step)
 
 
 class Asynchronous(Face):
@@ -200,31 +184,20 @@ class Asynchronous(Face):
 
     async def _do(self, step: Step) -> Any:
         try:
-            reply = await self._send(step)
+            return await self._send(step)
         except redis.ResponseError as error:
             if (demoted := _demoted(step, error)) is not None:
                 await sentinel.afollow(self.redis)
                 raise demoted from None
             raise
-        if _replaced(step, reply):
-            await sentinel.afollow(self.redis)
-        return reply
 
     async def _send(self, step: Step) -> Any:
-        if isinstance(step, PerNode):  # on a client of its own that never re-sends a command by itself
-            self._once = self._once or cluster_wait.once(self.deployment.url, self._options)
-            return await cluster_wait.arun(self._once, step.calls, step.wait, WAIT_MS, step.marks)
-        if isinstance(step, Function) and step.wait:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                return await pipe.fcall(step.name, len(step.keys), *step.keys, *step.args).wait(step.wait,
-                                                                                                 WAIT_MS).execute()
-        if isinstance(step, Function):
-            return await self.redis.fcall(step.name, len(step.keys), *step.keys, *step.args)
+        if isinstance(step, Durable):
+            if isinstance(self.redis, aioredis.RedisCluster):  # on a client of its own that never re-sends by itself
+                self._once = self._once or cluster_wait.once(self.deployment.url, self._options)
+            return await durable.arun(self.redis, step, self._once)
         if isinstance(step, Load):
-            return await library.aensure(self.redis, replace_older=False)
+            return await library_loader.aensure(self.redis, replace_older=False)
         if isinstance(step, Pipeline):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for call in step.calls:
-                    getattr(pipe, call.method)(*call.args, **call.kwargs)
-                return await pipe.execute(raise_on_error=step.raising)
-        return await getattr(self.redis, step.method)(*step.args, **step.kwargs)
+            return await apipelined(self.redis, step)
+        return await asend(self.redis, step)

@@ -17,9 +17,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..plumbing.commands import command
 from ..wire.errors import ModelNotServed
 from ..wire.keys import GONE_S, Keys, beat_age, beat_models
-from .plans import Call, Plan
+from .plans import Plan
 
 T = TypeVar("T")
 
@@ -67,7 +68,7 @@ def served(namespaces: Iterable[str]) -> Plan[dict[str, ServedModel]]:
     namespace's."""
     out: dict[str, ServedModel] = {}
     for namespace in namespaces:
-        beats = yield Call("hgetall", (Keys(namespace).workers(),))
+        beats = yield command("HGETALL", Keys(namespace).workers())
         for name, model in catalog(beats, namespace, time.time()).items():
             out.setdefault(name, model)
     return out

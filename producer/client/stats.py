@@ -9,10 +9,11 @@ from typing import Any
 
 import redis
 
+from ..plumbing.commands import Command, command
 from ..plumbing.supported import lag_of
 from ..wire.keys import GONE_S, GROUP, LANES, Keys, beat_age, text
 from ..wire.records import FOUND
-from .plans import Call, Plan, Producer
+from .plans import Plan, Producer
 from .served import catalog
 
 
@@ -28,7 +29,7 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
     consumer's idle time: Redis 7.0 counts a read only when it returns entries, so a worker blocked on a quiet
     stream looked gone there after 30 s. The lag is the server's, or the length less pending when the server
     cannot count it (``servers.lag_of``)."""
-    beats = yield Call("hgetall", (core.keys.workers(),))
+    beats = yield command("HGETALL", core.keys.workers())
     now = time.time()
     live = {text(name) for name, raw in beats.items() if beat_age(raw, now) < GONE_S}
     shards = []
@@ -42,7 +43,7 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
         for name in ("requests", "chunks"):
             entry[name] = _combine([lanes[lane.value][name] for lane in LANES], consumers=max)
         entry["lanes"] = lanes
-        entry["dead_letters"] = yield Call("xlen", (keys.dead,))
+        entry["dead_letters"] = yield command("XLEN", keys.dead)
         entry["cancels"] = yield from _cancel_counts(keys)
         shards.append(entry)
     totals: dict[str, Any] = {name: _combine([s[name] for s in shards]) for name in ("requests", "chunks")}
@@ -76,7 +77,7 @@ def _cancel_counts(keys: Keys) -> Plan[dict[str, int]]:
     """Cancels asked of a shard, by what each found (records.FOUND); none where this user may not read them
     (an aclfile older than cancels)."""
     try:
-        counts = yield Call("hgetall", (keys.cancel_counts,))
+        counts = yield command("HGETALL", keys.cancel_counts)
     except redis.exceptions.NoPermissionError:
         return {}
     return {found: int(counts.get(found, counts.get(found.encode(), 0))) for found in FOUND}
@@ -85,16 +86,16 @@ def _cancel_counts(keys: Keys) -> Plan[dict[str, int]]:
 def _stream_stats(stream: str, live: set[str]) -> Plan[dict[str, Any]]:
     """One stream's length, and the worker group's pending, lag and consumers on it (once the group exists):
     those of ``live`` workers, and those holding entries."""
-    stream_stats = {"length": (yield Call("xlen", (stream,)))}
+    stream_stats = {"length": (yield command("XLEN", stream))}
     try:
-        groups = yield Call("xinfo_groups", (stream,))
+        groups = yield Command(("XINFO GROUPS", stream), stream)
     except redis.ResponseError as error:
         if "no such key" not in str(error).lower():  # NOPERM and the like are the caller's to see
             raise
         groups = []
     for group in groups:
         if group["name"] in (GROUP, GROUP.encode()):
-            consumers = yield Call("xinfo_consumers", (stream, GROUP))
+            consumers = yield Command(("XINFO CONSUMERS", stream, GROUP), stream)
             stream_stats.update(pending=group["pending"],
                                 lag=lag_of(stream_stats["length"], group["pending"], group.get("lag")),
                                 consumers=sum(1 for c in consumers if c["pending"] or text(c["name"]) in live))

@@ -1,64 +1,28 @@
-"""What a plan of the producer's core (plans.py) yields for a face to send (client.py): one Redis exchange
+"""What a plan of the producer's core (plans.py) yields for a face to send (runner.py): one Redis exchange
 each, a plain object with no socket. The face sends it and hands the reply back, or throws the error in.
+
+A step is a command of the plumbing's one shape or a ``Pipeline`` of them (producer/plumbing/commands.py), a
+``Durable`` batch (producer/plumbing/durable.py: its reply a ``Confirmed``), or a ``Load`` of the function
+library.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..plumbing.cluster_wait import Routed
-from ..wire.keys import Keys
+from ..plumbing.commands import Command, Pipeline
+from ..plumbing.durable import Durable
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Call:
-    """One Redis command: the redis-py method and its arguments."""
-
-    method: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """Commands sent in one round trip (no transaction); the reply is the list of their replies."""
-
-    calls: list[Call]
-    wait: int = 0  # durable mode: its last call is a WAIT for this many replicas
-    raising: bool = True  # False: a command Redis refused answers its error in the list instead of raising
-
-
-@dataclass(frozen=True)
-class Function:
-    """A call of one function of the library (``FCALL``)."""
-
-    name: str
-    keys: list[str]
-    args: list[Any]
-    wait: int = 0  # durable mode: sent with a WAIT for this many replicas; the reply is [its reply, replicas]
-
-
-@dataclass(frozen=True)
-class PerNode:
-    """Durable mode on Redis Cluster: commands sent in one pipeline per primary, each ending with a WAIT for
-    ``wait`` replicas (producer/plumbing/cluster_wait.py); ``marks``: reads, each node's confirmed by a
-    replicated write after them. The reply is a ``cluster_wait.Confirmed``: each command's reply and the
-    replicas that confirmed it."""
-
-    calls: list[Routed]
-    wait: int
-    marks: Keys | None = None
-
-
-@dataclass(frozen=True)
 class Load:
-    """Load the function library if the server has none (``library.ensure``): the reply is a
+    """Load the function library if the server has none (producer/plumbing/library_loader.py): the reply is a
     ``library.Loaded``, or ``library.LibraryUnavailable`` is thrown in."""
 
 
-Step = Call | Pipeline | Function | PerNode | Load
+Step = Command | Pipeline | Durable | Load
 Plan = Generator[Step, Any, T]

@@ -1,10 +1,10 @@
-"""Durable mode on Redis Cluster: each write confirmed by a WAIT on the primary that took it, on the
-connection that sent it (docs/RELIABILITY.md, "Durable mode on Redis Cluster").
+"""Durable mode on Redis Cluster (durable.py sends through here): each write confirmed by a WAIT on the primary
+that took it, on the connection that sent it (docs/RELIABILITY.md, "Durable mode on Redis Cluster").
 
 WAIT counts the writes of its own connection on the node it runs on, and a cluster client routes a keyless
 WAIT to every primary and sums their answers, so a plain ``WAIT`` through one "confirms" at once. Here the
-calls are grouped by the primary that serves their key's slot, and each primary's calls go in one pipeline of
-their own, on one connection of that node, ending with its WAIT. Nothing is redirected or re-sent inside a
+calls (commands.py: each knows its key) are grouped by the primary that serves their key's slot, and each
+primary's calls go in one pipeline of their own, on one connection of that node, ending with its WAIT. Nothing is redirected or re-sent inside a
 pipeline: a write sent again elsewhere after MOVED, or alone on a new connection after a broken one, would not
 be covered by the WAIT sent here (on Valkey and Redis 8 a WAIT on a connection that wrote nothing answers at
 once with every replica). A call answered MOVED, ASK, TRYAGAIN, CLUSTERDOWN or a connection error is a doubt:
@@ -32,6 +32,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import AskError, ClusterDownError, MovedError, RedisClusterException, TryAgainError
 
 from ..wire.keys import Keys
+from .commands import Command
 from .connection import RETRIES, RETRY_BASE, RETRY_CAP, WAIT_MS, aconnect
 
 # What leaves a call in doubt: it may not have run on the primary its WAIT asks (RedisClusterException: the
@@ -40,18 +41,6 @@ DOUBTS = (MovedError, AskError, TryAgainError, ClusterDownError, redis.Connectio
           RedisClusterException)
 MARK_TTL_MS = 10_000  # a read mark's life: long enough to be replicated, short enough to leave nothing behind
 ATTEMPTS = RETRIES + 1  # a client's: through a failover (a new primary in 2-5 s with a 2 s node timeout)
-
-
-class Routed(NamedTuple):
-    """One command and the key whose slot routes it (its first key)."""
-
-    key: str
-    command: tuple[Any, ...]
-
-
-def fcall(name: str, keys: list[str], args: list[Any]) -> Routed:
-    """A call of a library function, routed by its first key (every key of a call shares its slot)."""
-    return Routed(keys[0], ("FCALL", name, len(keys), *keys, *args))
 
 
 @dataclass(frozen=True)
@@ -76,17 +65,17 @@ class Batch(NamedTuple):
     commands: list[tuple[Any, ...]]
 
 
-def plan(cluster: Any, calls: Sequence[Routed], wait: int, wait_ms: int = WAIT_MS, marks: Keys | None = None
+def plan(cluster: Any, calls: Sequence[Command], wait: int, wait_ms: int = WAIT_MS, marks: Keys | None = None
          ) -> list[Batch]:
     """The calls grouped by the primary of their key's slot (the client's slot map), each group's pipeline
-    ending with a read mark (``marks``) and ``WAIT wait wait_ms``."""
+    ending with a read mark (``marks``) and ``WAIT wait wait_ms``; each pipeline's commands as their words."""
     nodes: dict[str, tuple[Any, list[int]]] = {}
     for index, call in enumerate(calls):
         node = cluster.get_node_from_key(call.key)
         nodes.setdefault(node.name, (node, []))[1].append(index)
     batches = []
     for node, indexes in nodes.values():
-        commands = [calls[index].command for index in indexes]
+        commands = [calls[index].words for index in indexes]
         if marks is not None:
             commands.append(("SET", marks.durable_mark(calls[indexes[0]].key), "", "PX", MARK_TTL_MS))
         batches.append(Batch(node, indexes, [*commands, ("WAIT", wait, wait_ms)]))
@@ -131,7 +120,7 @@ def _pause(failures: int) -> float:
     return ExponentialBackoff(RETRY_CAP, RETRY_BASE).compute(failures)
 
 
-def run(cluster: redis.RedisCluster, calls: Sequence[Routed], wait: int, wait_ms: int = WAIT_MS,
+def run(cluster: redis.RedisCluster, calls: Sequence[Command], wait: int, wait_ms: int = WAIT_MS,
         marks: Keys | None = None, attempts: int = ATTEMPTS) -> Confirmed:
     """Send ``calls`` through a synchronous cluster client: each primary's share in one pipeline on that
     node's own client (which neither retries nor follows redirects), ending with its WAIT."""
@@ -168,7 +157,7 @@ def once(url: str, options: dict[str, Any]) -> Any:
     return aconnect(url, True, **{**options, "retry": AsyncRetry(NoBackoff(), 0)})
 
 
-async def arun(cluster: Any, calls: Sequence[Routed], wait: int, wait_ms: int = WAIT_MS, marks: Keys | None = None,
+async def arun(cluster: Any, calls: Sequence[Command], wait: int, wait_ms: int = WAIT_MS, marks: Keys | None = None,
                attempts: int = ATTEMPTS) -> Confirmed:
     """``run`` for an asyncio cluster client, which must not retry by itself (a ``retry`` of 0 retries): its
     pipeline sends each node's commands on one connection, but a retry would send again only the commands not

@@ -20,6 +20,7 @@ from ops.redis_acl import ROLES, render
 from producer.client import Client, LibraryUnavailable
 from producer.local.ports import free_port
 from producer.local.server import RedisServer
+from producer.plumbing import library_loader
 from producer.wire import library
 from producer.wire.keys import HIGH, Keys
 from support import http_get
@@ -46,7 +47,7 @@ def prepared(acl_server):
     """The server as an admin sets it up: the function library loaded, the group on a work stream with one entry
     in it, a published result."""
     admin = connect(acl_server, "admin")
-    assert library.ensure(admin).action == "loaded"
+    assert library_loader.ensure(admin).action == "loaded"
     admin.xgroup_create(KEYS.requests, KEYS.group, id="0", mkstream=True)
     admin.xadd(KEYS.requests, {"body": json.dumps({"id": "secret", "state": "a private state", "questions": {}})})
     admin.xadd(KEYS.result("done"), {"body": "{}"})
@@ -62,7 +63,7 @@ def test_a_restart_keeps_every_write_of_a_function_and_nobody_gets_in_without_a_
     restricted default user drops, at a restart, the writes of every function call that made several. The
     project's default user is off and allows every command: the restart keeps them, and no client can be it."""
     admin = connect(acl_server, "admin")
-    assert library.ensure(admin).action == "loaded"
+    assert library_loader.ensure(admin).action == "loaded"
     ids = Client(url(acl_server, "producer")).submit_many(requests(3, "restart"))  # XADD, HSET and EXPIRE each
     records = {request_id: admin.hgetall(KEYS.record(request_id)) for request_id in ids}
     assert all(records.values())
@@ -364,7 +365,7 @@ def test_the_compose_redis_config_loads_with_its_acl_file(tmp_path):
         assert config["appendonly"] == "yes" and config["appendfsync"] == "always"
         assert config["maxmemory-policy"] == "noeviction" and config["stream-node-max-bytes"] == "1024"
         assert {user.split()[1] for user in admin.acl_list()} == {"default", *ROLES}
-        library.ensure(admin)  # compose's redis-setup service
+        library_loader.ensure(admin)  # compose's redis-setup service
         producer = Client(f"redis://producer:{DEVELOPMENT_PASSWORDS['producer']}@127.0.0.1:{port}/0")
         producer.submit({"id": "c-1", "state": "x", "questions": QUESTIONS})
         with pytest.raises(redis.AuthenticationError):  # no credentials, no command (the default user is off)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from producer.client import aconnect
 from producer.local.server import RedisServer
+from producer.plumbing import library_loader
 from producer.wire import library
 from producer.wire.keys import Keys
 from producer.wire.result import Result
@@ -31,7 +32,7 @@ _examples = itertools.count()
 @pytest.fixture(scope="module")
 def server():
     with RedisServer(appendonly=False) as server:
-        library.ensure(redis.Redis(port=server.port))  # what a worker does at start
+        library_loader.ensure(redis.Redis(port=server.port))  # what a worker does at start
         yield server
 
 

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from producer.client import AsyncClient, Client, InvalidRequest
-from producer.wire import library
+from producer.plumbing import library_loader
 from producer.wire.keys import Keys, Record
 from producer.wire.schema import ErrorCode
 from test_e2e import QUESTIONS
@@ -221,7 +221,7 @@ def test_another_tenants_credential_cannot_cancel(tmp_path):
 
     with RedisServer() as server:
         admin = redis.Redis(port=server.port)
-        library.ensure(admin)
+        library_loader.ensure(admin)
         for namespace in ("alpha", "beta"):
             rules = ROLES["producer"].format(connect=CONNECT, **patterns(namespace))
             admin.execute_command("ACL", "SETUSER", f"producer-{namespace}", "on", f">{namespace}-pw", "resetkeys",

@@ -337,3 +337,14 @@ def test_callers_sharing_a_client_are_each_told_of_their_own_request(redis_serve
 
     results = asyncio.run(both())
     assert sorted(r.error.code if r.error else r.status for r in results) == ["id_conflict", "ok"]
+
+
+def test_durable_mode_refuses_a_full_queue_as_queue_full(redis_server):
+    """Durable mode on one Redis sends a submit and its WAIT in one pipeline: a full queue is QueueFull there too,
+    naming what went in (before, the pipeline's refusal came back as a bare ResponseError whose text redis-py had
+    prefixed with the command, request bodies and all)."""
+    client = Client(redis_server.url, max_unfinished=1, wait_replicas=1)
+    client.redis.xadd(client.keys.requests, {"body": "{}"})  # one unfinished entry: the limit is reached
+    with pytest.raises(QueueFull, match="shard 0, normal lane: 1 unfinished entries, limit 1") as full:
+        client.submit_many([{**REQUEST, "id": "durable-full"}])
+    assert full.value.refused == ["durable-full"] and "durable-full" not in str(full.value)

@@ -12,7 +12,7 @@ from redis.crc import key_slot
 from faults import wait_for
 from producer.client import AsyncClient, Client
 from producer.local.server import LocalCluster
-from producer.wire import library
+from producer.plumbing import library_loader
 from producer.wire.keys import Keys, shard_of
 from test_e2e import QUESTIONS, requests
 
@@ -120,7 +120,8 @@ def test_cluster_under_the_acl_users(tmp_path, start_worker, tiny_dir):
         port = cluster.nodes[0].port
         url = {role: f"redis://{role}:{passwords[role]}@127.0.0.1:{port}/0" for role in ROLES}
         with redis.RedisCluster.from_url(url["admin"]) as admin:  # dq-worker load-functions --redis-cluster
-            assert library.ensure(admin).action == "loaded" and library.ensure(admin).action == "present"
+            assert library_loader.ensure(admin).action == "loaded"
+            assert library_loader.ensure(admin).action == "present"
         start_worker(tiny_dir, url["worker"], redis_cluster=True, max_prompt_tokens=220, fanout_tokens=200)
         client = Client(url["producer"], cluster=True)
         many = {f"q{i}": {"type": "noul", "instructions": f"Is statement {i} true?"} for i in range(20)}

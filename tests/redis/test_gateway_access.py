@@ -252,7 +252,7 @@ def test_as_the_producer_acl_user_it_queues_reads_and_is_ready_without_workers(t
     workers' heartbeats): it queues and reads, and is ready with no worker at all (its own ability to serve: the
     requests wait in the queue)."""
     from ops.redis_acl import ROLES, render
-    from producer.wire import library
+    from producer.plumbing import library_loader
 
     passwords = {role: f"test-{role}-password" for role in ROLES}
     (tmp_path / "users.acl").write_text(render(passwords))
@@ -260,7 +260,7 @@ def test_as_the_producer_acl_user_it_queues_reads_and_is_ready_without_workers(t
         def as_role(role: str) -> str:
             return f"redis://{role}:{passwords[role]}@127.0.0.1:{server.port}/0"
 
-        library.ensure(redis.Redis.from_url(as_role("admin")))
+        library_loader.ensure(redis.Redis.from_url(as_role("admin")))
         gateway = GatewayProcess(as_role("producer"), tmp_path / "gateway.log").wait_up()
         try:
             with gateway.client() as http:

@@ -17,7 +17,7 @@ from faults import FAULTY
 from ops.redis_acl import ROLES, render
 from producer.client import Client
 from producer.local.server import RedisServer
-from producer.wire import library
+from producer.plumbing import library_loader
 from producer.wire.keys import Keys
 from test_cancel import request, until
 
@@ -33,7 +33,7 @@ def test_status_through_every_state_with_a_worker_killed_while_holding_it(tmp_pa
         as_role = {role: f"redis://{role}:{PASSWORDS[role]}@127.0.0.1:{server.port}/0" for role in ROLES}
         admin, client, monitor = redis.Redis.from_url(as_role["admin"]), Client(as_role["producer"]), \
             Client(as_role["monitor"])
-        library.ensure(admin)
+        library_loader.ensure(admin)
         admin.acl_log_reset()
 
         # Queued, no worker yet: each lane's place in it, and an id never sent.

@@ -13,7 +13,7 @@ import redis
 
 from ops.redis_acl import ROLES, render
 from producer.local.server import RedisServer
-from producer.wire import library
+from producer.plumbing import library_loader
 from producer.wire.keys import Keys
 
 pytestmark = pytest.mark.redis
@@ -34,7 +34,7 @@ def test_a_wait_with_no_live_worker_warns_at_once(tmp_path):
                                   capture_output=True, text=True, timeout=60, cwd=ROOT, env=os.environ)
 
         admin = redis.Redis.from_url(f"redis://admin:{PASSWORDS['admin']}@127.0.0.1:{server.port}/0")
-        library.ensure(admin)
+        library_loader.ensure(admin)
         warning = "dq-producer: no live worker in namespace 'dq' (no heartbeat in the last 30 s"
         done = run("submit", str(tmp_path / "in.jsonl"), "--wait", "--timeout", "1", "--quiet")
         assert done.returncode == 1 and done.stderr.splitlines()[0].startswith(warning), done.stderr

@@ -1,7 +1,8 @@
-"""Durable mode on Redis Cluster, its bookkeeping without a server (producer/plumbing/cluster_wait.py): which commands
-each primary's pipeline sends, and what the replies say per call. A stand-in routes keys by slot range as a cluster
-client's slot map does; the exchanges themselves are tested on real clusters (tests/redis/test_cluster.py,
-tests/redis/test_failover.py)."""
+"""Durable mode's bookkeeping without a server: on Redis Cluster (producer/plumbing/cluster_wait.py) which commands
+each primary's pipeline sends, and what the replies say per call; on one Redis (producer/plumbing/durable.py) the
+pipeline and what its WAIT confirmed. A stand-in routes keys by slot range as a cluster client's slot map does; the
+exchanges themselves are tested on real servers (tests/redis/test_cluster.py, tests/redis/test_failover.py,
+tests/redis/test_client.py)."""
 
 from dataclasses import dataclass
 
@@ -10,8 +11,9 @@ import redis
 from redis.crc import key_slot
 from redis.exceptions import ClusterDownError, MovedError, RedisClusterException, TryAgainError
 
-from producer.plumbing import cluster_wait
-from producer.plumbing.cluster_wait import MARK_TTL_MS, Confirmed, Routed, plan, settle
+from producer.plumbing import cluster_wait, durable
+from producer.plumbing.cluster_wait import MARK_TTL_MS, Confirmed, plan, settle
+from producer.plumbing.commands import Command, command, fcall
 from producer.wire.keys import Keys, hash_tag
 
 
@@ -29,8 +31,8 @@ class SlotMap:
         return self.nodes[min(key_slot(key.encode()) * 3 // 16384, 2)]
 
 
-def results(*ids: str) -> list[Routed]:
-    return [Routed(Keys().result(i), ("XRANGE", Keys().result(i), "-", "+", "COUNT", 1)) for i in ids]
+def results(*ids: str) -> list[Command]:
+    return [command("XRANGE", Keys().result(i), "-", "+", "COUNT", 1) for i in ids]
 
 
 def spread() -> list[str]:
@@ -56,7 +58,7 @@ def test_each_primary_gets_its_calls_in_order_then_a_mark_and_its_wait():
     batches = plan(SlotMap(), calls, 1, 2000, Keys())
     assert len(batches) == 3
     for batch in batches:
-        assert [calls[i].command for i in batch.indexes] == batch.commands[:-2]  # in the callers' order
+        assert [calls[i].words for i in batch.indexes] == batch.commands[:-2]  # in the callers' order
         assert {SlotMap().get_node_from_key(calls[i].key) for i in batch.indexes} == {batch.node}
         mark = batch.commands[-2]
         assert mark[:3] == ("SET", Keys().durable_mark(calls[batch.indexes[0]].key), "") and \
@@ -64,7 +66,7 @@ def test_each_primary_gets_its_calls_in_order_then_a_mark_and_its_wait():
         assert SlotMap().get_node_from_key(mark[1]) == batch.node
         assert batch.commands[-1] == ("WAIT", 1, 2000)
     assert sorted(i for batch in batches for i in batch.indexes) == list(range(len(ids)))
-    writes = plan(SlotMap(), [cluster_wait.fcall("dq_v1_submit", ["dq:v1:{s0}:requests"], [0, "id", "{}"])], 2)
+    writes = plan(SlotMap(), [fcall("dq_v1_submit", ["dq:v1:{s0}:requests"], [0, "id", "{}"])], 2)
     assert writes[0].commands == [("FCALL", "dq_v1_submit", 1, "dq:v1:{s0}:requests", 0, "id", "{}"),
                                   ("WAIT", 2, cluster_wait.WAIT_MS)]  # a write is its own confirmation
 
@@ -155,3 +157,20 @@ def test_a_lasting_doubt_is_sent_again_then_raised_as_what_callers_wait_out(doub
     assert cluster.refreshed == 3  # the slot map asked for again after each doubt, for the caller's next call too
     if not isinstance(doubt, RedisClusterException):  # the whole batch each time, the WAIT with it
         assert [command[0] for command in cluster.sent] == ["XRANGE", "WAIT"] * 3
+
+
+def test_one_redis_gets_the_batch_then_a_read_mark_and_its_wait_and_each_call_the_count():
+    reads = durable.Durable(results("a", "b"), 1, Keys("prod"))
+    words = [each.words for each in durable.pipeline(reads)]
+    assert words[:2] == [call.words for call in reads.commands]
+    assert words[2:] == [("PUBLISH", Keys("prod").durable(), ""), ("WAIT", 1, cluster_wait.WAIT_MS)]
+    refusal = redis.ResponseError("NOPERM")
+    sent = durable.confirmed(reads, [[("1-0", {})], refusal, 1, 0])
+    assert sent.replies == [[("1-0", {})], refusal] and sent.replicas == [0, 0] and durable.short(reads, sent)
+    write = durable.Durable([fcall("dq_v1_submit", ["dq:v1:{s0}:requests"], [0, "id", "{}"])], 2)
+    assert [each.words[0] for each in durable.pipeline(write)] == ["FCALL", "WAIT"]  # a write confirms itself
+    assert durable.confirmed(write, [[b"id"], 2]).replicas == [2] and not durable.short(write, Confirmed([[]], [2]))
+    assert not durable.short(write, Confirmed([refusal], [0]))  # nothing went through: nothing to confirm
+    demoted = redis.ResponseError("WAIT cannot be used with replica instances")
+    with pytest.raises(redis.ResponseError, match="replica"):
+        durable.confirmed(write, [[b"id"], demoted])

@@ -13,20 +13,20 @@ from producer.wire.keys import GROUP, Keys
 
 
 def run(plan, reply):
-    """Drive a plan to its end, each Call answered by ``reply(method, args)``."""
+    """Drive a plan to its end, each command answered by ``reply(name, words)``."""
     try:
         step = next(plan)
         while True:
-            step = plan.send(reply(step.method, step.args))
+            step = plan.send(reply(step.words[0], step.words[1:]))
     except StopIteration as done:
         return done.value
 
 
 def redis_7_0(consumers: list[dict], beats: dict[bytes, bytes]):
-    def reply(method: str, args: tuple):
-        return {"xlen": 0, "hgetall": beats if args[0].endswith(":workers") else {},
-                "xinfo_groups": [{"name": GROUP.encode(), "pending": 0, "lag": 0}],
-                "xinfo_consumers": consumers}[method]
+    def reply(name: str, args: tuple):
+        return {"XLEN": 0, "HGETALL": beats if args[0].endswith(":workers") else {},
+                "XINFO GROUPS": [{"name": GROUP.encode(), "pending": 0, "lag": 0}],
+                "XINFO CONSUMERS": consumers}[name]
     return reply
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 
+from producer.plumbing.commands import Command, Pipeline, apipelined, command, hset
 from producer.wire.keys import Field, Keys, Record, RecordState, text
 from producer.wire.result import Result, read_stored
 
@@ -61,8 +62,8 @@ class Cancels:
         if task.fan_out:
             took.update({Record.STATE: RecordState.FANNED_OUT, Record.PARTS: len(task.fan_out)})
         stored, cancelled = await self._with_mark(
-            task.request_id, ("xrange", (self.keys.result(task.request_id),), {"count": 1}),
-            ("hset", (record,), {"mapping": took}))
+            task.request_id, command("XRANGE", self.keys.result(task.request_id), "-", "+", "COUNT", 1),
+            hset(record, took))
         # Unreadable for what no worker wrote (lifecycle dead-letters the entry: nothing can be published
         # there)
         return (read_stored(stored[0][1].get(Field.BODY.encode()), task.request_id) if stored
@@ -70,17 +71,13 @@ class Cancels:
 
     async def part_body(self, delivery: Delivery) -> tuple[bytes | None, bool]:
         """A part's stored request body (None: gone), and whether its request was cancelled."""
-        return await self._with_mark(delivery.request_id, ("get", (self.keys.body(delivery.request_id),), {}))
+        return await self._with_mark(delivery.request_id, command("GET", self.keys.body(delivery.request_id)))
 
-    async def _with_mark(self, request_id: str, *calls: tuple[str, tuple[Any, ...], dict[str, Any]]
-                         ) -> tuple[Any, bool]:
+    async def _with_mark(self, request_id: str, *calls: Command) -> tuple[Any, bool]:
         """The first call's answer, and the request's cancel mark read in the same pipeline (after the
         calls)."""
-        async with self.redis_calls.redis.pipeline(transaction=False) as pipe:
-            for method, args, kwargs in calls:
-                getattr(pipe, method)(*args, **kwargs)
-            pipe.hget(self.keys.record(request_id), Record.CANCELLED)
-            replies = await pipe.execute(raise_on_error=False)
+        mark = command("HGET", self.keys.record(request_id), Record.CANCELLED)
+        replies = await apipelined(self.redis_calls.redis, Pipeline([*calls, mark], raising=False))
         found, mark = replies[0], replies[-1]
         if isinstance(found, BaseException):
             raise found

@@ -1,12 +1,12 @@
-"""This worker's Redis calls on the consumer group: read, recover its own pending entries, reclaim dead consumers'
-entries, keep long work from being reclaimed, claim again for a retry, and the group's stats. Every entry comes
-back as a parsed ``Delivery``; what to do with it is the lifecycle's (lifecycle.py).
+"""This worker's Redis calls on the consumer group: read, recover its own pending entries, reclaim dead
+consumers' entries, keep long work from being reclaimed, claim again for a retry, and the group's stats.
+Every entry comes back as a parsed ``Delivery``; what to do with it is the lifecycle's (lifecycle.py).
 
-The calls that hand entries over (``XREADGROUP >``, ``XAUTOCLAIM``) go through a client that never re-sends a call
-by itself: a reply lost after Redis delivered would leave its entries pending for this live consumer, held by no
-one, and the re-sent call would not return them. Any error there is the caller's doubt: it recovers its own
-pending entries next (``own_pending``), which finds them with ``XPENDING`` (no delivery counter bumped) and takes
-only those it does not hold (``XCLAIM``, which counts the new delivery).
+The calls that hand entries over (``XREADGROUP >``, ``XAUTOCLAIM``) go through a client that never re-sends a
+call by itself: a reply lost after Redis delivered would leave its entries pending for this live consumer,
+held by no one, and the re-sent call would not return them. Any error there is the caller's doubt: it
+recovers its own pending entries next (``own_pending``), which finds them with ``XPENDING`` (no delivery
+counter bumped) and takes only those it does not hold (``XCLAIM``, which counts the new delivery).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ class Consumer:
         self.keys = keys
         self.name = name
         self.max_entry_bytes = max_entry_bytes  # larger entries are refused unparsed (Delivery.parse)
-        # Entries per call that hands entries over, so that one reply brings in about max_read_bytes at most. Redis
-        # sends an entry over max_entry_bytes whole, so a lane reads one at a time (``careful``) after a reply with
-        # such an entry and after an empty one, until a reply brings none: a burst of huge entries is taken one by
-        # one, also when it wakes an idle worker.
+        # Entries per call that hands entries over, so that one reply brings in about max_read_bytes at most.
+        # Redis sends an entry over max_entry_bytes whole, so a lane reads one at a time (``careful``) after
+        # a reply with such an entry and after an empty one, until a reply brings none: a burst of huge
+        # entries is taken one by one, also when it wakes an idle worker.
         self.per_call = max(1, (max_read_bytes or 0) // max_entry_bytes) if max_read_bytes and max_entry_bytes else None
         self.careful: set[Priority] = set(LANES)
         # stream key -> (kind, lane); high lane first, and in a lane parts first: finish started requests
@@ -52,11 +52,11 @@ class Consumer:
             await self.once.aclose()
 
     async def ensure_groups(self, lost: bool = False) -> bool:
-        """Create the group on every work stream (and the streams), and this consumer in it: a blocked read does not
-        create it on Redis 7.0, so an idle worker would be no consumer of a quiet stream (stats, the forget
-        function). True if a group had to be created. At 0-0, so that anything queued before any worker ran is
-        read, and anything deleted unread before then is reported; a group ``lost`` under running workers is made
-        again just before the stream's first entry (``group_start``)."""
+        """Create the group on every work stream (and the streams), and this consumer in it: a blocked read
+        does not create it on Redis 7.0, so an idle worker would be no consumer of a quiet stream (stats, the
+        forget function). True if a group had to be created. At 0-0, so that anything queued before any
+        worker ran is read, and anything deleted unread before then is reported; a group ``lost`` under
+        running workers is made again just before the stream's first entry (``group_start``)."""
         created = False
         for key in self.streams:
             start, entries_read = await self._restart_point(key) if lost else ("0", None)
@@ -95,7 +95,8 @@ class Consumer:
         return count if self.per_call is None else min(count, self.per_call)
 
     def _brought(self, deliveries: list[Delivery], lane: Priority | None = None) -> None:
-        """After a reply: one at a time while huge entries come (``careful``); a big reply's memory given back."""
+        """After a reply: one at a time while huge entries come (``careful``); a big reply's memory given
+        back."""
         huge = any(delivery.invalid_code is ErrorCode.TOO_LARGE for delivery in deliveries)
         if lane is not None:
             (self.careful.add if huge or not deliveries else self.careful.discard)(lane)
@@ -104,10 +105,10 @@ class Consumer:
 
     async def own_pending(self, lane: Priority, limit: int, skip: set[tuple[str, str]]
                           ) -> tuple[list[Delivery], list[tuple[str, str]], bool]:
-        """A lane's entries delivered to this consumer and never acknowledged (a restart, a reply lost in transit),
-        but those in ``skip`` (held already: their counters are not touched), at most ``limit``, claimed again
-        (their counters go up by one: this is a new delivery); (stream key, entry id) of those that had no payload
-        any more; and whether some are left for another turn."""
+        """A lane's entries delivered to this consumer and never acknowledged (a restart, a reply lost in
+        transit), but those in ``skip`` (held already: their counters are not touched), at most ``limit``,
+        claimed again (their counters go up by one: this is a new delivery); (stream key, entry id) of those
+        that had no payload any more; and whether some are left for another turn."""
         found: list[tuple[str, str]] = []
         for key in self.lanes[lane]:
             start = "-"
@@ -130,8 +131,8 @@ class Consumer:
         return deliveries, gone, len(found) >= limit
 
     async def _claim(self, key: str, ids: list[str]) -> tuple[list[Delivery], list[tuple[str, str]]]:
-        """Own pending entries taken again (XCLAIM: their counters go up); those deleted meanwhile, which Redis 7
-        drops from the pending list instead of returning."""
+        """Own pending entries taken again (XCLAIM: their counters go up); those deleted meanwhile, which
+        Redis 7 drops from the pending list instead of returning."""
         reply = await self.redis.xclaim(key, self.keys.group, self.name, 0, ids)
         fields = {text(entry_id): values for entry_id, values in reply or [] if values}
         del reply
@@ -141,9 +142,9 @@ class Consumer:
 
     async def reclaim(self, lane: Priority, min_idle_ms: int, count: int,
                       limit: int) -> tuple[list[Delivery], list[tuple[str, str]]]:
-        """A lane's entries idle longer than ``min_idle_ms`` in any consumer's list, now ours, at most ``limit``
-        (each one claimed is held: no more than the lane has room for); and (stream key, entry id) of those that
-        had no payload any more (Redis 7 drops them from the pending list itself)."""
+        """A lane's entries idle longer than ``min_idle_ms`` in any consumer's list, now ours, at most
+        ``limit`` (each one claimed is held: no more than the lane has room for); and (stream key, entry id)
+        of those that had no payload any more (Redis 7 drops them from the pending list itself)."""
         found: list[tuple[str, str, dict]] = []
         gone: list[tuple[str, str]] = []
         for key in self.lanes[lane]:
@@ -162,7 +163,8 @@ class Consumer:
         return deliveries, gone
 
     async def keep_alive(self, deliveries: list[Delivery]) -> None:
-        """Reset the idle time of entries still in work so that no one reclaims them (JUSTID: no count bump)."""
+        """Reset the idle time of entries still in work so that no one reclaims them (JUSTID: no count
+        bump)."""
         by_key: dict[str, list[str]] = {}
         for delivery in deliveries:
             by_key.setdefault(delivery.key, []).append(delivery.entry_id)
@@ -179,10 +181,11 @@ class Consumer:
         return await self.redis.get(self.keys.body(delivery.request_id))
 
     async def group_stats(self) -> dict[tuple[Stream, Priority], dict[str, Any]]:
-        """Per work stream: its length, the group's pending count and lag, and ``unread_deleted``: the id past which
-        entries were deleted before the group read them (None: none were), by ``unread_deleted``. XINFO STREAM, which
-        also sends the stream's first and last entries (huge ones too), is asked only where the group has not read
-        everything: a valid lag of 0 on a stream with entries means nothing unread was there to lose."""
+        """Per work stream: its length, the group's pending count and lag, and ``unread_deleted``: the id
+        past which entries were deleted before the group read them (None: none were), by ``unread_deleted``.
+        XINFO STREAM, which also sends the stream's first and last entries (huge ones too), is asked only
+        where the group has not read everything: a valid lag of 0 on a stream with entries means nothing
+        unread was there to lose."""
         out = {}
         for key, stream in self.streams.items():
             length = await self.redis.xlen(key)
@@ -211,9 +214,9 @@ class Consumer:
         return Delivery.parse(kind, key, entry_id, fields or {}, deliveries, self.max_entry_bytes, lane)
 
 
-# A reply that brought this much, or an entry over --max-entry-bytes: the allocator is asked to give free memory back
-# to the system (glibc keeps freed heap pages of a thread's arena otherwise: 100 MB entries once left a worker 100 MB
-# larger for good).
+# A reply that brought this much, or an entry over --max-entry-bytes: the allocator is asked to give free
+# memory back to the system (glibc keeps freed heap pages of a thread's arena otherwise: 100 MB entries once
+# left a worker 100 MB larger for good).
 RELEASE_BYTES = 32 << 20
 _LIBC = ctypes.util.find_library("c")
 
@@ -236,11 +239,11 @@ MAX_SEQUENCE = 2**64 - 1
 
 
 def group_start(stream: dict[str, Any]) -> tuple[str, int | None]:
-    """Where a group lost under running workers starts again, and the entries it counts as read (for its lag),
-    from the stream's XINFO STREAM: just before its first entry, so that every entry there is read; on an empty
-    stream, its last generated id. Not at 0-0: a group made again there took every entry the workers had answered
-    and deleted for one deleted before it was read (``unread_deleted``), and paged for requests lost that were not
-    (the loss of the group itself is reported apart)."""
+    """Where a group lost under running workers starts again, and the entries it counts as read (for its
+    lag), from the stream's XINFO STREAM: just before its first entry, so that every entry there is read; on
+    an empty stream, its last generated id. Not at 0-0: a group made again there took every entry the workers
+    had answered and deleted for one deleted before it was read (``unread_deleted``), and paged for requests
+    lost that were not (the loss of the group itself is reported apart)."""
     read = int(stream.get("entries-added", 0)) - int(stream["length"]) if "entries-added" in stream else None
     if stream["length"] == 0:
         return text(stream.get("last-generated-id") or "0-0"), read
@@ -251,14 +254,15 @@ def group_start(stream: dict[str, Any]) -> tuple[str, int | None]:
 
 
 def unread_deleted(stream: dict[str, Any], group: dict[str, Any]) -> str | None:
-    """Whether entries the group never read were deleted (XDEL, or a trim: XADD MAXLEN/MINID, XTRIM), from XINFO
-    STREAM and the group's XINFO GROUPS; the id that shows it, else None. A worker deletes only entries it
-    acknowledged, which the group read: anything past the group's last delivered id was someone else's doing.
+    """Whether entries the group never read were deleted (XDEL, or a trim: XADD MAXLEN/MINID, XTRIM), from
+    XINFO STREAM and the group's XINFO GROUPS; the id that shows it, else None. A worker deletes only entries
+    it acknowledged, which the group read: anything past the group's last delivered id was someone else's
+    doing.
 
     - deleted one by one: the stream's largest deleted id is past the last delivered one;
-    - trimmed (from the head; a trim moves no deleted id): the stream's first entry is past the last delivered one
-      and it holds fewer entries than the group has yet to read (the lag), or none at all though later ones were
-      added."""
+    - trimmed (from the head; a trim moves no deleted id): the stream's first entry is past the last
+      delivered one and it holds fewer entries than the group has yet to read (the lag), or none at all
+      though later ones were added."""
     last = entry_order(text(group["last-delivered-id"]))
     deleted = text(stream.get("max-deleted-entry-id") or "0-0")
     if entry_order(deleted) > last:

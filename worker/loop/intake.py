@@ -1,9 +1,9 @@
 """Intake: entries from the worker group into the lifecycle, on the Redis loop thread.
 
-One reader per lane (high, normal) takes that lane's entries while the lane has room (``--max-inflight`` held), so a
-worker full of normal work still reads a high request at once; the maintenance loop keeps held entries from being
-reclaimed, reclaims dead consumers' entries, and reports stream stats and the worker's heartbeat. Each entry found
-goes to ``Lifecycle.take``, which holds and routes it.
+One reader per lane (high, normal) takes that lane's entries while the lane has room (``--max-inflight``
+held), so a worker full of normal work still reads a high request at once; the maintenance loop keeps held
+entries from being reclaimed, reclaims dead consumers' entries, and reports stream stats and the worker's
+heartbeat. Each entry found goes to ``Lifecycle.take``, which holds and routes it.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ REFUSED_READ_PAUSE_S = 1.0  # between reads Redis refused
 
 
 def group_gone(error: redis.ResponseError) -> bool:
-    """The group or its stream is gone: NOGROUP; or, on Redis 7.0, a blocked read ended by the stream's deletion
-    (``UNBLOCKED the stream key no longer exists``; Valkey and later Redis answer NOGROUP)."""
+    """The group or its stream is gone: NOGROUP; or, on Redis 7.0, a blocked read ended by the stream's
+    deletion (``UNBLOCKED the stream key no longer exists``; Valkey and later Redis answer NOGROUP)."""
     message = str(error)
     return "NOGROUP" in message or ("UNBLOCKED" in message and "no longer exists" in message)
 
@@ -44,7 +44,8 @@ class Reader:
         self.turn: float | None = None  # its last turn
         self.reading_since: float | None = None  # it has waited on Redis since (health: Redis' fault)
         self.empty_since: float | None = None  # its last read of new entries, begun then (time()), found none
-        self.recover = True  # own pending entries first: at start, and after any doubt (a call's reply may be lost)
+        # own pending entries first: at start, and after any doubt (a call's reply may be lost)
+        self.recover = True
 
 
 class Intake:
@@ -58,34 +59,37 @@ class Intake:
         self.presence = presence  # the heartbeat, and forgetting the workers and consumers that are gone
         self.readers = {lane: Reader() for lane in LANES}
         self.recreating = asyncio.Lock()  # one recreation of a lost group, whichever loop noticed first
-        # Set once every reader has taken back its own pending entries: only then does the maintenance loop reclaim,
-        # so that what a reclaim moves to this consumer is not found again as its own meanwhile.
+        # Set once every reader has taken back its own pending entries: only then does the maintenance loop
+        # reclaim, so that what a reclaim moves to this consumer is not found again as its own meanwhile.
         self.recovered = asyncio.Event()
         self.unread_deleted: dict[tuple[str, str], str] = {}  # per stream: the deleted entry last reported
 
     @property
     def read_turn(self) -> float | None:
-        """The readers' beat for liveness: the oldest turn of a reader not waiting on Redis (None before all have
-        turned); a reader in a Redis read counts as turning now."""
+        """The readers' beat for liveness: the oldest turn of a reader not waiting on Redis (None before all
+        have turned); a reader in a Redis read counts as turning now."""
         if any(reader.turn is None for reader in self.readers.values()):
             return None
         now = time.time()
-        return min(now if reader.reading_since is not None else reader.turn for reader in self.readers.values())
+        readers = self.readers.values()
+        return min(now if reader.reading_since is not None else reader.turn for reader in readers)
 
     @property
     def reading_since(self) -> float | None:
-        """Since when the readers have waited on Redis, for health: the latest start of a read in progress (one
-        answered read means Redis answers); None when none reads, or when a reader that is not reading turned
-        before that (it may be stuck: liveness must see it)."""
-        reading = [reader.reading_since for reader in self.readers.values() if reader.reading_since is not None]
-        idle = [reader.turn or 0.0 for reader in self.readers.values() if reader.reading_since is None]
+        """Since when the readers have waited on Redis, for health: the latest start of a read in progress
+        (one answered read means Redis answers); None when none reads, or when a reader that is not reading
+        turned before that (it may be stuck: liveness must see it)."""
+        readers = self.readers.values()
+        reading = [reader.reading_since for reader in readers if reader.reading_since is not None]
+        idle = [reader.turn or 0.0 for reader in readers if reader.reading_since is None]
         if not reading or (idle and min(idle) < max(reading)):
             return None
         return max(reading)
 
     @property
     def streams_empty_since(self) -> float | None:
-        """Every lane's last read of new entries found none; the earliest start of those reads (burst runs)."""
+        """Every lane's last read of new entries found none; the earliest start of those reads (burst
+        runs)."""
         starts = [reader.empty_since for reader in self.readers.values()]
         return None if None in starts else min(starts)  # type: ignore[type-var]
 
@@ -94,8 +98,8 @@ class Intake:
         await asyncio.gather(*(self._read(lane) for lane in LANES))
 
     async def _read(self, lane: Priority) -> None:
-        """One lane: own pending entries first (at start, and after a reply may have been lost), then new ones,
-        while the lane has room."""
+        """One lane: own pending entries first (at start, and after a reply may have been lost), then new
+        ones, while the lane has room."""
         settings, reader, lifecycle = self.settings, self.readers[lane], self.lifecycle
         while not self.stopping.is_set():
             reader.turn = time.time()
@@ -130,8 +134,9 @@ class Intake:
                 if group_gone(error):
                     await self._group_lost()
                     continue
-                # Refused (MISCONF after a failed save, NOPERM, a primary turned replica): it lasts until an operator
-                # or a failover acts, and ending the worker would only begin a crash loop: unready, and read again.
+                # Refused (MISCONF after a failed save, NOPERM, a primary turned replica): it lasts until an
+                # operator or a failover acts, and ending the worker would only begin a crash loop: unready,
+                # and read again.
                 self.redis_calls.refused("read", error)
                 await self.redis_calls.reconnect_if_demoted(error, self.consumer.redis, self.consumer.once)
                 self.doubt()
@@ -141,8 +146,8 @@ class Intake:
                 lifecycle.take(delivery, how, since)
 
     def doubt(self) -> None:
-        """A call that hands entries over failed: its reply may have been lost after Redis delivered them. Every
-        reader recovers its own pending entries next."""
+        """A call that hands entries over failed: its reply may have been lost after Redis delivered them.
+        Every reader recovers its own pending entries next."""
         for reader in self.readers.values():
             reader.recover = True
 
@@ -151,7 +156,8 @@ class Intake:
             log.error("%d pending entries had no payload any more (trimmed?)", lost)
 
     async def run_maintenance(self) -> None:
-        """Until cancelled: keep held entries alive, reclaim dead consumers' entries; stats and heartbeat every 5 s."""
+        """Until cancelled: keep held entries alive, reclaim dead consumers' entries; stats and heartbeat
+        every 5 s."""
         settings, lifecycle = self.settings, self.lifecycle
         every = max(0.1, min(5.0, settings.claim_idle_ms / 4000))
         last_stats = float("-inf")
@@ -171,8 +177,9 @@ class Intake:
                         raise
                     reclaimed += found
                     gone += lost_here
-                # An entry held in memory (or settled since the reclaim began) is answered from memory, not lost:
-                # a held entry trimmed while it computes can be reported gone before keep_alive drops it.
+                # An entry held in memory (or settled since the reclaim began) is answered from memory, not
+                # lost: a held entry trimmed while it computes can be reported gone before keep_alive drops
+                # it.
                 self._lost([entry for entry in gone if not lifecycle.held.known(entry, since)])
                 fresh = [d for d in reclaimed if (d.key, d.entry_id) not in lifecycle.held]
                 if fresh:  # one line per reclaim, not one per entry (a dead worker may have held hundreds)
@@ -199,11 +206,12 @@ class Intake:
         await self.redis_calls.until(self.consumer.ensure_groups, "create groups")
 
     async def _group_lost(self) -> None:
-        """Redis lost the group (a restart without persistence, a failover to an empty replica): recreate it once,
-        whichever loop noticed first, and report the loss."""
+        """Redis lost the group (a restart without persistence, a failover to an empty replica): recreate it
+        once, whichever loop noticed first, and report the loss."""
         async with self.recreating:
             if await self.redis_calls.until(lambda: self.consumer.ensure_groups(lost=True), "create groups"):
-                log.error("consumer group missing (Redis lost its data?): recreated it; entries not yet read are lost")
+                log.error("consumer group missing (Redis lost its data?): recreated it; entries not yet read are "
+                          "lost")
                 self.metrics.groups_recreated.inc()
 
     async def _report(self) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from producer.plumbing import library_loader
 from producer.wire import library
 
 from .redis_calls import REDIS_ERRORS
@@ -31,7 +32,7 @@ class LibraryWatch:
     async def check(self) -> bool:
         """Whether the library is loaded, loading it if the server lacks it or has an older revision."""
         try:
-            loaded = await library.aensure(self.redis)
+            loaded = await library_loader.aensure(self.redis)
         except REDIS_ERRORS:  # Redis down: RedisCalls reports that
             self.ok = False
             return False

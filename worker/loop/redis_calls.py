@@ -1,10 +1,11 @@
 """The worker's Redis calls: one asyncio client, each call retried until Redis answers, and whether it does.
 
 Every stage on the asyncio thread (intake, the lifecycle, the settle loop) calls Redis through ``until``;
-``reachable`` is what readiness reports. A Redis outage makes the worker unready and its calls wait; it never loses
-work: each call retried here is one that may run twice. While Redis cannot be reached, a warning every few seconds
-names the URL (its password left out). The server is checked at first contact (``introduce``), and before the
-model loads when it answers then (``first_contact``): an unsupported one ends the worker with exit 2.
+``reachable`` is what readiness reports. A Redis outage makes the worker unready and its calls wait; it never
+loses work: each call retried here is one that may run twice. While Redis cannot be reached, a warning every
+few seconds names the URL (its password left out). The server is checked at first contact (``introduce``),
+and before the model loads when it answers then (``first_contact``): an unsupported one ends the worker with
+exit 2.
 """
 
 from __future__ import annotations
@@ -96,9 +97,10 @@ class RedisCalls:
         return self.server
 
     def refused(self, what: str, error: BaseException, stalls: bool = True, detail: str = "") -> None:
-        """Redis answered, and refused (out of memory, an ACL, a key of the wrong type, ...): that lasts until an
-        operator acts. Counted each time, logged once per ``REFUSAL_LOG_S`` for each kind of call; when the work
-        waits on it (``stalls``), the worker is unready until ``REFUSED_READY_S`` after the last refusal."""
+        """Redis answered, and refused (out of memory, an ACL, a key of the wrong type, ...): that lasts
+        until an operator acts. Counted each time, logged once per ``REFUSAL_LOG_S`` for each kind of call;
+        when the work waits on it (``stalls``), the worker is unready until ``REFUSED_READY_S`` after the
+        last refusal."""
         self.metrics.redis_errors.labels(what).inc()
         now = time.monotonic()
         if stalls:
@@ -112,8 +114,9 @@ class RedisCalls:
     async def reconnect_if_demoted(self, error: BaseException, *clients: Any) -> None:
         """A primary turned replica (READONLY, or a blocked read ended by the change) keeps refusing on these
         connections: where a failover moves an address (a DNS name) rather than a Sentinel's answer, only new
-        connections reach the new primary. So every connection of ``clients`` (this one's own by default) is closed,
-        and the next call connects again. A Cluster client follows its own topology and is left alone."""
+        connections reach the new primary. So every connection of ``clients`` (this one's own by default) is
+        closed, and the next call connects again. A Cluster client follows its own topology and is left
+        alone."""
         message = str(error)
         if not (isinstance(error, redis.exceptions.ReadOnlyError) or "read only replica" in message
                 or ("UNBLOCKED" in message and "replica" in message)):
@@ -153,8 +156,8 @@ class RedisCalls:
 
 
 def first_contact(settings: Settings) -> Server | None:
-    """Before the model loads: the server, if it answers at once (raises UnsupportedServer if too old); None when it
-    does not (the worker loads its model meanwhile and keeps trying)."""
+    """Before the model loads: the server, if it answers at once (raises UnsupportedServer if too old); None
+    when it does not (the worker loads its model meanwhile and keeps trying)."""
     client = None
     try:
         client = connect(settings.redis_url, settings.redis_cluster, **settings.redis_options(),
@@ -170,9 +173,9 @@ def first_contact(settings: Settings) -> Server | None:
 
 
 def client(settings: Settings, retries: int = 1) -> Any:
-    """The worker's asyncio client: the producers' connection options, with one quick retry instead of redis-py's
-    dozen (about 12 s) before a call fails: ``until`` retries for as long as it takes and says so every few seconds,
-    which a call that keeps retrying inside the client would hide. ``retries=0`` for the calls whose re-sending
-    would lose what the first one delivered (consumer.py)."""
+    """The worker's asyncio client: the producers' connection options, with one quick retry instead of
+    redis-py's dozen (about 12 s) before a call fails: ``until`` retries for as long as it takes and says so
+    every few seconds, which a call that keeps retrying inside the client would hide. ``retries=0`` for the
+    calls whose re-sending would lose what the first one delivered (consumer.py)."""
     return aconnect(settings.redis_url, settings.redis_cluster, **settings.redis_options(),
                     retry=AsyncRetry(ExponentialBackoff(cap=0.5, base=0.05), retries))
