@@ -139,8 +139,8 @@ def test_durable_mode_on_a_cluster_confirms_per_primary_and_names_the_ids_one_co
                                                                                           tiny_dir):
     """--wait-replicas 1 on a cluster with a replica per primary, under the ACL users: load-functions proves the
     replicas have the library; a worker and both client faces confirm each write and read on its own primary
-    (producer/plumbing/cluster_wait.py). With the replica of the primary of the request stream down, a submit names its
-    batch, a read names exactly the ids on that primary and returns the others (NotDurable); load-functions says
+    (producer/plumbing/cluster_wait.py). With the replica of the primary of the request stream down, a submit and a
+    cancel name their batch, a read names exactly the ids on that primary and returns the others (NotDurable); load-functions says
     which primary fell short; once the replica is back, everything goes through. No ACL denial on any node (the
     producer's read marks are keys of its own)."""
     from ops.redis_acl import ROLES, render
@@ -174,6 +174,11 @@ def test_durable_mode_on_a_cluster_confirms_per_primary_and_names_the_ids_one_co
         with pytest.raises(NotDurable) as unconfirmed:
             client.submit_many(requests(3, "later"))
         assert unconfirmed.value.ids == ["later-0", "later-1", "later-2"] and unconfirmed.value.replicas == 0
+        # A cancel too, confirmed on its records' primary (before, its WAIT went through the cluster client, which
+        # summed every primary's answer, and the cancel was taken as confirmed).
+        with pytest.raises(NotDurable) as uncancelled:
+            client.cancel("never-sent")
+        assert uncancelled.value.ids == ["never-sent"] and uncancelled.value.replicas == 0
         with pytest.raises(NotDurable) as caught:
             client.wait_many(ids, timeout=3)
         assert sorted(caught.value.ids) == sorted(there) and (caught.value.replicas, caught.value.wanted) == (0, 1)
