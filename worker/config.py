@@ -112,7 +112,7 @@ class Settings:
                                      "FP8)")
     epilogues: str = _opt(DEFAULT_EPILOGUES, "kernels with the fused ones, bf16 (fast path): some of swiglu "
                           "(in the gate/up GEMM), residual (in the GEMMs before it), gated_norm; all; or "
-                          "none. The default measured faster end to end (docs/BENCHMARKS.md)")
+                          "none. Off by default: they moved answers past the bf16 floor (docs/BENCHMARKS.md, \"The gate\")")
     compile_cache: str = _opt("", "directory for compiled kernels (Inductor, Triton, TileLang); empty: their "
                                   "defaults")
     planner_threads: int = _opt(2, "threads that validate, render and tokenize requests", low=1)

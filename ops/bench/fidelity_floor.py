@@ -45,6 +45,7 @@ CONFIGS = {  # name -> Settings fields over Settings()'s defaults as they are at
     "eager": {"compile": "none", "cuda_graphs": False},  # the defaults' kernels without Inductor and graphs
     "eager-no-epilogues": {"compile": "none", "cuda_graphs": False, "epilogues": "none"},
     "no-epilogues": {"epilogues": "none"},
+    "epilogues": {"epilogues": "residual,swiglu"},  # the kernels off by default: do they meet the floor yet?
 }
 GATED = ("defaults", "deterministic")  # the targets; the others explain them
 SHOWN = ("epilogues", "compile", "cuda_graphs", "deterministic", "fused_kernels", "prune_last", "fp8",
@@ -266,7 +267,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=320, help="requests of the fidelity set")
     parser.add_argument("--seed", type=int, default=0, help="the set's and the random weights' seed")
     parser.add_argument("--longest", type=int, default=0, help="no prompt over this many tokens (0: 16000)")
-    parser.add_argument("--configs", default="defaults,deterministic,eager,eager-no-epilogues",
+    parser.add_argument("--configs", default="defaults,deterministic,eager,epilogues",
                         help=f"fast engine configurations, of {', '.join(CONFIGS)}")
     parser.add_argument("--compile-cache", default="", help="the engines' compile_cache (empty: the defaults)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",

@@ -203,6 +203,12 @@ TARGETS: list[Target] = [
            _fidelity("deterministic", "worst")),
     Target("deterministic_bitwise", "deterministic mode: held-out requests bitwise equal alone and mixed", 48,
            "share", 1.0, ">=", True, "invariance-det", "invariance-det", _bitwise),
+    Target("epilogues_mean", "epilogue kernels (residual,swiglu; off by default): mean over the bf16 floor", 48,
+           "x floor", 1.1, "<=", False, "fidelity-floor", "fidelity-floor: epilogues",
+           _fidelity("epilogues", "mean")),
+    Target("epilogues_worst", "epilogue kernels (residual,swiglu; off by default): worst over the bf16 floor", 48,
+           "x floor", 1.1, "<=", False, "fidelity-floor", "fidelity-floor: epilogues",
+           _fidelity("epilogues", "worst")),
     # Issue 49's: reported, not counted.
     Target("bf16_end_to_end", "bf16 end to end tokens/s (median of fresh workers)", 49, "tokens/s", 200_000,
            ">=", False, "e2e-bf16", "e2e-bf16 and priority workers' peaks", _fresh_peaks),

@@ -16,6 +16,7 @@ import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from faults import wait_for
 from ops.redis_acl import ROLES, render
 from producer.client import Client, LibraryUnavailable
 from producer.local.ports import free_port
@@ -68,8 +69,9 @@ def test_a_restart_keeps_every_write_of_a_function_and_nobody_gets_in_without_a_
     records = {request_id: admin.hgetall(KEYS.record(request_id)) for request_id in ids}
     assert all(records.values())
     acl_server.stop()
-    acl_server.start()
+    acl_server.start()  # answers NOAUTH at once, even while it still loads the AOF
     admin = connect(acl_server, "admin")
+    wait_for(lambda: admin.info("persistence")["loading"] == 0, what="the AOF loaded")
     assert admin.xlen(KEYS.requests) == 3
     assert {request_id: admin.hgetall(KEYS.record(request_id)) for request_id in ids} == records
     assert admin.acl_log() == []

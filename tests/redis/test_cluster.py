@@ -204,3 +204,53 @@ def test_durable_mode_on_a_cluster_confirms_per_primary_and_names_the_ids_one_co
         for node in cluster.nodes + cluster.replicas:
             with redis.Redis(port=node.port, username="admin", password=passwords["admin"]) as admin:
                 assert admin.acl_log() == [], (node.port, admin.acl_log())
+
+
+def test_a_fan_out_stores_the_request_before_any_part_can_be_read(cluster):
+    """A fanned-out request's body and its parts live in different slots, on different primaries. Its parts must
+    not be readable before its body is stored: a part read first found no body and answered the whole request with
+    an error result that carries no digest, which its producer then read as ``id_conflict`` (seen on a loaded
+    machine). The body's primary holds its writes for a moment (CLIENT PAUSE WRITE): no part may appear meanwhile."""
+    from types import SimpleNamespace
+
+    from producer.client import aconnect
+    from worker.loop.publisher import Publisher
+
+    keys = Keys("dq", 0)
+    stream = keys.parts_in("normal")
+    request_id = next(f"fan-{n}" for n in range(1000)
+                      if owner(cluster, keys.body(f"fan-{n}")) != owner(cluster, stream))
+    entry = SimpleNamespace(body=b'{"id": "%s"}' % request_id.encode(), lane="normal", enqueued_ms=0)
+    task = SimpleNamespace(delivery=entry, fan_out=[["a"], ["b"]], request_id=request_id,
+                           request=SimpleNamespace(traceparent=None))
+    parts = redis.Redis(port=owner(cluster, stream))
+    seen = []
+
+    async def run():
+        client = aconnect(cluster.url, cluster=True)
+        publisher = Publisher(client, keys, 600, "tiny")
+        publisher.ack = acknowledged  # the request entry is made up: nothing to acknowledge
+        redis.Redis(port=owner(cluster, keys.body(request_id))).execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+        fanning = asyncio.ensure_future(publisher.fan_out(task))
+        for _ in range(20):  # while the body's primary holds its writes
+            await asyncio.sleep(0.05)
+            seen.append(parts.xlen(stream))
+        await fanning
+        await client.aclose()
+
+    asyncio.run(run())
+    assert seen and max(seen) == 0, f"parts readable before their request's body was stored: {seen}"
+    assert redis.RedisCluster.from_url(cluster.url).get(keys.body(request_id)) is not None
+    assert parts.xlen(stream) == 2
+
+
+async def acknowledged(*args, **kwargs):
+    return []
+
+
+def owner(cluster, key: str) -> int:
+    """The port of the primary that serves ``key``'s slot."""
+    for first, last, primary, *_ in redis.Redis(port=cluster.nodes[0].port).execute_command("CLUSTER", "SLOTS"):
+        if first <= slot(key) <= last:
+            return int(primary[1])
+    raise AssertionError(f"no primary serves {key}")

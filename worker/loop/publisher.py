@@ -243,8 +243,11 @@ class Publisher:
         parts of a high request stay high), then acknowledge the request entry."""
         entry, groups, request_id = task.delivery, task.fan_out, task.request_id
         trace = {Field.TRACEPARENT: task.request.traceparent} if task.request.traceparent else {}
+        # The body first, on its own: on Redis Cluster it lives on another primary than the part stream, and one
+        # pipeline sends to each primary at once, so a part could be read before its body was stored (that part
+        # then answered the request with an error that carries no digest).
+        await self.redis.set(self.keys.body(request_id), entry.body, ex=self.ttl)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.body(request_id), entry.body, ex=self.ttl)
             for index, names in enumerate(groups):
                 pipe.xadd(self.keys.parts_in(entry.lane), {Field.REQUEST_ID: request_id, Field.PART: index,
                                              Field.PARTS: len(groups), Field.QUESTIONS: json.dumps(names),
