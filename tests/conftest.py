@@ -17,6 +17,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
     os.environ.setdefault("DQ_PORT_SHARE", f"{os.environ['PYTEST_XDIST_WORKER'][2:]}/"
                                            f"{os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1')}")
+    # Each process computes (the in-process workers, the CPU engines) with its share of the cores, set before torch
+    # is imported: with a thread per core in each, two processes on two cores spin against each other (OpenMP waits
+    # busily), which made a 1 s test of the reference engine take 3 s beside one busy core.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                     // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 @pytest.fixture(scope="session")
