@@ -142,11 +142,13 @@ def session(checkpoint: Path, plans: list[tuple[str, int, int]], binary: Binary 
     runs = []
     logs = logs or Path(tempfile.mkdtemp(prefix="dq-failover-"))
     for wait_replicas in sorted({n for _, n, _ in plans}):
-        cluster = (Clustered if clustered else Replicated)(binary).start()
+        cluster = (Clustered if clustered else Replicated)(binary).launch()
         extra = {"redis_cluster": True} if clustered else {}
+        # started before the servers settle: each loads its model meanwhile (a few seconds of each run)
         workers = [Worker(checkpoint, cluster.url, logs / f"worker-{wait_replicas}-{i}.log", **extra,
                           wait_replicas=wait_replicas, **WORKER_FLAGS) for i in range(2)]
         try:
+            cluster.settle()
             if not all(w.wait_ready() for w in workers):
                 raise RuntimeError(f"a worker did not start: see {logs}")
             for kind, n, failovers in plans:

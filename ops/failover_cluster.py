@@ -83,6 +83,11 @@ class Clustered:
         return redis.Redis(port=node.port, socket_timeout=1, decode_responses=True).execute_command(*command)
 
     def start(self) -> Clustered:
+        return self.launch().settle()
+
+    def launch(self) -> Clustered:
+        """The nodes started, their slots given, met, and each replica told its primary; every replica in sync only
+        later (``settle``)."""
         for node in self.nodes:
             node.start()
         share = SLOTS // 3
@@ -97,6 +102,9 @@ class Clustered:
             time.sleep(0.05)
         for primary, replica in zip(self.nodes[:3], self.nodes[3:]):
             self._ask(replica, "CLUSTER", "REPLICATE", self._ask(primary, "CLUSTER", "MYID"))
+        return self
+
+    def settle(self) -> Clustered:
         self.wait_stable()
         return self
 

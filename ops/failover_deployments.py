@@ -51,6 +51,11 @@ class Replicated:
         return "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports) + f"/{SERVICE}/0"
 
     def start(self) -> Replicated:
+        return self.launch().settle()
+
+    def launch(self) -> Replicated:
+        """The nodes and the sentinels started; the sentinels answer at once, but know each other and the replica
+        only a few seconds later (``settle``): workers started meanwhile load their model in that time."""
         for node in self.nodes:
             node.start()
         for port in self.sentinel_ports:
@@ -64,7 +69,10 @@ class Replicated:
             log = open(self.directory / f"sentinel-{port}.log", "ab")
             self.sentinels.append(subprocess.Popen([self.binary.path, str(conf), "--sentinel"], stdout=log,
                                                    stderr=subprocess.STDOUT))
-        self.wait_stable(initial=True)
+        return self
+
+    def settle(self) -> Replicated:
+        self.wait_stable()
         return self
 
     def sentinel(self, port: int) -> redis.Redis:
@@ -85,7 +93,7 @@ class Replicated:
             time.sleep(0.05)
         raise TimeoutError("the sentinels do not agree on a primary")
 
-    def wait_stable(self, initial: bool = False, timeout: float = 60.0) -> RedisServer:
+    def wait_stable(self, timeout: float = 60.0) -> RedisServer:
         """Wait until one node is the primary by every sentinel and its own word, the other its replica in sync,
         and the sentinels know both (so that the next failure can fail over)."""
         deadline = time.monotonic() + timeout

@@ -46,7 +46,9 @@ def test_end_to_end_on_a_three_node_cluster_with_two_shards(cluster, start_worke
     shards = (0, 1)
     # Streams stay on their shard's node while results spread by request id: functions run on every node.
     settings = dict(redis_cluster=True, max_prompt_tokens=220, fanout_tokens=200)
-    workers = [start_worker(tiny_dir, cluster.url, shard=s, **settings) for s in shards]
+    workers = [start_worker(tiny_dir, cluster.url, ready=False, shard=s, **settings) for s in shards]  # at once
+    for worker in workers:
+        worker.wait_ready()
 
     client = Client(cluster.url, cluster=True, shards=len(shards))
     batch = requests(40, "c")

@@ -1,7 +1,7 @@
 """Failover under load (docs/RELIABILITY.md, "Failover"): a primary, a replica and three sentinels on loopback, two
 worker processes and producers with ids, all through a ``redis+sentinel://`` URL, in durable mode
 (``--wait-replicas 1``); the primary is killed (-9) and restarted as a replica, then frozen past the sentinels'
-down-after time and let go (it answers as a primary for 10 s more). About 50 s per server: the planned failover
+down-after time and let go (it answers as a primary for 10 s more). About 40 s per server: the planned failover
 (``SENTINEL FAILOVER``) is left to ops/failover.py, which runs 20 of each kind with N = 0 and N = 1 and writes the
 table the docs quote. The same on Redis Cluster (ops/failover_cluster.py), and sentinels that require a password."""
 
@@ -77,10 +77,12 @@ def test_sentinels_that_require_a_password(start_worker, tiny_dir, monkeypatch):
     """Sentinels with ``requirepass``: a worker and a producer given DQ_SENTINEL_PASSWORD find the primary and
     follow a failover; without it, or with a wrong one, the error says the sentinels refused authentication, and
     never shows the password."""
-    cluster = Replicated(sentinel_password="sentinel-s3cret").start()
+    cluster = Replicated(sentinel_password="sentinel-s3cret").launch()
     try:
         monkeypatch.setenv("DQ_SENTINEL_PASSWORD", "sentinel-s3cret")  # the worker process inherits it
-        start_worker(tiny_dir, cluster.url)
+        worker = start_worker(tiny_dir, cluster.url, ready=False)  # it loads its model while the sentinels settle
+        cluster.settle()
+        worker.wait_ready()
         client = Client(cluster.url)
         assert client.decide({"id": "before", "state": "s", "questions": {"q": {"type": "noul"}}}).ok
         cluster.fail("kill")

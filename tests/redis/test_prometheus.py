@@ -83,8 +83,10 @@ def test_a_real_prometheus_scrapes_workers_and_every_panel_shows_its_series(serv
                                                                              tiny_dir, prometheus):
     if server_binary.label != servers_under_test()[0].label:
         pytest.skip("one server is enough: what the workers export and the panels query do not depend on it")
-    workers = [start_worker(tiny_dir, redis_server.url, shard=shard, max_prompt_tokens=220, fanout_tokens=200)
-               for shard in (0, 1)]
+    workers = [start_worker(tiny_dir, redis_server.url, ready=False, shard=shard, max_prompt_tokens=220,
+                            fanout_tokens=200) for shard in (0, 1)]  # both load at once
+    for worker in workers:
+        worker.wait_ready()
     client = Client(redis_server.url, shards=2)
     exporter_port = free_port()
     exporter = serve(Exporter(Client(redis_server.url, shards=2).stats, redis_server.url), "127.0.0.1",

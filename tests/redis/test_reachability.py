@@ -84,6 +84,8 @@ def test_a_stop_with_redis_down_leaves_what_it_holds_pending_and_says_so(redis_s
                           env={"DQ_FAULT_SLOW_S": "2.0"}, consumer="holder")
     wait_log(holder, "fault: slow pack")
     redis_server.stop(kill=True)  # AOF with fsync always: what was delivered is still pending after the restart
+    # The heir loads its model while Redis is down: it takes nothing before the restart.
+    start_worker(tiny_dir, redis_server.url, ready=False, claim_idle_ms=1000)
     wait_log(holder, f"redis unreachable at {redis_server.url}")
     holder.signal(signal.SIGTERM)
     assert holder.wait(60) == 0
@@ -91,7 +93,6 @@ def test_a_stop_with_redis_down_leaves_what_it_holds_pending_and_says_so(redis_s
     assert f"stopped with Redis unreachable at {redis_server.url}:" in log
     assert "entries taken were not acknowledged; they stay pending for consumer holder" in log
     redis_server.start()
-    start_worker(tiny_dir, redis_server.url, claim_idle_ms=1000)
     wait_and_check(client.redis, client.keys, ids, timeout=120).assert_ok()  # each answered once, by the other worker
 
 

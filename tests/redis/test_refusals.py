@@ -128,21 +128,26 @@ def test_out_of_memory_while_fanning_out_is_retried_and_reported(redis_server, s
 
 def test_work_that_cannot_progress_makes_the_worker_unready_within_the_bound(redis_server, inprocess):
     """Publication refused (the ACL-less stand-in: Redis out of memory): unready within seconds; a pack that takes
-    longer than --stall-timeout-s: unready, then ready again once it settles."""
+    longer than --stall-timeout-s: unready, then ready again once it settles. Each pack waits at a gate until the
+    test has seen what it waits for (a pack of fixed seconds made both bounds wait for it)."""
     client = Client(redis_server.url)
-    worker = inprocess(redis_server.url, slow_s=6.0, stall_timeout_s=2, http=True).start()
-    ids = client.submit_many(batch(2, "stall"))
-    wait_for(lambda: worker.faults.slow_packs, what="a slow pack")
+    worker = inprocess(redis_server.url, stall_timeout_s=2, http=True).start()
+    gate = worker.faults.gate = threading.Event()
+    ids = client.submit_many(batch(1, "stall"))
+    wait_for(lambda: worker.faults.prompts, what="a pack held at the gate")
     started = time.monotonic()
     state = wait_for(lambda: (lambda s: s if s["code"] == 503 else None)(readiness(worker)), timeout=10,
                      what="unready")
     assert state["stalled"] and state["live"] and time.monotonic() - started < 4.5  # 2 s, and the polling
+    gate.set()
     wait_and_check(client.redis, client.keys, ids, timeout=60).assert_ok()
     wait_for(lambda: readiness(worker)["code"] == 200, timeout=10, what="ready again")
 
-    more = client.submit_many(batch(2, "refused"))
-    wait_for(lambda: worker.faults.slow_packs >= 2, what="the second slow pack")
+    gate.clear()
+    more = client.submit_many(batch(1, "refused"))
+    wait_for(lambda: worker.faults.prompts >= 2, what="the second pack held at the gate")
     client.redis.config_set("maxmemory", 1)  # the publication that follows the pack is refused
+    gate.set()
     try:
         state = wait_for(lambda: (lambda s: s if s["refusing"] else None)(readiness(worker)), timeout=30,
                          what="refusing")

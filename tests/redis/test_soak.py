@@ -1,4 +1,4 @@
-"""Soak: several worker processes and producer threads for a bounded time (20 s of submitting, about 30 s in all
+"""Soak: several worker processes and producer threads for a bounded time (10 s of submitting, about 20 s in all
 on CPU), one worker killed (-9) and replaced midway; throughput is printed, the invariant is asserted. The same code
 as ops/soak.py, which runs it against a real deployment. Deselect with ``-m 'not soak'``."""
 
@@ -26,9 +26,9 @@ def test_soak_several_workers_and_producers_nothing_lost_nothing_duplicated(redi
         workers[0].process.kill()
         replaced.append(start_worker(tiny_dir, redis_server.url, ready=False, **WORKER))
 
-    killer = threading.Timer(8.0, kill_one)
+    killer = threading.Timer(4.0, kill_one)
     killer.start()
-    soak = run(redis_server.url, requests=50_000, producers=4, duration=20.0, bad_fraction=0.02,
+    soak = run(redis_server.url, requests=50_000, producers=4, duration=10.0, bad_fraction=0.02,
                max_unfinished=400, timeout=120.0)
     killer.join()
     stats = soak.stats()

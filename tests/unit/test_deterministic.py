@@ -46,22 +46,17 @@ def packs_around(count, index, rng):
 
 
 def test_a_prompt_scores_the_same_bits_alone_and_in_any_pack(loaded):
+    """Deterministic mode alone: the default mode's differences (up to 2.4e-6 on the tiny checkpoint,
+    docs/RELIABILITY.md) were measured here too, asserting nothing, at half the test's time."""
     model = loaded("repo", 140)  # short prompts beside long ones, images among them
     prompts = prompts_of(model)
     rng = random.Random(3)
-    apart = {}
-    for mode in (True, False):
-        engine = ReferenceAdapter(model, Settings(deterministic=mode))
-        alone = [scores(engine, [prompt])[0] for prompt in prompts]
-        worst = 0.0
-        for index in range(len(prompts)):
-            for pack, at in packs_around(len(prompts), index, rng):
-                got = scores(engine, [prompts[i] for i in pack])[at]
-                if mode:
-                    assert torch.equal(got, alone[index]), (index, (got - alone[index]).abs().max())
-                worst = max(worst, (got - alone[index]).abs().max().item())
-        apart[mode] = worst
-    print(f"largest score difference alone against packed: deterministic {apart[True]:g}, default {apart[False]:g}")
+    engine = ReferenceAdapter(model, Settings(deterministic=True))
+    alone = [scores(engine, [prompt])[0] for prompt in prompts]
+    for index in range(len(prompts)):
+        for pack, at in packs_around(len(prompts), index, rng):
+            got = scores(engine, [prompts[i] for i in pack])[at]
+            assert torch.equal(got, alone[index]), (index, (got - alone[index]).abs().max())
 
 
 def _scores_in_a_fresh_process(checkpoint_dir, out):

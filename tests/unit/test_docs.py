@@ -69,3 +69,21 @@ def test_the_pictures_are_rendered_from_their_sources():
         nodes = re.findall(r"^\s+(\w+) \[label=", source.read_text(), re.M)
         assert nodes and [node for node in nodes if f"<title>{node}</title>" not in svg] == [], source.name
         assert f"pictures/{source.stem}.svg" in (ROOT / "docs" / "OPERATIONS.md").read_text()
+
+
+def test_every_test_the_bundled_redis_runs_exists_and_says_why():
+    """tests/redis/conftest.py ``EVERY_SERVER`` (docs/TESTING.md): a renamed test would silently leave the
+    bundled Redis 8 without it."""
+    import ast
+
+    source = (ROOT / "tests" / "redis" / "conftest.py").read_text()
+    [listed] = [ast.literal_eval(node.value) for node in ast.parse(source).body
+                if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == [
+                    "EVERY_SERVER"]]
+    missing = []
+    for entry, why in listed.items():
+        module, _, name = entry.partition("::")
+        path = ROOT / "tests" / "redis" / f"{module}.py"
+        if not path.is_file() or not why or name and not re.search(rf"^def {name}\(", path.read_text(), re.M):
+            missing.append(entry)
+    assert listed and not missing, f"EVERY_SERVER names tests that do not exist, or no reason: {missing}"
