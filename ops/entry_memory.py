@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,11 +19,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "ops/bench")]
 
 import redis  # noqa: E402
 
-from served import wait_ready  # noqa: E402
-from producer.local.ports import free_port  # noqa: E402
 from producer.local.server import RedisServer  # noqa: E402
 from producer.wire.keys import Keys  # noqa: E402
-from worker.model import tiny  # noqa: E402
+from tiny_worker import tiny_worker  # noqa: E402
 
 
 def resident_mb(pid: int) -> int:
@@ -41,32 +38,22 @@ def main() -> int:
     parser.add_argument("--watch-s", type=float, default=15.0, help="how long to watch after the burst")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="dq-memory-"))
-    with RedisServer("--appendonly", "no") as server:
-        port = free_port()
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "worker", "serve", "--checkpoint", str(tiny.write(work / "tiny")), "--redis-url",
-             server.url, "--metrics-port", str(port), "--device", "cpu"], cwd=ROOT,
-            stdout=open(work / "worker.log", "wb"), stderr=subprocess.STDOUT)
-        try:
-            wait_ready(worker, port, 120, work / "worker.log")
-            time.sleep(3)
-            ready = resident_mb(worker.pid)
-            client, stream = redis.Redis.from_url(server.url), Keys().requests
-            pad = "x" * (args.mb << 20)
-            with client.pipeline(transaction=True) as pipe:  # one burst: they wake the idle worker together
-                for n in range(args.entries):
-                    pipe.xadd(stream, {"body": json.dumps({"id": f"huge-{n}", "state": pad})})
-                pipe.execute()
-            peak, start = ready, time.monotonic()
-            while time.monotonic() - start < args.watch_s:
-                peak = max(peak, resident_mb(worker.pid))
-                time.sleep(0.1)
-            print(f"{args.entries} entries of {args.mb} MB: worker resident {ready} MB ready, peak {peak} MB "
-                  f"(+{peak - ready}), after {resident_mb(worker.pid)} MB (+{resident_mb(worker.pid) - ready}); "
-                  f"left in the stream: {client.xlen(stream)}")
-        finally:
-            worker.terminate()
-            worker.wait(30)
+    with RedisServer("--appendonly", "no") as server, tiny_worker(work, server.url) as worker:
+        time.sleep(3)
+        ready = resident_mb(worker.pid)
+        client, stream = redis.Redis.from_url(server.url), Keys().requests
+        pad = "x" * (args.mb << 20)
+        with client.pipeline(transaction=True) as pipe:  # one burst: they wake the idle worker together
+            for n in range(args.entries):
+                pipe.xadd(stream, {"body": json.dumps({"id": f"huge-{n}", "state": pad})})
+            pipe.execute()
+        peak, start = ready, time.monotonic()
+        while time.monotonic() - start < args.watch_s:
+            peak = max(peak, resident_mb(worker.pid))
+            time.sleep(0.1)
+        print(f"{args.entries} entries of {args.mb} MB: worker resident {ready} MB ready, peak {peak} MB "
+              f"(+{peak - ready}), after {resident_mb(worker.pid)} MB (+{resident_mb(worker.pid) - ready}); "
+              f"left in the stream: {client.xlen(stream)}")
     return 0
 
 

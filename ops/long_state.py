@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import threading
@@ -20,11 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "ops/bench")]
 
-from served import wait_ready  # noqa: E402
 from producer.client import Client  # noqa: E402
-from producer.local.ports import free_port  # noqa: E402
 from producer.local.server import RedisServer  # noqa: E402
-from worker.model import tiny  # noqa: E402
+from tiny_worker import tiny_worker  # noqa: E402
 
 QUESTIONS = {"refund": {"type": "noul"}, "tone": {"type": "choice", "criteria": {"calm": None, "angry": None}}}
 
@@ -52,38 +49,28 @@ def main() -> int:
     parser.add_argument("--mb", type=float, default=4.7, help="each long state's size [4.7]")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="dq-long-state-"))
-    with RedisServer("--appendonly", "no") as server:
-        port = free_port()
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "worker", "serve", "--checkpoint", str(tiny.write(work / "tiny")), "--redis-url",
-             server.url, "--metrics-port", str(port), "--device", "cpu"], cwd=ROOT,
-            stdout=open(work / "worker.log", "wb"), stderr=subprocess.STDOUT)
-        try:
-            wait_ready(worker, port, 120, work / "worker.log")
-            client = Client(server.url)
-            alone: list[float] = []
-            for n in range(20):  # small requests alone first
-                start = time.monotonic()
-                client.wait_many(client.submit_many([{"id": f"alone-{n}", "state": "Charged twice.",
-                                                      "questions": QUESTIONS}]), timeout=60)
-                alone.append(time.monotonic() - start)
-            print(f"small requests alone: p50 {sorted(alone)[10] * 1000:.0f} ms, max {max(alone) * 1000:.0f} ms")
-            for kind, state in states(int(args.mb * 1e6)).items():
-                stop, waits = threading.Event(), []
-                beside = threading.Thread(target=small, args=(Client(server.url), kind, stop, waits), daemon=True)
-                start = time.monotonic()
-                [long_id] = client.submit_many([{"id": f"long-{kind}", "state": state, "questions": QUESTIONS}])
-                beside.start()
-                result = client.wait_many([long_id], timeout=600)[long_id]
-                took = time.monotonic() - start
-                stop.set()
-                beside.join(120)
-                code = result.error.code.value if result.error else result.status
-                print(f"{kind}: {len(json.dumps(state)) / 1e6:.1f} MB answered {code} in {took:.2f} s; "
-                      f"{len(waits)} small requests meanwhile, slowest {max(waits, default=0) * 1000:.0f} ms")
-        finally:
-            worker.terminate()
-            worker.wait(30)
+    with RedisServer("--appendonly", "no") as server, tiny_worker(work, server.url):
+        client = Client(server.url)
+        alone: list[float] = []
+        for n in range(20):  # small requests alone first
+            start = time.monotonic()
+            client.wait_many(client.submit_many([{"id": f"alone-{n}", "state": "Charged twice.",
+                                                  "questions": QUESTIONS}]), timeout=60)
+            alone.append(time.monotonic() - start)
+        print(f"small requests alone: p50 {sorted(alone)[10] * 1000:.0f} ms, max {max(alone) * 1000:.0f} ms")
+        for kind, state in states(int(args.mb * 1e6)).items():
+            stop, waits = threading.Event(), []
+            beside = threading.Thread(target=small, args=(Client(server.url), kind, stop, waits), daemon=True)
+            start = time.monotonic()
+            [long_id] = client.submit_many([{"id": f"long-{kind}", "state": state, "questions": QUESTIONS}])
+            beside.start()
+            result = client.wait_many([long_id], timeout=600)[long_id]
+            took = time.monotonic() - start
+            stop.set()
+            beside.join(120)
+            code = result.error.code.value if result.error else result.status
+            print(f"{kind}: {len(json.dumps(state)) / 1e6:.1f} MB answered {code} in {took:.2f} s; "
+                  f"{len(waits)} small requests meanwhile, slowest {max(waits, default=0) * 1000:.0f} ms")
     return 0
 
 
