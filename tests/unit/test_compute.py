@@ -8,6 +8,7 @@ import json
 import torch
 
 from producer.wire.schema import Request
+from step_clock import StepClock
 from worker.entries import REQUESTS, Delivery
 from worker.gpu.compute import Compute
 from worker.gpu.packer import Packer
@@ -17,35 +18,6 @@ from worker.model.engine import Prompt, PackRun, Pending
 from worker.tasks import Computed, Failed, Item, Launched, Task
 
 BUDGET = 100
-
-
-class StepClock:
-    """Time that moves only while the packer or a pack is waited for: to the end of the wait, running what was
-    scheduled before it."""
-
-    def __init__(self) -> None:
-        self.t, self.scheduled = 100.0, []
-
-    def now(self) -> float:
-        return self.t
-
-    def at(self, when: float, action) -> None:
-        self.scheduled = sorted([*self.scheduled, (when, action)], key=lambda each: each[0])
-
-    def until(self, when: float) -> None:
-        while self.scheduled and self.scheduled[0][0] <= when:
-            at, action = self.scheduled.pop(0)
-            self.t = max(self.t, at)
-            action()
-        self.t = max(self.t, when)
-
-    def wait(self, condition, timeout: float) -> None:
-        if self.scheduled and self.scheduled[0][0] <= self.t + timeout:
-            when, action = self.scheduled.pop(0)
-            self.t = max(self.t, when)
-            action()
-        else:
-            self.t += timeout
 
 
 class RecordingEngine:

@@ -8,6 +8,7 @@ import torch
 
 from producer.wire.keys import HIGH, NORMAL, Keys
 from producer.wire.schema import Request
+from step_clock import StepClock
 from worker.entries import REQUESTS, Delivery
 from worker.gpu.packer import Packer
 from worker.model.engine import Prompt
@@ -17,28 +18,6 @@ REQUEST = Request.model_validate({"state": "x", "questions": {"spam": {"type": "
 
 
 SIZES = (512, 1024, 2048)
-
-
-class StepClock:
-    """Time that moves only while the packer waits: to the end of its wait, or to the first thing scheduled before
-    it (which runs then)."""
-
-    def __init__(self) -> None:
-        self.t, self.scheduled = 100.0, []
-
-    def now(self) -> float:
-        return self.t
-
-    def at(self, when: float, action) -> None:
-        self.scheduled = sorted([*self.scheduled, (when, action)], key=lambda each: each[0])
-
-    def wait(self, condition, timeout: float) -> None:
-        if self.scheduled and self.scheduled[0][0] <= self.t + timeout:
-            when, action = self.scheduled.pop(0)
-            self.t = max(self.t, when)
-            action()
-        else:
-            self.t += timeout
 
 
 class Running:
