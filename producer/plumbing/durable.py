@@ -48,12 +48,13 @@ def pipeline(batch: Durable) -> list[Command]:
 
 def confirmed(batch: Durable, replies: list[Any]) -> Confirmed:
     """What one Redis answered ``pipeline(batch)``: each command's reply, and the WAIT's count for those that
-    went through. A refused WAIT or read mark raises (a demoted primary refuses WAIT)."""
+    went through. A refused WAIT or read mark raises the first refusal of the pipeline, as a pipeline that
+    raises would: a demoted primary refuses a write READONLY before it refuses the WAIT, and READONLY is what
+    callers read as Redis' state (the gateway's 503, the worker's reconnection)."""
     *answers, count = replies
-    if batch.marks is not None and isinstance(written := answers.pop(), BaseException):
-        raise written
-    if isinstance(count, BaseException):
-        raise count
+    mark = answers.pop() if batch.marks is not None else None
+    if isinstance(mark, BaseException) or isinstance(count, BaseException):
+        raise next(reply for reply in (*answers, mark, count) if isinstance(reply, BaseException))
     return Confirmed(answers, [0 if isinstance(answer, BaseException) else int(count) for answer in answers])
 
 

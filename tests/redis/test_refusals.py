@@ -17,6 +17,8 @@ from faults import FANOUT, batch, long_request, wait_for, wait_released
 
 from producer.admin.audit import wait_and_check
 from producer.client import Client
+from producer.local.ports import free_port
+from producer.plumbing import library_loader
 from producer.local.server import RedisServer
 from producer.wire.keys import Keys
 
@@ -207,6 +209,22 @@ def test_reads_redis_refuses_leave_the_worker_up_and_unready_until_they_pass(red
     report = wait_and_check(client.redis, client.keys, ids, timeout=60).assert_ok()
     assert all(report.results[i].ok for i in ids) and worker.alive
     wait_for(lambda: readiness(worker)["code"] == 200, timeout=30, what="ready again")
+
+
+def test_a_durable_write_to_a_primary_turned_replica_is_refused_read_only(redis_server):
+    """Durable mode's WAIT is refused by a replica too, after the write before it: the caller reads the write's
+    own refusal, READONLY (Redis' state: the gateway answers 503 and a worker connects again), as without durable
+    mode, not the WAIT's plain error (a 500 at the gateway). The primary follows a primary that is not there, so
+    its data stays as it was."""
+    admin = redis.Redis.from_url(redis_server.url)
+    library_loader.ensure(admin)  # while it is a primary
+    admin.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+    try:
+        for replicas in (0, 1):
+            with pytest.raises(redis.exceptions.ReadOnlyError):
+                Client(redis_server.url, wait_replicas=replicas).submit_many(batch(1, f"demoted-{replicas}"))
+    finally:
+        admin.execute_command("REPLICAOF", "NO", "ONE")
 
 
 def test_a_primary_turned_replica_is_left_for_new_connections(redis_server, inprocess):
