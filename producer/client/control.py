@@ -24,6 +24,8 @@ from ..wire.keys import GROUP, ID_PATTERN, Keys, Record, RecordState, shard_of, 
 from ..wire.records import Cancel, Status, cancel_of, status_of
 from .plans import InvalidRequest, Load, NotDurable, Plan, Producer, parse_result, written
 
+CANCELS_SINCE = 4  # the library's revision that brought cancel (a later one may be loaded meanwhile)
+
 
 def _ids(request_ids: Iterable[str] | str) -> list[str]:
     """Each id once, in order; one id given alone is one id (not its characters)."""
@@ -80,9 +82,10 @@ def _call(call: Command, replicas: int) -> Plan[tuple[Any, int]]:
                 raise
             if attempt == 0:
                 loaded = yield Load()
-                if loaded.revision >= library.REVISION:
+                if loaded.revision >= CANCELS_SINCE:
                     continue
-            raise LibraryUnavailable(f"the function library on this server has no {call.words[1]} (revision 4): "
+            raise LibraryUnavailable(f"the function library on this server has no {call.words[1]} "
+                                     f"(revision {CANCELS_SINCE}): "
                                      f"upgrade the workers, or run `dq-worker load-functions` as admin") from None
     raise AssertionError("unreachable")
 
