@@ -75,20 +75,21 @@ def why_not(target: Target, log: dict[str, dict]) -> str:
     return f"not measured: stage {target.stage} exited {entry.get('exit')}"
 
 
-def machine(out: Path, reports: dict[str, object]) -> tuple[str, str]:
-    """The card (the stages' own word for it) and the commit (COMMIT, else machine.txt's, else git's)."""
+def machine(out: Path, reports: dict[str, object], earlier: bool = False) -> tuple[str, str]:
+    """The card (the stages' own word for it) and the commit (COMMIT, else machine.txt's, else git's; an
+    ``earlier`` run's folder: machine.txt's alone, since COMMIT and git name this run's)."""
     cards = set()
     for report in reports.values():
         for one in report if isinstance(report, list) else [report]:
             if isinstance(one, dict) and one.get("gpu"):
                 cards.add(one["gpu"])
     card = " / ".join(sorted(cards)) or "unknown"
-    commit = os.environ.get("COMMIT", "")
+    commit = "" if earlier else os.environ.get("COMMIT", "")
     text = (out / "machine.txt").read_text() if (out / "machine.txt").is_file() else ""
     for line in text.splitlines():
         if line.startswith("commit ") and not commit:
             commit = line[len("commit "):].strip()
-    if not commit:
+    if not commit and not earlier:
         try:
             commit = subprocess.run(["git", "-C", str(ROOT), "log", "--oneline", "-1"], capture_output=True,
                                     text=True, check=True).stdout.strip()
@@ -97,10 +98,11 @@ def machine(out: Path, reports: dict[str, object]) -> tuple[str, str]:
     return card, commit.split()[0] if commit else "unknown"
 
 
-def build(out: Path, shape: str = "2b", smoke: bool = False) -> dict:
-    """The gate: every target's figure, comparison and verdict, with the numbers it came from."""
+def build(out: Path, shape: str = "2b", smoke: bool = False, earlier: bool = False) -> dict:
+    """The gate: every target's figure, comparison and verdict, with the numbers it came from. ``earlier``: a
+    baseline's folder, whose source this checkout is not (no digest)."""
     reports, log = read_reports(out, shape), stage_log(out)
-    card, commit = machine(out, reports)
+    card, commit = machine(out, reports, earlier)
     targets = []
     for target in TARGETS:
         figure, raw = target.figure(reports)
@@ -114,7 +116,8 @@ def build(out: Path, shape: str = "2b", smoke: bool = False) -> dict:
             entry["note"] = why_not(target, log)
         targets.append(entry)
     return {"schema": SCHEMA, "measured": not smoke and any(t["figure"] is not None for t in targets),
-            "smoke": smoke, "shape": shape, "commit": commit, "source_digest": source_digest(), "card": card,
+            "smoke": smoke, "shape": shape, "commit": commit,
+            "source_digest": None if earlier else source_digest(), "card": card,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "targets": targets, "stages": list(log.values())}
 
@@ -147,7 +150,7 @@ def verdict(entry: dict) -> str:
 def heading(gate: dict) -> str:
     kind = "SMOKE (CPU harness, not the product's figures)" if gate.get("smoke") else (
         "measured" if gate.get("measured") else "NOT MEASURED")
-    return (f"gate at {gate.get('commit')} (source {gate.get('source_digest', '-')}) on {gate.get('card')}, "
+    return (f"gate at {gate.get('commit')} (source {gate.get('source_digest') or '-'}) on {gate.get('card')}, "
             f"{gate.get('date')}: {kind}")
 
 
@@ -181,7 +184,7 @@ def load_gate(path: Path, shape: str) -> dict:
         return json.loads(path.read_text())
     if (path / "gate.json").is_file():
         return json.loads((path / "gate.json").read_text())
-    return build(path, shape)
+    return build(path, shape, earlier=True)
 
 
 def main() -> int:

@@ -153,6 +153,16 @@ def test_the_table_and_the_baseline_beside_it(tmp_path):
     assert "13.4 ms | 9.2 ms" in printed and (tmp_path / "out" / "gate.md").read_text() in printed
 
 
+def test_a_baseline_folder_keeps_its_own_commit_and_claims_no_digest(tmp_path, monkeypatch):
+    """An earlier run's folder without its gate.json is built from its reports: its commit is its machine.txt's,
+    not this run's COMMIT, and no source digest is claimed for it (the digest is of this checkout)."""
+    monkeypatch.setenv("COMMIT", "n3wn3w0")
+    folder = write(tmp_path / "base", reports(), [])
+    base = gate.load_gate(folder, "2b")
+    assert base["commit"] == "abc1234" and base["source_digest"] is None
+    assert "(source -)" in gate.heading(base) and gate.build(folder)["commit"] == "n3wn3w0"
+
+
 def test_a_smoke_gate_is_well_formed_and_never_taken_for_a_measurement(tmp_path):
     found = {k.replace("-2b-", "-tiny-"): v for k, v in reports().items()}
     result = built(tmp_path, found, shape="tiny", smoke=True)
