@@ -17,7 +17,7 @@ from redis.retry import Retry
 
 from ..plumbing import cluster_wait, durable, library_loader, sentinel
 from ..plumbing.commands import apipelined, asend, pipelined, send
-from ..plumbing.connection import Deployment, aconnect, connect
+from ..plumbing.connection import Deployment, aconnect, connect, is_cluster
 from ..plumbing.durable import Durable
 from ..plumbing.supported import Server, acheck, check
 from ..wire.errors import NotDurable, RedisUnreachable
@@ -77,7 +77,7 @@ class Face:
             self.redis = connection or self._connect(deployment.url, deployment.cluster, **self._options)
         except UNREACHED as error:
             raise _unreachable(deployment.safe_url, error) from None
-        cluster = deployment.cluster or isinstance(self.redis, (redis.RedisCluster, aioredis.RedisCluster))
+        cluster = deployment.cluster or is_cluster(self.redis)
         self.keys = Keys(deployment.namespace)
         self.core = Producer(self.keys, deployment.shards, max_unfinished, cluster, deployment.wait_replicas,
                              no_worker_s)

@@ -229,6 +229,11 @@ def aconnect(url: str, cluster: bool = False, **options: Any) -> Any:
     return (aioredis.RedisCluster if cluster else aioredis.Redis).from_url(url, **_options(AsyncRetry, options))
 
 
+def is_cluster(client: Any) -> bool:
+    """Whether ``client`` (blocking or asyncio) is a Redis Cluster client."""
+    return isinstance(client, (redis.RedisCluster, aioredis.RedisCluster))
+
+
 def check_reachable(deployment: Deployment, **options: Any) -> None:
     """One PING without retries, so that a wrong URL fails within the socket timeout instead of after the ~12
     s of retries meant for a restarting Redis. Raises a ``redis.RedisError`` (or ValueError for a malformed

@@ -20,14 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-import redis.asyncio as aioredis
-
 from ..wire.keys import Keys
 from . import cluster_wait, sentinel
 from .cluster_wait import ATTEMPTS, Confirmed
 from .commands import Command, Pipeline, apipelined, pipelined, wait
-from .connection import WAIT_MS
+from .connection import WAIT_MS, is_cluster
 
 
 @dataclass(frozen=True)
@@ -64,14 +61,10 @@ def short(batch: Durable, sent: Confirmed) -> bool:
     return fewest is not None and fewest < batch.replicas
 
 
-def _cluster(client: Any) -> bool:
-    return isinstance(client, (redis.RedisCluster, aioredis.RedisCluster))
-
-
 def run(client: Any, batch: Durable, attempts: int = ATTEMPTS) -> Confirmed:
     """Send ``batch`` in durable mode on a blocking client; on Redis Cluster a doubt (a redirect, a broken
     connection) sends the whole batch again, ``attempts`` times at most (cluster_wait.run)."""
-    if _cluster(client):
+    if is_cluster(client):
         sent = cluster_wait.run(client, batch.commands, batch.replicas, WAIT_MS, batch.marks, attempts)
     else:
         sent = confirmed(batch, pipelined(client, Pipeline(pipeline(batch), raising=False)))
@@ -83,7 +76,7 @@ def run(client: Any, batch: Durable, attempts: int = ATTEMPTS) -> Confirmed:
 async def arun(client: Any, batch: Durable, once: Any = None, attempts: int = ATTEMPTS) -> Confirmed:
     """``run`` on an asyncio client; on Redis Cluster through ``once``, a cluster client that never retries a
     command by itself (``cluster_wait.once``: its retry would send again only the commands not answered)."""
-    if _cluster(client):
+    if is_cluster(client):
         sent = await cluster_wait.arun(once, batch.commands, batch.replicas, WAIT_MS, batch.marks, attempts)
     else:
         sent = confirmed(batch, await apipelined(client, Pipeline(pipeline(batch), raising=False)))

@@ -13,11 +13,11 @@ from collections.abc import Generator
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 
 from ..wire.errors import LibraryUnavailable
 from ..wire.library import CODE, LIBRARY, REVISION, REVISION_FUNCTION, Loaded, missing
 from .commands import Command, asend, send
+from .connection import is_cluster
 
 
 def _plan(replace_older: bool, cluster: bool, again: bool = True) -> Generator[Command, Any, Loaded]:
@@ -48,15 +48,11 @@ def _plan(replace_older: bool, cluster: bool, again: bool = True) -> Generator[C
     return Loaded(REVISION, "loaded" if loaded is None else "replaced")
 
 
-def _cluster(client: Any) -> bool:
-    return isinstance(client, (redis.RedisCluster, aioredis.RedisCluster))
-
-
 def ensure(client: Any, replace_older: bool = True) -> Loaded:
     """Make the library available on the client's server (every primary of a cluster); raises
     LibraryUnavailable when it is missing or older (with ``replace_older``) and the user may not ``FUNCTION
     LOAD``."""
-    plan, reply, error = _plan(replace_older, _cluster(client)), None, None
+    plan, reply, error = _plan(replace_older, is_cluster(client)), None, None
     while True:
         try:
             command = plan.throw(error) if error is not None else plan.send(reply)
@@ -70,7 +66,7 @@ def ensure(client: Any, replace_older: bool = True) -> Loaded:
 
 async def aensure(client: Any, replace_older: bool = True) -> Loaded:
     """``ensure`` for an asyncio client."""
-    plan, reply, error = _plan(replace_older, _cluster(client)), None, None
+    plan, reply, error = _plan(replace_older, is_cluster(client)), None, None
     while True:
         try:
             command = plan.throw(error) if error is not None else plan.send(reply)
