@@ -36,7 +36,7 @@ from ..plumbing.durable import Durable
 from ..wire import library
 from ..wire.digest import body_digest, digest
 from ..wire.errors import InvalidRequest, NotDurable, QueueFull, ResultTimeout, WrongResult  # noqa: F401 - raised here
-from ..wire.keys import GONE_S, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_age, shard_of
+from ..wire.keys import GONE_S, LANES, MAX_BODY_BYTES, NORMAL, Field, Keys, Priority, beat_live, shard_of
 from ..wire.result import Result, Unreadable, read_stored, unreadable
 from ..wire.schema import Request, describe
 from .steps import Load, Plan, Step  # noqa: F401 - the faces' names for them
@@ -290,7 +290,7 @@ class Producer:
         except redis.exceptions.NoPermissionError:
             return None
         now = time.time()
-        return sum(1 for raw in beats.values() if beat_age(raw, now) < GONE_S)
+        return sum(1 for raw in beats.values() if beat_live(raw, now))
 
     def present(self, request_ids: list[str]) -> Plan[dict[str, Result]]:
         """The results already there, in one round trip (one key per command: fine on Redis Cluster too).

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from ..plumbing.commands import command
 from ..wire.errors import ModelNotServed
-from ..wire.keys import GONE_S, Keys, beat_age, beat_models
+from ..wire.keys import Keys, beat_live, beat_models
 from .plans import Plan
 
 T = TypeVar("T")
@@ -44,7 +44,7 @@ def catalog(beats: Mapping[bytes | str, bytes | str], namespace: str, now: float
     names: dict[str, tuple[str, ...]] = {}
     for raw in beats.values():
         served = beat_models(raw)
-        if served and beat_age(raw, now) < GONE_S and not draining(raw):
+        if served and beat_live(raw, now) and not draining(raw):
             counts[served[0]] = counts.get(served[0], 0) + 1
             names[served[0]] = tuple(dict.fromkeys(names.get(served[0], ()) + served))
     models = {first: ServedModel(first, namespace, names[first], count) for first, count in counts.items()}

@@ -11,7 +11,7 @@ import redis
 
 from ..plumbing.commands import Command, command
 from ..plumbing.supported import lag_of
-from ..wire.keys import GONE_S, GROUP, LANES, Keys, beat_age, text
+from ..wire.keys import GONE_S, GROUP, LANES, Keys, beat_age, beat_live, text
 from ..wire.records import FOUND
 from .plans import Plan, Producer
 from .served import catalog
@@ -31,7 +31,7 @@ def stats(core: Producer) -> Plan[dict[str, Any]]:
     cannot count it (``servers.lag_of``)."""
     beats = yield command("HGETALL", core.keys.workers())
     now = time.time()
-    live = {text(name) for name, raw in beats.items() if beat_age(raw, now) < GONE_S}
+    live = {text(name) for name, raw in beats.items() if beat_live(raw, now)}
     shards = []
     for shard in range(core.shards):
         keys, entry = Keys(core.keys.namespace, shard), {"shard": shard}

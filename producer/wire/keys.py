@@ -263,3 +263,8 @@ def beat_age(raw: Any, now: float) -> float:
         return now - float(json.loads(raw)["ts"])
     except (ValueError, TypeError, KeyError):
         return float("inf")
+
+
+def beat_live(raw: Any, now: float) -> bool:
+    """Whether the worker that wrote a heartbeat of ``Keys.workers`` is alive: its beat younger than ``GONE_S``."""
+    return beat_age(raw, now) < GONE_S
