@@ -7,12 +7,12 @@ engine's buckets (``LENGTHS``: about a third of them 256-512 tokens, a few near 
 model's own template and tokenizer: the tiny checkpoint's, which the benchmarks' random models render with
 too.
 
-The measure (the one ops/bench/fidelity.py and tests/gpu/test_fast_path.py use): per question, the largest
-absolute difference between two runs' answer probabilities over its options (the served probabilities: softmax
-of the option logits at the decision config's temperature); over the set, its **mean** and its **worst**
-(largest), and the share of questions whose most likely option differs (flips). An engine is at the floor when
-its mean and worst against fp32 are within ``FACTOR`` x those of transformers' own bf16 forward against fp32
-on the same requests.
+The measure (ops/bench/fidelity.py's too; tests/gpu/test_fast_path.py computes the same one itself): per question,
+the largest absolute difference between two runs' answer probabilities over its options (the served probabilities:
+softmax of the option logits at the decision config's temperature); over the set, its **mean** and its **worst**
+(largest), and the share of questions whose most likely option differs (flips). An engine is at the floor when its
+mean and worst against fp32 are within ``FACTOR`` x those of transformers' own bf16 forward against fp32 on the
+same requests.
 """
 
 from __future__ import annotations

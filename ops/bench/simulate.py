@@ -31,8 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_worker import HIGH, NORMAL, Costs, Request, Worker, percentile  # noqa: E402
 
 LOADS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 1.0)
-TARGETS = {"p99_half_ms": 50, "load_p99_100": 0.8, "ratio": 0.97, "high_p99_ms": 150, "normal_over_peak": 0.85,
-           "lone_p50_ms": 10, "lone_p99_ms": 15}
 
 
 def lengths(rng: random.Random, count: int) -> list[int]:
