@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import os
 
 import httpx
 import pytest
@@ -37,8 +36,9 @@ def gateway(request, server_binary):
 def litellm():
     """Imported by the test process that runs the test only (4 to 8 s), not by every one at collection. LiteLLM
     fetches its model price list from the internet at import unless told to use the copy it ships."""
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    return pytest.importorskip("litellm", reason="no litellm: pip install -e '.[test]' installs it")
+    with pytest.MonkeyPatch.context() as patch:  # this module's alone: restored after it
+        patch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        yield pytest.importorskip("litellm", reason="no litellm: pip install -e '.[test]' installs it")
 
 
 def model_of(stack) -> str:
