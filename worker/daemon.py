@@ -145,7 +145,7 @@ class Daemon:
         beats = {"reader": loop.read_turn, "gpu": self.compute.turned_at}
         return Snapshot(beats={name: beat for name, beat in beats.items() if beat is not None},
                         reading_since=loop.reading_since, loop_running=loop.running, redis_ok=loop.reachable,
-                        library_ok=loop.library_ok, ready=self.ready.is_set(), inflight=loop.inflight,
+                        library_ok=loop.library_ok, present=loop.present, ready=self.ready.is_set(), inflight=loop.inflight,
                         stopping=loop.stopping.is_set(), block_ms=self.settings.block_ms,
                         refusing=loop.refusing, oldest_taken=loop.oldest_taken, released_at=loop.released_at,
                         stall_s=self.settings.stall_timeout_s)

@@ -55,6 +55,8 @@ class Snapshot:
     oldest_taken: float | None = None
     released_at: float | None = None  # when an entry was last let go (settled, fanned out, acknowledged)
     stall_s: float = 60.0  # held entries with nothing settled for this long: stalled
+    # a heartbeat written: a worker routed to by its model is not ready before producers can find it
+    present: bool = True
 
 
 class Watched(Protocol):
@@ -88,11 +90,10 @@ def status(state: Snapshot) -> dict[str, Any]:
     # And one entry left behind while the rest moves (its idle time kept fresh, so no other worker takes it).
     held = now - state.oldest_taken if state.oldest_taken is not None else 0.0
     stalled = waiting > state.stall_s or held > HELD_STALLS * state.stall_s
-    ready = (state.ready and redis_ok and state.library_ok and not stuck and not stalled
-             and not state.refusing
-             and not state.stopping)
+    ready = (state.ready and redis_ok and state.library_ok and state.present and not stuck and not stalled
+             and not state.refusing and not state.stopping)
     return {"live": not stuck, "stuck": stuck, "ready": ready, "model_loaded": True, "warm": state.ready,
-            "redis": redis_ok, "library": state.library_ok, "refusing": state.refusing, "stalled": stalled,
+            "redis": redis_ok, "library": state.library_ok, "present": state.present, "refusing": state.refusing, "stalled": stalled,
             "inflight": state.inflight, "stopping": state.stopping, "pid": os.getpid()}
 
 

@@ -6,11 +6,12 @@ from worker.health import REDIS_GRACE_SECONDS, STALE_SECONDS, Snapshot, status
 
 
 def daemon(reader_age: float, gpu_age: float = 0.0, reading_for: float | None = None, redis_ok: bool = True,
-           loop_running: bool = True, library_ok: bool = True) -> Snapshot:
+           loop_running: bool = True, library_ok: bool = True, present: bool = True) -> Snapshot:
     now = time.time()
     return Snapshot(beats={"reader": now - reader_age, "gpu": now - gpu_age},
                     reading_since=None if reading_for is None else now - reading_for, loop_running=loop_running,
-                    redis_ok=redis_ok, library_ok=library_ok, ready=True, inflight=0, stopping=False, block_ms=1000)
+                    redis_ok=redis_ok, library_ok=library_ok, ready=True, inflight=0, stopping=False, block_ms=1000,
+                    present=present)
 
 
 def test_turning_loops_are_live_and_ready():
@@ -30,6 +31,13 @@ def test_a_stuck_loop_is_dead():
     assert status(daemon(reader_age=STALE_SECONDS + 5))["stuck"] == ["reader"]  # stale and not waiting on Redis
     state = status(daemon(reader_age=0.1, gpu_age=STALE_SECONDS + 5, reading_for=0.1))
     assert not state["live"] and state["stuck"] == ["gpu"] and not state["ready"]
+
+
+def test_a_worker_without_a_heartbeat_yet_is_unready_not_dead():
+    """Producers route a call by model to the workers whose heartbeat names it: until the first one is written,
+    a warm worker is not ready (the stack read no heartbeat right after /readyz answered 200)."""
+    state = status(daemon(reader_age=0.1, present=False))
+    assert state["live"] and not state["ready"] and not state["present"]
 
 
 def test_redis_errors_make_it_unready():

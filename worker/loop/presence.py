@@ -34,10 +34,12 @@ class Presence:
         # model (the name results say), models (every name it serves under), engine, shard
         self.identity = identity
         self.state = state
+        self.written = False  # a heartbeat of this worker is on the server: producers can route to it by model
 
     async def beat(self, inflight: int) -> None:
         beat = {"ts": time.time(), "inflight": inflight, **self.identity, "state": self.state()}
         await self.redis.hset(self.keys.workers(), self.name, json.dumps(beat))
+        self.written = True
 
     async def forget_the_gone(self) -> tuple[list[str], list[str]]:
         """Delete dead consumers (nothing pending, idle past the limit) and stale heartbeats; both lists of

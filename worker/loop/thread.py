@@ -133,6 +133,10 @@ class LoopThread:
         return self.publisher.library.ok
 
     @property
+    def present(self) -> bool:  # a heartbeat written: producers find this worker's model
+        return self.presence.written
+
+    @property
     def read_turn(self) -> float | None:  # the readers' beat (liveness)
         return self.intake.read_turn
 
