@@ -12,7 +12,7 @@ Each scenario is a fresh simulated worker, as the benchmarks start fresh workers
   first enqueue to last result, against the same prompts in greedy full packs back to back (the in-process figure);
 - sweep: then, in the same worker, ``--seconds`` of requests at each load (x the peak's requests/s), p50/p99 of
   enqueue to result, and where p99 crosses 50 and 100 ms;
-- priority (priority.py): the peak, then a 6000-request normal backlog with high requests at 10% of the peak rate
+- priority (priority.py): the peak, then a ``--requests`` normal backlog with high requests at 10% of the peak rate
   until it is answered: high p50/p99, the normal lane's throughput over the peak;
 - lone (lone.py): 1000 requests of 464 tokens one at a time, the client's view.
 """
@@ -63,10 +63,10 @@ def peak(worker: Worker, rng: random.Random, count: int) -> dict:
 
 
 def paced(worker: Worker, rng: random.Random, rate: float, seconds: float, arrivals: str,
-          lane: str = NORMAL, until=None) -> list[Request]:
+          lane: str = NORMAL, until=None, after: float = 0.0) -> list[Request]:
     """Requests at ``rate`` per second (evenly, as the benchmarks pace them, or Poisson) for ``seconds`` or until
-    ``until()``; scheduled on the simulation's clock."""
-    sim, start, out = worker.sim, worker.sim.t, []
+    ``until()``, the first ``after`` seconds from now; scheduled on the simulation's clock."""
+    sim, start, out = worker.sim, worker.sim.t + after, []
     when = start
     while when < start + seconds:
         request = Request(rng.randint(256, 768), lane)
@@ -101,10 +101,14 @@ def priority(worker: Worker, rng: random.Random, count: int, arrivals: str) -> d
     top = peak(worker, rng, count)
     warm = backlog(worker, lengths(rng, 16), HIGH)
     worker.run(lambda: all(r.done for r in warm))
+    # priority.py makes the phase's requests and scrapes the worker between the warm-up and the backlog: the
+    # high lane has been quiet for seconds when the backlog and the first high requests come
+    worker.sim.run_until(worker.sim.t + 2.0)
     normal = backlog(worker, lengths(rng, count))
     began = worker.sim.t
+    # the high feeder starts once the backlog's submission returns (about 0.2 s for 3000 requests)
     high = paced(worker, rng, 0.1 * top["requests_per_s"], 600.0, arrivals, HIGH,
-                 until=lambda: all(r.done for r in normal))
+                 until=lambda: all(r.done for r in normal), after=0.2)
     worker.run(lambda: all(r.done for r in normal))
     sent = [r for r in high if r.enqueued]
     worker.run(lambda: all(r.done for r in sent))
@@ -146,7 +150,7 @@ def scenarios(commit: str | None, args: argparse.Namespace, seed: int) -> dict:
     half = next(p for p in points if p["load"] == 0.5)
     return {"peak": top, "sweep": points, "p99_half_ms": half["p99_ms"], "load_p99_50": crossing(points, 50),
             "load_p99_100": crossing(points, 100),
-            "priority": priority(make(), random.Random(seed + 1), 6000, args.arrivals), "lone": lone(make())}
+            "priority": priority(make(), random.Random(seed + 1), args.requests, args.arrivals), "lone": lone(make())}
 
 
 def median(values: list[float]) -> float:

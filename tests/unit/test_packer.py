@@ -147,29 +147,41 @@ def test_nothing_queued_by_the_moment_means_no_pack_behind():
     assert packer.next(behind=True) == [] and clock.t < 100.05
 
 
-def test_a_backlog_makes_full_packs_of_the_largest_size_back_to_back_at_once():
-    """A saturated worker without high work launches each full pack of the largest size as soon as it can, as
-    before; what is left, less than a full one, waits for the moment before the running pack ends."""
+def test_a_backlog_makes_full_packs_of_the_largest_size_back_to_back_ahead_of_time():
+    """A saturated worker launches each full pack of the largest size as early as a high request arriving just
+    after it would still meet its target behind both packs (the host's pauses cannot starve the GPU), never at
+    once; what is left, less than a full one, goes just in time."""
     clock = StepClock()
-    packer = fill(Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock), *[item(NORMAL, 256, f"n{i}") for i in range(20)])
-    running(packer, 2048, seconds=0.05)
-    assert sum(one.tokens for one in packer.next(behind=True)) == 2048 and clock.t == 100.0
-    assert sum(one.tokens for one in packer.next(behind=True)) == 2048 and clock.t == 100.0
-    assert sum(one.tokens for one in packer.next(behind=True)) == 1024 and clock.t > 100.04
+    packer = fill(Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock, high_target=0.1),
+                  *[item(NORMAL, 256, f"n{i}") for i in range(20)])
+    running(packer, 2048, seconds=0.05)  # runs 100.00 to 100.05
+    ahead = 0.1 - 0.05 - packer.policy.costs.seconds(512)
+    assert ahead == packer.policy.ahead(2048) and ahead > packer.policy.lead(2048)
+    for end in (100.05, 100.10):
+        assert sum(one.tokens for one in packer.next(behind=True)) == 2048 and abs(clock.t - (end - ahead)) < 1e-9
+        packer.launched(2048, clock.t, Running())  # behind the one running: ends 50 ms after it
+    rest = packer.next(behind=True)
+    assert sum(one.tokens for one in rest) == 1024 and abs(clock.t - (100.15 - packer.policy.lead(2048))) < 1e-9
     assert not any(packer.lanes.values())
 
 
-def test_while_high_work_flows_even_a_full_pack_waits_for_the_moment_and_a_late_high_request_rides_in_it():
-    """A full pack launched at once would make a high request arriving meanwhile wait for two packs."""
+def test_a_high_request_arriving_just_after_a_full_pack_went_ahead_still_meets_its_target():
+    """It waits for the pack running and the full one behind it, then goes in a pack sized for what is left of its
+    target: within the target, where a full pack launched at once would have made it wait for two whole packs."""
     clock = StepClock()
-    packer = fill(Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock, high_target=1.0),
+    packer = fill(Packer(2048, max_wait=0.0, sizes=SIZES, clock=clock, high_target=0.1),
                   *[item(NORMAL, 256, f"n{i}") for i in range(20)])
-    packer.put([item(HIGH, 100, "h0")])
-    assert names(packer.next())[0] == "h0"  # high work flows from now on
-    running(packer, 2048, seconds=0.05)
-    clock.at(100.02, lambda: packer.put([item(HIGH, 100, "h1")]))
+    for size, seconds in ((512, 0.02), (1024, 0.03), (2048, 0.05)):
+        packer.policy.costs.observe(size, seconds)
+    running(packer, 2048, seconds=0.05)  # runs 100.00 to 100.05
+    pack = packer.next(behind=True)  # 30 ms ahead: 100 ms less 50 for it, 20 for the smallest size
+    assert sum(one.tokens for one in pack) == 2048 and abs(clock.t - 100.02) < 1e-9
+    packer.launched(2048, clock.t, Running())  # runs 100.05 to 100.10
+    arrived = clock.t + 0.001
+    clock.at(arrived, lambda: packer.put([item(HIGH, 100, "h0")]))
     pack = packer.next(behind=True)
-    assert names(pack)[0] == "h1" and clock.t > 100.04
+    assert names(pack)[0] == "h0" and sum(one.tokens for one in pack) <= 512
+    assert 100.10 + packer.policy.costs.seconds(512) - arrived <= 0.1 + 1e-9
 
 
 def test_a_pack_holding_high_work_is_sized_for_the_oldest_high_request_s_target():

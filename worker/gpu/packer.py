@@ -3,11 +3,11 @@ first, launched while the GPU is idle at once and behind a running pack just bef
 
 Idle (``next()``): a pack of what is queued, at once (``max_wait`` lets a partly filled one wait for company).
 Busy (``next(behind=True)``, while a pack runs): the next pack is formed just before the running one is
-expected to end (its launch's host time and a margin ahead: ``Policy.lead``), from everything that arrived by
-then, so that the GPU runs back to back and a request arriving meanwhile rides in the next pack rather than
-the one after; a full pack of the largest size goes at once while no high work flows (waiting could add
-nothing to it, and a saturated worker keeps full packs back to back). If nothing is queued by then, or the
-running pack is done already, none: the GPU thread reads the running pack out first.
+expected to end (``Policy.lead``: its launch's host time, with room for the host's pauses, and a margin),
+from everything that arrived by then, so that the GPU runs back to back and a request arriving meanwhile rides
+in the next pack rather than the one after. A pack of the largest size may go sooner, but never so soon that a
+high request arriving just after it would miss its target (it waits for both packs on the GPU). If nothing is
+queued by then, or the running pack is done already, none: the GPU thread reads the running pack out first.
 
 Each lane's prompts wait in arrival order. A pack takes the high lane's first, then the normal lane's, first
 fit: a prompt that does not fit is passed over (up to ``HOLD`` of them) for smaller later ones, and waits at
@@ -34,7 +34,6 @@ from ..tasks import Item, Task
 from .policy import Clock, Policy, Waiting
 
 HOLD = 64  # prompts of a lane passed over per step (first fit), oldest first
-HIGH_RECENT_S = 1.0  # high work flows while some was queued this recently: packs behind go just in time
 FULL = 0.9  # a pack this full of its static size counts as full
 POLL_S = 0.002  # while waiting for the moment behind a running pack, whether it is done is looked at this often
 
@@ -68,7 +67,6 @@ class Packer:
         self.tokens = {lane: 0 for lane in LANES}  # queued, per lane
         self.since: dict[int, float] = {}  # id(item) -> when its task was taken (clock seconds)
         self.owed = 0  # tokens of pack room normal work is owed and has not had yet
-        self.high_seen = float("-inf")  # when high work was last queued (clock)
         self.running: deque[Running] = deque()  # launched, not read out yet; oldest first
         self.ready = threading.Condition()
 
@@ -81,8 +79,6 @@ class Packer:
                 self.lanes[item.lane].append(item)
                 self.tokens[item.lane] += item.tokens
                 self.since[id(item)] = now - waited
-                if item.lane == HIGH:
-                    self.high_seen = now
             self.ready.notify()
 
     def withdraw(self, task: Task) -> bool:
@@ -120,7 +116,7 @@ class Packer:
         with self.ready:
             now = self.clock.now()
             policy = self.policy
-            policy.launch_seconds += 0.2 * (now - began - policy.launch_seconds)
+            policy.launched(now - began)
             size = policy.holding(tokens) if tokens <= policy.sizes[-1] else tokens
             start = max(began, self.running[-1].ends_at) if self.running else began
             self.running.append(Running(pending, size, began, start, start + policy.costs.seconds(size)))
@@ -142,23 +138,28 @@ class Packer:
                 following.ends_at = following.starts_at + self.policy.costs.seconds(following.size)
 
     def _behind(self, running: Running) -> list[Item]:
-        """Behind a running pack: a full one at once while no high work flows, else a pack formed just before
-        the running one ends; none if nothing is queued by then or it is done already."""
+        """Behind a running pack: the next one, formed when the running one is about to end (``Policy.lead``),
+        or a full one of the largest size sooner (``Policy.ahead``); none if nothing is queued by then or the
+        running pack is done already."""
         policy = self.policy
+        tried = -1  # the tokens queued when a full pack was last tried for (tried again only with more)
         while True:
             now = self.clock.now()
             if running.pending.done():
                 return []
-            launch_at = running.ends_at - policy.lead(running.size)
             size = policy.size(self._waiting(), max(running.ends_at, now + policy.launch_seconds))
-            quiet = not self.lanes[HIGH] and now - self.high_seen > HIGH_RECENT_S
-            largest = size == policy.sizes[-1]
-            if quiet and largest and sum(self.tokens.values()) >= FULL * size and (pack := self._full(size)):
-                return pack
+            launch_at = running.ends_at - policy.lead(running.size)
             if now >= launch_at:
                 return self._fill(size) if self._queued() else []
+            queued = sum(self.tokens.values())
+            ahead_at = running.ends_at - policy.ahead(size)
+            if now >= ahead_at and queued > tried and queued >= FULL * size:
+                tried = queued
+                if pack := self._full(size):
+                    return pack
+            moment = min(each for each in (ahead_at, launch_at) if each > now)
             # until the moment, or a put; whether the pack ended sooner than expected is looked at every POLL_S
-            self.clock.wait(self.ready, min(launch_at - now, POLL_S))
+            self.clock.wait(self.ready, min(moment - now, POLL_S))
 
     def _wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
         deadline = self.clock.now() + timeout
@@ -180,8 +181,7 @@ class Packer:
         tokens, owed, since = dict(self.tokens), self.owed, dict(self.since)
         pack = self._fill(size)
         got = self._tokens(pack)
-        static = next((each for each in self.sizes if each >= got), None) if self.sizes else size
-        if static is None or got >= FULL * static:  # a prompt over every size runs alone, eagerly, anyway
+        if got >= FULL * size:
             return pack
         self.lanes, self.tokens, self.owed, self.since = lanes, tokens, owed, since
         return []

@@ -133,10 +133,25 @@ class Policy:
         split = seconds(below[-1]) + seconds(self.holding(tokens - below[-1]))
         return below[-1] if split < seconds(holding) else holding
 
+    def launched(self, seconds: float) -> None:
+        """A launch took ``seconds`` of host time: a moving mean of them."""
+        self.launch_seconds += 0.2 * (seconds - self.launch_seconds)
+
     def lead(self, running: int) -> float:
-        """How long before a running pack of size ``running`` ends the next one is launched: its launch's host
-        time, and a margin for the estimate of the running pack's end."""
+        """How long before a running pack of size ``running`` ends the next one is launched: just in time, its
+        launch's host time and a margin for the estimate of the running pack's end. (Room for the launch's spread
+        as well, twice its mean deviation, cost the normal lane a point in the simulation with a pausing host
+        and bought the high lane nothing.)"""
         return self.launch_seconds + max(0.002, 0.05 * self.costs.seconds(running))
+
+    def ahead(self, size: int) -> float:
+        """How long before a running pack ends a full pack of ``size`` may be launched: for the largest size, as
+        early as a high request arriving just after it would still meet its target behind it in a pack of the
+        smallest size (nothing arriving later could join a full pack anyway, and the GPU stays fed through the
+        host's longer pauses at the peak); for the others 0, just in time (later work rides in them)."""
+        if size != self.sizes[-1]:
+            return 0.0
+        return max(0.0, self.high_target - self.costs.seconds(size) - self.costs.seconds(self.sizes[0]))
 
     def _meeting(self, since: float, start: float) -> int | None:
         """The largest size whose run, starting at ``start``, ends within the high lane's target for a prompt
