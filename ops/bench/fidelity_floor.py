@@ -238,8 +238,8 @@ def measure(args: argparse.Namespace, log=print) -> dict:
     report = {"shape": args.shape, "model": (f"checkpoint {args.checkpoint}" if args.checkpoint else
                                             f"random weights at the {args.shape} shape, seed {args.seed}"),
               "requests": args.requests, "set": saved.get("set"), "factor": fidelity_set.FACTOR,
-              "metric": "per question the largest probability difference over its options; mean and worst over "
-                        "the set; flips: questions whose most likely option differs",
+              "metric": "per question the largest probability difference over its options; mean, p99 and max "
+                        "over the set; flips: questions whose most likely option differs",
               "overridden": overrides(args), "reference_seconds": saved["seconds"], "failed": failed,
               "configs": {}}
     answers = saved["answers"]
@@ -287,8 +287,8 @@ def main() -> int:
     report = measure(args)
     (Path(args.out) / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     summary = {"floor": report.get("floor"), "failed": report["failed"], "set": report["set"],
-               **{name: {k: c[k] for k in ("mean_ratio", "worst_ratio", "mean_within", "worst_within")}
-                  | {"mean": c["vs_fp32"]["mean"], "worst": c["vs_fp32"]["worst"]}
+               **{name: {k: c[k] for k in ("mean_ratio", "p99_ratio", "mean_within", "p99_within")}
+                  | {key: c["vs_fp32"][key] for key in ("mean", "p99", "max")}
                   for name, c in report["configs"].items()}}
     print("SUMMARY", json.dumps(summary), flush=True)
     return 0 if "floor" in report else 1

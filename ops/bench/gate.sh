@@ -3,10 +3,11 @@
 # per stage (ops/bench/run_all.sh's stages), in parts that each fit one device command of at most 10 minutes:
 #   gate-1  e2e-bf16: the peak end to end and in process, then latency from 0.1 to 1.0 of the peak (the
 #           machine's cold start: it compiles what every later worker loads); lone: one request at a time,
-#           client and gateway; e2e-bf16-det (issue 49's cost of deterministic mode) if time is left
-#   gate-2  priority in three fresh workers; then invariance-det (deterministic mode alone against mixed)
-#           beside fidelity-floor (the defaults and deterministic mode against the bf16 floor): neither is
-#           timed, so they share the GPU; e2e-bf16-det if gate-1 left it and time is left
+#           client and gateway; e2e-bf16-det (issue 49's cost of deterministic mode); invariance-det
+#           (deterministic mode alone against mixed)
+#   gate-2  priority in three fresh workers; fidelity-floor (the defaults and deterministic mode against the
+#           bf16 floor), alone: beside invariance-det its bf16 reference took 108 s against 15 and the stage
+#           ran past its limit (b392b26's gate needed a third part)
 #   gate-3  only what is missing (a stage skipped, cut or failed in gate-1 or gate-2), most important first
 # A stage whose report is in OUTDIR already is not run again (GATE_AGAIN=1: run it anyway). Before each
 # stage the part checks its clock: a stage expected to take longer than the part has left
@@ -19,16 +20,14 @@
 # stage's limit; figures marked as not the product's).
 #
 # Seconds per stage on one H100, expected and at most (docs/BENCHMARKS*.md's logs; the limit is the stage's):
-#   e2e-bf16 cold    330  420  cold start about 240 s (run_all.sh; 109 s at a3eb3d0, before the epilogues
-#                              and the 512/1024 buckets), in-process timing 15, warm-up and 3000-request
-#                              peak 12, 8 phases of 6 s
-#   lone              85  150  warm start 49-59 s (a3eb3d0), 2 x 800 requests at 13-20 ms, the gateway
-#   e2e-bf16-det     130  200  warm start 55 s, deterministic graphs compiled once, peak, one 6 s phase
-#   priority x 3     240  330  52 s to ready each (a3eb3d0), 3000-request peak and backlog of 9 s each
-#   invariance-det   140  240  two deterministic workers of 50 s each, the held-out set, a 1500 backlog
-#   fidelity-floor   170  260  fp32 and bf16 references of 320 requests (0.7M tokens), two children
-# So gate-1 about 415 s (545 with e2e-bf16-det), gate-2 about 410 s (490 with it: the deterministic
-# graphs are warm by then).
+#   e2e-bf16         195  300  b392b26's gate: 167 s, the machine's first worker (in-process timing 15,
+#                              warm-up, the 3000-request peak 12, now three times, 8 phases of 6 s)
+#   lone              70  150  69 s: warm start, 2 x 800 requests, the gateway
+#   e2e-bf16-det      90  200  86 s: warm start, deterministic graphs compiled once, peak, one 6 s phase
+#   invariance-det   110  240  110 s: two deterministic workers, the held-out set, a 1500 backlog
+#   priority x 3     225  330  221 s: three workers, each a 3000-request peak and a backlog with high work
+#   fidelity-floor   205  300  202 s alone: fp32 and bf16 references of 320 requests (0.7M tokens), children
+# So gate-1 about 465 s and gate-2 about 430 s of the 510 each part has (GATE_PART_SECONDS).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: gate.sh OUTDIR [gate-1] [gate-2] [gate-3]}
@@ -98,13 +97,6 @@ run_stage() {
   record "$name" "$expected" "$limit" $((SECONDS - began)) "${code:-0}" ""
 }
 
-beside() {  # two untimed stages at once: invariance-det's workers and fidelity-floor's children share the GPU
-  run_stage invariance-det 140 240 INVARIANCE_TIMEOUT &
-  local other=$!
-  run_stage fidelity-floor 170 260 FLOOR_TIMEOUT
-  wait $other
-}
-
 status=0
 for part in $parts; do
   part_start=$SECONDS
@@ -112,11 +104,12 @@ for part in $parts; do
   BENCH_PROBE=1 bash ops/bench/run_all.sh "$out" machine >/dev/null 2>&1
   cat "$out/machine.txt"
   case $part in
-    gate-1) run_stage e2e-bf16 330 420 E2E_TIMEOUT; run_stage lone 85 150 LONE_TIMEOUT
-            run_stage e2e-bf16-det 130 200 E2E_TIMEOUT ;;
-    gate-2) run_stage priority 240 330 PRIORITY_TIMEOUT; beside; run_stage e2e-bf16-det 80 200 E2E_TIMEOUT ;;
-    gate-3) run_stage e2e-bf16 330 420 E2E_TIMEOUT; run_stage lone 85 150 LONE_TIMEOUT
-            run_stage priority 240 330 PRIORITY_TIMEOUT; beside; run_stage e2e-bf16-det 130 200 E2E_TIMEOUT ;;
+    gate-1) run_stage e2e-bf16 195 300 E2E_TIMEOUT; run_stage lone 70 150 LONE_TIMEOUT
+            run_stage e2e-bf16-det 90 200 E2E_TIMEOUT; run_stage invariance-det 110 240 INVARIANCE_TIMEOUT ;;
+    gate-2) run_stage priority 225 330 PRIORITY_TIMEOUT; run_stage fidelity-floor 205 300 FLOOR_TIMEOUT ;;
+    gate-3) run_stage e2e-bf16 195 300 E2E_TIMEOUT; run_stage lone 70 150 LONE_TIMEOUT
+            run_stage priority 225 330 PRIORITY_TIMEOUT; run_stage fidelity-floor 205 300 FLOOR_TIMEOUT
+            run_stage invariance-det 110 240 INVARIANCE_TIMEOUT; run_stage e2e-bf16-det 90 200 E2E_TIMEOUT ;;
     *) echo "unknown part $part (gate-1, gate-2, gate-3)"; status=2; continue ;;
   esac
   echo "=== $part done in $((SECONDS - part_start)) s"

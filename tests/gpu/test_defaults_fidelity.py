@@ -1,7 +1,7 @@
 """The fast engine's defaults stay at the bf16 floor: on the fidelity set (ops/bench/fidelity_set.py: every
 question type, prompts in every bucket from 512 to 16384 tokens), ``Settings()`` as it is when the test runs
 moves answers from an fp32 reference at most 1.1x as far as transformers' own bf16 forward does, in mean and
-in worst (ops/bench/fidelity_floor.py, in a process of its own: deterministic mode, should it become a
+in p99 over the questions (ops/bench/fidelity_set.py says why not the max; ops/bench/fidelity_floor.py, in a process of its own: deterministic mode, should it become a
 default, sets cuBLAS up before the first GPU matmul).
 
 Model: the tiny checkpoint's "small" size (the heads the GPU kernels take), text only, reading 16384 tokens;
@@ -43,14 +43,14 @@ def test_the_defaults_answer_the_fidelity_set_within_the_bf16_floor(tmp_path):
     result = json.loads((out / "report.json").read_text())
     defaults = result["configs"]["defaults"]
     report(test="defaults-fidelity", floor=result["floor"], defaults=defaults["vs_fp32"],
-           settings=defaults["settings"], mean_ratio=defaults["mean_ratio"], worst_ratio=defaults["worst_ratio"],
+           settings=defaults["settings"], mean_ratio=defaults["mean_ratio"], p99_ratio=defaults["p99_ratio"],
            set=result["set"])
     assert result["overridden"] == {}
     assert defaults["settings"] == {key: getattr(Settings(), key) for key in SHOWN}
     assert all(count > 0 for count in result["set"]["buckets"].values()), result["set"]
     assert result["floor"]["questions"] > 500 and result["floor"]["mean"] > 0
-    figures = {key: defaults[key] for key in ("mean_ratio", "worst_ratio")}
-    assert defaults["mean_within"] and defaults["worst_within"], (
+    figures = {key: defaults[key] for key in ("mean_ratio", "p99_ratio")}
+    assert defaults["mean_within"] and defaults["p99_within"], (
         f"the defaults ({defaults['settings']}) move answers past {fidelity_set.FACTOR}x the bf16 floor: {figures}, "
         f"floor {result['floor']}, defaults {defaults['vs_fp32']}")
 
