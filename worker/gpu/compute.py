@@ -76,20 +76,24 @@ class Compute:
                 self._finish(*in_flight)
                 in_flight = None
                 continue
-            launched = None
-            if pack:
-                began, clock_began = time.time(), self.packer.clock.now()
-                try:
-                    pending = self.engine.launch([item.prompt for item in pack])
-                except Exception as error:  # noqa: BLE001 - isolated below, prompt by prompt
-                    self._isolate(pack, error)
-                else:
-                    launched = (pack, pending)
-                    self.packer.launched(sum(item.tokens for item in pack), clock_began, pending)
-                    self.sink.hand_over(Launched(tuple(pack), began))
+            pending = self._launch(pack) if pack else None
+            launched = (pack, pending) if pending is not None else None
             if in_flight is not None:
                 self._finish(*in_flight)
             in_flight = launched
+
+    def _launch(self, pack: list[Item]) -> Pending | None:
+        """The pack onto the GPU, told to the packer and the sink; a launch that fails is isolated at once,
+        prompt by prompt (None)."""
+        began, clock_began = time.time(), self.packer.clock.now()
+        try:
+            pending = self.engine.launch([item.prompt for item in pack])
+        except Exception as error:  # noqa: BLE001 - isolated, prompt by prompt
+            self._isolate(pack, error)
+            return None
+        self.packer.launched(sum(item.tokens for item in pack), clock_began, pending)
+        self.sink.hand_over(Launched(tuple(pack), began))
+        return pending
 
     def _take(self, wait: bool, behind: bool) -> list[Item]:
         pack = []
@@ -155,12 +159,5 @@ class Compute:
             self.sink.hand_over(Failed(pack[0].task, f"{type(error).__name__}: {error}"))
             return
         for half in (pack[: len(pack) // 2], pack[len(pack) // 2:]):
-            began, clock_began = time.time(), self.packer.clock.now()
-            try:
-                pending = self.engine.launch([item.prompt for item in half])
-            except Exception as again:  # noqa: BLE001
-                self._isolate(half, again)
-                continue
-            self.packer.launched(sum(item.tokens for item in half), clock_began, pending)
-            self.sink.hand_over(Launched(tuple(half), began))
-            self._finish(half, pending)
+            if (pending := self._launch(half)) is not None:
+                self._finish(half, pending)
