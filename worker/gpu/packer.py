@@ -31,10 +31,9 @@ from producer.wire.keys import HIGH, LANES, NORMAL, Priority
 
 from ..model.engine import Pending
 from ..tasks import Item, Task
-from .policy import Clock, Policy, Waiting
+from .policy import FULL, Clock, Policy, Waiting
 
 HOLD = 64  # prompts of a lane passed over per step (first fit), oldest first
-FULL = 0.9  # a pack this full of its static size counts as full
 POLL_S = 0.002  # while waiting for the moment behind a running pack, whether it is done is looked at this often
 
 
