@@ -169,6 +169,7 @@ def table(results: dict[str, list[dict]]) -> str:
             ("highest load with p99 <= 50 ms", lambda r: r["load_p99_50"], "-"),
             ("end to end / in process", lambda r: r["peak"]["ratio"], ">= 0.97"),
             ("high p99, ms", lambda r: r["priority"]["high_p99_ms"], "<= 150"),
+            ("high max, ms", lambda r: r["priority"]["high_max_ms"], "-"),
             ("normal lane / peak", lambda r: r["priority"]["normal_over_peak"], ">= 0.85"),
             ("lone p50, ms", lambda r: r["lone"]["p50_ms"], "<= 10"),
             ("lone p99, ms", lambda r: r["lone"]["p99_ms"], "<= 15")]
