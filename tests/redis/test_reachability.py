@@ -146,3 +146,45 @@ def test_a_real_old_server_is_refused_by_worker_and_producer(start_worker, tiny_
         with pytest.raises(UnsupportedServer, match=f"{OLD[0].server} found"):
             Client(old.url).stats()
 
+
+
+
+
+@pytest.mark.parametrize("face", ["blocking", "asyncio"])
+def test_a_connection_lost_as_the_pool_hands_it_out_is_retried_like_a_command(redis_server, face, monkeypatch):
+    """redis-py's pool checks a connection before handing it out (``ensure_connection``: reconnect once if it is
+    closed), outside the command's retry: a new connection the server closed in that moment (a CLIENT KILL or a
+    restart; the chaos test's producer met it) raised to the caller at once. Here that check fails twice, as it
+    does then, and the client rides it out as it rides out a restart."""
+    from producer.plumbing.connection import aconnect, connect
+
+    pool_class = redis.ConnectionPool if face == "blocking" else redis.asyncio.ConnectionPool
+    real, failures = pool_class.ensure_connection, []
+
+    def failing(pool, connection):
+        if len(failures) < 2:
+            failures.append(1)
+            raise redis.ConnectionError("Connection closed by server.")
+        return real(pool, connection)
+
+    async def afailing(pool, connection):
+        if len(failures) < 2:
+            failures.append(1)
+            raise redis.ConnectionError("Connection closed by server.")
+        return await real(pool, connection)
+
+    monkeypatch.setattr(pool_class, "ensure_connection", failing if face == "blocking" else afailing)
+    if face == "blocking":
+        client = connect(redis_server.url)
+        assert client.ping() is True
+        client.close()
+    else:
+        async def ping() -> bool:
+            client = aconnect(redis_server.url)
+            try:
+                return await client.ping()
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(ping()) is True
+    assert len(failures) == 2
