@@ -59,7 +59,11 @@ stage() { echo "== $1 at $((SECONDS - start)) s"; }
 [ "${BENCH_PROBE:-1}" = 1 ] && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c 'import torch, transformers, fla; print("torch", torch.__version__, "transformers", transformers.__version__, "fla", fla.__version__)'
   $PY -c 'import flash_qla; print("flash_qla", flash_qla.__version__)' 2>&1 | tail -1
-  echo "cpus $(nproc)"; echo "commit ${COMMIT:-$(git log --oneline -1 2>/dev/null)}"; } >"$out/machine.txt" 2>&1 &&
+  echo "cpus $(nproc) $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)"
+  # The host's speed on one core: the end-to-end path is host-bound on a slow one (72aab1e's gate, BENCHMARKS)
+  $PY -c 'import json, time; t = time.perf_counter(); [json.loads(json.dumps({"a": list(range(64)), "b": "x" * 64}))
+for _ in range(20000)]; print(f"host: 20000 JSON round trips on one core in {time.perf_counter() - t:.3f} s")'
+  echo "commit ${COMMIT:-$(git log --oneline -1 2>/dev/null)}"; } >"$out/machine.txt" 2>&1 &&
   cat "$out/machine.txt"
 
 want delta-rule && { stage "delta rule per pack"
