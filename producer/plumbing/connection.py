@@ -216,26 +216,32 @@ def _options(retry: Any, options: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Pool(redis.ConnectionPool):
-    """redis-py's pool, whose hand-out of a connection rides out a restart as a command does. Its pool checks a
-    connection before handing it out, reconnecting once, outside the command's retry: a server that closed the
-    new connection in that moment (a restart, CLIENT KILL) raised to the caller at once (seen in the chaos
-    test: a producer's submission failed while Redis restarted)."""
+    """redis-py's pool, whose check of a connection it hands out rides out a restart as a command does. The pool
+    checks a connection before handing it out, reconnecting once, outside the command's retry: a new connection the
+    server closed in that moment (a restart, CLIENT KILL) raised to the caller at once (the chaos test: a
+    producer's submission failed while Redis restarted). Here the check is retried as a command is."""
 
-    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        handed, retry = super().get_connection, self.connection_kwargs.get("retry")
+    def ensure_connection(self, connection: Any) -> None:
+        retry, check = self.connection_kwargs.get("retry"), super().ensure_connection
         if retry is None:
-            return handed(*args, **kwargs)
-        return retry.call_with_retry(lambda: handed(*args, **kwargs), lambda _: None)
+            return check(connection)
+        return retry.call_with_retry(lambda: check(connection), lambda _: None)
 
 
-class _AsyncPool(aioredis.ConnectionPool):
-    """``_Pool`` for the asyncio client."""
+class _AsyncPool(aioredis.BlockingConnectionPool):
+    """``_Pool`` for the asyncio client; and a call finding every connection in use waits for one (up to
+    ``timeout``) rather than failing: a worker taking in a backlog looks each planned request up at once, and past
+    redis-py's 100 connections the rest failed with "Too many connections" and were retried as if Redis were
+    down (logged and counted as unreachable; every gate run's worker did so at its backlog)."""
 
-    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        handed, retry = super().get_connection, self.connection_kwargs.get("retry")
+    def __init__(self, max_connections: int = 100, timeout: float | None = 20, **options: Any) -> None:
+        super().__init__(max_connections=max_connections, timeout=timeout, **options)
+
+    async def ensure_connection(self, connection: Any) -> None:
+        retry, check = self.connection_kwargs.get("retry"), super().ensure_connection
         if retry is None:
-            return await handed(*args, **kwargs)
-        return await retry.call_with_retry(lambda: handed(*args, **kwargs), _async_nothing)
+            return await check(connection)
+        return await retry.call_with_retry(lambda: check(connection), _async_nothing)
 
 
 async def _async_nothing(_: BaseException) -> None:

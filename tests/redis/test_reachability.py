@@ -188,3 +188,22 @@ def test_a_connection_lost_as_the_pool_hands_it_out_is_retried_like_a_command(re
 
         assert asyncio.run(ping()) is True
     assert len(failures) == 2
+
+
+def test_an_asyncio_client_with_every_connection_in_use_waits_for_one(redis_server):
+    """A worker taking in a backlog looks every planned request up at once. Past its pool's 100 connections
+    redis-py raised "Too many connections", which the worker retried as if Redis were down (and said so). The
+    client's calls wait for a connection instead, and the server sees at most the pool's 100."""
+    from producer.plumbing.connection import aconnect
+
+    async def many() -> tuple[list, int]:
+        client = aconnect(redis_server.url)
+        try:
+            answers = await asyncio.gather(*(client.blpop([f"nothing-{i}"], timeout=0.1) for i in range(250)))
+            return answers, len(client.connection_pool._in_use_connections | set(
+                client.connection_pool._available_connections))
+        finally:
+            await client.aclose()
+
+    answers, connections = asyncio.run(many())
+    assert answers == [None] * 250 and connections == 100
