@@ -123,6 +123,9 @@ class Metrics:
         self.gc_pause = Histogram("dq_gc_pause_seconds", "One pass of Python's garbage collector, any "
                                   "generation: every thread of the worker stops meanwhile",
                                   buckets=PAUSE_BUCKETS, registry=r)
+        self.launch = Histogram("dq_pack_launch_seconds", "One pack's launch on the host (layout, copies, "
+                                "kernels enqueued): a pack launched behind a running one runs stretched if its "
+                                "launch ends after that one", buckets=PAUSE_BUCKETS, registry=r)
         self.gpu_idle = Histogram("dq_gpu_idle_seconds",
                                   "GPU idle between the previous pack's end and a pack's start",
                                   buckets=FORWARD_BUCKETS, registry=r)

@@ -59,13 +59,16 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def gpu_time(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
-    """The packs' own GPU time and the GPU's idle time between packs over a phase (engine-measured, CUDA events)."""
+    """The packs' own GPU time and the GPU's idle time between packs over a phase (engine-measured, CUDA events),
+    and a launch's mean host time (a host too slow to launch a pack before the one ahead of it ends stretches it)."""
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     busy, idle = delta("dq_pack_gpu_seconds_sum"), delta("dq_gpu_idle_seconds_sum")
+    launches = delta("dq_pack_launch_seconds_count")
     return {"gpu_busy_fraction": round(busy / seconds, 3), "gpu_idle_between_packs_s": round(idle, 2),
-            "packs": int(delta("dq_pack_gpu_seconds_count"))}
+            "packs": int(delta("dq_pack_gpu_seconds_count")),
+            "launch_ms_mean": round(1000 * delta("dq_pack_launch_seconds_sum") / launches, 2) if launches else None}
 
 
 def gc_collections(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:

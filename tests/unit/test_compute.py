@@ -84,8 +84,11 @@ def run(model, lengths, synchronous: bool = False):
         def hand_over(self, event):
             handed.append(event)
 
-    compute = Compute(model, engine, packer, Metrics(), Sink())
+    metrics = Metrics()
+    compute = Compute(model, engine, packer, metrics, Sink())
     compute.run(done=lambda: not any(packer.lanes.values()))
+    launches = sum(1 for event in engine.events if event[0] == "launch")
+    assert metrics.registry.get_sample_value("dq_pack_launch_seconds_count") == launches  # each launch timed
     answered = [event.item.task.request_id for event in handed if isinstance(event, Computed)]
     assert sorted(answered) == sorted(f"r{i}" for i in range(len(lengths)))  # every prompt answered once
     launched = [item.task.request_id for event in handed if isinstance(event, Launched) for item in event.items]

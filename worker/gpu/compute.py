@@ -91,6 +91,7 @@ class Compute:
         except Exception as error:  # noqa: BLE001 - isolated, prompt by prompt
             self._isolate(pack, error)
             return None
+        self.metrics.launch.observe(time.time() - began)
         self.packer.launched(sum(item.tokens for item in pack), clock_began, pending)
         self.sink.hand_over(Launched(tuple(pack), began))
         return pending
