@@ -3,7 +3,7 @@ first, launched while the GPU is idle at once and behind a running pack just bef
 
 Idle (``next()``): a pack of what is queued, at once (``max_wait`` lets a partly filled one wait for company).
 Busy (``next(behind=True)``, while a pack runs): the next pack is formed just before the running one is
-expected to end (``Policy.lead``: its launch's host time, with room for the host's pauses, and a margin),
+expected to end (``Policy.lead``: its launch's host time and a margin ahead),
 from everything that arrived by then, so that the GPU runs back to back and a request arriving meanwhile rides
 in the next pack rather than the one after. A pack of the largest size may go sooner, but never so soon that a
 high request arriving just after it would miss its target (it waits for both packs on the GPU). If nothing is
@@ -174,8 +174,8 @@ class Packer:
         return Waiting(sum(self.tokens.values()), self.tokens[HIGH], oldest)
 
     def _full(self, size: int) -> list[Item]:
-        """A pack filled to ``size`` that fills its static size (``FULL``), else none and the queue as it was:
-        what is queued may not pack that well (prompts that do not fit together, a long one in front)."""
+        """A pack filled to at least ``FULL`` of ``size``, else none and the queue as it was: what is queued may
+        not pack that well (prompts that do not fit together, a long one in front)."""
         lanes = {lane: deque(queue) for lane, queue in self.lanes.items()}
         tokens, owed, since = dict(self.tokens), self.owed, dict(self.since)
         pack = self._fill(size)
