@@ -112,7 +112,7 @@ def test_metrics_move_as_the_work_goes(redis_server, start_worker, tiny_dir):
     samples = worker.metrics()
     assert all(name.startswith(("dq_", "process_", "python_")) for name, _ in samples)
     assert {key for name, labels in samples for key, _ in labels if name.startswith("dq_")} <= LABELS
-    assert len(samples) < 400
+    assert len(samples) < 425  # 407 with dq_pack_launch_seconds: a fixed count, whatever the traffic
     assert m("process_resident_memory_bytes") > 10e6 and m("process_cpu_seconds_total") > 0
     assert m("python_info") == 1 and m("dq_ready", shard="0") == 1
 
