@@ -250,11 +250,11 @@ async def _async_nothing(_: BaseException) -> None:
 
 def connect(url: str, cluster: bool = False, **options: Any) -> Any:
     """A synchronous client (rediss:// URLs give TLS; a Sentinel URL, a client of the service's primary)."""
-    if sentinel.is_sentinel(url):
-        return sentinel.master(url, _options(Retry, options))
-    if cluster:
-        return redis.RedisCluster.from_url(url, **_options(Retry, options))
     chosen = _options(Retry, options)
+    if sentinel.is_sentinel(url):
+        return sentinel.master(url, chosen)
+    if cluster:
+        return redis.RedisCluster.from_url(url, **chosen)
     single = chosen.pop("single_connection_client", False)
     client = redis.Redis(connection_pool=_Pool.from_url(url, **chosen), single_connection_client=single)
     client.auto_close_connection_pool = True  # as redis.Redis.from_url's: closing the client closes its pool
@@ -263,11 +263,11 @@ def connect(url: str, cluster: bool = False, **options: Any) -> Any:
 
 def aconnect(url: str, cluster: bool = False, **options: Any) -> Any:
     """An asyncio client, as ``connect``."""
-    if sentinel.is_sentinel(url):
-        return sentinel.master(url, _options(AsyncRetry, options), asyncio=True)
-    if cluster:
-        return aioredis.RedisCluster.from_url(url, **_options(AsyncRetry, options))
     chosen = _options(AsyncRetry, options)
+    if sentinel.is_sentinel(url):
+        return sentinel.master(url, chosen, asyncio=True)
+    if cluster:
+        return aioredis.RedisCluster.from_url(url, **chosen)
     single = chosen.pop("single_connection_client", False)
     client = aioredis.Redis(connection_pool=_AsyncPool.from_url(url, **chosen), single_connection_client=single)
     client.auto_close_connection_pool = True
