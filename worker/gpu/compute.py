@@ -34,9 +34,10 @@ GIL_SWITCH_S = 0.0005  # while the GPU stage runs, the GIL changes hands within 
 
 
 class Sink(Protocol):
-    """Where each fact about the work goes (worker/loop/thread.py); called on this (the GPU) thread."""
+    """Where each fact about the work goes (worker/loop/thread.py); called on this (the GPU) thread, with a
+    pack's read-out in one call."""
 
-    def hand_over(self, event: GpuEvent) -> None: ...
+    def hand_over(self, *events: GpuEvent) -> None: ...
 
 
 class Compute:
@@ -125,12 +126,14 @@ class Compute:
             ended = time.time()
             self.traces.computed(list({id(item.task): item.task.delivery for item in pack}.values()),
                                  ended - run.seconds, ended, run.bucket, run.tokens)
-        config = self.model.decision_config
+        config, computed = self.model.decision_config, []
         for item, scores in zip(pack, run.scores):
             questions = item.prompt.questions
             answers = [answer(config, q, logits)
                        for q, logits in zip(questions, option_logits(self.model, questions, scores))]
-            self.sink.hand_over(Computed(item, answers, run.seconds * item.tokens / max(run.tokens, 1)))
+            computed.append(Computed(item, answers, run.seconds * item.tokens / max(run.tokens, 1)))
+        # In one hand-over: each wakes the loop thread through a socket, a call that lets the GIL go.
+        self.sink.hand_over(*computed)
 
     def _record(self, run: PackRun) -> None:
         metrics = self.metrics
