@@ -60,16 +60,13 @@ export E2E_REQUESTS=${E2E_REQUESTS:-3000} E2E_LOADS=${E2E_LOADS:-0.1,0.3,0.5,0.6
   LONE_REQUESTS=${LONE_REQUESTS:-800} PRIORITY_WORKERS=3 PRIORITY_REQUESTS=${PRIORITY_REQUESTS:-3000} \
   INVARIANCE_REQUESTS=${INVARIANCE_REQUESTS:-1500} FLOOR_REQUESTS=${FLOOR_REQUESTS:-320}
 
-# stage -> the report(s) that say it was measured
-reports() {
-  case $1 in
-    e2e-bf16) echo "e2e-$shape-bf16" ;; e2e-bf16-det) echo "e2e-$shape-bf16-det" ;;
-    lone) echo "lone-$shape-bf16" ;;
-    priority) echo "priority-$shape-bf16 priority-$shape-bf16-2 priority-$shape-bf16-3" ;;
-    invariance-det) echo "invariance-det-$shape-bf16" ;; fidelity-floor) echo "fidelity-floor" ;;
-  esac
+# stage -> the report(s) that say it was measured (ops/bench/gate_targets.py's STAGES)
+reports() { $PY ops/bench/gate_targets.py folders "$1" "$shape"; }
+measured() {
+  local dirs dir
+  dirs=$(reports "$1") && [ -n "$dirs" ] || return 1
+  for dir in $dirs; do [ -f "$out/$dir/report.json" ] || return 1; done
 }
-measured() { local dir; for dir in $(reports "$1"); do [ -f "$out/$dir/report.json" ] || return 1; done; }
 
 record() {  # record STAGE EXPECTED LIMIT SECONDS EXIT SKIPPED
   local format='{"part": "%s", "stage": "%s", "expected_s": %s, "limit_s": %s, "seconds": %s, "exit": %s, '
