@@ -192,8 +192,8 @@ def redact(url: str) -> str:
     """The URL without its password, the one form every message and log line prints:
     ``redis://user:***@host/0`` for ``redis://user:secret@host/0``, and ``?password=***`` for a password given
     as a query parameter (redis-py takes any of its options there: ``ssl_password`` too)."""
-    if sentinel.is_sentinel(url):
-        return sentinel.redact(url)
+    if sentinel.is_sentinel(url):  # its hosts and credentials are its own; a query (refused) hidden all the same
+        return QUERY_PASSWORD.sub(r"\1***", sentinel.redact(url))
     try:
         parts = urlsplit(url)
         if parts.password is not None:
