@@ -44,7 +44,7 @@ def source_digest(root: Path = ROOT) -> str:
 def read_reports(out: Path, shape: str) -> dict[str, object]:
     """Each stage's report.json (None where absent); the priority stage as a list of its workers' reports."""
     reports: dict[str, object] = {}
-    for key, folders in STAGES.items():
+    for key, folders in STAGES.values():
         found = []
         for folder in folders:
             path = out / folder.format(shape=shape) / "report.json"

@@ -13,14 +13,15 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
-# report key -> its folders under OUTDIR (run_all.sh's names; {shape}: 2b, or tiny in the CPU harness check)
+# gate.sh's stage -> the key its reports are read under, and their folders under OUTDIR (run_all.sh's names;
+# {shape}: 2b, or tiny in the CPU harness check). gate.sh asks this list (``python3 gate_targets.py folders``).
 STAGES = {
-    "e2e": ("e2e-{shape}-bf16",),
-    "e2e_det": ("e2e-{shape}-bf16-det",),
-    "lone": ("lone-{shape}-bf16",),
-    "priority": ("priority-{shape}-bf16", "priority-{shape}-bf16-2", "priority-{shape}-bf16-3"),
-    "invariance_det": ("invariance-det-{shape}-bf16",),
-    "floor": ("fidelity-floor",),
+    "e2e-bf16": ("e2e", ("e2e-{shape}-bf16",)),
+    "e2e-bf16-det": ("e2e_det", ("e2e-{shape}-bf16-det",)),
+    "lone": ("lone", ("lone-{shape}-bf16",)),
+    "priority": ("priority", ("priority-{shape}-bf16", "priority-{shape}-bf16-2", "priority-{shape}-bf16-3")),
+    "invariance-det": ("invariance_det", ("invariance-det-{shape}-bf16",)),
+    "fidelity-floor": ("floor", ("fidelity-floor",)),
 }
 COMPARISONS = {"<=": lambda figure, target: figure <= target, ">=": lambda figure, target: figure >= target}
 Figure = Callable[[dict], "tuple[float | None, dict[str, Any]]"]
@@ -111,7 +112,7 @@ def _priority(field: str, worst) -> Figure:
         per_worker = [[run[field] for run in worker.get("runs", [])] for worker in workers]
         raw = {"per_worker": per_worker, "workers": len(workers),
                "peaks": [w["peak"]["tokens_per_s"] for w in workers]}
-        wanted = len(STAGES["priority"])
+        wanted = len(STAGES["priority"][1])
         if not workers:
             return None, {}  # the stage's own word says why
         if len(workers) < wanted or not runs:
@@ -231,3 +232,10 @@ TARGETS: list[Target] = [
     Target("deterministic_p99_at_half", "deterministic mode: p99 at 0.5 of its peak", 49, "ms", None, None,
            False, "e2e-bf16-det", "e2e-bf16-det, phase 0.5", _e2e(("latency", "p99_ms"), "e2e_det")),
 ]
+
+
+if __name__ == "__main__":  # gate.sh: python3 gate_targets.py folders STAGE SHAPE -> the stage's folders
+    import sys
+
+    _, _, stage, shape = sys.argv
+    print(" ".join(folder.format(shape=shape) for folder in STAGES[stage][1]))

@@ -10,6 +10,7 @@ Redis call); every host step takes its modelled time, always.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import importlib.util
 import math
@@ -266,9 +267,10 @@ class Sink:
                 self.sim.computed(event.item.task)
 
 
+@functools.cache
 def load_gpu_stage(commit: str | None) -> tuple[ModuleType, ModuleType]:
-    """The packer and compute modules of the working tree, or of ``commit`` (read from git, loaded beside
-    worker.gpu as worker.gpu_<commit>)."""
+    """The packer and compute modules of the working tree, or of ``commit`` (read from git once per process,
+    loaded beside worker.gpu as worker.gpu_<commit>)."""
     if commit is None:
         from worker.gpu import compute, packer
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
 
 from faults import FAULTY, batch, wait_for, wait_log
 from producer.admin.audit import wait_and_check
@@ -207,3 +208,48 @@ def test_an_asyncio_client_with_every_connection_in_use_waits_for_one(redis_serv
 
     answers, connections = asyncio.run(many())
     assert answers == [None] * 250 and connections == 100
+
+
+class _Counted(NoBackoff):
+    """A backoff of none that counts the waits asked of it: one per failed attempt tried again. redis-py gives
+    each connection a deep copy of the retry: this one stays itself, so that every wait is counted here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[int] = []
+
+    def compute(self, failures: int) -> float:
+        self.waits.append(failures)
+        return 0
+
+    def __deepcopy__(self, memo: dict) -> _Counted:
+        return self
+
+
+@pytest.mark.parametrize("face", ["blocking", "asyncio"])
+def test_a_redis_that_is_down_is_tried_as_often_as_the_retry_says_not_its_square(face):
+    """redis-py's ``connect`` retries with the connection's ``retry`` by itself; the pool's check of a connection
+    it hands out, retried as a command is, ran all of connect's attempts in each of its own: a Redis that was down
+    took a call 17 x 17 attempts (about 4 minutes, not ~12 s) to fail. With 3 retries: 3 waits, not 15."""
+    from redis.asyncio.retry import Retry as AsyncRetry
+    from redis.retry import Retry
+
+    from producer.plumbing.connection import aconnect, connect
+
+    backoff, url = _Counted(), f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: every connect is refused
+    if face == "blocking":
+        client = connect(url, retry=Retry(backoff, 3))
+        with pytest.raises(redis.ConnectionError):
+            client.ping()
+        client.close()
+    else:
+        async def ping() -> None:
+            client = aconnect(url, retry=AsyncRetry(backoff, 3))
+            try:
+                await client.ping()
+            finally:
+                await client.aclose()
+
+        with pytest.raises(redis.ConnectionError):
+            asyncio.run(ping())
+    assert backoff.waits == [1, 2, 3]

@@ -100,6 +100,8 @@ def test_passwords_never_shown():
     assert redact("redis://redis:6379/0?password=s3cret&db=1") == "redis://redis:6379/0?password=***&db=1"
     assert redact("unix:///run/redis.sock?db=0&Password=s3cret") == "unix:///run/redis.sock?db=0&Password=***"
     assert redact("rediss://u:s3cret@h/0?ssl_password=s3cret2") == "rediss://u:***@h/0?ssl_password=***"
+    # a Sentinel URL takes no query (it is refused), but a password in one is hidden all the same
+    assert redact("redis+sentinel://u:s3cret@s1/dq?password=s3cret2") == "redis+sentinel://u:***@s1/dq?password=***"
     assert "s3cret" not in Deployment(url="redis://h/0?password=s3cret").safe_url
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(BENCH))
 
 import check_gate  # noqa: E402
 import gate  # noqa: E402
-from gate_targets import TARGETS  # noqa: E402
+from gate_targets import STAGES, TARGETS  # noqa: E402
 
 CARD = "NVIDIA H100 80GB HBM3"
 SWEEP = [(0.1, 14, 18), (0.3, 13, 30), (0.5, 30, 44), (0.6, 33, 60), (0.7, 35, 70), (0.8, 36, 90),
@@ -229,6 +229,25 @@ def test_the_gpu_test_parts_name_existing_modules_and_the_scripts_parse():
     assert len(first) < len(list((ROOT / "tests" / "gpu").glob("test_*.py")))  # tests-2 runs the others
     for script in ("run_all.sh", "gate.sh"):
         assert subprocess.run(["bash", "-n", str(BENCH / script)]).returncode == 0
+
+
+def test_every_stage_is_one_list_that_gate_sh_runs_and_asks(tmp_path):
+    """gate.sh's stages, the targets' and the report folders are gate_targets.STAGES; gate.sh asks it which
+    folders say a stage was measured (a stage it cannot ask about is run, never taken as measured)."""
+    text = (BENCH / "gate.sh").read_text()
+    run = set(re.findall(r"run_stage ([a-z0-9-]+) ", text))
+    assert run == set(STAGES) and {target.stage for target in TARGETS} <= set(STAGES)
+    folders = subprocess.run([sys.executable, str(BENCH / "gate_targets.py"), "folders", "priority", "tiny"],
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert folders == ["priority-tiny-bf16", "priority-tiny-bf16-2", "priority-tiny-bf16-3"]
+    for folder in folders:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "report.json").write_text("{}")
+    measured = (f'source <(sed -n "/^reports()/,/^}}/p" {BENCH / "gate.sh"}); PY={sys.executable}; shape=tiny; '
+                f'out={tmp_path}; measured priority && echo yes; measured lone || echo no; PY=false; '
+                'measured priority || echo no')
+    got = subprocess.run(["bash", "-c", measured], capture_output=True, text=True, cwd=ROOT).stdout.split()
+    assert got == ["yes", "no", "no"]
 
 
 def test_the_fidelity_measure_gates_on_the_worst_percent_and_reports_the_single_worst():

@@ -30,7 +30,7 @@ from ..traces import Traces
 from .packer import Packer
 
 log = logging.getLogger("worker")
-GIL_SWITCH_S = 0.0005  # while the GPU stage runs, the GIL changes hands within this (Python's default: 5 ms)
+GIL_SWITCH_S = 0.0001  # while the GPU stage runs, the GIL changes hands within this (Python's default: 5 ms)
 
 
 class Sink(Protocol):
@@ -54,8 +54,10 @@ class Compute:
         """Until ``done()`` holds with no pack in flight. Meanwhile the process's GIL changes hands within
         ``GIL_SWITCH_S``: a launch gives the GIL up at each graph replay and kernel call, and takes it back
         behind whichever thread holds it (the Redis loop, the planners' result thread), by default for up to
-        5 ms each time; dozens of times per pack, that stretched packs on the GPU, which waited for the host
-        (docs/BENCHMARKS.md, "The pack policy")."""
+        5 ms each time; about a hundred times per pack at the 2B shape, that stretched packs on the GPU, which waited
+        for the host (docs/BENCHMARKS.md, "Where the end-to-end ratio goes"). At 0.5 ms a slow host's packs
+        still waited (the gate at 72aab1e: about 5 ms per 16k pack inside it, 4% of the peak between packs); the
+        other threads lose little to more frequent switches, since they are forced only while this one waits."""
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, GIL_SWITCH_S))
         try:

@@ -70,7 +70,8 @@ class Publisher:
         self.redis = redis_client
         self.once = once  # durable mode on Redis Cluster: a client that never retries a call (durable.arun)
         self.keys, self.ttl = keys, ttl_seconds
-        self.record_ttl = record_ttl_s or ttl_seconds  # an answered request's record: never past its result
+        # an answered request's record (Settings.record_ttl: never past its result); None: its result's
+        self.record_ttl = ttl_seconds if record_ttl_s is None else record_ttl_s
         self.model_name = model_name  # what results say answered them
         self.reply_maxlen, self.dead_maxlen = reply_maxlen, dead_maxlen  # approximate caps: memory bounded
         # replies made in the publish call (library.PUBLISH_AS)

@@ -39,7 +39,7 @@ CANCELLED = "cancelled"  # a result's error code for a request cancelled before 
 RETRY_COUNT = "x-typesafe-retry-count"  # the clients' attempt number after the first: counted, never a key
 IDEMPOTENCY_KEY = "idempotency-key"
 SUBMIT_S = 10.0  # an attached call looks this long for the request another attempt submits (socket timeout: 5 s)
-LOOK_S = 0.02  # ... every this often
+LOOK_S = 0.02, 0.5  # ... first this soon, then twice as long each time up to the second
 WATCH_S = 1.0  # a waiting call looks at its model's workers this often
 Watch = Callable[[HttpRequest, Awaitable[dict[str, Result]], list[str], str], Awaitable[dict[str, Result]]]
 
@@ -129,6 +129,7 @@ def install(app: FastAPI, front: Front, gateway: Gateway, config: GatewayConfig,
         for a request that no stream holds. A claim whose request is not known within ``SUBMIT_S`` (that
         attempt's submit failed on Redis, and it may have queued it) is waited for."""
         client, deadline = gateway.clients[namespace], time.monotonic() + SUBMIT_S
+        look = LOOK_S[0]
         while True:
             found = (await client.status([request_id]))[request_id]
             if found.state != "unknown" or time.monotonic() > deadline:
@@ -137,7 +138,8 @@ def install(app: FastAPI, front: Front, gateway: Gateway, config: GatewayConfig,
                 raise Refused(429, "queue_full", "the lane's queue was full when this call was first sent "
                               "(another attempt of it was refused, and nothing was queued); retry",
                               headers={"Retry-After": str(RETRY_AFTER_S)}, request_id=request_id)
-            await asyncio.sleep(LOOK_S)
+            await asyncio.sleep(look)
+            look = min(2 * look, LOOK_S[1])  # a submit lands in milliseconds; one that does not, seldom soon
 
     async def _wait(http: HttpRequest, served: ServedModel, request_id: str) -> Result:
         """The request's result within ``--wait-s``; 504 (it stays queued) without one; 503 at once when no
