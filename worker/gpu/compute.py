@@ -56,8 +56,9 @@ class Compute:
         behind whichever thread holds it (the Redis loop, the planners' result thread), by default for up to
         5 ms each time; about a hundred times per pack at the 2B shape, that stretched packs on the GPU, which waited
         for the host (docs/BENCHMARKS.md, "Where the end-to-end ratio goes"). At 0.5 ms a slow host's packs
-        still waited (the gate at 72aab1e: about 5 ms per 16k pack inside it, 4% of the peak between packs); the
-        other threads lose little to more frequent switches, since they are forced only while this one waits."""
+        still waited (the gate at 72aab1e: about 5 ms per 16k pack inside it, 4% of the peak between packs); 0.1
+        ms shortens each wait further, and the other threads lose little to it, since they are forced to switch
+        only while this one waits (ops/bench/gil_launch.py models it on the CPU: a smaller step than 5 to 0.5)."""
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, GIL_SWITCH_S))
         try:
