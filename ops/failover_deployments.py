@@ -40,8 +40,13 @@ class Replicated:
     def __init__(self, binary: Binary | None = None, sentinel_password: str | None = None) -> None:
         self.binary = binary or find()
         self.sentinel_password = sentinel_password
-        self.nodes = [RedisServer(binary=self.binary)]
-        self.nodes.append(RedisServer("--replicaof", "127.0.0.1", str(self.nodes[0].port), binary=self.binary))
+        # No sync delay (repl-diskless-sync-delay's default is 5 s on all three servers): the replica's first sync,
+        # that of a killed primary restarted as a replica and that of a frozen one demoted once let go each start
+        # at once, not 5 s later (the sentinels' promotion, what a failover costs, is not affected).
+        nodelay = ("--repl-diskless-sync-delay", "0")
+        self.nodes = [RedisServer(*nodelay, binary=self.binary)]
+        self.nodes.append(RedisServer(*nodelay, "--replicaof", "127.0.0.1", str(self.nodes[0].port),
+                                      binary=self.binary))
         self.sentinel_ports = [free_port() for _ in range(3)]
         self.sentinels: list[subprocess.Popen] = []
         self.directory = Path(tempfile.mkdtemp(prefix="dq-sentinels-"))

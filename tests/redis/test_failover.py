@@ -102,7 +102,8 @@ def test_sentinels_that_require_a_password(start_worker, tiny_dir, monkeypatch):
 def test_without_its_replica_durable_mode_refuses_and_names_the_ids():
     """A replica that does not confirm (frozen): the submit raises NotDurable naming its ids, a result that is on
     the primary alone is not returned; once the replica is back, both go through, the resubmission answered once."""
-    with RedisServer() as primary, RedisServer("--replicaof", "127.0.0.1", str(primary.port)) as replica:
+    with RedisServer("--repl-diskless-sync-delay", "0") as primary, \
+            RedisServer("--replicaof", "127.0.0.1", str(primary.port)) as replica:  # no 5 s before the first sync
         client = Client(primary.url, wait_replicas=1)
         while redis.Redis(port=replica.port).info("replication")["master_link_status"] != "up":
             time.sleep(0.05)
