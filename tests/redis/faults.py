@@ -51,3 +51,24 @@ def wait_log(worker, text: str, timeout: float = 60.0, count: int = 1) -> None:
     """Until the worker's log shows ``text`` (``count`` times)."""
     wait_for(lambda: worker.log.read_text(errors="replace").count(text) >= count, timeout,
              what=f"{text!r} in {worker.log.name}:\n" + worker.log.read_text(errors="replace")[-2000:])
+
+
+def next_report(worker, timeout: float = 30.0) -> None:
+    """Until an in-process worker's maintenance loop has made a whole report (stream stats, unread deletions,
+    heartbeat; one every 5 s) that began after this call: what a fixed sleep of an interval and a half waited for,
+    without waiting out the rest of it."""
+    intake = worker.daemon.loop.intake
+    since, begun = time.monotonic(), []
+
+    async def report() -> None:
+        started = time.monotonic()
+        await real()
+        if started > since:
+            begun.append(started)
+
+    real = intake._report
+    intake._report = report
+    try:
+        wait_for(lambda: begun, timeout, what="the next report")
+    finally:
+        del intake._report  # the class's own again

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from faults import FANOUT, batch, long_request, wait_for
+from faults import FANOUT, batch, long_request, next_report, wait_for
 from producer.admin.audit import wait_and_check
 from producer.client import Client
 from worker.health import status
@@ -91,7 +91,7 @@ def test_a_group_recreated_on_a_drained_stream_reports_no_deleted_requests(redis
     wait_for(lambda: worker.metric("dq_groups_recreated_total") == 1, 20, what="the group recreated")
     [after] = client.submit_many(batch(1, "after"))
     assert wait_and_check(client.redis, keys, [after], timeout=30).assert_ok().results[after].ok
-    time.sleep(5.5)  # a stats interval
+    next_report(worker)
     assert worker.metric("dq_unread_entries_deleted_total") == 0
     [group] = [g for g in client.redis.xinfo_groups(keys.requests) if g["name"].decode() == keys.group]
     assert group["lag"] == 0  # its lag is known (entries read given at creation): the autoscaler sees it
@@ -132,7 +132,7 @@ def test_entries_deleted_before_any_worker_read_them_are_detected(redis_server, 
     wait_for(lambda: worker.metric("dq_unread_entries_deleted_total", **found) == 1, 20, what="the trim detected")
     [kept] = client.submit_many(batch(1, "kept"))  # delivered and deleted by the worker: no new detection
     assert wait_and_check(client.redis, keys, [kept], timeout=30).assert_ok().results[kept].ok
-    time.sleep(5.5)  # the next report
+    next_report(worker)
     assert worker.metric("dq_unread_entries_deleted_total") == 1
     worker.stop()
 
