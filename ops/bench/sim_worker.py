@@ -260,10 +260,11 @@ class Sink:
     def __init__(self, sim: Sim) -> None:
         self.sim = sim
 
-    def hand_over(self, event) -> None:
-        if isinstance(event, Computed):
-            self.sim.run_until(self.sim.t + self.sim.costs.read_out_prompt)
-            self.sim.computed(event.item.task)
+    def hand_over(self, *events) -> None:  # one event each at commits before the read-out went in one call
+        for event in events:
+            if isinstance(event, Computed):
+                self.sim.run_until(self.sim.t + self.sim.costs.read_out_prompt)
+                self.sim.computed(event.item.task)
 
 
 @functools.cache

@@ -81,8 +81,8 @@ def run(model, lengths, synchronous: bool = False):
     handed = []
 
     class Sink:
-        def hand_over(self, event):
-            handed.append(event)
+        def hand_over(self, *events):
+            handed.extend(events)
 
     metrics = Metrics()
     compute = Compute(model, engine, packer, metrics, Sink())
@@ -130,8 +130,8 @@ def test_a_failed_gpu_ends_the_worker_through_the_exit_seam_it_is_given(loaded):
             raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
     class Sink:
-        def hand_over(self, event):
-            handed.append(event)
+        def hand_over(self, *events):
+            handed.extend(events)
 
     compute = Compute(model, FailedGpu(int(model.model.proj.out_features)), packer, Metrics(), Sink(),
                       fatal=exits.append)
@@ -160,8 +160,8 @@ def test_work_arriving_while_a_pack_runs_joins_the_next_pack(loaded):
     packer.put([first])
 
     class Sink:
-        def hand_over(self, event):
-            if isinstance(event, Launched) and len(packs) == 1:
+        def hand_over(self, *events):
+            if isinstance(events[0], Launched) and len(packs) == 1:
                 packer.put([queued])  # queued just after the first launch
 
     Compute(model, engine, packer, Metrics(), Sink()).run(done=lambda: len(packs) >= 2 and not any(
@@ -187,8 +187,8 @@ def test_the_halves_of_a_pack_whose_launch_failed_are_reported_launched(loaded):
     engine.launch = flaky
 
     class Sink:
-        def hand_over(self, event):
-            handed.append(event)
+        def hand_over(self, *events):
+            handed.extend(events)
 
     Compute(model, engine, packer, Metrics(), Sink()).run(done=lambda: not any(packer.lanes.values()))
     assert calls == [2, 1, 1]

@@ -34,9 +34,10 @@ GIL_SWITCH_S = 0.0001  # while the GPU stage runs, the GIL changes hands within 
 
 
 class Sink(Protocol):
-    """Where each fact about the work goes (worker/loop/thread.py); called on this (the GPU) thread."""
+    """Where each fact about the work goes (worker/loop/thread.py); called on this (the GPU) thread, with a
+    pack's read-out in one call."""
 
-    def hand_over(self, event: GpuEvent) -> None: ...
+    def hand_over(self, *events: GpuEvent) -> None: ...
 
 
 class Compute:
@@ -55,8 +56,9 @@ class Compute:
         behind whichever thread holds it (the Redis loop, the planners' result thread), by default for up to
         5 ms each time; about a hundred times per pack at the 2B shape, that stretched packs on the GPU, which waited
         for the host (docs/BENCHMARKS.md, "Where the end-to-end ratio goes"). At 0.5 ms a slow host's packs
-        still waited (the gate at 72aab1e: about 5 ms per 16k pack inside it, 4% of the peak between packs); the
-        other threads lose little to more frequent switches, since they are forced only while this one waits."""
+        still waited (the gate at 72aab1e: about 5 ms per 16k pack inside it, 4% of the peak between packs); 0.1
+        ms shortens each wait further, and the other threads lose little to it, since they are forced to switch
+        only while this one waits (ops/bench/gil_launch.py models it on the CPU: a smaller step than 5 to 0.5)."""
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, GIL_SWITCH_S))
         try:
@@ -127,12 +129,14 @@ class Compute:
             ended = time.time()
             self.traces.computed(list({id(item.task): item.task.delivery for item in pack}.values()),
                                  ended - run.seconds, ended, run.bucket, run.tokens)
-        config = self.model.decision_config
+        config, computed = self.model.decision_config, []
         for item, scores in zip(pack, run.scores):
             questions = item.prompt.questions
             answers = [answer(config, q, logits)
                        for q, logits in zip(questions, option_logits(self.model, questions, scores))]
-            self.sink.hand_over(Computed(item, answers, run.seconds * item.tokens / max(run.tokens, 1)))
+            computed.append(Computed(item, answers, run.seconds * item.tokens / max(run.tokens, 1)))
+        # In one hand-over: each wakes the loop thread through a socket, a call that lets the GIL go.
+        self.sink.hand_over(*computed)
 
     def _record(self, run: PackRun) -> None:
         metrics = self.metrics

@@ -261,9 +261,11 @@ class Publisher:
         """Acknowledge and delete; ``durable`` (a settlement's acks), with a WAIT in durable mode.
         ``answered``: their records say how each request was answered, kept no longer than its result;
         refusals of those are returned."""
-        acks = [each for entry in deliveries
-                for each in (command("XACK", entry.key, self.keys.group, entry.entry_id),
-                             command("XDEL", entry.key, entry.entry_id))]
+        ids: dict[str, list[str]] = {}  # per stream, in the order taken: one XACK and one XDEL each
+        for entry in deliveries:
+            ids.setdefault(entry.key, []).append(entry.entry_id)
+        acks = [each for key, entry_ids in ids.items()
+                for each in (command("XACK", key, self.keys.group, *entry_ids), command("XDEL", key, *entry_ids))]
         records = []
         for outcome, result in answered or []:
             record, code = self.keys.record(outcome.request_id), result.error.code if result.error else ""

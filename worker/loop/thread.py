@@ -103,14 +103,22 @@ class LoopThread:
         empty_since = self.intake.streams_empty_since
         return not self.held and empty_since is not None and empty_since > (self.held.released_at or 0.0)
 
-    def hand_over(self, event: GpuEvent) -> None:
-        """The GPU thread's events, onto this thread (``Lifecycle.handle``); dropped once a stop past its
-        deadline closed the loop (the entries stay pending)."""
+    def hand_over(self, *events: GpuEvent) -> None:
+        """The GPU thread's events, onto this thread (``Lifecycle.handle``), in their order, with one wake-up
+        of the loop; dropped once a stop past its deadline closed the loop (the entries stay pending)."""
         try:
-            self.event_loop.call_soon_threadsafe(self.lifecycle.handle, event)
+            self.event_loop.call_soon_threadsafe(self._handle, events)
         except RuntimeError:
             if not self.event_loop.is_closed():
                 raise
+
+    def _handle(self, events: tuple[GpuEvent, ...]) -> None:
+        for event in events:  # a bug in one is reported as the loop reports a callback's, the others handled
+            try:
+                self.lifecycle.handle(event)
+            except Exception as error:  # noqa: BLE001
+                self.event_loop.call_exception_handler({"message": f"handling {type(event).__name__} failed",
+                                                        "exception": error})
 
     @property
     def running(self) -> bool:
