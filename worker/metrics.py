@@ -98,6 +98,9 @@ class Metrics:
                                         "Consumer groups recreated because Redis lost them", registry=r)
         self.redis_errors = Counter("dq_redis_errors_total", "Failed Redis calls, by operation",
                                     ["op"], registry=r)
+        self.pool_timeouts = Counter("dq_redis_pool_timeouts_total", "Redis calls that waited the pool's whole "
+                                     "timeout for a free connection, all in use (the worker's own calls): not "
+                                     "Redis down, and not in dq_redis_errors_total", registry=r)
         self.not_durable = Counter("dq_not_durable_total", "Durable mode: writes fewer replicas than "
                                    "--wait-replicas confirmed in time (retried), by operation",
                                    ["op"], registry=r)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 
 from ..wire.result import Result
-from .plans import BLOCK_MS, WINDOW, NotDurable, Plan, Producer, parse_result, xread
+from .plans import BLOCK_MS, WINDOW, NotDurable, Plan, Producer, landed, xread
 
 
 def wait_any(core: Producer, request_ids: Iterable[str], timeout: float) -> Plan[dict[str, Result]]:
@@ -33,13 +33,9 @@ def wait_any(core: Producer, request_ids: Iterable[str], timeout: float) -> Plan
     while not done and waiting and (left := deadline - time.monotonic()) > 0:
         window = {core.keys.result(r): r for r in waiting[: 1 if core.cluster else WINDOW]}
         reply = yield xread(window, max(1, min(BLOCK_MS, int(left * 1000))))
-        look = []  # ids to look at with a confirmation: those the read found (durable mode), those beyond it
-        for key, entries in reply or []:
-            request_id = window[key.decode() if isinstance(key, bytes) else key]
-            if core.wait_replicas:
-                look.append(request_id)
-            else:
-                done[request_id] = parse_result(entries[0][1], request_id)
+        # ids to look at with a confirmation: those the read found (durable mode), those beyond it
+        found, look = landed(reply, window, bool(core.wait_replicas))
+        done.update(found)
         if len(waiting) > len(window):  # those beyond the read's window: a look at them too
             look += waiting[len(window):]
         if look:

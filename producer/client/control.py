@@ -22,7 +22,7 @@ from ..wire import library
 from ..wire.errors import LibraryUnavailable
 from ..wire.keys import GROUP, ID_PATTERN, Keys, Record, RecordState, shard_of, text
 from ..wire.records import Cancel, Status, cancel_of, status_of
-from .plans import InvalidRequest, Load, NotDurable, Plan, Producer, parse_result, written
+from .plans import InvalidRequest, Load, NotDurable, Plan, Producer, first_result, written
 
 CANCELS_SINCE = 4  # the library's revision that brought cancel (a later one may be loaded meanwhile)
 
@@ -63,8 +63,7 @@ def cancel(core: Producer, request_ids: Iterable[str] | str) -> Plan[dict[str, C
     if held:
         reads = yield Pipeline([command("XRANGE", core.keys.result(r), "-", "+", "COUNT", 1) for r in held])
         for request_id, entries in zip(held, reads):
-            if entries:
-                result = parse_result(entries[0][1], request_id)
+            if (result := first_result(entries, request_id)) is not None:
                 found[request_id] = cancel_of(request_id, ["answered", result.status, getattr(
                     result.error.code, "value", result.error.code) if result.error else ""])
     return {request_id: found[request_id] for request_id in ids}

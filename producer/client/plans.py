@@ -129,6 +129,26 @@ def parse_result(fields: Mapping[bytes, bytes], request_id: str) -> Result:
         return unreadable(request_id, error)
 
 
+def first_result(entries: list | None, request_id: str) -> Result | None:
+    """The first entry of ``request_id``'s result stream as read (``XRANGE ... COUNT 1``, or that stream's part
+    of an ``xread``): its result, None when the stream had none."""
+    return parse_result(entries[0][1], request_id) if entries else None
+
+
+def landed(reply: Any, window: Mapping[str, str], durable: bool) -> tuple[dict[str, Result], list[str]]:
+    """What an ``xread`` over ``window`` (result stream -> request id) found: the results, or, in durable mode,
+    the ids whose results must be looked at again, confirmed (a result counts only once its replicas have it)."""
+    found: dict[str, Result] = {}
+    look = []
+    for key, entries in reply or []:
+        request_id = window[key.decode() if isinstance(key, bytes) else key]
+        if durable:
+            look.append(request_id)
+        else:
+            found[request_id] = parse_result(entries[0][1], request_id)
+    return found, look
+
+
 def xread(window: Iterable[str], block: int) -> Command:
     """A blocking read of the first entry of each of ``window``'s result streams, for up to ``block`` ms."""
     keys = list(window)
@@ -235,8 +255,9 @@ class Producer:
         if self.wait_replicas:
             found = (yield from self.present([request_id])).get(request_id)
             return self._checked(found) if found is not None else None
-        reply = yield command("XRANGE", self.keys.result(request_id), "-", "+", "COUNT", 1)
-        return self._checked(parse_result(reply[0][1], request_id)) if reply else None
+        found = first_result((yield command("XRANGE", self.keys.result(request_id), "-", "+", "COUNT", 1)),
+                             request_id)
+        return self._checked(found) if found is not None else None
 
     def wait_many(self, request_ids: Iterable[str], timeout: float | None, check: bool = True
                   ) -> Plan[dict[str, Result]]:
@@ -271,13 +292,8 @@ class Producer:
             block = BLOCK_MS if left is None else max(1, min(BLOCK_MS, int(left * 1000)))
             window = {self.keys.result(r): r for r in missing[: 1 if self.cluster else WINDOW]}
             reply = yield xread(window, block)
-            look = []
-            for key, entries in reply or []:
-                request_id = window[key.decode() if isinstance(key, bytes) else key]
-                if self.wait_replicas:
-                    look.append(request_id)
-                else:
-                    done[request_id] = parse_result(entries[0][1], request_id)
+            found, look = landed(reply, window, bool(self.wait_replicas))
+            done.update(found)
             if self.cluster and reply:  # one key per read there: when the oldest lands, look at the rest (and, in
                 look = missing if self.wait_replicas else missing[1:]  # durable mode, at it, confirmed)
         return {r: checked(done[r]) for r in waiting}
@@ -309,7 +325,8 @@ class Producer:
             replies, counts = sent.replies, sent.replicas
         else:
             replies, counts = (yield Pipeline(reads)), [0] * len(request_ids)
-        found = {r: parse_result(reply[0][1], r) for r, reply in zip(request_ids, replies) if reply}
+        found = {r: result for r, reply in zip(request_ids, replies)
+                 if (result := first_result(reply, r)) is not None}
         short = [(r, n) for r, n in zip(request_ids, counts) if r in found and n < self.wait_replicas]
         if short:
             fewest = min(n for _, n in short)

@@ -22,6 +22,7 @@ import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import redis
 from fastapi import FastAPI, Query
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
@@ -59,7 +60,8 @@ def keeps(http: HttpRequest) -> bool:
 
 def hung_up(gateway: Any, http: HttpRequest, ids: list[str]) -> None:
     """The caller went away before these answers: cancel them (unless kept), in a task of its own (the call's
-    is ending); a failure is logged, never raised at anyone."""
+    is ending); a Redis failure is counted and logged once per outage (front/redis_failures.py), another
+    logged; never raised at anyone."""
     if not ids:
         return
     access = http.state.access
@@ -70,7 +72,9 @@ def hung_up(gateway: Any, http: HttpRequest, ids: list[str]) -> None:
     async def run() -> None:
         try:
             await cancel(gateway, access.namespace, ids, "hang_up")
-        except Exception as error:  # noqa: BLE001 - Redis away: the requests are answered as usual, unread
+        except redis.RedisError as error:  # Redis away: the requests are answered as usual, unread
+            gateway.failures.failed(error, f"a hang-up's cancel of {len(ids)} requests")
+        except Exception as error:  # noqa: BLE001 - never raised at anyone: the call is ending
             log.warning("a hang-up's cancel of %d requests failed: %s: %s", len(ids), type(error).__name__, error)
 
     task = asyncio.ensure_future(run())

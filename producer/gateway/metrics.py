@@ -1,7 +1,8 @@
 """The gateway's metrics, in a registry of its own (a process may hold others): calls by route, lane and
 status, their latency, calls and connections in flight, connections closed at a limit, requests queued, System
-One calls answered by an earlier call's request, cancels. docs/GATEWAY.md, "Metrics", lists them; the front
-layer (front/layer.py) counts the calls, front/connections.py the connections, the routes the rest.
+One calls answered by an earlier call's request, cancels, Redis failures, pool waits that timed out.
+docs/GATEWAY.md, "Metrics", lists them; the front layer (front/layer.py) counts the calls,
+front/connections.py the connections, front/redis_failures.py the Redis failures, the routes the rest.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from .. import __version__
+from .front.redis_failures import KINDS
 
 # No ``_created`` series beside each counter and histogram (process-wide): no alert or panel reads them, and
 # they doubled the counters' series (worker/metrics.py does the same).
@@ -21,6 +23,11 @@ ATTACHED = ("System One calls answered by a request an earlier call enqueued: a 
             "identical call within the retry window")
 CANCELS = ("requests the gateway cancelled, by why (hang_up: the caller went away; delete: DELETE "
            "/v1/requests) and what the cancel found (keep: a hang-up whose key or call keeps its requests)")
+
+REDIS_ERRORS = ("Redis failures the gateway's calls met, by kind (unreachable: not reached or no answer in time; "
+                "refused; not_durable: replicas did not confirm); logged once per outage (front/redis_failures.py)")
+POOL_TIMEOUTS = ("Redis calls that waited the pool's whole timeout for a free connection, every one in use by "
+                 "the gateway's own calls (not Redis down: not in dq_gateway_redis_errors_total)")
 
 
 class Metrics:
@@ -47,6 +54,10 @@ class Metrics:
         self.build = Gauge("dq_gateway_build_info", "always 1: the version this gateway runs", ["version"],
                            registry=registry)
         self.build.labels(__version__).set(1)
+        self.redis_errors = Counter("dq_gateway_redis_errors", REDIS_ERRORS, ["kind"], registry=registry)
+        for kind in KINDS:
+            self.redis_errors.labels(kind)  # from zero: the alert's rate() sees the first one
+        self.pool_timeouts = Counter("dq_gateway_redis_pool_timeouts", POOL_TIMEOUTS, registry=registry)
         self.cancels = Counter("dq_gateway_cancels", CANCELS, ["reason", "state"], registry=registry)
         for reason, state in (("hang_up", "cancelled"), ("hang_up", "cancelling"), ("hang_up", "keep"),
                               ("delete", "cancelled"), ("delete", "cancelling"), ("delete", "too_late")):

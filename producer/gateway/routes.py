@@ -63,7 +63,7 @@ def create_app(config: GatewayConfig, connection: Any = None) -> Front:
                   redoc_url=None,
                   description="The decision queue over HTTP: the queue's request and result JSON "
                               "(docs/PROTOCOL.md).")
-    replies.install(app)
+    replies.install(app, gateway.failures)
     pages.install(app)  # /docs and /redoc, their assets served here (no CDN)
     app.state.gateway = gateway
 

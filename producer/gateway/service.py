@@ -33,6 +33,7 @@ from .front import replies
 from .front.access import Access, Inflight, Keyring
 from .front.admission import Admission
 from .front.connections import Connections, Limits
+from .front.redis_failures import RedisFailures
 from .front.replies import SUBMIT, Refused, Unsettled
 from .metrics import Metrics
 
@@ -68,6 +69,7 @@ class Gateway:
         self.probed: tuple[float, str] = (float("-inf"), "")  # when Redis was last asked, and what it said
         self.probing: asyncio.Future[str] | None = None
         self.tracer = traces.tracer("dq-gateway")  # None: tracing off
+        self.failures = RedisFailures(self.metrics, self._answers)  # each Redis failure counted, logged once
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
@@ -88,6 +90,7 @@ class Gateway:
         # What each client made of its own (durable mode on a cluster); not the pool.
         for client in self.clients.values():
             await client.close()
+        await self.failures.close()
         await self.connection.aclose()
         await self.probe.aclose()
 
@@ -185,7 +188,7 @@ class Gateway:
                     yield _line(asked[request_id].answered_by(landed[request_id]))
                 pending = [r for r in pending if r not in landed]
         except redis.RedisError as error:  # mid-batch: the rest still get their one line each
-            replies.log.warning("mid-batch: %s: %s", type(error).__name__, error)
+            self.failures.failed(error, "a streamed batch's wait")
             code = replies.NOT_DURABLE if isinstance(error, NotDurable) else "unavailable"
             for request_id in pending:
                 yield _line(Result.failure(request_id, code, "the queue could not be read; the request is "
@@ -215,6 +218,10 @@ class Gateway:
                                                 f"{self.connections.limits.max_connections}",
                   "limits": ", ".join(name for name, at in full.items() if at) or "room"}
         return said == "ok" and not any(full.values()), detail
+
+    async def _answers(self) -> bool:
+        """Whether Redis answers a PING on readiness's own connection (and readiness learns it too)."""
+        return await self._ping() == "ok"
 
     async def _ping(self) -> str:
         try:

@@ -6,6 +6,7 @@ Arguments win over the environment, the environment over the defaults, as for th
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import re
@@ -244,10 +245,20 @@ class _AsyncPool(aioredis.BlockingConnectionPool):
     """``_Pool`` for the asyncio client; and a call finding every connection in use waits for one (up to
     ``timeout``) rather than failing: a worker taking in a backlog looks each planned request up at once, and past
     redis-py's 100 connections the rest failed with "Too many connections" and were retried as if Redis were
-    down (logged and counted as unreachable; every gate run's worker did so at its backlog)."""
+    down (logged and counted as unreachable; every gate run's worker did so at its backlog). One that waits in
+    vain raises ``PoolFull``, naming the pool's size, not redis-py's "No connection available." (read as Redis
+    down: a plain 503 and a Redis failure counted)."""
 
     def __init__(self, max_connections: int = 100, timeout: float | None = 20, **options: Any) -> None:
         super().__init__(max_connections=max_connections, timeout=timeout, **options)
+
+    async def get_connection(self, *args: Any, **options: Any) -> Any:
+        try:
+            return await super().get_connection(*args, **options)
+        except redis.ConnectionError as error:  # redis-py's "No connection available.": its wait timed out
+            if isinstance(error.__cause__, asyncio.TimeoutError) and "No connection available" in str(error):
+                raise PoolFull(self.max_connections, self.timeout or 0.0) from error
+            raise
 
     async def ensure_connection(self, connection: Any) -> None:
         retry, check = self.connection_kwargs.get("retry"), super().ensure_connection
@@ -265,6 +276,18 @@ class _AsyncPool(aioredis.BlockingConnectionPool):
             return await retry.call_with_retry(once, _async_nothing)
         except _Unreached as unreached:
             raise unreached.error from None
+
+
+class PoolFull(redis.ConnectionError):
+    """Every connection of a client's pool stayed in use for the pool's whole wait: the process's own calls
+    hold them all (too many at once, or some stuck), not Redis down. A ConnectionError still, so that every
+    caller retries or refuses it as before; counted apart (``dq_redis_pool_timeouts_total``,
+    ``dq_gateway_redis_pool_timeouts_total``)."""
+
+    def __init__(self, size: int, waited: float) -> None:
+        super().__init__(f"the Redis connection pool is full: all {size} connections stayed in use for "
+                         f"{waited:g} s (this process's own calls hold them; Redis itself may be fine)")
+        self.size, self.waited = size, waited
 
 
 class _Unreached(Exception):

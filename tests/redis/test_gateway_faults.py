@@ -3,6 +3,7 @@ exactly one answer, or a 504 with its id and the result later), and Redis going 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -12,7 +13,10 @@ import redis
 
 from faults import FAULTY, wait_log
 from gateways import GatewayProcess, request
+from producer.gateway.config import GatewayConfig
+from producer.gateway.routes import create_app
 from producer.local.server import RedisServer
+from producer.plumbing.connection import Deployment, aconnect
 from producer.wire.keys import Keys
 
 SLOW = {"entry": FAULTY, "env": {"DQ_FAULT_SLOW_S": "4"}}  # every pack sleeps 4 s first: time to kill the worker
@@ -82,6 +86,61 @@ def test_redis_unreachable_is_503_and_the_gateway_recovers_when_it_is_back(serve
         gateway.stop()
         server.__exit__()
 
+
+
+def test_an_outage_is_logged_once_each_failed_call_counted_and_its_end_logged_once(server_binary, tmp_path):
+    """Under load, a Redis outage wrote a WARNING for every failed call: the first one is logged, each counted
+    (dq_gateway_redis_errors_total, the alert's), and once Redis answers again one line says how many failed."""
+    server = RedisServer().start()
+    gateway = GatewayProcess(server.url, tmp_path / "gateway.log").wait_up()
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            assert http.post("/v1/requests", json=request("gw-once-0")).status_code == 202
+            server.stop(kill=True)
+            for number in range(1, 11):
+                assert http.post("/v1/requests", json=request(f"gw-once-{number}")).status_code == 503
+            assert 'dq_gateway_redis_errors_total{kind="unreachable"} 10.0' in http.get("/metrics").text
+            log = gateway.log.read_text()
+            assert log.count("Redis cannot be reached") == 1 and "ConnectionError" in log, log[-3000:]
+            assert "Redis: ConnectionError" not in log  # the line each call wrote
+            server.start()
+            wait_log(gateway, "Redis answers again after 10 failed calls", timeout=30)
+            assert http.post("/v1/requests", json=request("gw-once-11")).status_code == 202
+            server.stop(kill=True)  # a second outage is logged again
+            assert http.post("/v1/requests", json=request("gw-once-12")).status_code == 503
+            assert gateway.log.read_text().count("Redis cannot be reached") == 2
+            assert 'dq_gateway_redis_errors_total{kind="unreachable"} 11.0' in http.get("/metrics").text
+    finally:
+        gateway.stop()
+        server.__exit__()
+
+
+def test_a_full_pool_is_503_saying_so_and_counted_apart_from_redis_failures(redis_server):
+    """Every connection of the gateway's pool held by its own calls: the call that waited in vain was a plain
+    503 "unavailable: ConnectionError", counted as Redis down. It says the gateway is too busy, with the pool's
+    size, and is counted in dq_gateway_redis_pool_timeouts_total (Redis answers: no Redis failure)."""
+    async def run() -> tuple[httpx.Response, str]:
+        connection = aconnect(redis_server.url, max_connections=2, timeout=0.2)
+        app = create_app(GatewayConfig(deployment=Deployment(url=redis_server.url)), connection)
+        async with app.app.router.lifespan_context(app.app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as http:
+                assert (await http.post("/v1/requests", json=request("gw-pool-1"))).status_code == 202
+                pool = connection.connection_pool
+                held = [await pool.get_connection() for _ in range(2)]
+                try:
+                    reply = await http.post("/v1/requests", json=request("gw-pool-2"))
+                finally:
+                    for each in held:
+                        await pool.release(each)
+                assert (await http.post("/v1/requests", json=request("gw-pool-3"))).status_code == 202
+                return reply, (await http.get("/metrics")).text
+
+    reply, metrics = asyncio.run(run())
+    assert reply.status_code == 503 and reply.headers["retry-after"] == "1", reply.text
+    message = reply.json()["error"]["message"]
+    assert "too busy: all 2 of its Redis connections" in message and reply.json()["id"] == "gw-pool-2", message
+    assert "dq_gateway_redis_pool_timeouts_total 1.0" in metrics
+    assert 'dq_gateway_redis_errors_total{kind="unreachable"} 0.0' in metrics
 
 
 def test_a_full_redis_is_503_with_retry_after_not_a_500(server_binary, tmp_path):

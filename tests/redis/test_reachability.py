@@ -210,6 +210,41 @@ def test_an_asyncio_client_with_every_connection_in_use_waits_for_one(redis_serv
     assert answers == [None] * 250 and connections == 100
 
 
+def test_a_pool_whose_connections_stay_in_use_says_it_is_full_and_the_worker_counts_it_apart(redis_server):
+    """A call that waited the pool's whole timeout raised redis-py's ConnectionError("No connection available."),
+    which read as Redis down (the worker counted it in dq_redis_errors_total and went unready). It is PoolFull,
+    a ConnectionError naming the pool's size; the worker counts it in dq_redis_pool_timeouts_total, alone."""
+    from producer.plumbing.connection import PoolFull, aconnect
+    from worker.loop.redis_calls import RedisCalls
+    from worker.metrics import Metrics
+
+    metrics = Metrics()
+
+    async def full() -> tuple[BaseException, bool]:
+        client = aconnect(redis_server.url, max_connections=2, timeout=0.2)
+        calls = RedisCalls(client, metrics, give_up=lambda: True, where=redis_server.url)
+        try:
+            assert await calls.until(client.ping, "look up") is True
+            pool = client.connection_pool
+            held = [await pool.get_connection() for _ in range(2)]
+            try:
+                with pytest.raises(redis.ConnectionError) as raised:
+                    await calls.until(client.ping, "look up")
+            finally:
+                for each in held:
+                    await pool.release(each)
+            assert await client.ping() is True  # a connection given back is had at once
+            return raised.value, calls.reachable
+        finally:
+            await client.aclose()
+
+    error, reachable = asyncio.run(full())
+    assert isinstance(error, PoolFull) and "pool is full: all 2 connections" in str(error), error
+    assert reachable  # Redis answers: the worker stays ready
+    assert metrics.registry.get_sample_value("dq_redis_pool_timeouts_total") == 1
+    assert metrics.registry.get_sample_value("dq_redis_errors_total", {"op": "look up"}) == 0
+
+
 class _Counted(NoBackoff):
     """A backoff of none that counts the waits asked of it: one per failed attempt tried again. redis-py gives
     each connection a deep copy of the retry: this one stays itself, so that every wait is counted here."""

@@ -21,7 +21,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from producer.plumbing.connection import aconnect, connect
+from producer.plumbing.connection import PoolFull, aconnect, connect
 from producer.plumbing.supported import Server, acheck, check
 from producer.wire.errors import NotDurable
 
@@ -80,9 +80,15 @@ class RedisCalls:
         self._down_since = None
 
     def failed(self, what: str, error: BaseException) -> None:
+        now = time.monotonic()
+        if isinstance(error, PoolFull):  # the worker's own calls hold every connection: Redis may well answer
+            self.metrics.pool_timeouts.inc()
+            if now - self._warned >= WARN_EVERY_S:
+                self._warned = now
+                log.warning("%s (%s); retrying (each one counted in dq_redis_pool_timeouts_total)", error, what)
+            return
         self.metrics.redis_errors.labels(what).inc()
         self.reachable = False
-        now = time.monotonic()
         self._down_since = now if self._down_since is None else self._down_since
         if now - self._warned >= WARN_EVERY_S:
             self._warned = now

@@ -23,11 +23,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from ...plumbing.connection import PoolFull
 from ...plumbing.supported import UnsupportedServer
 from ...wire.errors import InvalidRequest, LibraryUnavailable, NotDurable, QueueFull
 from ...wire.result import Result
 from ...wire.schema import ErrorCode
 from .disconnects import CallerGone, gone
+from .redis_failures import RedisFailures
 
 log = logging.getLogger("producer.gateway")
 RETRY_AFTER_S = 1  # a full queue drains at the workers' pace; callers back off from here
@@ -112,8 +114,9 @@ def problems(errors: list[dict[str, Any]]) -> tuple[str, str, str]:
     return code.value, field_of(first.get("loc", ())), "; ".join(lines)
 
 
-def install(app: FastAPI) -> None:
-    """Every exception a route may raise, answered with its status (one place, so routes stay straight)."""
+def install(app: FastAPI, failures: RedisFailures) -> None:
+    """Every exception a route may raise, answered with its status (one place, so routes stay straight); each
+    Redis error counted and logged once by ``failures``."""
 
     async def invalid(_: HttpRequest, error: Exception) -> Response:
         assert isinstance(error, RequestValidationError)
@@ -139,11 +142,13 @@ def install(app: FastAPI) -> None:
                                headers={"Retry-After": str(RETRY_AFTER_S)}, accepted=error.accepted,
                                refused=error.refused))
 
-    async def unreachable(_: HttpRequest, error: Exception) -> Response:
+    async def unreachable(http: HttpRequest, error: Exception) -> Response:
+        failures.failed(error, _where(http))
         return refusal(_redis_refusal(error))
 
-    async def unsettled(_: HttpRequest, error: Exception) -> Response:
+    async def unsettled(http: HttpRequest, error: Exception) -> Response:
         assert isinstance(error, Unsettled)
+        failures.failed(error.error, f"{_where(http)}: {error.phase}")
         refused = _redis_refusal(error.error, error.phase)
         one = error.ids[0] if len(error.ids) == 1 else None
         where = f"/v1/results/{one}" + (f"?digest={error.digests[0]}" if error.digests else "")
@@ -172,6 +177,11 @@ def install(app: FastAPI) -> None:
         app.add_exception_handler(kind, handler)
 
 
+def _where(http: HttpRequest) -> str:
+    """The call's method and route (``GET /v1/results/{request_id}``), never the caller's own path."""
+    return f"{http.method} {getattr(http.scope.get('route'), 'path', 'a route')}"
+
+
 # Refusals that say what state Redis is in (full, a failed save, a replica, loading, a script running, no
 # quorum): they pass as an operator or a failover acts, so they are 503 with Retry-After, not the gateway's
 # own 500. redis-py turns some into classes (their prefix gone from the message); the others keep their
@@ -187,7 +197,6 @@ def _redis_refusal(error: Exception, phase: str = SUBMIT) -> Refused:
     ``not_durable`` when fewer replicas than asked confirmed, 500 another refused command (a bug: see the
     log)."""
     retry = {"Retry-After": str(RETRY_AFTER_S)}
-    log.warning("Redis: %s: %s", type(error).__name__, error)
     if isinstance(error, NotDurable):
         if phase == SUBMIT:
             return Refused(503, NOT_DURABLE, f"enqueued on the primary, but {error.replicas} of {error.wanted} "
@@ -201,4 +210,7 @@ def _redis_refusal(error: Exception, phase: str = SUBMIT) -> Refused:
     if isinstance(error, redis.ResponseError) and not isinstance(error, (redis.exceptions.NoPermissionError,
                                                                       redis.AuthenticationError)):
         return Refused(500, ErrorCode.INTERNAL.value, "Redis refused a command; see the gateway's log")
+    if isinstance(error, PoolFull):  # the gateway's own calls hold every connection: Redis may well answer
+        return Refused(503, "unavailable", f"the gateway is too busy: all {error.size} of its Redis connections "
+                       f"stayed in use for {error.waited:g} s", headers=retry)
     return Refused(503, "unavailable", f"the queue is unavailable: {type(error).__name__}", headers=retry)
