@@ -10,7 +10,6 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from .. import __version__
-from .front.redis_failures import KINDS
 
 # No ``_created`` series beside each counter and histogram (process-wide): no alert or panel reads them, and
 # they doubled the counters' series (worker/metrics.py does the same).
@@ -24,6 +23,7 @@ ATTACHED = ("System One calls answered by a request an earlier call enqueued: a 
 CANCELS = ("requests the gateway cancelled, by why (hang_up: the caller went away; delete: DELETE "
            "/v1/requests) and what the cancel found (keep: a hang-up whose key or call keeps its requests)")
 
+REDIS_ERROR_KINDS = ("unreachable", "refused", "not_durable")  # dq_gateway_redis_errors_total's kinds
 REDIS_ERRORS = ("Redis failures the gateway's calls met, by kind (unreachable: not reached or no answer in time; "
                 "refused; not_durable: replicas did not confirm); logged once per outage (front/redis_failures.py)")
 POOL_TIMEOUTS = ("Redis calls that waited the pool's whole timeout for a free connection, every one in use by "
@@ -55,7 +55,7 @@ class Metrics:
                            registry=registry)
         self.build.labels(__version__).set(1)
         self.redis_errors = Counter("dq_gateway_redis_errors", REDIS_ERRORS, ["kind"], registry=registry)
-        for kind in KINDS:
+        for kind in REDIS_ERROR_KINDS:
             self.redis_errors.labels(kind)  # from zero: the alert's rate() sees the first one
         self.pool_timeouts = Counter("dq_gateway_redis_pool_timeouts", POOL_TIMEOUTS, registry=registry)
         self.cancels = Counter("dq_gateway_cancels", CANCELS, ["reason", "state"], registry=registry)

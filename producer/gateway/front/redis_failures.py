@@ -25,12 +25,14 @@ import redis
 from ...plumbing.connection import PoolFull
 from ...wire.errors import NotDurable
 
+from ..metrics import REDIS_ERROR_KINDS
+
 if TYPE_CHECKING:
     from ..metrics import Metrics
 
 log = logging.getLogger("producer.gateway")
-UNREACHABLE, REFUSED, NOT_DURABLE, POOL_FULL = "unreachable", "refused", "not_durable", "pool_full"
-KINDS = (UNREACHABLE, REFUSED, NOT_DURABLE)  # dq_gateway_redis_errors_total's; a full pool is counted apart
+UNREACHABLE, REFUSED, NOT_DURABLE = REDIS_ERROR_KINDS
+POOL_FULL = "pool_full"  # counted apart, dq_gateway_redis_pool_timeouts_total
 LOG_EVERY_S = 60.0  # a refusal, a write not confirmed, a full pool: a line this often at most, for each
 PING_EVERY_S = 1.0  # while Redis cannot be reached, asked this often whether it answers again
 METRIC = {POOL_FULL: "dq_gateway_redis_pool_timeouts_total"}
