@@ -7,6 +7,8 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import redis
@@ -20,6 +22,19 @@ from producer.plumbing.connection import Deployment, aconnect
 from producer.wire.keys import Keys
 
 SLOW = {"entry": FAULTY, "env": {"DQ_FAULT_SLOW_S": "4"}}  # every pack sleeps 4 s first: time to kill the worker
+
+
+@contextmanager
+def own_redis(tmp_path) -> Iterator[tuple[RedisServer, GatewayProcess, httpx.Client]]:
+    """A Redis of the test's own (it is stopped and started), a gateway process in front of it and a client."""
+    server = RedisServer().start()
+    gateway = GatewayProcess(server.url, tmp_path / "gateway.log").wait_up()
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            yield server, gateway, http
+    finally:
+        gateway.stop()
+        server.__exit__()
 
 
 def test_a_worker_killed_mid_request_leaves_each_caller_one_answer_or_a_504_with_its_id(stack, start_worker,
@@ -61,58 +76,45 @@ def test_a_worker_killed_mid_request_leaves_each_caller_one_answer_or_a_504_with
 
 
 def test_redis_unreachable_is_503_and_the_gateway_recovers_when_it_is_back(server_binary, tmp_path):
-    server = RedisServer().start()
-    gateway = GatewayProcess(server.url, tmp_path / "gateway.log").wait_up()
-    try:
-        with httpx.Client(base_url=gateway.url, timeout=30) as http:
-            assert http.post("/v1/requests", json=request("gw-down-1")).status_code == 202
-            server.stop(kill=True)
-            for method, path, body in (("POST", "/v1/decide", request("gw-down-2")),
-                                       ("POST", "/v1/requests", request("gw-down-3")),
-                                       ("POST", "/v1/decide/batch", {"requests": [request("gw-down-4")]}),
-                                       ("GET", "/v1/results/gw-down-1", None)):
-                started = time.monotonic()
-                reply = http.request(method, path, json=body)
-                assert reply.status_code == 503, (path, reply.text)
-                assert reply.json()["error"]["code"] == "unavailable" and reply.headers["retry-after"] == "1"
-                assert time.monotonic() - started < 5  # said at once, not after the client's long retries
-            ready = http.get("/ready")
-            assert ready.status_code == 503 and ready.json()["redis"].startswith("unreachable")
-            assert http.get("/health").status_code == 200  # the process itself is fine: no restart wanted
-            server.start()
-            assert http.post("/v1/requests", json=request("gw-down-5")).status_code == 202
-            assert redis.Redis.from_url(server.url).xlen(Keys().requests) == 2  # gw-down-1 (kept on disk) and 5
-    finally:
-        gateway.stop()
-        server.__exit__()
-
+    with own_redis(tmp_path) as (server, _, http):
+        assert http.post("/v1/requests", json=request("gw-down-1")).status_code == 202
+        server.stop(kill=True)
+        for method, path, body in (("POST", "/v1/decide", request("gw-down-2")),
+                                   ("POST", "/v1/requests", request("gw-down-3")),
+                                   ("POST", "/v1/decide/batch", {"requests": [request("gw-down-4")]}),
+                                   ("GET", "/v1/results/gw-down-1", None)):
+            started = time.monotonic()
+            reply = http.request(method, path, json=body)
+            assert reply.status_code == 503, (path, reply.text)
+            assert reply.json()["error"]["code"] == "unavailable" and reply.headers["retry-after"] == "1"
+            assert time.monotonic() - started < 5  # said at once, not after the client's long retries
+        ready = http.get("/ready")
+        assert ready.status_code == 503 and ready.json()["redis"].startswith("unreachable")
+        assert http.get("/health").status_code == 200  # the process itself is fine: no restart wanted
+        server.start()
+        assert http.post("/v1/requests", json=request("gw-down-5")).status_code == 202
+        assert redis.Redis.from_url(server.url).xlen(Keys().requests) == 2  # gw-down-1 (kept on disk) and 5
 
 
 def test_an_outage_is_logged_once_each_failed_call_counted_and_its_end_logged_once(server_binary, tmp_path):
     """Under load, a Redis outage wrote a WARNING for every failed call: the first one is logged, each counted
     (dq_gateway_redis_errors_total, the alert's), and once Redis answers again one line says how many failed."""
-    server = RedisServer().start()
-    gateway = GatewayProcess(server.url, tmp_path / "gateway.log").wait_up()
-    try:
-        with httpx.Client(base_url=gateway.url, timeout=30) as http:
-            assert http.post("/v1/requests", json=request("gw-once-0")).status_code == 202
-            server.stop(kill=True)
-            for number in range(1, 11):
-                assert http.post("/v1/requests", json=request(f"gw-once-{number}")).status_code == 503
-            assert 'dq_gateway_redis_errors_total{kind="unreachable"} 10.0' in http.get("/metrics").text
-            log = gateway.log.read_text()
-            assert log.count("Redis cannot be reached") == 1 and "ConnectionError" in log, log[-3000:]
-            assert "Redis: ConnectionError" not in log  # the line each call wrote
-            server.start()
-            wait_log(gateway, "Redis answers again after 10 failed calls", timeout=30)
-            assert http.post("/v1/requests", json=request("gw-once-11")).status_code == 202
-            server.stop(kill=True)  # a second outage is logged again
-            assert http.post("/v1/requests", json=request("gw-once-12")).status_code == 503
-            assert gateway.log.read_text().count("Redis cannot be reached") == 2
-            assert 'dq_gateway_redis_errors_total{kind="unreachable"} 11.0' in http.get("/metrics").text
-    finally:
-        gateway.stop()
-        server.__exit__()
+    with own_redis(tmp_path) as (server, gateway, http):
+        assert http.post("/v1/requests", json=request("gw-once-0")).status_code == 202
+        server.stop(kill=True)
+        for number in range(1, 11):
+            assert http.post("/v1/requests", json=request(f"gw-once-{number}")).status_code == 503
+        assert 'dq_gateway_redis_errors_total{kind="unreachable"} 10.0' in http.get("/metrics").text
+        log = gateway.log.read_text()
+        assert log.count("Redis cannot be reached") == 1 and "ConnectionError" in log, log[-3000:]
+        assert "Redis: ConnectionError" not in log  # the line each call wrote
+        server.start()
+        wait_log(gateway, "Redis answers again after 10 failed calls", timeout=30)
+        assert http.post("/v1/requests", json=request("gw-once-11")).status_code == 202
+        server.stop(kill=True)  # a second outage is logged again
+        assert http.post("/v1/requests", json=request("gw-once-12")).status_code == 503
+        assert gateway.log.read_text().count("Redis cannot be reached") == 2
+        assert 'dq_gateway_redis_errors_total{kind="unreachable"} 11.0' in http.get("/metrics").text
 
 
 def test_a_full_pool_is_503_saying_so_and_counted_apart_from_redis_failures(redis_server):
