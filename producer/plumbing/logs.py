@@ -42,3 +42,24 @@ class TextFormatter(logging.Formatter):
 
 def formatter(fmt: str) -> logging.Formatter:
     return JsonFormatter() if fmt == "json" else TextFormatter()
+
+
+class Throttled:
+    """A line at most every ``every`` seconds per kind of event, saying how many of that kind came since the
+    last one (each is counted in a metric at once; the log only sums them up)."""
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self.logged: dict[str, float] = {}  # kind -> when its last line went (monotonic)
+        self.since: dict[str, int] = {}  # kind -> events since its last line, this one included
+
+    def due(self, kind: str) -> int:
+        """One more event of ``kind``: how many since the last line when a line is due now (it is then written
+        by the caller), else 0."""
+        self.since[kind] = self.since.get(kind, 0) + 1
+        now = time.monotonic()
+        if now - self.logged.get(kind, float("-inf")) < self.every:
+            return 0
+        self.logged[kind] = now
+        count, self.since[kind] = self.since[kind], 0
+        return count

@@ -32,6 +32,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from ...plumbing.logs import Throttled
 from .replies import error_body
 
 log = logging.getLogger("producer.gateway")
@@ -67,8 +68,7 @@ class Connections:
     def __init__(self, limits: Limits, metrics: Any) -> None:
         self.limits, self.metrics = limits, metrics
         self.open: dict[GuardedProtocol, None] = {}  # in the order they opened
-        self.closed_since_log: dict[str, int] = {}
-        self.logged: dict[str, float] = {}
+        self.lines = Throttled(LOG_EVERY_S)  # a line a minute at most per reason
         # uvicorn logs a warning for every request that is not HTTP: a flood of them was a flood of lines
         logging.getLogger("uvicorn.error").addFilter(lambda record: record.getMessage() != INVALID)
 
@@ -106,14 +106,11 @@ class Connections:
         """A connection closed by a limit: counted; logged at most once per LOG_EVERY_S per reason, saying how
         many since the last line (those in between are in the metric at once, and in the next line)."""
         self.metrics.closed.labels(reason).inc()
-        self.closed_since_log[reason] = self.closed_since_log.get(reason, 0) + 1
-        now = time.monotonic()
-        if now - self.logged.get(reason, float("-inf")) >= LOG_EVERY_S:
-            self.logged[reason] = now
-            count, self.closed_since_log[reason] = self.closed_since_log[reason], 0
-            log.warning("closed %d connections that %s since the last such line (the last from %s; %d open, limit "
-                        "%d; at most a line a minute: dq_gateway_connections_closed_total{reason=%r} counts each)",
-                        count, REASONS[reason][2], peer, len(self.open), self.limits.max_connections, reason)
+        if count := self.lines.due(reason):
+            log.warning("closed %d connections that %s since the last such line (the last from %s; %d "
+                        "open, limit %d; at most a line a minute: "
+                        "dq_gateway_connections_closed_total{reason=%r} counts each)", count, REASONS[reason][2],
+                        peer, len(self.open), self.limits.max_connections, reason)
 
 
 class GuardedProtocol(HttpToolsProtocol):

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import redis
 
 from ...plumbing.connection import PoolFull
+from ...plumbing.logs import Throttled
 from ...wire.errors import NotDurable
-
 from ..metrics import REDIS_ERROR_KINDS
 
 if TYPE_CHECKING:
@@ -58,8 +58,7 @@ class RedisFailures:
         self.down = 0  # calls failed since Redis was last known to answer (0: it answers)
         self.down_since = 0.0
         self.watch: asyncio.Task[None] | None = None
-        self.logged: dict[str, float] = {}  # kind -> when its last line went (monotonic)
-        self.since_log: dict[str, int] = {}  # kind -> failures since its last line, that one included
+        self.lines = Throttled(LOG_EVERY_S)  # the other kinds: a line a minute at most for each
 
     def failed(self, error: BaseException, where: str) -> None:
         """One call failed by ``error`` (``where``: what it was doing): counted; logged if it is the first of
@@ -92,16 +91,13 @@ class RedisFailures:
                     break
             except Exception:  # noqa: BLE001 - not an answer: asked again
                 continue
-        log.info("Redis answers again after %d failed calls in %.0f s", self.down, time.monotonic() - self.down_since)
+        log.info("Redis answers again after %d failed calls in %.0f s", self.down,
+                 time.monotonic() - self.down_since)
         self.down = 0
 
     def _now_and_then(self, kind: str, error: BaseException, where: str) -> None:
-        self.since_log[kind] = self.since_log.get(kind, 0) + 1
-        now = time.monotonic()
-        if now - self.logged.get(kind, float("-inf")) < LOG_EVERY_S:
+        if not (count := self.lines.due(kind)):
             return
-        self.logged[kind] = now
-        count, self.since_log[kind] = self.since_log[kind], 0
         counted = METRIC.get(kind, f'dq_gateway_redis_errors_total{{kind="{kind}"}}')
         log.warning("Redis (%s): %s: %s; %d such failures since the last such line (a line a minute at most: each "
                     "counted in %s)", where, type(error).__name__, error, count, counted)
