@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from ...plumbing.connection import PoolFull
+from ...plumbing.connection import SOCKET_TIMEOUT, PoolFull
 from ...plumbing.logs import Throttled
 from ...wire.errors import NotDurable
 from ..metrics import REDIS_ERROR_KINDS
@@ -57,6 +57,7 @@ class RedisFailures:
         self.metrics, self.ping = metrics, ping
         self.down = 0  # calls failed since Redis was last known to answer (0: it answers)
         self.down_since = 0.0
+        self.answered_at = float("-inf")  # when Redis was last found answering again (monotonic)
         self.watch: asyncio.Task[None] | None = None
         self.lines = Throttled(LOG_EVERY_S)  # the other kinds: a line a minute at most for each
 
@@ -74,6 +75,9 @@ class RedisFailures:
             self._now_and_then(kind, error, where)
 
     def _unreachable(self, error: BaseException, where: str) -> None:
+        if (isinstance(error, (redis.TimeoutError, TimeoutError))
+                and time.monotonic() - self.answered_at < SOCKET_TIMEOUT):
+            return  # a call sent before Redis answered again, timing out now: that outage's, counted
         self.down += 1
         if self.down > 1:
             return
@@ -93,7 +97,7 @@ class RedisFailures:
                 continue
         log.info("Redis answers again after %d failed calls in %.0f s", self.down,
                  time.monotonic() - self.down_since)
-        self.down = 0
+        self.down, self.answered_at = 0, time.monotonic()
 
     def _now_and_then(self, kind: str, error: BaseException, where: str) -> None:
         if not (count := self.lines.due(kind)):
