@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from worker.config import ALIASES, SECTIONS, Settings  # noqa: E402
+from worker.config import ALIASES, SECTIONS, Settings, shown_default  # noqa: E402
 
 DOC = ROOT / "docs" / "CONFIGURATION.md"
 HEAD = """# Configuration
@@ -38,7 +38,9 @@ def code(text: str) -> str:
     return re.sub(rf"(?<![`\w])({names})", r"`\1`", text)
 
 
-def allowed(meta: dict) -> str:
+def allowed(meta: dict, kind: str) -> str:
+    if kind == "bool | None":
+        return "true, false, auto"
     if meta["choices"]:
         return ", ".join(meta["choices"])
     low, high = meta["low"], meta["high"]
@@ -56,7 +58,7 @@ def render() -> str:
         meta = f.metadata
         flags = " ".join(f"`{flag}`" for flag in ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ())])
         what = code(meta["help"]) + (f"; {code(meta['more'])}" if meta["more"] else "")
-        out.append(f"| {flags} | `{Settings.env_name(f.name)}` | `{f.default!r}` | {allowed(meta)} | {what} |")
+        out.append(f"| {flags} | `{Settings.env_name(f.name)}` | `{shown_default(f)}` | {allowed(meta, f.type)} | {what} |")
     return "\n".join(out) + "\n"
 
 

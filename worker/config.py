@@ -39,6 +39,8 @@ SECTIONS = {"checkpoint": "model", "pack_tokens": "packing, planning and the GPU
             "redis_url": "Redis connection", "shard": "queue",
             "metrics_port": "operations (metrics, health, logs)"}
 ALIASES = {"redis_url": ("--redis",), "redis_cluster": ("--cluster",)}  # dq-producer's spellings too
+# switches: --x and --no-x; one that may stay unset (None) is decided where the worker starts
+BOOLEANS = ("bool", "bool | None")
 # a flag given again adds to the list (its variable: the names, comma-separated)
 REPEATED = ("served_model_name",)
 
@@ -71,11 +73,14 @@ class Settings:
                       choices=("auto", "bfloat16", "float16", "float32"))
     engine: str = _opt("auto", "auto (fast on cuda, reference on cpu), fast or reference",
                        choices=("auto", "fast", "reference"))
-    deterministic: bool = _opt(False, "a request's logits depend on the request alone, bitwise, never on "
-                                      "what shares its pack or which worker ran it (the fast engine on a "
-                                      "GPU, the reference engine on the CPU)",
-                               more="the same kernels for every bucket on the GPU, each prompt alone on the "
-                                    "CPU; docs/RELIABILITY.md, \"Deterministic mode\"")
+    deterministic: bool | None = _opt(None, "a request's logits depend on the request alone, bitwise, never "
+                                            "on what shares its pack or which worker ran it (unset: on "
+                                            "wherever its kernels run, the fast engine on Hopper or "
+                                            "Blackwell; --no-deterministic turns it off)",
+                                      more="the same kernels for every bucket on the GPU, each prompt alone on "
+                                           "the CPU (on there only when asked); the worker logs at start "
+                                           "which it runs and why; docs/RELIABILITY.md, \"Deterministic "
+                                           "mode\"")
     max_prompt_tokens: int = _opt(0, "longest prompt (0: the model's context); a request whose prompt is "
                                      "longer is split by question, a shorter one runs whole", low=0,
                                 more="one over --pack-tokens runs alone, eagerly: set both alike to keep "
@@ -298,8 +303,8 @@ class Settings:
             if f.name in SECTIONS:
                 group = parser.add_argument_group(SECTIONS[f.name])
             flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ())]
-            help_text = f"{f.metadata['help']} [env {cls.env_name(f.name)}, default {f.default!r}]"
-            if f.type == "bool":
+            help_text = f"{f.metadata['help']} [env {cls.env_name(f.name)}, default {shown_default(f)}]"
+            if f.type in BOOLEANS:
                 group.add_argument(*flags, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
                                    help=help_text)
             elif f.name in REPEATED:
@@ -318,6 +323,11 @@ class Settings:
         return cls.from_env(environ, **given)
 
 
+def shown_default(f: dataclasses.Field) -> str:
+    """A field's default as the help and docs/CONFIGURATION.md show it (a switch left unset: auto)."""
+    return "auto" if f.default is None and f.type == "bool | None" else repr(f.default)
+
+
 def _names(name: str) -> str:
     return f"--{name.replace('_', '-')} ({Settings.env_name(name)})"
 
@@ -327,13 +337,16 @@ def _parser(type_name: str) -> Any:
 
 
 def _convert(type_name: str, raw: str, name: str) -> Any:
-    if type_name == "bool":
+    if type_name in BOOLEANS:
         lowered = raw.strip().lower()
+        if type_name == "bool | None" and lowered in ("", "auto"):
+            return None
         if lowered in ("1", "true", "yes", "on"):
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"{Settings.env_name(name)}={raw!r} is not a boolean")
+        raise ValueError(f"{Settings.env_name(name)}={raw!r} is not a boolean"
+                         + (" (or auto)" if type_name == "bool | None" else ""))
     try:
         return _parser(type_name)(raw)
     except ValueError:

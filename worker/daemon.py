@@ -46,10 +46,13 @@ def create_engine(model: checkpoint.DecisionModel, settings: Settings) -> Engine
         # process.
         raise ValueError("--deterministic (DQ_DETERMINISTIC) runs on the fast engine on a GPU or the "
                          f"reference engine on the CPU, not the reference engine on {model.device}; run with "
-                         "--engine fast, or without --deterministic (docs/RELIABILITY.md, \"Deterministic "
+                         "--engine fast, or with --no-deterministic (docs/RELIABILITY.md, \"Deterministic "
                          "mode\")")
     if kind == "reference":
-        return ReferenceAdapter(model, settings)
+        from .fast import deterministic  # where it is on by default, and why (logged), the fast engine's too
+
+        chosen = deterministic.decide(model, settings.replace(engine="reference"))
+        return ReferenceAdapter(model, settings.replace(deterministic=chosen))
     if kind == "fast":
         from .fast import FastEngine  # needs CUDA and flash-linear-attention; says so clearly if missing
 
@@ -74,6 +77,7 @@ class Daemon:
         self.model = model or checkpoint.load(settings.checkpoint, settings.device, settings.dtype,
                                               settings.max_prompt_tokens)
         self.engine = create_engine(self.model, settings)
+        self.settings = settings = settings.replace(deterministic=self.engine.deterministic)  # as decided
         self.ready = threading.Event()
         # The names it serves under, the one results say first (the gateway routes System One calls by them).
         self.served = settings.served_names or (self.model.name,)
@@ -87,7 +91,8 @@ class Daemon:
                                traces=tracing)
         self.compute = Compute(self.model, self.engine, self.packer, self.metrics, sink=self.loop,
                                traces=tracing, fatal=lambda code: self.exit(code))
-        self.metrics.built(__version__, self.served[0], self.engine.name, str(self.model.device))
+        self.metrics.built(__version__, self.served[0], self.engine.name, str(self.model.device),
+                           self.engine.deterministic)
         self.metrics.retains(settings.result_ttl_s, settings.record_ttl)
 
     def run(self, after_warmup: Any = None, burst: bool = False) -> int:

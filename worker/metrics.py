@@ -157,8 +157,9 @@ class Metrics:
                                ["loop"], registry=r)
         self.ready = Gauge("dq_ready", "1 once the model is loaded, graphs captured and Redis reached, by "
                            "the shard this worker reads", ["shard"], registry=r)
-        self.info = Gauge("dq_build_info", "Version, model, engine, device and shard of this worker",
-                          ["version", "model", "engine", "device", "shard"], registry=r)
+        self.info = Gauge("dq_build_info", "Version, model, engine, device, shard and deterministic mode "
+                          "(true or false) of this worker",
+                          ["version", "model", "engine", "device", "shard", "deterministic"], registry=r)
         for stream in STREAMS:
             self.redeliveries.labels(stream)
             for how in TAKEN:
@@ -199,8 +200,8 @@ class Metrics:
     def set_ready(self, ready: bool) -> None:
         self.ready.labels(self.shard).set(1 if ready else 0)
 
-    def built(self, version: str, model: str, engine: str, device: str) -> None:
-        self.info.labels(version, model, engine, device, self.shard).set(1)
+    def built(self, version: str, model: str, engine: str, device: str, deterministic: bool) -> None:
+        self.info.labels(version, model, engine, device, self.shard, str(deterministic).lower()).set(1)
 
     def retains(self, result_s: int, record_s: int) -> None:
         self.retention.labels("result").set(result_s)

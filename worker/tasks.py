@@ -84,7 +84,8 @@ class Item:
 
     @property
     def tokens(self) -> int:
-        return self.prompt.length
+        """The pack room it takes (worker/model/engine.py, ``Prompt.room``)."""
+        return self.prompt.room
 
     @property
     def lane(self) -> Priority:

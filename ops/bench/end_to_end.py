@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served import serve_worker, worker_flags, worker_process  # noqa: E402
+from served import deterministic_of, serve_worker, worker_flags, worker_process  # noqa: E402
 from traffic import (gc_collections, gpu_time, make_requests, percentile, redis_fsync_stalls, scrape,  # noqa: E402
                      slowest_pack_ms)
 
@@ -102,7 +102,7 @@ def run_bench(args: argparse.Namespace) -> int:
     backlog = make_requests(args.requests, 1, encoder)
     report: dict = {"shape": args.shape, "dtype": "fp8" if args.fp8 else "bf16", "fp8_layers": args.fp8_layers,
                     "compile": args.compile,
-                    "graphs": not args.no_graphs, "buckets": args.buckets, "deterministic": args.deterministic,
+                    "graphs": not args.no_graphs, "buckets": args.buckets,
                     "planner_processes": args.planner_processes,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"}
     self_time_file = out_dir / "in_process.json"
@@ -111,6 +111,7 @@ def run_bench(args: argparse.Namespace) -> int:
     with RedisServer("--appendfsync", "everysec") as server, \
             worker_process(__file__, args, server.url, out_dir / "worker.log", *extra) as (port, ready_seconds):
         report["worker_start_seconds"] = ready_seconds
+        report["deterministic"] = deterministic_of(port)  # as the worker decided (the flag may leave it unset)
         client = Client(server.url, max_unfinished=0)
         # Warm the whole path (planner processes, graphs, publication) before timing.
         client.wait_many(client.submit_many(make_requests(256, 2, encoder)), timeout=300)

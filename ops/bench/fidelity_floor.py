@@ -1,4 +1,5 @@
-"""The fast engine's defaults, and deterministic mode, against the bf16 floor on the fidelity set (issue 48).
+"""The fast engine's defaults (deterministic mode where its kernels run), and its twin without, against the bf16
+floor on the fidelity set (issues 48, 49).
 
     python ops/bench/fidelity_floor.py --shape 2b --compile-cache DIR --out OUT/fidelity-floor   # one GPU
     python ops/bench/fidelity_floor.py --checkpoint DIR --requests 200 --out OUT                 # a checkpoint, GPU
@@ -9,9 +10,9 @@ on random weights at a real shape (``--shape``, seeded: every process builds the
 (``--checkpoint``: tests/gpu uses the tiny one). On the same GPU, in order: the reference engine in fp32 (the
 same weights in fp32, transformers' torch delta rule, no TF32), the reference engine in bf16 (transformers'
 own forward: its distance from fp32 is the floor), then the fast engine in each configuration of
-``--configs``: ``defaults`` is ``Settings()`` as it is when this runs (only the compile cache set),
-``deterministic`` the same with ``deterministic=True``; the others (``CONFIGS``) say what the defaults' parts
-move. Packs are formed greedily in the set's order up to the engine's budget, as the daemon's packer does
+``--configs``: ``defaults`` is ``Settings()`` as it is when this runs (only the compile cache set: deterministic
+mode where its kernels run), ``nondeterministic`` the same with ``deterministic=False``; the others
+(``CONFIGS``) say what the defaults' parts move. Packs are formed greedily in the set's order up to the engine's budget, as the daemon's packer does
 under a backlog.
 
 The references and the configurations run in child processes, at once on a GPU: the references in one,
@@ -41,13 +42,14 @@ import fidelity_set  # noqa: E402
 
 CONFIGS = {  # name -> Settings fields over Settings()'s defaults as they are at run time
     "defaults": {},
-    "deterministic": {"deterministic": True},
-    "eager": {"compile": "none", "cuda_graphs": False},  # the defaults' kernels without Inductor and graphs
-    "eager-no-epilogues": {"compile": "none", "cuda_graphs": False, "epilogues": "none"},
+    "nondeterministic": {"deterministic": False},  # --no-deterministic
+    # the defaults' kernels without Inductor and graphs (which deterministic mode needs)
+    "eager": {"compile": "none", "cuda_graphs": False, "deterministic": False},
+    "eager-no-epilogues": {"compile": "none", "cuda_graphs": False, "epilogues": "none", "deterministic": False},
     "no-epilogues": {"epilogues": "none"},
     "epilogues": {"epilogues": "residual,swiglu"},  # the kernels off by default: do they meet the floor yet?
 }
-GATED = ("defaults", "deterministic")  # the targets; the others explain them
+GATED = ("defaults", "nondeterministic")  # the targets; the others explain them
 SHOWN = ("epilogues", "compile", "cuda_graphs", "deterministic", "fused_kernels", "prune_last", "fp8",
          "buckets")  # the Settings fields that decide how answers are computed, in the report
 
@@ -69,7 +71,8 @@ def overrides(args: argparse.Namespace) -> dict:
     for item in args.set:
         key, _, value = item.partition("=")
         kind = type(getattr(defaults, key))
-        out[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+        boolean = kind is bool or key == "deterministic"  # unset (None) by default
+        out[key] = value.lower() in ("1", "true", "yes") if boolean else kind(value)
     return out
 
 
@@ -147,14 +150,15 @@ def fast_scores(model, prompt_list: list, settings, cpu: bool) -> tuple[list, di
     began = time.perf_counter()
     engine = FastEngine(model, settings, **extra)
     engine.warmup()
-    ready = time.perf_counter() - began
+    ready, engine_mode = time.perf_counter() - began, engine.deterministic  # as the engine decided
     scores = []
     for group in packs(prompt_list, engine.max_pack_tokens):
         scores += engine.launch(group).wait().scores
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return scores, {"ready_s": round(ready, 1), "seconds": round(time.perf_counter() - began, 1)}
+    return scores, {"ready_s": round(ready, 1), "seconds": round(time.perf_counter() - began, 1),
+                    "deterministic": engine_mode}
 
 
 def run_child(args: argparse.Namespace) -> int:
@@ -162,7 +166,7 @@ def run_child(args: argparse.Namespace) -> int:
     saves every question's probabilities."""
     names = [name for name in args.child.split(",") if name]
     chosen = {name: settings_for(name, args) for name in names}
-    if any(settings.deterministic for settings in chosen.values()):
+    if any(settings.deterministic is not False for settings in chosen.values()):  # asked for, or the default's
         from worker.fast import deterministic
 
         deterministic.prepare_process()  # before the process's first GPU matmul, the model's making included
@@ -211,7 +215,9 @@ def measure(args: argparse.Namespace, log=print) -> dict:
     settings = {name: settings_for(name, args) for name in names}
     # the references alone, then the configurations that share a process (deterministic mode's cuBLAS settings
     # are the process's)
-    groups = [[], [n for n in names if not settings[n].deterministic], [n for n in names if settings[n].deterministic]]
+    # (unset: the defaults', on where its kernels run, as on the Hopper cards this runs on)
+    groups = [[], [n for n in names if settings[n].deterministic is False],
+              [n for n in names if settings[n].deterministic is not False]]
     groups = [group for number, group in enumerate(groups) if group or number == 0]
     out_dir = Path(args.out)
     common = [arg for name in ("shape", "checkpoint", "requests", "seed", "compile_cache", "longest")
@@ -296,7 +302,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=320, help="requests of the fidelity set")
     parser.add_argument("--seed", type=int, default=0, help="the set's and the random weights' seed")
     parser.add_argument("--longest", type=int, default=0, help="no prompt over this many tokens (0: 16000)")
-    parser.add_argument("--configs", default="defaults,deterministic,eager,epilogues",
+    parser.add_argument("--configs", default="defaults,nondeterministic,eager,epilogues",
                         help=f"fast engine configurations, of {', '.join(CONFIGS)}")
     parser.add_argument("--compile-cache", default="", help="the engines' compile_cache (empty: the defaults)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",

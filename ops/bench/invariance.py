@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served import model_for, serve_worker, worker_flags, worker_process  # noqa: E402
+from served import deterministic_of, model_for, serve_worker, worker_flags, worker_process  # noqa: E402
 from traffic import QUESTIONS, make_requests  # noqa: E402
 
 MAX_PROMPT_TOKENS = 2048  # the workers' longest prompt: a longer one is split by question
@@ -87,12 +87,13 @@ def run_bench(args: argparse.Namespace) -> int:
     held = held_out(args, encoder)
     dtype = "fp8" if args.fp8 else "bf16" if args.shape != "tiny" else "fp32"  # the tiny checkpoint is fp32
     report: dict = {"shape": args.shape, "dtype": dtype, "compile": args.compile,
-                    "graphs": not args.no_graphs, "buckets": args.buckets, "deterministic": args.deterministic,
+                    "graphs": not args.no_graphs, "buckets": args.buckets,
                     "requests": args.requests,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"}
     with RedisServer("--appendfsync", "everysec") as server:
-        with worker_process(__file__, args, server.url, out_dir / "worker-alone.log") as (_, ready):
+        with worker_process(__file__, args, server.url, out_dir / "worker-alone.log") as (port, ready):
             report["worker_start_seconds"] = [ready]
+            report["deterministic"] = deterministic_of(port)  # as the worker decided
             with Client(server.url, max_unfinished=0) as client:
                 alone = {request["id"]: client.decide(request, timeout=args.timeout)
                          for requests in held.values() for request in requests}

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served import serve_worker, worker_flags, worker_process  # noqa: E402
+from served import deterministic_of, serve_worker, worker_flags, worker_process  # noqa: E402
 from traffic import STATES, gc_collections, make_requests, percentile, scrape  # noqa: E402
 
 STATE_TOKENS = 300
@@ -156,6 +156,7 @@ def run_bench(args: argparse.Namespace) -> int:
     with RedisServer("--appendfsync", "everysec") as server, \
             worker_process(__file__, args, server.url, out_dir / "worker.log") as (port, ready_seconds):
         report["worker_start_seconds"] = ready_seconds
+        report["deterministic"] = deterministic_of(port)  # as the worker decided
         gateway, gateway_port = start_gateway(server.url, out_dir / "gateway.log")
         try:
             warm = lone_requests(args.warmup, 1, encoder)

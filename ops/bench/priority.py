@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served import serve_worker, worker_flags, worker_process  # noqa: E402
+from served import deterministic_of, serve_worker, worker_flags, worker_process  # noqa: E402
 from traffic import (gc_collections, gpu_time, make_requests, percentile, redis_fsync_stalls, scrape,  # noqa: E402
                      slowest_pack_ms, stalls)
 
@@ -161,6 +161,7 @@ def run_bench(args: argparse.Namespace) -> int:
     with RedisServer("--appendfsync", "everysec") as server, \
             worker_process(__file__, args, server.url, out_dir / "worker.log", *extra) as (port, ready_seconds):
         report["worker_start_seconds"] = ready_seconds
+        report["deterministic"] = deterministic_of(port)  # as the worker decided
         phases(args, server.url, port, report)
     result = report["with_high"]
     runs = report["runs"]  # every run must meet each target

@@ -3,9 +3,9 @@
 # failing stage cannot starve the next: end to end through Redis (2B bf16, 2B FP8; each also times its engine
 # in process and the reference engine), the GPU tests, then the other shapes and mixes in process.
 # Usage: ops/bench/run_all.sh OUTDIR [STAGE...]
-#   stages: delta-rule lone e2e-bf16 e2e-fp8 e2e-fp8-late e2e-bf16-warm e2e-bf16-2 e2e-bf16-3 e2e-bf16-det
+#   stages: delta-rule lone e2e-bf16 e2e-fp8 e2e-fp8-late e2e-bf16-warm e2e-bf16-2 e2e-bf16-3 e2e-bf16-nondet
 #   priority fidelity fidelity-floor invariance invariance-det tests tests-1 tests-2 mixes (default: all but
-#   e2e-bf16-2/3, the -det stages, fidelity-floor and the test parts, in that order); machine: only
+#   e2e-bf16-2/3, e2e-bf16-nondet, invariance-det, fidelity-floor and the test parts, in that order); machine: only
 #   OUTDIR/machine.txt. gate, gate-1, gate-2, gate-3: the gate (issue 48), every target measured at one commit
 #   in parts of one device command each (ops/bench/gate.sh; GATE_SMOKE=1 checks its harness on the CPU).
 #
@@ -20,14 +20,16 @@
 # 2B shape; fidelity-floor is the fast engine's defaults and deterministic mode against the bf16 floor on the
 # fidelity set (ops/bench/fidelity_floor.py; FLOOR_REQUESTS, FLOOR_FLAGS); invariance is a held-out set
 # answered alone by one worker, then mixed into a backlog by a second, compared bitwise (2B bf16,
-# ops/bench/invariance.py); e2e-bf16-det and invariance-det are the same with --deterministic (its cost:
-# e2e-bf16-det against e2e-bf16 on the same machine); tests-1 and tests-2 are tests/gpu in two parts that each
+# ops/bench/invariance.py), with --no-deterministic; invariance-det the same with --deterministic. Every other
+# stage runs the worker's default: deterministic mode where its kernels run (Hopper); e2e-bf16-nondet is
+# e2e-bf16's twin with --no-deterministic (deterministic mode's cost: e2e-bf16 against it, on the same
+# machine); tests-1 and tests-2 are tests/gpu in two parts that each
 # fit one device command (GPU_TESTS_1, then every other module), with the compile cache below. Named only,
 # never by default: scaling (2B bf16 through one Redis on 1, 2, 4, 8 of the machine's GPUs, each count up to
 # what it has; ops/bench/scaling.py).
 #
 # E2E_LOADS: the end-to-end latency phases, x the peak (default 0.5; 0.1,0.2,...,1.0 for latency against
-# load, which ops/bench/plot.py draws; E2E_DET_LOADS: e2e-bf16-det's, default the same);
+# load, which ops/bench/plot.py draws; E2E_NONDET_LOADS: e2e-bf16-nondet's, default the same);
 # E2E_LATENCY_SECONDS: each phase's length (default 10); E2E_EPILOGUES: the workers' --epilogues in the
 # end-to-end and invariance stages (worker/fast/epilogues.py; default the worker's own: until e7a3f4a the
 # benchmarks' workers ran without them unless it was set). BENCH_SHAPE (default 2b; tiny: the CPU harness)
@@ -79,15 +81,15 @@ timeout -k 30 "${LONE_TIMEOUT:-420}" $PY ops/bench/lone.py --shape "$shape" --re
 echo "exit $?"; grep -E "^(worker ready|SUMMARY)" "$lone.log" || tail -n 30 "$lone.log"
 pkill -f "lone.py --worker" 2>/dev/null; sleep 1; }
 
-for run in bf16 fp8 fp8-late bf16-warm bf16-2 bf16-3 bf16-det; do
+for run in bf16 fp8 fp8-late bf16-warm bf16-2 bf16-3 bf16-nondet; do
   want "e2e-$run" || continue
   stage "end to end $shape $run"
   # The reference engine's figure does not depend on the fast engine's dtype: timed once, in the FP8 stage.
   case $run in fp8) flag=--fp8 ;; fp8-late) flag="--fp8 --fp8-layers late --no-reference" ;;
-    bf16-det) flag="--deterministic --no-reference" ;; *) flag=--no-reference ;; esac
-  [ "$run" = bf16-det ] && loads=${E2E_DET_LOADS:-${E2E_LOADS:-0.5}} || loads=${E2E_LOADS:-0.5}
-  # deterministic mode's peak once (its cost is reported, not gated); the others the median of three
-  [ "$run" = bf16-det ] && peaks=${E2E_DET_PEAKS:-1} || peaks=${E2E_PEAKS:-3}
+    bf16-nondet) flag="--no-deterministic --no-reference" ;; *) flag=--no-reference ;; esac
+  [ "$run" = bf16-nondet ] && loads=${E2E_NONDET_LOADS:-${E2E_LOADS:-0.5}} || loads=${E2E_LOADS:-0.5}
+  # the twin's peak once (deterministic mode's cost is reported, not gated); the others the median of three
+  [ "$run" = bf16-nondet ] && peaks=${E2E_NONDET_PEAKS:-1} || peaks=${E2E_PEAKS:-3}
   timeout -k 30 "${E2E_TIMEOUT:-420}" $PY ops/bench/end_to_end.py --shape "$shape" $flag --peaks "$peaks" \
     --requests "${E2E_REQUESTS:-3000}" --loads "$loads" --latency-seconds "${E2E_LATENCY_SECONDS:-10}" \
     --compile-cache "$cache" --out "$out/e2e-$shape-$run" ${E2E_EPILOGUES:+--epilogues "$E2E_EPILOGUES"} $more \
@@ -129,7 +131,7 @@ pkill -f "fidelity_floor.py .*--child" 2>/dev/null; sleep 1; }
 for run in invariance invariance-det; do
   want $run || continue
   stage "$run: alone against mixed, $shape bf16"
-  flag=; [ $run = invariance-det ] && flag=--deterministic
+  flag=--no-deterministic; [ $run = invariance-det ] && flag=--deterministic
   timeout -k 30 "${INVARIANCE_TIMEOUT:-420}" $PY ops/bench/invariance.py --shape "$shape" $flag \
     --requests "${INVARIANCE_REQUESTS:-3000}" --compile-cache "$cache" --out "$out/$run-$shape-bf16" \
     ${E2E_EPILOGUES:+--epilogues "$E2E_EPILOGUES"} $more >"$out/$run-$shape-bf16.log" 2>&1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -58,7 +59,10 @@ def serve_worker(args: argparse.Namespace, make_model: Callable[[], Any] | None 
     from worker.logs import setup_logging
 
     setup_logging("text", "INFO")
-    if args.deterministic:  # cuBLAS's settings precede the first GPU matmul, the random model's making included
+    # Asked for, or the worker's default (on where its kernels run: the Hopper cards these run on; pass
+    # --no-deterministic elsewhere): cuBLAS's settings precede the first GPU matmul, the random model's making
+    # included.
+    if args.deterministic is not False:
         from worker.fast import deterministic
 
         deterministic.prepare_process()
@@ -84,6 +88,14 @@ def wait_ready(worker: subprocess.Popen, port: int, timeout: float, log_path: Pa
         time.sleep(0.5)
 
 
+def deterministic_of(port: int) -> bool | None:
+    """Whether the benchmark's worker runs deterministic mode, as it decided at start (its ``dq_build_info``);
+    None if its metrics do not say."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    found = re.search(r'^dq_build_info\{[^}]*deterministic="(true|false)"', text, re.MULTILINE)
+    return None if found is None else found.group(1) == "true"
+
+
 @contextlib.contextmanager
 def worker_process(script: str, args: argparse.Namespace, url: str, log_path: Path,
                    *extra: str) -> Iterator[tuple[int, float]]:
@@ -98,7 +110,7 @@ def worker_process(script: str, args: argparse.Namespace, url: str, log_path: Pa
     cmd += ["--fp8", "--fp8-layers", args.fp8_layers] if args.fp8 else []
     cmd += ["--compile-cache", args.compile_cache] if args.compile_cache else []
     cmd += ["--no-graphs"] if args.no_graphs else []
-    cmd += ["--deterministic"] if args.deterministic else []
+    cmd += {True: ["--deterministic"], False: ["--no-deterministic"], None: []}[args.deterministic]
     cmd += ["--epilogues", args.epilogues] if args.epilogues else []
     cmd += ["--max-wait-ms", str(args.max_wait_ms)] if args.max_wait_ms is not None else []
     with open(log_path, "w") as log:
@@ -123,7 +135,9 @@ def worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp8-layers", default="all", help="the worker's --fp8-layers (with --fp8)")
     parser.add_argument("--compile", default="layer", choices=("none", "sub", "layer"))
     parser.add_argument("--no-graphs", action="store_true")
-    parser.add_argument("--deterministic", action="store_true", help="the worker's --deterministic")
+    parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                        help="the worker's --deterministic or --no-deterministic (default: its own, on where its "
+                             "kernels run)")
     parser.add_argument("--epilogues", default=DEFAULTS.epilogues,
                         help="the worker's --epilogues (worker/fast/epilogues.py; default: its own)")
     parser.add_argument("--compile-cache", default="", help="the worker's compile_cache (empty: the defaults)")

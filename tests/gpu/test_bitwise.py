@@ -7,10 +7,18 @@ The processes run at once, each with a compile cache of its own (none loads anot
 them, a few minutes on an H200. Deterministic mode compiles fewer graphs than the default (one per piece for every
 bucket, not one per bucket), and no process compiles anything after its warm-up. DQ_GPU_REPORT=path appends the
 figures.
+
+The same bits on every card: the deterministic process's scores of the held-out set alone are recorded as digests
+in tests/gpu/digests.json, each record with the card and software that produced it; on any card, the software
+of a record must give its digests (DQ_RECORD_DIGESTS=path writes this card's record there, to commit).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +35,9 @@ from support import report  # noqa: E402
 from worker.model import tiny  # noqa: E402
 
 RUN = Path(__file__).with_name("bitwise_run.py")
+DIGESTS = Path(__file__).with_name("digests.json")
+# what decides the bits besides the card: a record holds for these versions only
+SOFTWARE = ("torch", "triton", "flash-qla", "tilelang", "transformers", "nvidia-cublas-cu12", "nvidia-cublas")
 PROCESSES = {  # name -> flags
     "deterministic": ["--deterministic", "--seed", "1"],
     "deterministic, second process": ["--deterministic", "--seed", "2"],
@@ -44,7 +55,7 @@ def runs(tmp_path_factory):
                                        "--cache", str(root / f"cache-{number}")],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for number, (name, flags) in enumerate(PROCESSES.items())}
-    out = {}
+    out = {"checkpoint": checkpoint}
     for number, (name, child) in enumerate(started.items()):
         log, _ = child.communicate(timeout=900)
         print(f"--- {name}: exit {child.returncode}\n" + "\n".join(log.splitlines()[-8:]))
@@ -110,3 +121,49 @@ def test_the_epilogue_kernels_in_deterministic_mode_keep_the_same_bits_too(runs)
            unequal=len(differ), max_score_diff=worst, vs_deterministic_max_score_diff=worst_against)
     assert not differ, differ[:20]
     assert worst_against < 0.5
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def this_card() -> dict:
+    """The card and the software a record is made with."""
+    properties = torch.cuda.get_device_properties(0)
+    software = {}
+    for name in SOFTWARE:
+        try:
+            software[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    software["cuda"] = torch.version.cuda
+    return {"card": properties.name, "multiprocessors": properties.multi_processor_count,
+            "capability": f"{properties.major}.{properties.minor}", "software": software}
+
+
+def test_deterministic_mode_gives_the_recorded_bits_on_every_card(runs):
+    """The held-out set's scores alone, as digests, against every record of this software in
+    tests/gpu/digests.json, whichever card made it. cuBLAS promises the same bits only on cards of one
+    architecture and one multiprocessor count (its documentation, "Results reproducibility"): a record from
+    another count that differs says so. No record of this software: the digests are reported, and written to
+    DQ_RECORD_DIGESTS where set."""
+    first = runs["deterministic"]
+    assert isinstance(first, dict), f"the deterministic process failed:\n{first}"
+    weights = digest(b"".join(path.read_bytes() for path in sorted(Path(runs["checkpoint"]).glob("*.safetensors"))))
+    here = {**this_card(), "weights": weights,
+            "digests": {key: digest(got["alone"].contiguous().numpy().tobytes())
+                        for key, got in sorted(first["scores"].items())}}
+    report(test="same bits on every card", **here)
+    if os.environ.get("DQ_RECORD_DIGESTS"):
+        Path(os.environ["DQ_RECORD_DIGESTS"]).write_text(json.dumps(here, indent=1) + "\n")
+    records = json.loads(DIGESTS.read_text())["records"] if DIGESTS.exists() else []
+    same = [r for r in records if r["software"] == here["software"] and r["weights"] == here["weights"]]
+    if not same:
+        pytest.skip(f"no record of this software ({here['software']}) and weights in {DIGESTS.name}: this "
+                    f"card's digests are in the report (DQ_RECORD_DIGESTS=path writes them)")
+    for record in same:
+        differ = sorted(k for k in record["digests"] if record["digests"][k] != here["digests"].get(k))
+        where = (f"{record['card']} ({record['multiprocessors']} multiprocessors) recorded them; this is "
+                 f"{here['card']} ({here['multiprocessors']})")
+        assert not differ, f"deterministic mode's bits differ from the record for {differ}: {where}"
+        assert set(record["digests"]) == set(here["digests"]), f"another held-out set than the record's: {where}"

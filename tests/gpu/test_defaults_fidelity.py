@@ -1,8 +1,9 @@
 """The fast engine's defaults stay at the bf16 floor: on the fidelity set (ops/bench/fidelity_set.py: every
 question type, prompts in every bucket from 512 to 16384 tokens), ``Settings()`` as it is when the test runs
 moves answers from an fp32 reference at most 1.1x as far as transformers' own bf16 forward does, in mean and
-in p99 over the questions (ops/bench/fidelity_set.py says why not the max; ops/bench/fidelity_floor.py, in a process of its own: deterministic mode, should it become a
-default, sets cuBLAS up before the first GPU matmul).
+in p99 over the questions (ops/bench/fidelity_set.py says why not the max). The defaults run deterministic mode
+where its kernels run (Hopper, Blackwell): ops/bench/fidelity_floor.py sets cuBLAS up for it in a process of its
+own, before the first GPU matmul.
 
 Model: the tiny checkpoint's "small" size (the heads the GPU kernels take), text only, reading 16384 tokens;
 the gate (ops/bench/gate.sh) measures the same on random weights at the 2B shape. DQ_GPU_REPORT=path appends
@@ -31,6 +32,7 @@ import fidelity_set  # noqa: E402
 from fidelity_floor import SHOWN  # noqa: E402
 from support import report  # noqa: E402
 from worker.config import Settings  # noqa: E402
+from worker.fast.qla import FlashQLA  # noqa: E402
 from worker.model import tiny  # noqa: E402
 
 
@@ -47,6 +49,8 @@ def test_the_defaults_answer_the_fidelity_set_within_the_bf16_floor(tmp_path):
            set=result["set"])
     assert result["overridden"] == {}
     assert defaults["settings"] == {key: getattr(Settings(), key) for key in SHOWN}
+    # on by default where FlashQLA's kernels run (the small size's heads are 128 wide)
+    assert defaults["deterministic"] is (FlashQLA.missing() is None), defaults
     assert all(count > 0 for count in result["set"]["buckets"].values()), result["set"]
     assert result["floor"]["questions"] > 500 and result["floor"]["mean"] > 0
     figures = {key: defaults[key] for key in ("mean_ratio", "p99_ratio")}

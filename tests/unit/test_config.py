@@ -23,6 +23,18 @@ def test_environment_then_flags():
     assert settings.max_deliveries == Settings().max_deliveries  # defaults for the rest
 
 
+def test_deterministic_mode_is_unset_until_the_worker_decides_unless_a_flag_or_the_environment_says():
+    parser = argparse.ArgumentParser()
+    Settings.add_arguments(parser)
+    parse = lambda argv, env: Settings.from_args(parser.parse_args(argv), env).deterministic  # noqa: E731
+    assert Settings().deterministic is None and parse([], {}) is None
+    assert parse(["--deterministic"], {}) is True and parse(["--no-deterministic"], {}) is False
+    assert parse([], {"DQ_DETERMINISTIC": "off"}) is False and parse([], {"DQ_DETERMINISTIC": "auto"}) is None
+    assert parse(["--deterministic"], {"DQ_DETERMINISTIC": "0"}) is True  # the flag wins
+    with pytest.raises(ValueError, match=r"DQ_DETERMINISTIC='sometimes' is not a boolean \(or auto\)"):
+        Settings.from_env({"DQ_DETERMINISTIC": "sometimes"})
+
+
 def test_bad_environment_values_are_named():
     with pytest.raises(ValueError, match="DQ_FP8='maybe' is not a boolean"):
         Settings.from_env({"DQ_FP8": "maybe"})

@@ -3,7 +3,9 @@ alone, in any pack at any place, and in another process; the fast engine's bucke
 bucket and the same bits in every bucket (its GPU kernels: tests/gpu/test_bitwise.py); its start refuses GEMMs
 that depend on the batch; elsewhere the setting is refused, not ignored."""
 
+import logging
 import multiprocessing
+import os
 import random
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from worker.config import Settings
 from worker.daemon import create_engine
 from worker.fast import FastEngine, deterministic, ops
 from worker.fast.mixers import TorchMixers
+from worker.fast.qla import FlashQLA
 
 
 @pytest.fixture(autouse=True)
@@ -83,22 +86,23 @@ def test_another_worker_process_computes_the_same_bits(loaded, checkpoints):
 
 def test_the_fast_engines_deterministic_path_gives_a_prompt_the_same_bits_in_every_bucket_and_place(
         loaded, process_settings_kept):
-    """The bucketed path with its stand-ins (plain calls for CUDA graphs, plain-torch mixers): rows as many as the
-    bucket's tokens (a pack with many questions stays graphed), no pruned layer, and each prompt's scores the same
-    alone, first, last and among others in every bucket. The GPU's kernels are tests/gpu/test_bitwise.py's."""
+    """The bucketed path with its stand-ins (plain calls for CUDA graphs, plain-torch mixers): the pruned last
+    layer at each bucket's marker rows, every pack the packer can make graphed (it charges questions by
+    Prompt.room), and each prompt's scores the same alone, first, last and among others in every bucket. The
+    GPU's kernels are tests/gpu/test_bitwise.py's."""
     model = loaded("repo", 140)
     prompts = prompts_of(model)
     settings = Settings(deterministic=True, cuda_graphs=True, buckets="256,512,1024", **SMALL)
     engine = FastEngine(model, settings, mixers=TorchMixers(), capture=PLAIN_CAPTURE)
     engine.warmup()
     assert process_settings_kept == ["enable"]
-    assert not engine.fwd.pruned and engine.fwd.image_by_image
-    assert [engine.rows_of(bucket) for bucket in engine.buckets] == [256, 512, 1024]
+    assert engine.fwd.pruned and engine.fwd.image_by_image
+    assert [engine.rows_of(bucket) for bucket in engine.buckets] == [64, 64, 128]
     alone = [scores(engine, [prompt])[0] for prompt in prompts]
     rng, buckets = random.Random(5), set()
     for index in range(len(prompts)):
         for pack, at in packs_around(len(prompts), index, rng):
-            if sum(prompts[i].length for i in pack) > engine.max_pack_tokens:
+            if sum(prompts[i].room for i in pack) > engine.max_pack_tokens:  # the packer makes no such pack
                 continue
             run = engine.launch([prompts[i] for i in pack]).wait()
             assert run.graph
@@ -156,15 +160,47 @@ def test_deterministic_mode_is_refused_where_it_is_not_built_saying_what_runs_it
             FastEngine(model, Settings(deterministic=True, **fields), mixers=TorchMixers())
 
 
+def test_unset_it_is_on_where_its_kernels_run_and_the_worker_says_why_where_it_is_not(loaded, monkeypatch, caplog):
+    model = loaded("repo")
+    with caplog.at_level(logging.INFO, logger="worker"):
+        engine = create_engine(model, Settings())
+    assert isinstance(engine, ReferenceAdapter) and engine.deterministic is False
+    assert "deterministic mode off by default: on the CPU it scores each prompt alone" in caplog.text
+    assert create_engine(model, Settings(deterministic=True)).deterministic is True  # asked for: on
+    # as the fast engine on a GPU asks it (worker/fast/engine.py), the card's and model's answers stood in
+    monkeypatch.setattr(type(model), "device", property(lambda _: torch.device("cuda")))
+    monkeypatch.setattr(type(model), "dtype", property(lambda _: torch.bfloat16))
+    config = model.text_config
+    assert "linear_attention" in config.layer_types
+    monkeypatch.setattr(config, "linear_key_head_dim", 64)
+    assert deterministic.by_default(model, Settings()) == (False, (
+        "it runs the delta rule on FlashQLA, which takes bf16 or fp16 and 128-wide heads; this model is "
+        f"torch.bfloat16 with 64- and {config.linear_value_head_dim}-wide heads"))
+    monkeypatch.setattr(config, "linear_key_head_dim", 128)
+    monkeypatch.setattr(config, "linear_value_head_dim", 128)
+    monkeypatch.setattr(FlashQLA, "missing", staticmethod(lambda: "ValueError: no kernels for sm_80"))
+    on, why = deterministic.by_default(model, Settings())
+    assert not on and "FlashQLA" in why and "no kernels for sm_80" in why
+    monkeypatch.setattr(FlashQLA, "missing", staticmethod(lambda: None))
+    assert deterministic.by_default(model, Settings()) == (True, "its kernels run here (--no-deterministic "
+                                                                 "turns it off)")
+    assert deterministic.by_default(model, Settings(compile="none"))[0] is False
+    assert deterministic.by_default(model, Settings(engine="reference"))[0] is False
+    assert deterministic.decide(model, Settings(deterministic=False)) is False  # --no-deterministic: off
+
+
 def test_enable_sets_cublas_without_split_k_and_inductor_without_timing_before_the_first_matmul():
     code = ("import os, torch, torch._inductor.config as inductor\n"
             "from worker.fast import deterministic\n"
             "deterministic.enable()\n"
             "print(os.environ['CUBLASLT_WORKSPACE_SIZE'], os.environ['CUBLAS_WORKSPACE_CONFIG'], "
             "inductor.deterministic, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction, "
-            "getattr(torch.backends.cuda.matmul, 'allow_bf16_reduced_precision_reduction_split_k', False))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split() == ["1", ":16:8", "True", "False", "False"]
+            "getattr(torch.backends.cuda.matmul, 'allow_bf16_reduced_precision_reduction_split_k', False), "
+            "inductor.split_reductions, inductor.triton.mix_order_reduction, inductor.max_autotune)\n")
+    # the last three: Inductor's splits sized by the card's multiprocessor count, off
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
+    assert out.stdout.split() == ["1", ":16:8", "True", "False", "False", "False", "False", "False"]
 
 
 def test_a_gemm_that_depends_on_the_batch_stops_the_start(monkeypatch):

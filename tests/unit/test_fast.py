@@ -19,7 +19,7 @@ from worker.fast.layout import GDN_CHUNK, Layout, Regions, choose_bucket, gdn_ch
 from worker.fast.mixers import TorchMixers
 from worker.fast.warmup import CACHES, use_compile_cache
 from worker.model.encoder import Encoder
-from worker.model.engine import Prompt
+from worker.model.engine import TOKENS_PER_ROW, Prompt
 from worker.model.readout import head
 from worker.model.reference import ReferenceEngine
 
@@ -76,6 +76,16 @@ def test_plan_picks_the_smallest_bucket_and_falls_back_to_eager():
     crowded = lay_out([_prompt(2, 1) for _ in range(70)], (256,))  # more marker rows than the bucket's graphs hold
     assert crowded.bucket is None and crowded.capacity == 140
     assert lay_out([_prompt(5)], ()).bucket is None
+
+
+def test_a_pack_with_more_questions_than_its_bucket_has_rows_goes_to_a_larger_bucket():
+    # 600 tokens fit 1024, whose graphs compute 128 marker rows; 200 questions need 2048's 256
+    many = lay_out([_prompt(300, 100), _prompt(300, 100)], (512, 1024, 2048, 4096))
+    assert (many.bucket, many.rows_capacity, many.rows) == (2048, 256, 200)
+    # the packer charges such prompts by their questions, so a pack it makes always finds a bucket
+    prompts = [_prompt(300, 100)] * 5
+    assert sum(p.room for p in prompts) == 4000 and lay_out(prompts, (512, 1024, 2048, 4096)).bucket == 4096
+    assert _prompt(300, 10).room == 300 and _prompt(300, 100).room == 100 * TOKENS_PER_ROW
 
 
 def test_gdn_chunk_indices_match_the_chunking():

@@ -11,22 +11,32 @@ when:
   operation, so a norm sums a row in the same order at 2,048 and at 16,384 tokens, and in every process;
 - the delta rule never splits a prompt across the card (FlashQLA's intra-card split, worker/fast/qla.py), so
   each prompt's recurrence runs in one piece from its first token;
-- every bucket computes the head for all its rows (no pruned last layer, whose row buffer would be a second
-  size per bucket and send packs with many questions down the eager path), and the vision tower runs image by
-  image.
+- the pruned last layer's marker rows are the second symbol of those pieces, and no pack leaves the graphs for
+  having more questions than its bucket's rows (the packer charges a question ``TOKENS_PER_ROW`` tokens at
+  least, worker/model/engine.py, and ``lay_out`` moves such a pack up a bucket);
+- the vision tower runs image by image.
 
 Attention (varlen, one sequence per block row) and the element-wise work are row-local already.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import ops
 from .ops import Dense, Fp8, Linear
+from .qla import FlashQLA
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..model.checkpoint import DecisionModel
+
+log = logging.getLogger(__name__)
 
 # Read by cuBLAS when its handles and workspaces are first made: set before the process's first GPU matmul. A
 # workspace too small for split-K leaves cuBLAS only kernels that sum each output in one pass over K.
@@ -35,6 +45,41 @@ ENVIRONMENT = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1
 
 class NotDeterministic(RuntimeError):
     """Deterministic mode cannot be kept here (the GEMMs of this card and library depend on M)."""
+
+
+def by_default(model: DecisionModel, settings: Settings) -> tuple[bool, str]:
+    """Whether deterministic mode is on where neither ``--deterministic`` nor ``--no-deterministic`` is given,
+    and why: on wherever its kernels run (the fast engine's CUDA graphs of compiled layers, the delta rule on
+    FlashQLA: Hopper or Blackwell), off elsewhere. Asked after the model is loaded, before any GPU matmul."""
+    if model.device.type != "cuda":
+        return False, ("on the CPU it scores each prompt alone, a pass per prompt (--deterministic turns it "
+                       "on)")
+    if settings.engine == "reference":
+        return False, "the reference engine runs fla's kernels, which pick their configuration by timing"
+    if not (settings.cuda_graphs and settings.compile == "layer"):
+        return False, ("it runs packs from CUDA graphs of compiled layers; here cuda_graphs="
+                       f"{settings.cuda_graphs}, compile={settings.compile}")
+    config = model.text_config
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        head_k, head_v = (getattr(config, f"linear_{kind}_head_dim", 0) for kind in ("key", "value"))
+        if not FlashQLA.takes(model.dtype, head_k, head_v):
+            return False, ("it runs the delta rule on FlashQLA, which takes bf16 or fp16 and 128-wide heads; "
+                           f"this model is {model.dtype} with {head_k}- and {head_v}-wide heads")
+        missing = FlashQLA.missing()
+        if missing is not None:
+            return False, ("it runs the delta rule on FlashQLA (Hopper or Blackwell, flash-qla installed), "
+                           f"which does not run here ({missing})")
+    return True, "its kernels run here (--no-deterministic turns it off)"
+
+
+def decide(model: DecisionModel, settings: Settings) -> bool:
+    """``--deterministic`` or ``--no-deterministic`` as given, else ``by_default``'s answer, logged with its
+    reason (once, as the engine is made)."""
+    if settings.deterministic is not None:
+        return settings.deterministic
+    on, why = by_default(model, settings)
+    log.info("deterministic mode %s by default: %s", "on" if on else "off", why)
+    return on
 
 
 def prepare_process() -> None:
@@ -59,6 +104,14 @@ def enable() -> None:
         if hasattr(inductor, name):
             setattr(inductor, name, True)
     inductor.coordinate_descent_tuning = False
+    # Heuristics that size a reduction's split by the card's multiprocessor count (the same bits on every card,
+    # not only every pack): off, and the autotuned templates that do the same with them, whatever the
+    # environment says.
+    for owner, name in ((inductor, "split_reductions"), (inductor.triton, "mix_order_reduction"),
+                        (inductor.triton, "cooperative_reductions"), (inductor, "max_autotune"),
+                        (inductor, "max_autotune_gemm"), (inductor, "max_autotune_pointwise")):
+        if hasattr(owner, name):
+            setattr(owner, name, False)
 
 
 def check_gemms(linears: Iterable[Linear], sizes: Iterable[int], dtype: torch.dtype, seed: int = 0) -> int:

@@ -62,7 +62,7 @@ class FastEngine(WarmUp):
             use_compile_cache(settings.compile_cache)  # before anything compiles or imports TileLang
         # Deterministic mode: the same kernels, in the same order of sums, for a row whatever its pack
         # (worker/fast/deterministic.py).
-        self.deterministic = settings.deterministic
+        self.deterministic = deterministic.decide(model, settings)
         if self.deterministic:
             deterministic.enable()
         if mixers is None:
@@ -83,14 +83,15 @@ class FastEngine(WarmUp):
         if self.graphs_on and self.buckets != settings.listed_buckets:
             log.info("CUDA graph buckets %s: --buckets %s up to --pack-tokens %d, which is the largest",
                      ",".join(map(str, self.buckets)), settings.buckets, settings.pack_tokens)
-        self.model, self.settings = model, settings
+        self.model, self.settings = model, settings.replace(deterministic=self.deterministic)
         self.pad_id = model.pad_id
         fused = settings.fused_kernels and self.device.type == "cuda" and model.dtype in (torch.bfloat16,
                                                                                          torch.float16)
-        # Deterministic mode computes the head at every row of the bucket: one row count per bucket, and no
-        # pack sent down the eager path for having more questions than a pruned layer's rows.
-        self.rows_of = (lambda bucket: bucket) if self.deterministic else row_capacity
-        self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last and not self.deterministic,
+        # A bucket's marker rows; a pack never has more than its bucket's (the packer charges questions by
+        # worker/model/engine.py's TOKENS_PER_ROW, and lay_out moves such a pack up a bucket): deterministic
+        # mode's packs never leave the graphs for that.
+        self.rows_of = row_capacity
+        self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last,
                                  fp8=settings.fp8, fp8_layers=settings.fp8_layers,
                                  fp8_matrices=settings.fp8_matrices, compile=settings.compile,
                                  compile_pieces=not self.graphs_on, fused=fused,

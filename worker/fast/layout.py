@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..model.engine import Prompt
+from ..model.engine import TOKENS_PER_ROW, Prompt
 
 GDN_CHUNK = 64  # the gated delta rule kernels' chunk size (fla's default): the only 'chunk' of this project
 _ALIGN = 64  # region offsets in int64 elements: keeps every device view 16-byte aligned
@@ -37,8 +37,9 @@ def choose_bucket(tokens: int, buckets: Sequence[int]) -> int | None:
 
 
 def row_capacity(bucket: int) -> int:
-    """Marker rows a bucket's graphs compute: a pack with more runs eagerly. Every row is a distinct token."""
-    return min(bucket, max(64, bucket // 8))
+    """Marker rows a bucket's graphs compute: a pack with more goes to a larger bucket, or runs eagerly
+    where none holds them. Every row is a distinct token."""
+    return min(bucket, max(64, bucket // TOKENS_PER_ROW))
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,15 @@ class Layout:
 
 def lay_out(prompts: Sequence[Prompt], buckets: Sequence[int],
             rows_of: Callable[[int], int] = row_capacity) -> Layout:
-    """The layout of ``prompts``: in the smallest bucket that holds them (and their rows:
-    ``rows_of(bucket)``), else eager."""
+    """The layout of ``prompts``: in the smallest bucket that holds them and their rows (``rows_of(bucket)``),
+    else eager. The packer charges each question ``TOKENS_PER_ROW`` tokens at least (``Prompt.room``), so a
+    pack of at most the largest bucket always finds one."""
     lengths = tuple(prompt.length for prompt in prompts)
     questions = tuple(len(prompt.questions) for prompt in prompts)
     tokens, rows = sum(lengths), sum(questions)
     bucket = choose_bucket(tokens, buckets)
-    if bucket is not None and rows > rows_of(bucket):
-        bucket = None
+    while bucket is not None and rows > rows_of(bucket):
+        bucket = choose_bucket(bucket + 1, buckets)
     if bucket is None:
         return Layout(lengths, questions, tokens, rows, None)
     return Layout(lengths, questions, bucket, rows_of(bucket), bucket)

@@ -13,7 +13,6 @@ On Hopper and Blackwell with FlashQLA installed, the delta rule calls FlashQLA's
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Protocol
 
 import torch
@@ -65,12 +64,9 @@ def _chunk_gated_delta_rule() -> Any:
 def _flash_qla(split: bool) -> FlashQLA | None:
     """FlashQLA called directly where it runs; None sends the delta rule through fla's dispatch (its Triton
     kernels elsewhere). ``FLA_FLASH_QLA=0``, fla's switch for it, turns it off here too."""
-    if os.environ.get("FLA_FLASH_QLA", "1") == "0":
+    if FlashQLA.missing() is not None:
         return None
-    try:
-        return FlashQLA(split)
-    except (ImportError, ValueError):
-        return None
+    return FlashQLA(split)
 
 
 class CudaMixers:
@@ -87,8 +83,8 @@ class CudaMixers:
         if invariant and self.flash_qla is None:
             raise FastPathUnavailable("deterministic mode runs the delta rule on FlashQLA (Hopper or "
                                       "Blackwell, flash-qla installed, FLA_FLASH_QLA not 0); fla's kernels "
-                                      "pick their configuration by timing in each process: run without "
-                                      "--deterministic")
+                                      "pick their configuration by timing in each process: run with "
+                                      "--no-deterministic")
         self._varlen = _varlen_attn()
         # torch < 2.13 has no enable_gqa: the key/value heads are then repeated to the query heads.
         parameters = inspect.signature(self._varlen).parameters

@@ -17,6 +17,8 @@ hand missed that variant.
 
 from __future__ import annotations
 
+import os
+
 import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -59,6 +61,18 @@ class FlashQLA:
         self.split = split
         self._pack: Boundaries | None = None
         self._context: Any = None
+
+    @staticmethod
+    def missing() -> str | None:
+        """Why FlashQLA's kernels do not run here (not installed, no kernels for this GPU, or turned off by
+        ``FLA_FLASH_QLA=0``, fla's switch for it), or None where they do."""
+        if os.environ.get("FLA_FLASH_QLA", "1") == "0":
+            return "FLA_FLASH_QLA=0 turns it off"
+        try:
+            import flash_qla.ops.gated_delta_rule.chunk  # noqa: F401  (raises ValueError on other GPUs)
+        except (ImportError, ValueError) as error:
+            return f"{type(error).__name__}: {error}"
+        return None
 
     @staticmethod
     def takes(dtype: torch.dtype, head_k: int, head_v: int) -> bool:

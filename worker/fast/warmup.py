@@ -73,10 +73,11 @@ class WarmUp:
         if self.deterministic and self.device.type == "cuda":
             linears = [linear for stage in self.fwd.stages
                        for linear in deterministic.linears_of(stage.weights)]
-            checked = deterministic.check_gemms([*linears, self.fwd.head.proj], self.buckets,
-                                                self.model.dtype)
-            log.info("deterministic mode: %d GEMMs give every row the same bits at buckets %s (%.1fs)", checked,
-                     self.buckets, time.perf_counter() - start)
+            # the pruned last layer's GEMMs run at the buckets' marker rows
+            sizes = sorted({*self.buckets, *map(self.rows_of, self.buckets)})
+            checked = deterministic.check_gemms([*linears, self.fwd.head.proj], sizes, self.model.dtype)
+            log.info("deterministic mode: %d GEMMs give every row the same bits at %s rows (%.1fs)", checked,
+                     sizes, time.perf_counter() - start)
         # The delta rule's kernels come in variants (FlashQLA: split across the card or not, and the tile
         # width its grid size picks), each JIT-compiled on first use (tens of seconds each): one pack for each
         # variant that any pack of at most the budget, or one prompt up to the longest, can reach

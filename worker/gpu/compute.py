@@ -134,7 +134,7 @@ class Compute:
             questions = item.prompt.questions
             answers = [answer(config, q, logits)
                        for q, logits in zip(questions, option_logits(self.model, questions, scores))]
-            computed.append(Computed(item, answers, run.seconds * item.tokens / max(run.tokens, 1)))
+            computed.append(Computed(item, answers, run.seconds * item.prompt.length / max(run.tokens, 1)))
         # In one hand-over: each wakes the loop thread through a socket, a call that lets the GIL go.
         self.sink.hand_over(*computed)
 

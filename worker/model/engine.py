@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from transformers.decision import Question
 
 
+# A bucket's graphs compute one marker row (a question's head) per this many of its tokens
+# (worker/fast/layout.py): a pack charged this many tokens per question never has more questions than its
+# bucket's rows, so never leaves the graphs for the eager path for that (deterministic mode relies on it).
+TOKENS_PER_ROW = 8
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One prompt of a request: what an engine needs to score its questions."""
@@ -33,6 +39,12 @@ class Prompt:
     @property
     def length(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def room(self) -> int:
+        """The tokens of pack room it takes: its length, or ``TOKENS_PER_ROW`` per question where it has more
+        questions than that."""
+        return max(self.length, TOKENS_PER_ROW * len(self.questions))
 
     @property
     def has_images(self) -> bool:
@@ -75,6 +87,7 @@ class Engine(Protocol):
     """The engine contract: packs of prompts in, head scores out (reference.py, worker/fast)."""
 
     name: str
+    deterministic: bool  # a prompt's logits depend on it alone (worker/fast/deterministic.py)
 
     @property
     def max_pack_tokens(self) -> int:

@@ -69,7 +69,7 @@ class ReferenceAdapter:
         self._budget = settings.pack_tokens
         # Padding a prompt to the batch's longest changes its GEMMs' and attention's shapes, and with them the
         # order of its sums: deterministic mode computes each prompt alone, in shapes that are its own.
-        self.deterministic = settings.deterministic
+        self.deterministic = bool(settings.deterministic)  # unset: off (worker/daemon.py says so at start)
         # The default names the fast engine's kernels; only a choice made for this worker is worth saying
         # dropped.
         if chosen_epilogues(settings.epilogues) not in (frozenset(), chosen_epilogues(DEFAULT_EPILOGUES)):
