@@ -52,6 +52,11 @@ def test_each_worker_gets_every_setting_and_its_own_device_name_port_and_planner
     assert worker.metrics_port == 9403 and worker.planner_processes == 7 and worker.shard == 0  # not the stray 9
     assert (worker.checkpoint, worker.redis_url, worker.fp8, worker.cuda_graphs, worker.max_wait_ms,
             worker.namespace) == ("/m", "redis://:pw@r:6379/2", True, False, 2.5, "prod")
+    assert worker.deterministic is None  # unset stays unset: each worker decides on its own card
+    for given in (True, False):
+        passed = environment(settings.replace(deterministic=given), Device(0, "cuda:0", "0"), "n-0", 0, workers=1,
+                             cores=8, environ={})
+        assert Settings.from_env(passed).deterministic is given
 
 
 def test_workers_are_named_and_numbered_from_the_launcher():

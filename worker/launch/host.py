@@ -80,4 +80,6 @@ def environment(settings: Settings, where: Device, consumer: str, port: int, wor
 
 
 def _text(value: Any) -> str:
+    if value is None:  # a switch left unset (--deterministic): each worker decides on its own card
+        return "auto"
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
