@@ -81,7 +81,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.delivery = SimpleNamespace(lane=self.lane)
-        self.prompts = [SimpleNamespace(length=self.tokens, questions=())]
+        self.prompts = [SimpleNamespace(length=self.tokens, room=self.tokens, questions=())]
 
 
 class Sim:
