@@ -143,14 +143,15 @@ def probabilities(prompts: list[Prompt], scores: list[torch.Tensor]) -> list[tor
 
 
 def packs(prompts: list[Prompt], budget: int) -> list[list[Prompt]]:
-    """Greedy packing in arrival order up to ``budget`` tokens; a longer prompt runs alone."""
+    """Greedy packing in arrival order up to ``budget`` tokens of pack room (``Prompt.room``, as the worker's
+    packer charges); a longer prompt runs alone."""
     out, current, used = [], [], 0
     for prompt in prompts:
-        if current and used + prompt.length > budget:
+        if current and used + prompt.room > budget:
             out.append(current)
             current, used = [], 0
         current.append(prompt)
-        used += prompt.length
+        used += prompt.room
     return out + [current] if current else out
 
 

@@ -90,9 +90,10 @@ class CudaMixers:
         parameters = inspect.signature(self._varlen).parameters
         self._native_gqa = "enable_gqa" in parameters
         # Deterministic mode: never split a sequence's keys across blocks, whose number FlashAttention picks
-        # from the pack (torch 2.11's FA2 splits only single-query GQA, which never runs here; later versions
-        # may).
+        # from the pack (torch 2.11's FA2 splits only single-query GQA: ``attention`` keeps the pruned layer's
+        # marker rows off that path where torch does not take num_splits).
         self._splits = {"num_splits": 1} if invariant and "num_splits" in parameters else {}
+        self._invariant = invariant
 
     def variant_packs(self, heads: int, budget: int, longest: int = 0) -> dict[Any, list[int]]:
         """Packs (prompt lengths) that reach every delta-rule kernel variant: FlashQLA's (worker/fast/qla.py);
@@ -122,6 +123,12 @@ class CudaMixers:
                 groups = query.shape[1] // key.shape[1]
                 key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         cu_q, max_q = (bounds.cu_rows, bounds.max_rows) if rows_only else (bounds.cu, bounds.max_length)
+        if self._invariant:
+            # The pruned layer's marker rows: a pack of one question per prompt has one query row each, and
+            # FlashAttention then takes grouped heads as rows and splits the keys by how many prompts fill the
+            # card. A bound of two keeps every pack on the path whose sums follow the prompt alone (rows past a
+            # prompt's own are never read: the bound only sizes the grid).
+            max_q = max(2, max_q)
         return self._varlen(query.contiguous(), key.contiguous(), value.contiguous(), cu_q, bounds.cu, max_q,
                             bounds.max_length, scale=scale,
                             window_size=(-1, 0) if causal else (-1, -1), **extra)

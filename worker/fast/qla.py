@@ -17,9 +17,8 @@ hand missed that variant.
 
 from __future__ import annotations
 
-import os
-
 import itertools
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -68,8 +67,10 @@ class FlashQLA:
         ``FLA_FLASH_QLA=0``, fla's switch for it), or None where they do."""
         if os.environ.get("FLA_FLASH_QLA", "1") == "0":
             return "FLA_FLASH_QLA=0 turns it off"
-        try:
-            import flash_qla.ops.gated_delta_rule.chunk  # noqa: F401  (raises ValueError on other GPUs)
+        try:  # what the constructor imports (the first raises ValueError on GPUs it has no kernels for)
+            import flash_qla.ops.gated_delta_rule.chunk  # noqa: F401
+            import flash_qla.ops.gated_delta_rule.chunk.cp  # noqa: F401
+            import flash_qla.utils.index  # noqa: F401
         except (ImportError, ValueError) as error:
             return f"{type(error).__name__}: {error}"
         return None

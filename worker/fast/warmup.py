@@ -115,9 +115,9 @@ class WarmUp:
 
     def _check_deterministic(self) -> None:
         """Deterministic mode keeps its promise on this card and software before the worker reports ready:
-        probe prompts of random tokens alone, then first and last in packs that fill every bucket, beside one
-        filler or many short ones (the delta rule's widest tile, where alone it takes its narrowest), must
-        score the same bits."""
+        probe prompts of random tokens (of one question, then two) alone, then first and last in packs that fill
+        every bucket, beside one filler or many short ones of two questions each (the delta rule's widest tile,
+        where alone it takes its narrowest), must score the same bits."""
         began, checked = time.perf_counter(), 0
         generator = torch.Generator().manual_seed(0)
         tokenizer = getattr(self.model, "tokenizer", None)
@@ -125,16 +125,19 @@ class WarmUp:
         vocab = min(vocab, len(tokenizer)) if tokenizer is not None else vocab  # ids a request can hold
         image = self.fwd.image_token_id
 
-        def probe(length: int) -> Prompt:
+        def probe(length: int, questions: int = 2) -> Prompt:
             ids = torch.randint(0, vocab, (length,), generator=generator)
             if image is not None:
                 ids[ids == image] = self.pad_id
-            return Prompt(input_ids=ids, rows=torch.tensor([length // 2, length - 1]), questions=(WARMUP, WARMUP))
+            rows = [length // 2, length - 1][2 - questions:]
+            return Prompt(input_ids=ids, rows=torch.tensor(rows), questions=(WARMUP,) * questions)
 
         buckets = self.buckets or (self._budget,)
         smallest = min(buckets)
-        for length in sorted({max(2, min(37, smallest // 2)), max(2, smallest // 3)}):
-            target = probe(length)
+        lengths = sorted({max(2, min(37, smallest // 2)), max(2, smallest // 3)})
+        for number, length in enumerate(lengths):
+            # one question first: alone, the pruned layer's attention then has one query row per prompt
+            target = probe(length, 1 if number == 0 else 2)
             alone = self.launch([target]).wait().scores[0]
             for bucket in buckets:
                 room = bucket - length  # fillers fill the bucket exactly
@@ -154,7 +157,7 @@ class WarmUp:
                                 f"scored other bits {'first' if at == 0 else 'last'} in a pack of "
                                 f"{len(pack)} prompts (bucket {bucket}) than alone, up to "
                                 f"{(got - alone).abs().max().item():g} apart, on this card and software: run "
-                                "without --deterministic")
+                                "with --no-deterministic (the mode is on by default where its kernels run)")
         if not checked:
             raise deterministic.NotDeterministic("deterministic mode's check at warm-up found no pack to "
                                                  f"check: the buckets {buckets} are too small (at least 4 "
