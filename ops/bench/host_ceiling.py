@@ -29,6 +29,7 @@ class NullEngine:
     """A pack answered at once: zero scores per question, nothing computed."""
 
     name = "null"
+    deterministic = False
 
     def __init__(self, verbalizers: int, budget: int = 16384) -> None:
         self.verbalizers, self.max_pack_tokens = verbalizers, budget

@@ -223,6 +223,7 @@ class Engine:
     ending before the launch's host work (small packs wait for the host)."""
 
     name = "simulated"
+    deterministic = False
 
     def __init__(self, sim: Sim, budget: int, sizes: tuple[int, ...]) -> None:
         self.sim, self.max_pack_tokens, self.pack_sizes = sim, budget, sizes

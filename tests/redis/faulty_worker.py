@@ -39,6 +39,7 @@ class FaultyEngine:
         self.marker = marker
         self.slow_s = slow_s
         self.name = inner.name
+        self.deterministic = inner.deterministic
         self.slow_packs = self.poisoned_packs = 0  # how many happened (in-process tests wait on these)
         self.poisoned_sizes: list[int] = []  # the prompts of each poisoned pack
         self.prompts = 0  # prompts launched: the count of computed prompts that cancel tests check

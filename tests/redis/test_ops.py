@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Every label a dq_ metric may carry: dimensions with a handful of values, never an id.
 LABELS = {"shard", "stream", "lane", "how", "status", "code", "op", "size", "mode", "kind", "loop", "version",
           "model", "engine", "device", "le", "outcome",  # outcome: dq_cancels_total
-          "state"}  # state: dq_request_state_seconds
+          "state",  # state: dq_request_state_seconds
+          "deterministic"}  # dq_build_info: true or false, as the worker decided
 
 
 def eventually(condition, timeout: float = 15.0, every: float = 0.1):
@@ -44,6 +45,7 @@ def test_metrics_move_as_the_work_goes(redis_server, start_worker, tiny_dir):
     first = worker.metrics()
     [info] = [labels for (name, labels), value in first.items() if name == "dq_build_info" and value == 1]
     assert dict(info)["engine"] == "reference" and dict(info)["device"] == "cpu" and dict(info)["model"]
+    assert dict(info)["deterministic"] == "false"  # off by default on the CPU (worker/fast/deterministic.py)
     assert worker.metric("dq_ready") == 1
     # The maintenance loop's stream stats see the backlog (refreshed every 5 s).
     assert eventually(lambda: worker.metric("dq_stream_length", shard="0", stream="requests") > 10

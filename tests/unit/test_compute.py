@@ -25,6 +25,7 @@ class RecordingEngine:
     pack is done when its launch returns; else, with a clock, each runs ``seconds`` from its launch."""
 
     name = "recording"
+    deterministic = False
     max_pack_tokens = BUDGET
     pack_sizes = ()
 
