@@ -38,9 +38,10 @@ def running(packer: Packer, tokens: int, seconds: float, done: bool = False) -> 
     return pending
 
 
-def item(lane, tokens: int, name: str) -> Item:
+def item(lane, tokens: int, name: str, questions: int = 0) -> Item:
     entry = Delivery.parse(REQUESTS, Keys().requests_in(lane), "1-0", {b"body": b"{}"}, 1, lane=lane)
-    prompt = Prompt(input_ids=torch.zeros(tokens, dtype=torch.long), rows=torch.tensor([tokens - 1]), questions=())
+    prompt = Prompt(input_ids=torch.zeros(tokens, dtype=torch.long), rows=torch.tensor([tokens - 1]),
+                    questions=(None,) * questions)
     task = Task(entry, entry.identity, REQUEST, prompts=[prompt], remaining=1)
     task.name = name  # for the assertions
     return Item(task, 0, prompt)
@@ -104,6 +105,16 @@ def test_normal_work_alone_fills_packs_first_fit_in_order():
     assert names(packer.next()) == ["n0", "n2"]  # n1 does not fit beside n0; n2 does
     assert names(packer.next()) == ["n1", "n3"]
     assert not any(packer.lanes.values()) and packer.next(timeout=0.01) == []
+
+
+def test_a_prompt_of_many_questions_takes_eight_tokens_of_room_per_question():
+    """Prompt.room: a bucket's graphs compute one marker row per 8 of its tokens, so a pack the packer makes never
+    has more questions than its bucket's rows (worker/fast/layout.py) and never leaves the graphs for that."""
+    crowded = [item(NORMAL, 40, f"q{i}", questions=20) for i in range(4)]  # 40 tokens, 160 of room each
+    packer = fill(Packer(512, max_wait=0.0), *crowded, item(NORMAL, 30, "plain", questions=2))
+    assert [one.tokens for one in crowded] == [160] * 4
+    assert names(packer.next()) == ["q0", "q1", "q2", "plain"]  # 510 of room, 150 real tokens
+    assert names(packer.next()) == ["q3"]
 
 
 def test_a_partly_filled_pack_waits_at_most_max_wait_for_more():
