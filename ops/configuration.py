@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from worker.config import ALIASES, SECTIONS, Settings, shown_default  # noqa: E402
+from worker.config import ALIASES, OPTIONAL_SWITCH, SECTIONS, Settings, shown_default  # noqa: E402
 
 DOC = ROOT / "docs" / "CONFIGURATION.md"
 HEAD = """# Configuration
@@ -39,7 +39,7 @@ def code(text: str) -> str:
 
 
 def allowed(meta: dict, kind: str) -> str:
-    if kind == "bool | None":
+    if kind == OPTIONAL_SWITCH:
         return "true, false, auto"
     if meta["choices"]:
         return ", ".join(meta["choices"])

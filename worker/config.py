@@ -40,7 +40,8 @@ SECTIONS = {"checkpoint": "model", "pack_tokens": "packing, planning and the GPU
             "metrics_port": "operations (metrics, health, logs)"}
 ALIASES = {"redis_url": ("--redis",), "redis_cluster": ("--cluster",)}  # dq-producer's spellings too
 # switches: --x and --no-x; one that may stay unset (None) is decided where the worker starts
-BOOLEANS = ("bool", "bool | None")
+OPTIONAL_SWITCH = "bool | None"
+BOOLEANS = ("bool", OPTIONAL_SWITCH)
 # a flag given again adds to the list (its variable: the names, comma-separated)
 REPEATED = ("served_model_name",)
 
@@ -325,7 +326,7 @@ class Settings:
 
 def shown_default(f: dataclasses.Field) -> str:
     """A field's default as the help and docs/CONFIGURATION.md show it (a switch left unset: auto)."""
-    return "auto" if f.default is None and f.type == "bool | None" else repr(f.default)
+    return "auto" if f.default is None and f.type == OPTIONAL_SWITCH else repr(f.default)
 
 
 def _names(name: str) -> str:
@@ -339,14 +340,14 @@ def _parser(type_name: str) -> Any:
 def _convert(type_name: str, raw: str, name: str) -> Any:
     if type_name in BOOLEANS:
         lowered = raw.strip().lower()
-        if type_name == "bool | None" and lowered in ("", "auto"):
+        if type_name == OPTIONAL_SWITCH and lowered in ("", "auto"):
             return None
         if lowered in ("1", "true", "yes", "on"):
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"{Settings.env_name(name)}={raw!r} is not a boolean"
-                         + (" (or auto)" if type_name == "bool | None" else ""))
+                         + (" (or auto)" if type_name == OPTIONAL_SWITCH else ""))
     try:
         return _parser(type_name)(raw)
     except ValueError:

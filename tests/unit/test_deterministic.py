@@ -97,7 +97,7 @@ def test_the_fast_engines_deterministic_path_gives_a_prompt_the_same_bits_in_eve
     engine.warmup()
     assert process_settings_kept == ["enable"]
     assert engine.fwd.pruned and engine.fwd.image_by_image
-    assert [engine.rows_of(bucket) for bucket in engine.buckets] == [64, 64, 128]
+    assert engine.graphed.ws.rows == 128  # the buckets' marker rows (64, 64, 128), not every token row
     alone = [scores(engine, [prompt])[0] for prompt in prompts]
     rng, buckets = random.Random(5), set()
     for index in range(len(prompts)):

@@ -29,7 +29,7 @@ from .errors import ALTERNATIVE, FastPathUnavailable
 from .forward import PackedForward
 from .graphs import Capture, GraphedForward
 from .layers import LINEAR
-from .layout import Boundaries, Layout, Regions, lay_out, prompt_positions, row_capacity
+from .layout import Boundaries, Layout, Regions, lay_out, prompt_positions
 from .mixers import CudaMixers, Mixers
 from .qla import FlashQLA
 from .warmup import WarmUp, use_compile_cache
@@ -87,10 +87,6 @@ class FastEngine(WarmUp):
         self.pad_id = model.pad_id
         fused = settings.fused_kernels and self.device.type == "cuda" and model.dtype in (torch.bfloat16,
                                                                                          torch.float16)
-        # A bucket's marker rows; a pack never has more than its bucket's (the packer charges questions by
-        # worker/model/engine.py's TOKENS_PER_ROW, and lay_out moves such a pack up a bucket): deterministic
-        # mode's packs never leave the graphs for that.
-        self.rows_of = row_capacity
         self.fwd = PackedForward(model, mixers, prune_last=settings.prune_last,
                                  fp8=settings.fp8, fp8_layers=settings.fp8_layers,
                                  fp8_matrices=settings.fp8_matrices, compile=settings.compile,
@@ -144,7 +140,7 @@ class FastEngine(WarmUp):
     def launch(self, prompts: Sequence[Prompt]) -> Pending:
         start = time.perf_counter()
         assert prompts, "a pack holds at least one prompt"
-        layout = lay_out(prompts, self.buckets, self.rows_of)
+        layout = lay_out(prompts, self.buckets)
         assert layout.tokens <= self._budget or len(prompts) == 1, "only a single prompt may exceed the budget"
         regions, device_layout = self.regions, self.device_layout
         slot = None

@@ -129,11 +129,11 @@ class GraphedForward:
     """Capture and replay of one PackedForward's pieces for a fixed list of buckets."""
 
     def __init__(self, fwd: PackedForward, workspace: Workspace, compile_layers: bool,
-                 rows_of: Callable[[int], int] = row_capacity, invariant: bool = False) -> None:
-        """``rows_of``: a bucket's marker rows. ``invariant`` (deterministic mode): the compiled pieces take
-        the token count as a symbol, so that every bucket runs the same kernels
+                 invariant: bool = False) -> None:
+        """A bucket computes ``row_capacity(bucket)`` marker rows. ``invariant`` (deterministic mode): the compiled
+        pieces take the token count as a symbol, so that every bucket runs the same kernels
         (worker/fast/deterministic.py)."""
-        self.fwd, self.ws, self.rows_of = fwd, workspace, rows_of
+        self.fwd, self.ws = fwd, workspace
         # Static shapes: one compiled graph per bucket, so inductor's kernels know every size and alignment
         # (vectorised loads, persistent reductions). With symbolic sizes the same pieces ran 2.8x slower on an
         # H200 (49.5 against 17.4 ms of element-wise kernels per 16k-token 2B pack); invariant pieces keep the
@@ -151,7 +151,7 @@ class GraphedForward:
     def pieces(self, bucket: int, seqpos: torch.Tensor, rows: torch.Tensor) -> list[Callable[[], None]]:
         """Piece n = post of stage n - 1 (if any) + pre of stage n; the last piece ends with the head."""
         ws, fwd, ops = self.ws, self.fwd, self.fwd.ops
-        cap, rcap = bucket, self.rows_of(bucket)
+        cap, rcap = bucket, row_capacity(bucket)
         assert cap <= ws.capacity and rcap <= ws.rows and seqpos.shape[0] == cap and rows.shape[0] == rcap
         hidden = ws.h[:cap]
 
@@ -230,7 +230,7 @@ class GraphedForward:
             if out is not None:
                 out[tokens:bucket].zero_()
         if getattr(ws, "ro", None) is not None:
-            ws.ro[rows: self.rows_of(bucket)].zero_()
+            ws.ro[rows: row_capacity(bucket)].zero_()
         if ws.cos is not None:
             cos, sin = self.fwd.rope_tables(positions, hidden)
             ws.cos[:bucket].copy_(cos)
@@ -256,7 +256,7 @@ class GraphedForward:
                 ws.ro[:rows].copy_(mix.attention(ws.rq[:rows], ws.fk[real], ws.fv[real], dims.scale,
                                                  False, bounds, rows_only=True))
         graphs[-1]()
-        return ws.scores[: self.rows_of(bucket)]
+        return ws.scores[: row_capacity(bucket)]
 
 
 def cuda_capture(pool: Any) -> Capture:

@@ -86,20 +86,19 @@ class Layout:
         return sum(-(-n // GDN_CHUNK) for n in self.lengths)
 
 
-def lay_out(prompts: Sequence[Prompt], buckets: Sequence[int],
-            rows_of: Callable[[int], int] = row_capacity) -> Layout:
-    """The layout of ``prompts``: in the smallest bucket that holds them and their rows (``rows_of(bucket)``),
-    else eager. The packer charges each question ``TOKENS_PER_ROW`` tokens at least (``Prompt.room``), so a
-    pack of at most the largest bucket always finds one."""
+def lay_out(prompts: Sequence[Prompt], buckets: Sequence[int]) -> Layout:
+    """The layout of ``prompts``: in the smallest bucket that holds them and their rows (``row_capacity``), else
+    eager. The packer charges each question ``TOKENS_PER_ROW`` tokens at least (``Prompt.room``), so a pack of
+    at most the largest bucket always finds one, and never leaves the graphs (deterministic mode relies on it)."""
     lengths = tuple(prompt.length for prompt in prompts)
     questions = tuple(len(prompt.questions) for prompt in prompts)
     tokens, rows = sum(lengths), sum(questions)
     bucket = choose_bucket(tokens, buckets)
-    while bucket is not None and rows > rows_of(bucket):
+    while bucket is not None and rows > row_capacity(bucket):
         bucket = choose_bucket(bucket + 1, buckets)
     if bucket is None:
         return Layout(lengths, questions, tokens, rows, None)
-    return Layout(lengths, questions, bucket, rows_of(bucket), bucket)
+    return Layout(lengths, questions, bucket, row_capacity(bucket), bucket)
 
 
 def gdn_chunk_indices(lengths: Sequence[int]) -> np.ndarray:

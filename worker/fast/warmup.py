@@ -21,7 +21,7 @@ from . import deterministic, prebuild
 from .forward import PackedForward
 from .graphs import Capture, GraphedForward, Workspace, cuda_capture, cuda_warmer
 from .layers import LinearDims
-from .layout import Regions
+from .layout import Regions, row_capacity
 
 log = logging.getLogger(__name__)
 WARMUP = Question(name="warmup", type="noul", instructions=None, options=["false", "true"], labels=["A", "B"],
@@ -51,7 +51,6 @@ class WarmUp:
     linear_dims: LinearDims | None
     graphs_on: bool
     graphed: GraphedForward | None
-    rows_of: Callable[[int], int]
     regions: Regions
     device_layout: torch.Tensor
     verbalizers: int
@@ -74,7 +73,7 @@ class WarmUp:
             linears = [linear for stage in self.fwd.stages
                        for linear in deterministic.linears_of(stage.weights)]
             # the pruned last layer's GEMMs run at the buckets' marker rows
-            sizes = sorted({*self.buckets, *map(self.rows_of, self.buckets)})
+            sizes = sorted({*self.buckets, *map(row_capacity, self.buckets)})
             checked = deterministic.check_gemms([*linears, self.fwd.head.proj], sizes, self.model.dtype)
             log.info("deterministic mode: %d GEMMs give every row the same bits at %s rows (%.1fs)", checked,
                      sizes, time.perf_counter() - start)
@@ -183,10 +182,10 @@ class WarmUp:
 
     def _capture(self) -> None:
         if self.graphs_on:
-            ws = Workspace(self.fwd, max(self.buckets), self.rows_of(max(self.buckets)), self.verbalizers,
+            ws = Workspace(self.fwd, max(self.buckets), row_capacity(max(self.buckets)), self.verbalizers,
                            self.device, self.model.dtype)
             self.graphed = GraphedForward(self.fwd, ws, compile_layers=self.settings.compile == "layer",
-                                          rows_of=self.rows_of, invariant=self.deterministic)
+                                          invariant=self.deterministic)
             capture, warm = self._capture_with or (cuda_capture(torch.cuda.graph_pool_handle()), cuda_warmer())
             self.graphed.capture(self.buckets, self._static_inputs, capture, warm, log=log)
             if self.device.type == "cuda":
@@ -195,7 +194,7 @@ class WarmUp:
     def _static_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         regions = self.regions
         return (self.device_layout[regions.seqpos: regions.seqpos + bucket],
-                self.device_layout[regions.rows: regions.rows + self.rows_of(bucket)])
+                self.device_layout[regions.rows: regions.rows + row_capacity(bucket)])
 
     def _dummy_pack(self, lengths: Sequence[int]) -> list[Prompt]:
         """Prompts of padding of these lengths, one marker each."""

@@ -10,6 +10,7 @@ Tensors and questions are named here for their types only: the contract loads wi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
@@ -36,11 +37,12 @@ class Prompt:
     # holds some of the questions of a request whose one prompt was too long (or of a part)
     split: bool = False
 
-    @property
+    # Cached: the packer reads them for every queued prompt each time it forms a pack.
+    @cached_property
     def length(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
+    @cached_property
     def room(self) -> int:
         """The tokens of pack room it takes: its length, or ``TOKENS_PER_ROW`` per question where it has more
         questions than that."""
