@@ -22,6 +22,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from producer.plumbing.connection import PoolFull, aconnect, connect
+from producer.plumbing.logs import Throttled
 from producer.plumbing.supported import Server, acheck, check
 from producer.wire.errors import NotDurable
 
@@ -68,7 +69,7 @@ class RedisCalls:
         self._down_since: float | None = None
         self._warned = float("-inf")
         self.refused_at: float | None = None  # when Redis last refused a call the work waits on (monotonic)
-        self._refusal_logged: dict[str, float] = {}
+        self._refusals = Throttled(REFUSAL_LOG_S)  # a line per kind of call this often at most
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -108,11 +109,9 @@ class RedisCalls:
         when the work waits on it (``stalls``), the worker is unready until ``REFUSED_READY_S`` after the
         last refusal."""
         self.metrics.redis_errors.labels(what).inc()
-        now = time.monotonic()
         if stalls:
-            self.refused_at = now
-        if now - self._refusal_logged.get(what, float("-inf")) >= REFUSAL_LOG_S:
-            self._refusal_logged[what] = now
+            self.refused_at = time.monotonic()
+        if self._refusals.due(what):
             log.error("redis refused %s%s: %s (%s; one line per %.0f s, each one counted in "
                       "dq_redis_errors_total{op=%r})", what, f" ({detail})" if detail else "", error,
                       "retrying" if stalls else "dropped", REFUSAL_LOG_S, what)
