@@ -12,8 +12,8 @@ same weights in fp32, transformers' torch delta rule, no TF32), the reference en
 own forward: its distance from fp32 is the floor), then the fast engine in each configuration of
 ``--configs``: ``defaults`` is ``Settings()`` as it is when this runs (only the compile cache set: deterministic
 mode where its kernels run), ``nondeterministic`` the same with ``deterministic=False``; the others
-(``CONFIGS``) say what the defaults' parts move. Packs are formed greedily in the set's order up to the engine's budget, as the daemon's packer does
-under a backlog.
+(``CONFIGS``) say what the defaults' parts move. Packs are formed greedily in the set's order up to the
+engine's budget, as the daemon's packer does under a backlog.
 
 The references and the configurations run in child processes, at once on a GPU: the references in one,
 deterministic configurations in another (deterministic mode's cuBLAS settings must precede the process's first
@@ -65,14 +65,14 @@ def settings_for(name: str, args: argparse.Namespace):
 
 def overrides(args: argparse.Namespace) -> dict:
     """``--set`` fields, typed as Settings() has them (a figure measured with any is not the defaults')."""
-    from worker.config import Settings
+    from worker.config import BOOLEANS, Settings
 
     defaults, out = Settings(), {}
+    types = {f.name: f.type for f in dataclasses.fields(Settings)}
     for item in args.set:
         key, _, value = item.partition("=")
-        kind = type(getattr(defaults, key))
-        boolean = kind is bool or key == "deterministic"  # unset (None) by default
-        out[key] = value.lower() in ("1", "true", "yes") if boolean else kind(value)
+        boolean = types[key] in BOOLEANS  # a switch, set or unset (None) by default
+        out[key] = value.lower() in ("1", "true", "yes") if boolean else type(getattr(defaults, key))(value)
     return out
 
 
